@@ -1,0 +1,98 @@
+# FlashAttention, step by step: build, run, test, bench.  `make help` lists the targets.
+
+CHAPTERS := $(patsubst %/attention.cu,%,$(sort $(wildcard [0-9][0-9]_*/attention.cu)))
+BUILD    ?= build
+NVCC     ?= nvcc
+
+# --- Target GPU: ARCH=sm_90 (or sm_90a, sm_80, ...), ARCH=multi, default: the local GPU ----
+ARCH ?= auto
+ifeq ($(ARCH),auto)
+  LOCAL_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .')
+  ARCH := $(if $(LOCAL_CC),sm_$(LOCAL_CC),multi)
+endif
+ifeq ($(ARCH),multi)
+  GENCODE := -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_89,code=sm_89 \
+             -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_90,code=compute_90
+else
+  GENCODE := -gencode=arch=compute_$(ARCH:sm_%=%),code=$(ARCH)
+endif
+
+# --- Python with NumPy: the system's if it has NumPy, else a .venv made from requirements.txt
+PYTHON_SYS ?= python3
+ifeq ($(shell $(PYTHON_SYS) -c 'import numpy' >/dev/null 2>&1 && echo yes),yes)
+  PYTHON  := $(shell command -v $(PYTHON_SYS))
+  PY_DEPS :=
+else
+  PYTHON  := $(CURDIR)/.venv/bin/python
+  PY_DEPS := .venv/.ready
+endif
+
+NVFLAGS := -O3 -std=c++17 -lineinfo -Xcompiler -Wall,-Wextra -Xptxas -v \
+           -DFA_ROOT='"$(CURDIR)"' -DFA_PYTHON='"$(PYTHON)"'
+COMMON  := common/harness.cu common/npy.c
+HEADERS := common/harness.h common/npy.h
+
+.PHONY: all run test bench compare sanitize diff profile sass help clean FORCE
+.DEFAULT_GOAL := all
+
+all: $(addprefix $(BUILD)/,$(CHAPTERS)) $(PY_DEPS)
+
+# Rebuild when the flags change (ARCH=..., a moved checkout).
+$(BUILD)/.flags: FORCE
+	@mkdir -p $(BUILD)
+	@echo '$(NVCC) $(NVFLAGS) $(GENCODE)' | cmp -s - $@ || echo '$(NVCC) $(NVFLAGS) $(GENCODE)' > $@
+
+# One executable per chapter; ptxas' register/spill report goes to build/<chapter>.log.
+$(BUILD)/%: %/attention.cu $(COMMON) $(HEADERS) $(BUILD)/.flags
+	@echo "nvcc  $< -> $@ ($(ARCH))"
+	@$(NVCC) $(NVFLAGS) $(GENCODE) -o $@ $< $(COMMON) > $@.log 2>&1 || { cat $@.log; exit 1; }
+	@! grep -i 'warning' $@.log || { echo "$@: compiler warnings above"; exit 1; }
+
+.venv/.ready: requirements.txt
+	@echo "setting up .venv with NumPy (the system Python lacks it)"
+	$(PYTHON_SYS) -m venv .venv
+	.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	@touch $@
+
+run: all
+	@$(PYTHON) common/stages.py run --build $(BUILD) $(CHAPTERS)
+
+test: $(PY_DEPS)
+	@$(PYTHON) tests/run.py --build $(BUILD) --make '$(MAKE)'
+
+bench: all
+	@$(PYTHON) common/stages.py bench --build $(BUILD) $(CHAPTERS)
+
+compare: all
+	@$(PYTHON) common/stages.py compare --build $(BUILD)
+
+sanitize: all
+	@$(PYTHON) tests/run.py --build $(BUILD) --make '$(MAKE)' --suite sanitize
+
+A ?= 04
+B ?= 05
+diff:
+	@diff -u $(wildcard $(A)_*/attention.cu) $(wildcard $(B)_*/attention.cu) || true
+
+CH ?= 04
+profile: all
+	ncu --clock-control none --set full --kernel-name regex:'^(?!.*(fill|memset))' \
+	    $(BUILD)/$(wildcard $(CH)_*) --warmup 1 --iters 1 --no-check --batch 4 --heads 16 --seqlen 4096
+
+sass: all
+	@cuobjdump --dump-sass $(BUILD)/$(wildcard $(CH)_*)
+
+help:
+	@echo "make            build every chapter into $(BUILD)/ (ARCH=$(ARCH); ARCH=sm_90, sm_80, multi...)"
+	@echo "make run        run every chapter on the default shape and print the stage table"
+	@echo "make test       CPU tests, and the GPU matrix when a GPU is present"
+	@echo "make bench      the DESIGN §7 sweep -> docs/results/ (CSV, Markdown, plot) and README table"
+	@echo "make compare    PyTorch SDPA anchors on the bench shapes (needs PyTorch)"
+	@echo "make sanitize   compute-sanitizer memcheck/racecheck/synccheck/initcheck, every chapter"
+	@echo "make diff A=04 B=05   the one idea chapter B adds over chapter A"
+	@echo "make profile CH=04    Nsight Compute on one chapter;  make sass CH=04   its SASS"
+	@echo "make clean      remove build/ and the input/reference cache"
+	@echo "chapters: $(CHAPTERS)"
+
+clean:
+	rm -rf $(BUILD) .cache

@@ -1,0 +1,643 @@
+// The harness shared by every chapter (DESIGN §4): CLI, inputs, the check
+// against the NumPy float64 reference, CUDA-event timing and the report.
+// A reader may skip this file: the chapters' ideas live in their attention.cu.
+#include "harness.h"
+#include "npy.h"
+
+#include <errno.h>
+#include <math.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+extern char **environ;
+
+enum { EXIT_PASS = 0, EXIT_FAILED = 1, EXIT_USAGE = 2, EXIT_SKIP = 77 };
+
+#ifndef FA_ROOT
+#define FA_ROOT "."
+#endif
+#ifndef FA_PYTHON
+#define FA_PYTHON "python3"
+#endif
+
+// Tolerances of DESIGN §4, by the chapter's internal precision.
+static const double REL_L2_TOL[] = {1e-3, 3e-3};
+static const double LSE_TOL[] = {1e-3, 1e-3};
+static const char *const PRECISION_NAME[] = {"fp32 CUDA cores", "fp16 tensor cores"};
+
+// ---------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------
+
+static void die(int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "%s: ", chapter.name);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    exit(code);
+}
+
+#define CUDA_CHECK(call)                                                                   \
+    do {                                                                                   \
+        cudaError_t err_ = (call);                                                         \
+        if (err_ != cudaSuccess)                                                           \
+            die(EXIT_FAILED, "CUDA error in %s (%s:%d): %s", #call, __FILE__, __LINE__,    \
+                cudaGetErrorString(err_));                                                 \
+    } while (0)
+
+// ---------------------------------------------------------------------------
+// Command line
+// ---------------------------------------------------------------------------
+
+typedef struct {
+    AttnShape shape;
+    int shape_given[4];  // --batch/--heads/--seqlen/--headdim given explicitly
+    int scale_given;
+    unsigned long long seed;
+    int warmup, iters;
+    int check, csv, dry_run;
+    const char *input_dir, *output_dir;
+} Options;
+
+static void print_help(void) {
+    printf(
+        "usage: %s [options]\n"
+        "  %s\n\n"
+        "Runs one attention forward on fp16 Q, K, V [B, H, N, D], checks it against the\n"
+        "NumPy float64 reference and times it with CUDA events.\n\n"
+        "  --batch B       batch size (default 8)\n"
+        "  --heads H       heads (default 16)\n"
+        "  --seqlen N      sequence length, queries = keys (default 2048)\n"
+        "  --headdim D     head dimension: 64 or 128 (default 128)\n"
+        "  --causal        query i attends keys j <= i\n"
+        "  --scale F       softmax scale (default 1/sqrt(D))\n"
+        "  --seed S        seed of the generated inputs (default 0)\n"
+        "  --warmup W      untimed runs before timing (default 2)\n"
+        "  --iters K       timed runs; the median is reported (default 10)\n"
+        "  --no-check      skip the reference check (inputs are still NumPy's)\n"
+        "  --input DIR     read DIR/q.npy k.npy v.npy (fp16, [B,H,N,D]); shape from the files\n"
+        "  --output DIR    write DIR/o.npy (fp16) and DIR/lse.npy (fp32)\n"
+        "  --csv           print one CSV row instead of the report:\n"
+        "                  impl,batch,heads,seqlen,headdim,causal,dtype,ms,tflops,rel_l2,status,\n"
+        "                  max_abs,lse_err,kernels,workspace_bytes\n"
+        "  --dry-run       validate, print the plan (FLOPs, memory), touch no GPU\n"
+        "  --help          this text\n\n"
+        "exit codes: 0 ran (and passed), 1 failed the check or a CUDA error,\n"
+        "            2 bad usage or input, 77 skipped (no GPU, or a GPU too old for this chapter)\n"
+        "environment: FA_PYTHON (Python with NumPy), FA_CACHE (input/reference cache folder)\n",
+        chapter.name, chapter.adds);
+}
+
+static long long parse_int(const char *flag, const char *text, long long lo, long long hi) {
+    char *end;
+    errno = 0;
+    long long v = strtoll(text, &end, 10);
+    if (end == text || *end || errno)
+        die(EXIT_USAGE, "%s expects a whole number, got '%s'", flag, text);
+    if (v < lo || v > hi) die(EXIT_USAGE, "%s must be between %lld and %lld (got %lld)", flag, lo, hi, v);
+    return v;
+}
+
+static Options parse_args(int argc, char **argv) {
+    Options o;
+    memset(&o, 0, sizeof o);
+    o.shape.batch = 8;
+    o.shape.heads = 16;
+    o.shape.seqlen = 2048;
+    o.shape.headdim = 128;
+    o.warmup = 2;
+    o.iters = 10;
+    o.check = 1;
+    for (int i = 1; i < argc; i++) {
+        char flag[64];
+        const char *arg = argv[i], *value = NULL, *eq = strchr(arg, '=');
+        if (strncmp(arg, "--", 2) != 0) die(EXIT_USAGE, "unexpected argument '%s' (see --help)", arg);
+        size_t flag_len = eq ? (size_t)(eq - arg) : strlen(arg);
+        if (flag_len >= sizeof flag) die(EXIT_USAGE, "unknown option '%s' (see --help)", arg);
+        memcpy(flag, arg, flag_len);
+        flag[flag_len] = 0;
+        static const char *const with_value[] = {"--batch", "--heads", "--seqlen", "--headdim",
+                                                 "--scale", "--seed", "--warmup", "--iters",
+                                                 "--input", "--output"};
+        int takes_value = 0;
+        for (size_t k = 0; k < sizeof with_value / sizeof *with_value; k++)
+            takes_value |= strcmp(flag, with_value[k]) == 0;
+        if (takes_value) {
+            if (eq) value = eq + 1;
+            else if (i + 1 < argc) value = argv[++i];
+            else die(EXIT_USAGE, "%s needs a value (see --help)", flag);
+        } else if (eq) {
+            die(EXIT_USAGE, "%s takes no value (see --help)", flag);
+        }
+        const long long MAX_INT = 2147483647;
+        if (!strcmp(flag, "--batch")) o.shape.batch = (int)parse_int(flag, value, 1, MAX_INT), o.shape_given[0] = 1;
+        else if (!strcmp(flag, "--heads")) o.shape.heads = (int)parse_int(flag, value, 1, MAX_INT), o.shape_given[1] = 1;
+        else if (!strcmp(flag, "--seqlen")) o.shape.seqlen = (int)parse_int(flag, value, 1, MAX_INT), o.shape_given[2] = 1;
+        else if (!strcmp(flag, "--headdim")) o.shape.headdim = (int)parse_int(flag, value, 1, MAX_INT), o.shape_given[3] = 1;
+        else if (!strcmp(flag, "--seed")) o.seed = (unsigned long long)parse_int(flag, value, 0, 4294967295LL);
+        else if (!strcmp(flag, "--warmup")) o.warmup = (int)parse_int(flag, value, 0, 100000);
+        else if (!strcmp(flag, "--iters")) o.iters = (int)parse_int(flag, value, 1, 100000);
+        else if (!strcmp(flag, "--input")) o.input_dir = value;
+        else if (!strcmp(flag, "--output")) o.output_dir = value;
+        else if (!strcmp(flag, "--scale")) {
+            char *end;
+            o.shape.scale = strtof(value, &end);
+            if (end == value || *end || !(o.shape.scale > 0) || !isfinite(o.shape.scale))
+                die(EXIT_USAGE, "--scale expects a positive number, got '%s'", value);
+            o.scale_given = 1;
+        } else if (!strcmp(flag, "--causal")) o.shape.causal = 1;
+        else if (!strcmp(flag, "--no-check")) o.check = 0;
+        else if (!strcmp(flag, "--csv")) o.csv = 1;
+        else if (!strcmp(flag, "--dry-run")) o.dry_run = 1;
+        else if (!strcmp(flag, "--help") || !strcmp(flag, "-h")) print_help(), exit(EXIT_PASS);
+        else die(EXIT_USAGE, "unknown option '%s' (see --help)", flag);
+    }
+    return o;
+}
+
+// ---------------------------------------------------------------------------
+// Shapes and sizes
+// ---------------------------------------------------------------------------
+
+static size_t elems_qkv(const AttnShape *s) {
+    return (size_t)s->batch * s->heads * s->seqlen * s->headdim;
+}
+static size_t elems_lse(const AttnShape *s) { return (size_t)s->batch * s->heads * s->seqlen; }
+
+// Forward FLOPs, the FlashAttention papers' convention: 4·B·H·N²·D, halved when causal.
+static double forward_flops(const AttnShape *s) {
+    double f = 4.0 * s->batch * s->heads * (double)s->seqlen * s->seqlen * s->headdim;
+    return s->causal ? f / 2 : f;
+}
+
+// Bytes any forward must move: read Q, K, V once, write O and LSE once.
+static double min_bytes(const AttnShape *s) {
+    return 4.0 * elems_qkv(s) * sizeof(__half) + (double)elems_lse(s) * sizeof(float);
+}
+
+static const char *human_bytes(double bytes, char *buf, size_t len) {
+    const char *unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int u = 0;
+    while (bytes >= 1024 && u < 4) bytes /= 1024, u++;
+    snprintf(buf, len, u ? "%.1f %s" : "%.0f %s", bytes, unit[u]);
+    return buf;
+}
+
+static void validate_shape(const AttnShape *s) {
+    if (s->headdim != 64 && s->headdim != 128)
+        die(EXIT_USAGE, "head dimension %d is not supported: the kernels are written for D = 64 or 128",
+            s->headdim);
+    if ((double)s->batch * s->heads > 65535)
+        die(EXIT_USAGE, "B*H = %.0f: at most 65535 (batch, head) pairs are supported",
+            (double)s->batch * s->heads);
+    if ((double)s->batch * s->heads * s->seqlen * s->headdim >= 2147483648.0)
+        die(EXIT_USAGE, "B*H*N*D = %.0f elements per tensor: at most 2^31 - 1 are supported",
+            (double)s->batch * s->heads * s->seqlen * s->headdim);
+}
+
+// ---------------------------------------------------------------------------
+// Inputs: generated by common/reference.py (cached) or read from --input DIR
+// ---------------------------------------------------------------------------
+
+// snprintf that refuses to truncate a path.
+static void format_path(char *out, size_t len, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(out, len, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= len) die(EXIT_USAGE, "path too long: %s...", out);
+}
+
+static void join(char *out, size_t len, const char *dir, const char *file) {
+    format_path(out, len, "%s/%s", dir, file);
+}
+
+static int file_exists(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0;
+}
+
+// Read the headers of DIR/q.npy, k.npy, v.npy and take the shape from them.
+static void shape_from_input(Options *o) {
+    const char *names[3] = {"q.npy", "k.npy", "v.npy"};
+    NpyHeader h[3];
+    char path[4096], err[1024];
+    for (int i = 0; i < 3; i++) {
+        join(path, sizeof path, o->input_dir, names[i]);
+        if (npy_read_header(path, &h[i], err, sizeof err)) die(EXIT_USAGE, "%s", err);
+        if (h[i].dtype != NPY_F16)
+            die(EXIT_USAGE, "%s: dtype is %s, expected float16 (cast with .astype(np.float16))", path,
+                npy_dtype_name(h[i].dtype));
+        if (h[i].ndim != 4) die(EXIT_USAGE, "%s: %d-D array, expected 4-D [B, H, N, D]", path, h[i].ndim);
+        for (int d = 0; d < 4; d++) {
+            if (h[i].shape[d] < 1 || h[i].shape[d] > 2147483647)
+                die(EXIT_USAGE, "%s: dimension %d is %lld, expected 1 .. 2^31-1", path, d, h[i].shape[d]);
+            if (h[i].shape[d] != h[0].shape[d])
+                die(EXIT_USAGE, "%s has shape (%lld, %lld, %lld, %lld) but q.npy has (%lld, %lld, %lld, %lld): "
+                    "q, k, v must share one [B, H, N, D] shape", path, h[i].shape[0], h[i].shape[1],
+                    h[i].shape[2], h[i].shape[3], h[0].shape[0], h[0].shape[1], h[0].shape[2], h[0].shape[3]);
+        }
+    }
+    int dims[4] = {(int)h[0].shape[0], (int)h[0].shape[1], (int)h[0].shape[2], (int)h[0].shape[3]};
+    int *fields[4] = {&o->shape.batch, &o->shape.heads, &o->shape.seqlen, &o->shape.headdim};
+    const char *flags[4] = {"--batch", "--heads", "--seqlen", "--headdim"};
+    for (int d = 0; d < 4; d++) {
+        if (o->shape_given[d] && *fields[d] != dims[d])
+            die(EXIT_USAGE, "%s %d contradicts the --input files (%d); drop it: the shape comes from the files",
+                flags[d], *fields[d], dims[d]);
+        *fields[d] = dims[d];
+    }
+}
+
+// FNV-1a over a file's bytes: names the reference cache of --input data.
+static uint64_t hash_file(const char *path, uint64_t h) {
+    FILE *f = fopen(path, "rb");
+    if (!f) die(EXIT_USAGE, "cannot open %s: %s", path, strerror(errno));
+    unsigned char buf[1 << 16];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0)
+        for (size_t i = 0; i < n; i++) h = (h ^ buf[i]) * 1099511628211ULL;
+    fclose(f);
+    return h;
+}
+
+typedef struct {
+    char data_dir[4096];  // where q/k/v.npy live
+    char ref_dir[4096];   // where the reference files live
+    char ref_tag[128];    // names the reference files: causal and scale
+} DataPaths;
+
+static DataPaths data_paths(const Options *o) {
+    DataPaths p;
+    const char *cache = getenv("FA_CACHE");
+    char default_cache[4096];
+    if (!cache || !*cache) {
+        format_path(default_cache, sizeof default_cache, "%s/.cache", FA_ROOT);
+        cache = default_cache;
+    }
+    const AttnShape *s = &o->shape;
+    if (o->input_dir) {
+        char path[4096];
+        uint64_t h = 1469598103934665603ULL;
+        const char *names[3] = {"q.npy", "k.npy", "v.npy"};
+        for (int i = 0; i < 3; i++) join(path, sizeof path, o->input_dir, names[i]), h = hash_file(path, h);
+        format_path(p.data_dir, sizeof p.data_dir, "%s", o->input_dir);
+        format_path(p.ref_dir, sizeof p.ref_dir, "%s/input_%016llx", cache, (unsigned long long)h);
+    } else {
+        format_path(p.data_dir, sizeof p.data_dir, "%s/b%d_h%d_n%d_d%d_seed%llu", cache, s->batch,
+                    s->heads, s->seqlen, s->headdim, o->seed);
+        format_path(p.ref_dir, sizeof p.ref_dir, "%s", p.data_dir);
+    }
+    snprintf(p.ref_tag, sizeof p.ref_tag, "c%d_s%.9g", s->causal, s->scale);
+    return p;
+}
+
+// Run common/reference.py to create whatever inputs and reference files are missing.
+static void prepare_data(const Options *o, const DataPaths *p) {
+    char path[4096];
+    const char *want[] = {"q.npy", "k.npy", "v.npy"};
+    int missing = 0;
+    for (int i = 0; i < 3; i++) join(path, sizeof path, p->data_dir, want[i]), missing |= !file_exists(path);
+    if (o->check) {
+        const char *parts[] = {"rows", "o", "lse"};
+        for (int i = 0; i < 3; i++) {
+            char file[256];
+            snprintf(file, sizeof file, "ref_%s_%s.npy", p->ref_tag, parts[i]);
+            join(path, sizeof path, p->ref_dir, file);
+            missing |= !file_exists(path);
+        }
+    }
+    if (!missing) return;
+
+    const char *python = getenv("FA_PYTHON");
+    if (!python || !*python) python = FA_PYTHON;
+    char script[4096], b[32], h[32], n[32], d[32], seed[32], scale[64];
+    format_path(script, sizeof script, "%s/common/reference.py", FA_ROOT);
+    snprintf(b, sizeof b, "%d", o->shape.batch);
+    snprintf(h, sizeof h, "%d", o->shape.heads);
+    snprintf(n, sizeof n, "%d", o->shape.seqlen);
+    snprintf(d, sizeof d, "%d", o->shape.headdim);
+    snprintf(seed, sizeof seed, "%llu", o->seed);
+    snprintf(scale, sizeof scale, "%.9g", o->shape.scale);
+    const char *argv[32];
+    int argc = 0;
+    argv[argc++] = python;
+    argv[argc++] = script;
+    argv[argc++] = "prepare";
+    argv[argc++] = "--out";
+    argv[argc++] = p->ref_dir;
+    if (o->input_dir) {
+        argv[argc++] = "--input";
+        argv[argc++] = o->input_dir;
+    } else {
+        const char *kv[] = {"--batch", b, "--heads", h, "--seqlen", n, "--headdim", d, "--seed", seed};
+        for (int i = 0; i < 10; i++) argv[argc++] = kv[i];
+    }
+    argv[argc++] = "--scale";
+    argv[argc++] = scale;
+    if (o->shape.causal) argv[argc++] = "--causal";
+    if (!o->check) argv[argc++] = "--no-ref";
+    argv[argc] = NULL;
+
+    pid_t pid;
+    int rc = posix_spawnp(&pid, python, NULL, NULL, (char *const *)argv, environ);
+    int status = 0;
+    if (rc == 0 && waitpid(pid, &status, 0) < 0) rc = errno;
+    if (rc != 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        die(EXIT_USAGE, "could not prepare inputs with '%s %s' (%s); run 'make' to set up Python with NumPy, "
+            "or set FA_PYTHON", python, script,
+            rc ? strerror(rc) : "it failed, see above");
+}
+
+static void *load_array(const char *dir, const char *file, NpyDtype dtype, int ndim,
+                        const long long *shape) {
+    char path[4096], err[1024];
+    NpyHeader h;
+    void *data;
+    join(path, sizeof path, dir, file);
+    if (npy_load(path, dtype, &h, &data, err, sizeof err)) die(EXIT_USAGE, "%s", err);
+    int ok = h.ndim == ndim;
+    for (int i = 0; ok && i < ndim; i++) ok = shape[i] < 0 || h.shape[i] == shape[i];
+    if (!ok) die(EXIT_USAGE, "%s: unexpected shape (stale cache? delete it and rerun)", path);
+    return data;
+}
+
+// ---------------------------------------------------------------------------
+// Check against the reference
+// ---------------------------------------------------------------------------
+
+typedef struct {
+    double rel_l2, max_abs, lse_err;
+    size_t unwritten;        // NaN/Inf elements left in O or LSE (poisoned with NaN)
+    long long rows_checked;  // query rows per (b, h) the reference covers
+    int passed;
+} CheckResult;
+
+static CheckResult check_outputs(const Options *o, const DataPaths *p, const __half *out,
+                                 const float *lse) {
+    const AttnShape *s = &o->shape;
+    char file[256];
+    CheckResult r;
+    memset(&r, 0, sizeof r);
+    for (size_t i = 0; i < elems_qkv(s); i++) r.unwritten += !isfinite(__half2float(out[i]));
+    for (size_t i = 0; i < elems_lse(s); i++) r.unwritten += !isfinite(lse[i]);
+
+    snprintf(file, sizeof file, "ref_%s_rows.npy", p->ref_tag);
+    long long any = -1;
+    NpyHeader h;
+    char path[4096], err[1024];
+    join(path, sizeof path, p->ref_dir, file);
+    if (npy_read_header(path, &h, err, sizeof err)) die(EXIT_USAGE, "%s", err);
+    long long nrows = h.ndim == 1 ? h.shape[0] : 0;
+    int64_t *rows = (int64_t *)load_array(p->ref_dir, file, NPY_I64, 1, &any);
+    long long o_shape[4] = {s->batch, s->heads, nrows, s->headdim};
+    snprintf(file, sizeof file, "ref_%s_o.npy", p->ref_tag);
+    double *ref_o = (double *)load_array(p->ref_dir, file, NPY_F64, 4, o_shape);
+    snprintf(file, sizeof file, "ref_%s_lse.npy", p->ref_tag);
+    double *ref_lse = (double *)load_array(p->ref_dir, file, NPY_F64, 3, o_shape);
+
+    double err2 = 0, ref2 = 0;
+    const int D = s->headdim;
+    for (long long bh = 0; bh < (long long)s->batch * s->heads; bh++) {
+        for (long long i = 0; i < nrows; i++) {
+            long long row = rows[i];
+            if (row < 0 || row >= s->seqlen) die(EXIT_USAGE, "%s: row %lld out of range", path, row);
+            const __half *got = out + ((size_t)bh * s->seqlen + row) * D;
+            const double *want = ref_o + ((size_t)bh * nrows + i) * D;
+            for (int d = 0; d < D; d++) {
+                double diff = (double)__half2float(got[d]) - want[d];
+                if (!(fabs(diff) <= r.max_abs)) r.max_abs = fabs(diff);  // NaN propagates
+                err2 += diff * diff;
+                ref2 += want[d] * want[d];
+            }
+            double lse_diff = fabs((double)lse[(size_t)bh * s->seqlen + row] - ref_lse[(size_t)bh * nrows + i]);
+            if (!(lse_diff <= r.lse_err)) r.lse_err = lse_diff;
+        }
+    }
+    r.rel_l2 = sqrt(err2 / (ref2 > 0 ? ref2 : 1));
+    r.rows_checked = nrows;
+    r.passed = r.unwritten == 0 && r.rel_l2 <= REL_L2_TOL[chapter.precision] &&
+               r.lse_err <= LSE_TOL[chapter.precision];
+    free(rows);
+    free(ref_o);
+    free(ref_lse);
+    return r;
+}
+
+// ---------------------------------------------------------------------------
+// GPU
+// ---------------------------------------------------------------------------
+
+static void require_gpu(cudaDeviceProp *prop) {
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess || count == 0) {
+        printf("%s: skipped: no CUDA GPU available (%s)\n", chapter.name,
+               err != cudaSuccess ? cudaGetErrorString(err) : "no devices");
+        exit(EXIT_SKIP);
+    }
+    CUDA_CHECK(cudaGetDeviceProperties(prop, 0));
+    int sm = prop->major * 10 + prop->minor;
+    if (sm < chapter.min_sm) {
+        printf("%s: skipped: needs sm_%d or newer, this GPU (%s) is sm_%d\n", chapter.name,
+               chapter.min_sm, prop->name, sm);
+        exit(EXIT_SKIP);
+    }
+}
+
+static void require_memory(const AttnShape *s, size_t workspace) {
+    size_t free_bytes = 0, total = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+    double need = min_bytes(s) + (double)workspace;
+    double margin = 256.0 * 1024 * 1024;
+    if (need + margin > (double)free_bytes) {
+        char a[32], b[32], c[32];
+        die(EXIT_USAGE, "this shape needs %s of device memory (%s of it scratch), the GPU has %s free: "
+            "lower B, H or N%s", human_bytes(need, a, sizeof a), human_bytes((double)workspace, b, sizeof b),
+            human_bytes((double)free_bytes, c, sizeof c),
+            workspace ? " (the fused chapters, 04 on, need no N^2 scratch)" : "");
+    }
+}
+
+// Kernels one forward launches: capture it into a graph and count its kernel nodes.
+static int kernels_per_forward(const AttnArgs *args, cudaStream_t stream) {
+    cudaGraph_t graph;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+    cudaError_t launch = chapter.forward(args, stream);
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(launch);
+    size_t n = 0;
+    CUDA_CHECK(cudaGraphGetNodes(graph, NULL, &n));
+    cudaGraphNode_t *nodes = (cudaGraphNode_t *)calloc(n ? n : 1, sizeof *nodes);
+    CUDA_CHECK(cudaGraphGetNodes(graph, nodes, &n));
+    int kernels = 0;
+    for (size_t i = 0; i < n; i++) {
+        cudaGraphNodeType type;
+        CUDA_CHECK(cudaGraphNodeGetType(nodes[i], &type));
+        kernels += type == cudaGraphNodeTypeKernel;
+    }
+    free(nodes);
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    return kernels;
+}
+
+static void run_forward(const AttnArgs *args, cudaStream_t stream) {
+    cudaError_t err = chapter.forward(args, stream);
+    if (err == cudaSuccess) err = cudaGetLastError();
+    if (err == cudaErrorNoKernelImageForDevice)
+        die(EXIT_FAILED, "this binary has no kernel for this GPU: rebuild with ARCH=sm_XY (see make help)");
+    if (err != cudaSuccess) die(EXIT_FAILED, "CUDA error in the forward: %s", cudaGetErrorString(err));
+}
+
+static int compare_float(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+static float time_forward(const Options *o, const AttnArgs *args, cudaStream_t stream) {
+    for (int i = 0; i < o->warmup; i++) run_forward(args, stream);
+    cudaEvent_t *start = (cudaEvent_t *)calloc(o->iters, sizeof *start);
+    cudaEvent_t *stop = (cudaEvent_t *)calloc(o->iters, sizeof *stop);
+    float *ms = (float *)calloc(o->iters, sizeof *ms);
+    for (int i = 0; i < o->iters; i++) {
+        CUDA_CHECK(cudaEventCreate(&start[i]));
+        CUDA_CHECK(cudaEventCreate(&stop[i]));
+    }
+    for (int i = 0; i < o->iters; i++) {
+        CUDA_CHECK(cudaEventRecord(start[i], stream));
+        run_forward(args, stream);
+        CUDA_CHECK(cudaEventRecord(stop[i], stream));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (int i = 0; i < o->iters; i++) {
+        CUDA_CHECK(cudaEventElapsedTime(&ms[i], start[i], stop[i]));
+        CUDA_CHECK(cudaEventDestroy(start[i]));
+        CUDA_CHECK(cudaEventDestroy(stop[i]));
+    }
+    qsort(ms, o->iters, sizeof *ms, compare_float);
+    float median = o->iters % 2 ? ms[o->iters / 2] : 0.5f * (ms[o->iters / 2 - 1] + ms[o->iters / 2]);
+    free(start);
+    free(stop);
+    free(ms);
+    return median;
+}
+
+static void write_outputs(const char *dir, const AttnShape *s, const __half *out, const float *lse) {
+    char path[4096], err[1024];
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) die(EXIT_USAGE, "cannot create %s: %s", dir, strerror(errno));
+    long long shape[4] = {s->batch, s->heads, s->seqlen, s->headdim};
+    join(path, sizeof path, dir, "o.npy");
+    if (npy_save(path, NPY_F16, 4, shape, out, err, sizeof err)) die(EXIT_FAILED, "%s", err);
+    join(path, sizeof path, dir, "lse.npy");
+    if (npy_save(path, NPY_F32, 3, shape, lse, err, sizeof err)) die(EXIT_FAILED, "%s", err);
+}
+
+// ---------------------------------------------------------------------------
+// Report
+// ---------------------------------------------------------------------------
+
+static void print_plan(const Options *o, size_t workspace) {
+    const AttnShape *s = &o->shape;
+    char a[32], b[32];
+    printf("%s: %s\n", chapter.name, chapter.adds);
+    printf("  shape     B=%d H=%d N=%d D=%d %s, scale %.6g, fp16 in/out, %s math\n", s->batch, s->heads,
+           s->seqlen, s->headdim, s->causal ? "causal" : "non-causal", s->scale,
+           PRECISION_NAME[chapter.precision]);
+    printf("  work      %.3g GFLOP, at least %s moved\n", forward_flops(s) / 1e9,
+           human_bytes(min_bytes(s), a, sizeof a));
+    printf("  memory    inputs+outputs %s, workspace %s\n", human_bytes(min_bytes(s), a, sizeof a),
+           human_bytes((double)workspace, b, sizeof b));
+}
+
+int main(int argc, char **argv) {
+    Options o = parse_args(argc, argv);
+    if (o.input_dir) shape_from_input(&o);
+    validate_shape(&o.shape);
+    if (!o.scale_given) o.shape.scale = 1.0f / sqrtf((float)o.shape.headdim);
+    const AttnShape *s = &o.shape;
+    size_t workspace = chapter.workspace_bytes(s);
+    if (o.dry_run) {
+        print_plan(&o, workspace);
+        return EXIT_PASS;
+    }
+
+    cudaDeviceProp prop;
+    require_gpu(&prop);
+    require_memory(s, workspace);
+    DataPaths paths = data_paths(&o);
+    prepare_data(&o, &paths);
+
+    // Host inputs, then device buffers (the harness owns every allocation).
+    long long qkv_shape[4] = {s->batch, s->heads, s->seqlen, s->headdim};
+    const char *names[3] = {"q.npy", "k.npy", "v.npy"};
+    __half *host_in[3], *dev_in[3];
+    size_t in_bytes = elems_qkv(s) * sizeof(__half), lse_bytes = elems_lse(s) * sizeof(float);
+    for (int i = 0; i < 3; i++) {
+        host_in[i] = (__half *)load_array(paths.data_dir, names[i], NPY_F16, 4, qkv_shape);
+        CUDA_CHECK(cudaMalloc(&dev_in[i], in_bytes));
+        CUDA_CHECK(cudaMemcpy(dev_in[i], host_in[i], in_bytes, cudaMemcpyHostToDevice));
+        free(host_in[i]);
+    }
+    AttnArgs args = {*s, dev_in[0], dev_in[1], dev_in[2], NULL, NULL, NULL};
+    CUDA_CHECK(cudaMalloc(&args.o, in_bytes));
+    CUDA_CHECK(cudaMalloc(&args.lse, lse_bytes));
+    if (workspace) CUDA_CHECK(cudaMalloc(&args.workspace, workspace));
+    cudaStream_t stream;
+    CUDA_CHECK(cudaStreamCreate(&stream));
+
+    // One checked run: poison every output element with NaN first (0xFF bytes).
+    CUDA_CHECK(cudaMemsetAsync(args.o, 0xFF, in_bytes, stream));
+    CUDA_CHECK(cudaMemsetAsync(args.lse, 0xFF, lse_bytes, stream));
+    run_forward(&args, stream);
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    __half *host_o = (__half *)malloc(in_bytes);
+    float *host_lse = (float *)malloc(lse_bytes);
+    if (!host_o || !host_lse) die(EXIT_FAILED, "out of host memory");
+    CUDA_CHECK(cudaMemcpy(host_o, args.o, in_bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(host_lse, args.lse, lse_bytes, cudaMemcpyDeviceToHost));
+    CheckResult check;
+    memset(&check, 0, sizeof check);
+    if (o.check) check = check_outputs(&o, &paths, host_o, host_lse);
+    if (o.output_dir) write_outputs(o.output_dir, s, host_o, host_lse);
+
+    int kernels = kernels_per_forward(&args, stream);
+    float ms = time_forward(&o, &args, stream);
+    double tflops = forward_flops(s) / (ms * 1e-3) / 1e12;
+    const char *status = !o.check ? "unchecked" : check.passed ? "PASS" : "FAIL";
+
+    if (o.csv) {
+        printf("%s,%d,%d,%d,%d,%d,fp16,%.4f,%.2f,", chapter.name, s->batch, s->heads, s->seqlen,
+               s->headdim, s->causal, ms, tflops);
+        if (o.check) printf("%.3e,%s,%.3e,%.3e,", check.rel_l2, status, check.max_abs, check.lse_err);
+        else printf(",%s,,,", status);
+        printf("%d,%zu\n", kernels, workspace);
+    } else {
+        print_plan(&o, workspace);
+        printf("  gpu       %s (sm_%d%d), %d kernel%s per forward\n", prop.name, prop.major, prop.minor,
+               kernels, kernels == 1 ? "" : "s");
+        if (o.check)
+            printf("  check     rel_l2 %.2e (tol %.0e)  max_abs %.2e  lse_max_abs %.2e (tol %.0e)  "
+                   "rows %lld of %d per head%s  %s\n", check.rel_l2, REL_L2_TOL[chapter.precision],
+                   check.max_abs, check.lse_err, LSE_TOL[chapter.precision], check.rows_checked,
+                   s->seqlen, check.unwritten ? "  UNWRITTEN OUTPUTS" : "", status);
+        printf("  time      %.4f ms (median of %d, %d warm-up)  %.2f TFLOP/s  %.0f GB/s of the minimum traffic\n",
+               ms, o.iters, o.warmup, tflops, min_bytes(s) / (ms * 1e-3) / 1e9);
+        if (o.output_dir) printf("  output    %s/o.npy, %s/lse.npy\n", o.output_dir, o.output_dir);
+    }
+    for (int i = 0; i < 3; i++) CUDA_CHECK(cudaFree(dev_in[i]));
+    CUDA_CHECK(cudaFree(args.o));
+    CUDA_CHECK(cudaFree(args.lse));
+    if (args.workspace) CUDA_CHECK(cudaFree(args.workspace));
+    CUDA_CHECK(cudaStreamDestroy(stream));
+    free(host_o);
+    free(host_lse);
+    return (!o.check || check.passed) ? EXIT_PASS : EXIT_FAILED;
+}

@@ -1,0 +1,54 @@
+// The contract between the shared harness (common/harness.cu) and a chapter.
+//
+// A chapter's attention.cu includes this header and defines one `Chapter`
+// named `chapter`: its name, the idea it adds, its precision, the oldest GPU it
+// runs on, how much scratch memory a shape needs, and the forward launcher.
+// The harness owns everything else: CLI, inputs, device memory, checking
+// against the NumPy reference, timing and the report.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stddef.h>
+
+typedef struct {
+    int batch;     // B
+    int heads;     // H
+    int seqlen;    // N (queries = keys: self-attention)
+    int headdim;   // D
+    int causal;    // 1: query i attends keys j <= i
+    float scale;   // softmax scale, 1/sqrt(D) unless given
+} AttnShape;
+
+typedef struct {
+    AttnShape shape;
+    const __half *q, *k, *v;  // [B, H, N, D], contiguous, D fastest
+    __half *o;                // [B, H, N, D]
+    float *lse;               // [B, H, N]: natural-log sum of exp of each scaled score row
+    void *workspace;          // chapter.workspace_bytes(shape) bytes, NULL when 0
+} AttnArgs;
+
+// Internal precision of a chapter: selects the tolerances of DESIGN §4.
+typedef enum { PRECISION_FP32 = 0, PRECISION_FP16_TC = 1, PRECISION_FP8_TC = 2 } Precision;
+
+typedef struct {
+    const char *name;   // the chapter directory, e.g. "04_fused"
+    const char *adds;   // one line: the idea this chapter adds
+    Precision precision;
+    int min_sm;         // oldest compute capability it runs on, e.g. 80 for sm_80
+    // Device scratch the forward needs (the harness allocates it; chapters never allocate).
+    size_t (*workspace_bytes)(const AttnShape *shape);
+    // Enqueue one forward pass on `stream`; return the first CUDA error met.
+    cudaError_t (*forward)(const AttnArgs *args, cudaStream_t stream);
+} Chapter;
+
+extern const Chapter chapter;
+
+// Return the error of a CUDA call from the enclosing function if it failed.
+#define RETURN_IF_ERROR(call)                        \
+    do {                                             \
+        cudaError_t err_ = (call);                   \
+        if (err_ != cudaSuccess) return err_;        \
+    } while (0)
+
+static inline __host__ __device__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
