@@ -27,7 +27,8 @@ else
   PY_DEPS := .venv/.ready
 endif
 
-NVFLAGS := -O3 -std=c++17 -lineinfo -Xcompiler -Wall,-Wextra -Xptxas -v \
+EXTRA_NVFLAGS ?=   # e.g. -DBLOCK_KV_D128=64 to try another tile size in 07
+NVFLAGS := -O3 -std=c++17 -lineinfo -Xcompiler -Wall,-Wextra -Xptxas -v $(EXTRA_NVFLAGS) \
            -DFA_ROOT='"$(CURDIR)"' -DFA_PYTHON='"$(PYTHON)"'
 COMMON  := common/harness.cu common/npy.c
 HEADERS := common/harness.h common/npy.h

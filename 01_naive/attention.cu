@@ -54,8 +54,9 @@ __global__ void softmax_kernel(float *scores, float *lse, int seqlen, long long 
     for (int j = lane; j < seqlen; j += WARP_SIZE) row_sum += expf(s_row[j] - row_max);
     row_sum = warp_sum(row_sum);
 
+    float inv_sum = 1.0f / row_sum;
     for (int j = lane; j < seqlen; j += WARP_SIZE)  // pass 3: the probabilities
-        s_row[j] = expf(s_row[j] - row_max) / row_sum;
+        s_row[j] = expf(s_row[j] - row_max) * inv_sum;
     if (lane == 0) lse[row] = row_max + logf(row_sum);
 }
 

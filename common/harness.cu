@@ -195,6 +195,8 @@ static void validate_shape(const AttnShape *s) {
     if (s->headdim != 64 && s->headdim != 128)
         die(EXIT_USAGE, "head dimension %d is not supported: the kernels are written for D = 64 or 128",
             s->headdim);
+    if (s->seqlen > (1 << 22))
+        die(EXIT_USAGE, "N = %d: at most 4194304 (2^22) is supported (grid limits)", s->seqlen);
     if ((double)s->batch * s->heads > 65535)
         die(EXIT_USAGE, "B*H = %.0f: at most 65535 (batch, head) pairs are supported",
             (double)s->batch * s->heads);
