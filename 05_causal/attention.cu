@@ -1,0 +1,219 @@
+// 05_causal: 04's kernel with causal attention done right: tiles above the diagonal are never
+// loaded or computed, only the diagonal tile is masked, and the heaviest query tiles start first.
+//
+// Grid: one block per (64-query tile, b*h). A block keeps its Q tile in shared memory, streams
+// K and V tiles of 64 keys through shared memory, and keeps, per query row, the running max,
+// the running sum and the output accumulator in registers (the online softmax of 03, now per
+// tile). O and LSE are written once at the end; S and P exist only as 64 x 64 tiles on chip.
+// Block: 128 threads as 8 x 16; thread (ty, tx) owns 8 query rows, 4 keys of each score tile
+// and HEAD_DIM/16 output columns. Math is fp32 on CUDA cores.
+#include "../common/harness.h"
+
+#define BLOCK_Q 64           // query rows per block
+#define BLOCK_KV 64          // keys per streamed tile
+#define THREADS 128          // 8 x 16 threads
+#define ROWS 8               // query rows per thread: BLOCK_Q / 8
+#define KEYS 4               // keys per thread in a score tile: BLOCK_KV / 16
+#define P_STRIDE (BLOCK_Q + 4)  // row stride of the P tile: float4-aligned, spreads banks
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+// Row `i` of a thread: rows ty*4..ty*4+3 and 32+ty*4..32+ty*4+3, so that the float4 reads of
+// a warp's two thread rows land in different banks.
+__device__ int row_of(int ty, int i) { return (i / 4) * 32 + ty * 4 + i % 4; }
+
+// 64 rows of HEAD_DIM halves from device memory into shared memory as fp32, transposed to
+// [dim][row] (zero rows past seqlen). Consecutive threads take consecutive rows: no conflicts.
+template <int HEAD_DIM>
+__device__ void load_transposed(float *tile_t, const __half *src, int row0, int seqlen) {
+    int row = threadIdx.x % 64;
+    bool valid = row0 + row < seqlen;
+    const __half *src_row = src + (size_t)(row0 + row) * HEAD_DIM;
+    for (int d0 = threadIdx.x / 64 * 8; d0 < HEAD_DIM; d0 += THREADS / 64 * 8) {
+        uint4 raw = valid ? *(const uint4 *)(src_row + d0) : make_uint4(0, 0, 0, 0);
+        const __half2 *pairs = (const __half2 *)&raw;
+        for (int e = 0; e < 4; e++) {
+            float2 f = __half22float2(pairs[e]);
+            tile_t[(d0 + 2 * e) * 64 + row] = f.x;
+            tile_t[(d0 + 2 * e + 1) * 64 + row] = f.y;
+        }
+    }
+}
+
+// 64 rows of HEAD_DIM halves into shared memory as fp32, row-major [row][dim].
+template <int HEAD_DIM>
+__device__ void load_rows(float *tile, const __half *src, int row0, int seqlen) {
+    const int chunks = HEAD_DIM / 8;  // 16-byte chunks per row
+    for (int c = threadIdx.x; c < 64 * chunks; c += THREADS) {
+        int row = c / chunks, d0 = c % chunks * 8;
+        uint4 raw = row0 + row < seqlen ? *(const uint4 *)(src + (size_t)(row0 + row) * HEAD_DIM + d0)
+                                        : make_uint4(0, 0, 0, 0);
+        const __half2 *pairs = (const __half2 *)&raw;
+        float2 a = __half22float2(pairs[0]), b = __half22float2(pairs[1]);
+        float2 c2 = __half22float2(pairs[2]), d = __half22float2(pairs[3]);
+        *(float4 *)&tile[row * HEAD_DIM + d0] = make_float4(a.x, a.y, b.x, b.y);
+        *(float4 *)&tile[row * HEAD_DIM + d0 + 4] = make_float4(c2.x, c2.y, d.x, d.y);
+    }
+}
+
+// Max over the 16 threads that share a row (one half-warp).
+__device__ float row_group_max(float x) {
+    for (int offset = 8; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
+    return x;
+}
+
+__device__ float row_group_sum(float x) {
+    for (int offset = 8; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffff, x, offset);
+    return x;
+}
+
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(THREADS, 2)
+flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse,
+                       int seqlen, float scale_log2, int causal) {
+    constexpr int COLS = HEAD_DIM / 16;  // output columns per thread, in float4 groups of 4
+    extern __shared__ __align__(16) float smem[];
+    float *q_t = smem;                         // [HEAD_DIM][BLOCK_Q]: the Q tile, transposed
+    float *kv = q_t + HEAD_DIM * BLOCK_Q;      // K as [HEAD_DIM][BLOCK_KV], then V as [BLOCK_KV][HEAD_DIM]
+    float *p_t = kv + BLOCK_KV * HEAD_DIM;     // [BLOCK_KV][P_STRIDE]: probabilities, transposed
+
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    // Causal work grows with the query tile, so the causal grid is (b*h, tiles) and hands out
+    // the last (heaviest) tiles first: light ones fill the gaps at the end instead of a heavy one
+    // running alone. Non-causal keeps 04's (tiles, b*h): neighbours share K and V in L2.
+    const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
+    const int query0 = query_tile * BLOCK_Q;
+    const size_t head = causal ? blockIdx.x : blockIdx.y;
+    const __half *q_head = q + head * seqlen * HEAD_DIM;
+    const __half *k_head = k + head * seqlen * HEAD_DIM;
+    const __half *v_head = v + head * seqlen * HEAD_DIM;
+    load_transposed<HEAD_DIM>(q_t, q_head, query0, seqlen);
+
+    // On chip for the whole loop: per row, the running max (log2 units), sum and output.
+    float row_max[ROWS], row_sum[ROWS], o_acc[ROWS][COLS] = {};
+    for (int i = 0; i < ROWS; i++) row_max[i] = -INFINITY, row_sum[i] = 0.0f;
+
+    // Causal: keys past this tile's last query are masked for every row: skip those tiles.
+    const int key_end = causal ? min(seqlen, query0 + BLOCK_Q) : seqlen;
+    for (int key0 = 0; key0 < key_end; key0 += BLOCK_KV) {
+        __syncthreads();  // the previous tile's V and P are consumed
+        load_transposed<HEAD_DIM>(kv, k_head, key0, seqlen);
+        __syncthreads();
+
+        // S tile = Q K^T: each thread an 8 x 4 patch, from float4 reads of Q and K columns.
+        float score[ROWS][KEYS] = {};
+#pragma unroll 4
+        for (int d = 0; d < HEAD_DIM; d++) {
+            float4 qa = *(const float4 *)&q_t[d * BLOCK_Q + ty * 4];
+            float4 qb = *(const float4 *)&q_t[d * BLOCK_Q + 32 + ty * 4];
+            float4 kk = *(const float4 *)&kv[d * BLOCK_KV + tx * 4];
+            float qv[ROWS] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+            float kvv[KEYS] = {kk.x, kk.y, kk.z, kk.w};
+            for (int i = 0; i < ROWS; i++)
+                for (int j = 0; j < KEYS; j++) score[i][j] += qv[i] * kvv[j];
+        }
+
+        // The mask: keys past the end, and (causal) keys after the query. Only the tile on the
+        // diagonal (and a ragged last tile) needs it.
+        if (key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0))
+            for (int i = 0; i < ROWS; i++)
+                for (int j = 0; j < KEYS; j++) {
+                    int key = key0 + tx * KEYS + j, query = query0 + row_of(ty, i);
+                    if (key >= seqlen || (causal && key > query)) score[i][j] = -INFINITY;
+                }
+
+        // Online softmax on the tile: new max, rescale what was accumulated, exponentiate.
+        for (int i = 0; i < ROWS; i++) {
+            float tile_max = -INFINITY;
+            for (int j = 0; j < KEYS; j++) {
+                score[i][j] *= scale_log2;
+                tile_max = fmaxf(tile_max, score[i][j]);
+            }
+            float new_max = fmaxf(row_max[i], row_group_max(tile_max));
+            float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key yet stays empty
+            float rescale = exp2f(row_max[i] - base);
+            row_max[i] = new_max;
+            row_sum[i] *= rescale;  // this thread's share of the row sum; reduced at the end
+            for (int c = 0; c < COLS; c++) o_acc[i][c] *= rescale;
+            for (int j = 0; j < KEYS; j++) {
+                score[i][j] = exp2f(score[i][j] - base);
+                row_sum[i] += score[i][j];
+            }
+        }
+        // P to shared memory, transposed, so every thread can read the probabilities of its rows.
+        for (int j = 0; j < KEYS; j++) {
+            float *dst = &p_t[(tx * KEYS + j) * P_STRIDE + ty * 4];
+            *(float4 *)dst = make_float4(score[0][j], score[1][j], score[2][j], score[3][j]);
+            *(float4 *)(dst + 32) = make_float4(score[4][j], score[5][j], score[6][j], score[7][j]);
+        }
+        __syncthreads();  // K is consumed, P is visible
+        load_rows<HEAD_DIM>(kv, v_head, key0, seqlen);
+        __syncthreads();
+
+        // O += P V: each thread an 8 x COLS patch.
+#pragma unroll 2
+        for (int key = 0; key < BLOCK_KV; key++) {
+            float4 pa = *(const float4 *)&p_t[key * P_STRIDE + ty * 4];
+            float4 pb = *(const float4 *)&p_t[key * P_STRIDE + 32 + ty * 4];
+            float pv[ROWS] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+            float vv[COLS];
+            for (int c4 = 0; c4 < COLS / 4; c4++) {
+                float4 x = *(const float4 *)&kv[key * HEAD_DIM + c4 * 64 + tx * 4];
+                vv[c4 * 4] = x.x, vv[c4 * 4 + 1] = x.y, vv[c4 * 4 + 2] = x.z, vv[c4 * 4 + 3] = x.w;
+            }
+            for (int i = 0; i < ROWS; i++)
+                for (int c = 0; c < COLS; c++) o_acc[i][c] += pv[i] * vv[c];
+        }
+    }
+
+    // O = accumulator / sum, LSE = ln(sum) + max, each written once.
+    for (int i = 0; i < ROWS; i++) {
+        float sum = row_group_sum(row_sum[i]), inv_sum = 1.0f / sum;
+        int query = query0 + row_of(ty, i);
+        if (query >= seqlen) continue;
+        __half *o_row = o + (head * seqlen + query) * HEAD_DIM;
+        for (int c4 = 0; c4 < COLS / 4; c4++) {
+            __half2 lo = __floats2half2_rn(o_acc[i][c4 * 4] * inv_sum, o_acc[i][c4 * 4 + 1] * inv_sum);
+            __half2 hi = __floats2half2_rn(o_acc[i][c4 * 4 + 2] * inv_sum, o_acc[i][c4 * 4 + 3] * inv_sum);
+            *(__half2 *)&o_row[c4 * 64 + tx * 4] = lo;
+            *(__half2 *)&o_row[c4 * 64 + tx * 4 + 2] = hi;
+        }
+        if (tx == 0) lse[head * seqlen + query] = (row_max[i] + log2f(sum)) * LN2;
+    }
+}
+
+// --- Launcher --------------------------------------------------------------------------------
+static size_t workspace_bytes(const AttnShape *s) {
+    (void)s;
+    return 0;  // nothing that grows with N: S and P stay on chip
+}
+
+template <int HEAD_DIM>
+static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
+    const AttnShape *s = &args->shape;
+    size_t smem = (HEAD_DIM * BLOCK_Q + BLOCK_KV * HEAD_DIM + BLOCK_KV * P_STRIDE) * sizeof(float);
+    RETURN_IF_ERROR(cudaFuncSetAttribute(flash_attention_kernel<HEAD_DIM>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    int heads = s->batch * s->heads, tiles = ceil_div(s->seqlen, BLOCK_Q);
+    dim3 grid = s->causal ? dim3(heads, tiles) : dim3(tiles, heads);
+    flash_attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(
+        args->q, args->k, args->v, args->o, args->lse, s->seqlen, s->scale * LOG2E, s->causal);
+    return cudaGetLastError();
+}
+
+static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
+    switch (args->shape.headdim) {
+    case 64: return launch<64>(args, stream);
+    case 128: return launch<128>(args, stream);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+const Chapter chapter = {
+    "05_causal",
+    "causal done right: fully masked tiles skipped, only diagonal tiles masked, heaviest tiles first",
+    PRECISION_FP32,
+    80,
+    workspace_bytes,
+    forward,
+};
