@@ -1,0 +1,254 @@
+// 06_tensorcore_wmma: 05's kernel with both matrix products on tensor cores, through WMMA.
+//
+// Grid: one block per (64-query tile, b*h), heaviest causal tiles first (as 05).
+// Block: 4 warps; warp w owns query rows 16w..16w+15 of the tile. Q, K and V tiles live in
+// shared memory as fp16 (no more conversion to fp32). A warp keeps its Q rows and its 16 x
+// HEAD_DIM output accumulator in WMMA fragments, in registers. S = Q K^T leaves the tensor
+// cores as fp32 fragments whose element-to-(row, col) map is opaque, so each warp stores its
+// 16 x 64 S tile to shared memory, runs the online softmax there in fp32, and writes P back
+// as fp16 for the second product, O += P V.
+#include <mma.h>
+
+#include "../common/harness.h"
+
+using namespace nvcuda;
+
+#define BLOCK_Q 64                       // query rows per block: 4 warps x 16
+#define BLOCK_KV 64                      // keys per streamed tile
+#define WARPS 4
+#define THREADS (WARPS * 32)
+#define FRAG 16                          // WMMA shape: 16 x 16 x 16, fp16 in, fp32 accumulate
+#define PAD 8                            // halves of padding per fp16 row: 32-byte aligned rows for
+                                         // WMMA, and 8 consecutive rows start in 8 different banks
+#define S_STRIDE (BLOCK_KV + 4)          // floats per row of the S tile
+#define P_STRIDE (BLOCK_KV + PAD)        // halves per row of the P tile
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+typedef wmma::fragment<wmma::matrix_a, FRAG, FRAG, FRAG, __half, wmma::row_major> FragA;
+typedef wmma::fragment<wmma::matrix_b, FRAG, FRAG, FRAG, __half, wmma::col_major> FragKT;  // K^T
+typedef wmma::fragment<wmma::matrix_b, FRAG, FRAG, FRAG, __half, wmma::row_major> FragV;
+typedef wmma::fragment<wmma::accumulator, FRAG, FRAG, FRAG, float> FragAcc;
+
+// Shared memory of one block, in bytes: the Q tile (whose space the S tile reuses once Q is in
+// fragments), the K and V tiles, the P tile and one factor per row.
+template <int HEAD_DIM>
+struct Smem {
+    static constexpr int STRIDE = HEAD_DIM + PAD;  // halves per row of the Q, K, V tiles
+    static constexpr int Q_BYTES = BLOCK_Q * STRIDE * 2, S_BYTES = BLOCK_Q * S_STRIDE * 4;
+    static constexpr int QS_BYTES = Q_BYTES > S_BYTES ? Q_BYTES : S_BYTES;
+    static constexpr int KV_BYTES = BLOCK_KV * STRIDE * 2, P_BYTES = BLOCK_Q * P_STRIDE * 2;
+    static constexpr int TOTAL = QS_BYTES + 2 * KV_BYTES + P_BYTES + BLOCK_Q * 4;
+};
+
+// 64 rows of HEAD_DIM halves into a padded shared tile, 16 bytes per thread per step
+// (zero rows past seqlen).
+template <int HEAD_DIM>
+__device__ void load_tile(__half *tile, const __half *src, int row0, int seqlen) {
+    const int chunks = HEAD_DIM / 8, stride = HEAD_DIM + PAD;
+    for (int c = threadIdx.x; c < 64 * chunks; c += THREADS) {
+        int row = c / chunks, d0 = c % chunks * 8;
+        uint4 raw = row0 + row < seqlen ? *(const uint4 *)(src + (size_t)(row0 + row) * HEAD_DIM + d0)
+                                        : make_uint4(0, 0, 0, 0);
+        *(uint4 *)&tile[row * stride + d0] = raw;
+    }
+}
+
+// WMMA does not say which (row, col) each accumulator element holds, but all accumulator
+// fragments of one type share one layout. Loading a matrix whose entries are their own row
+// numbers reveals the row of every element: what rescaling O in registers needs.
+__device__ void accumulator_rows(int frag_row[FragAcc::num_elements], float *scratch) {
+    for (int e = threadIdx.x % 32; e < FRAG * FRAG; e += 32) scratch[e] = (float)(e / FRAG);
+    __syncwarp();
+    FragAcc ids;
+    wmma::load_matrix_sync(ids, scratch, FRAG, wmma::mem_row_major);
+    for (int e = 0; e < FragAcc::num_elements; e++) frag_row[e] = (int)ids.x[e];
+    __syncwarp();
+}
+
+// A raw score, or -inf where the causal mask or the end of the sequence hides the key.
+__device__ float masked_score(float score, int key, int query, int seqlen, int causal, bool needs_mask) {
+    return needs_mask && (key >= seqlen || (causal && key > query)) ? -INFINITY : score;
+}
+
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(THREADS, 2)
+flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse,
+                       int seqlen, float scale_log2, int causal) {
+    typedef Smem<HEAD_DIM> L;
+    constexpr int STRIDE = L::STRIDE, DFRAGS = HEAD_DIM / FRAG;
+    extern __shared__ __align__(128) unsigned char smem[];
+    __half *q_tile = (__half *)smem;                        // [BLOCK_Q][STRIDE]
+    float *s_tile = (float *)smem;                          // [BLOCK_Q][S_STRIDE], once Q is in registers
+    __half *k_tile = (__half *)(smem + L::QS_BYTES);        // [BLOCK_KV][STRIDE]
+    __half *v_tile = k_tile + BLOCK_KV * STRIDE;            // [BLOCK_KV][STRIDE]
+    __half *p_tile = v_tile + BLOCK_KV * STRIDE;            // [BLOCK_Q][P_STRIDE]
+    float *row_factor = (float *)(p_tile + BLOCK_Q * P_STRIDE);  // [BLOCK_Q]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // Causal work grows with the query tile, so the causal grid is (b*h, tiles) and hands out
+    // the last (heaviest) tiles first: light ones fill the gaps at the end instead of a heavy one
+    // running alone. Non-causal keeps 04's (tiles, b*h): neighbours share K and V in L2.
+    const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
+    const int query0 = query_tile * BLOCK_Q;
+    const size_t head = causal ? blockIdx.x : blockIdx.y;
+    const __half *q_head = q + head * seqlen * HEAD_DIM;
+    const __half *k_head = k + head * seqlen * HEAD_DIM;
+    const __half *v_head = v + head * seqlen * HEAD_DIM;
+    const int warp_row0 = warp * FRAG;                      // this warp's first row in the tile
+    float *s_warp = s_tile + warp_row0 * S_STRIDE;
+    __half *p_warp = p_tile + warp_row0 * P_STRIDE;
+    float *factor_warp = row_factor + warp_row0;
+
+    load_tile<HEAD_DIM>(q_tile, q_head, query0, seqlen);
+    __syncthreads();
+    FragA q_frag[DFRAGS];  // this warp's 16 query rows, for the whole loop
+    for (int c = 0; c < DFRAGS; c++)
+        wmma::load_matrix_sync(q_frag[c], q_tile + warp_row0 * STRIDE + c * FRAG, STRIDE);
+    int frag_row[FragAcc::num_elements];
+    accumulator_rows(frag_row, (float *)p_warp);
+
+    // On chip for the whole loop: the output accumulator (fragments) and, for the softmax, two
+    // lanes per row: lane 2r and 2r+1 hold row r's running max (log2 units) and partial sum.
+    FragAcc o_acc[DFRAGS];
+    for (int c = 0; c < DFRAGS; c++) wmma::fill_fragment(o_acc[c], 0.0f);
+    const int row = lane / 2, half = lane % 2;
+    const int query = query0 + warp_row0 + row;
+    float row_max = -INFINITY, row_sum = 0.0f;
+
+    // Causal: keys past this tile's last query are masked for every row: skip those tiles.
+    const int key_end = causal ? min(seqlen, query0 + BLOCK_Q) : seqlen;
+    for (int key0 = 0; key0 < key_end; key0 += BLOCK_KV) {
+        __syncthreads();  // the previous K and V tiles are consumed (and all of Q is in fragments)
+        load_tile<HEAD_DIM>(k_tile, k_head, key0, seqlen);
+        load_tile<HEAD_DIM>(v_tile, v_head, key0, seqlen);
+        __syncthreads();
+
+        // S = Q K^T on tensor cores: four 16 x 16 fragments make this warp's 16 x 64 scores.
+        for (int n = 0; n < BLOCK_KV / FRAG; n++) {
+            FragAcc s_frag;
+            wmma::fill_fragment(s_frag, 0.0f);
+            for (int c = 0; c < DFRAGS; c++) {
+                FragKT k_frag;
+                wmma::load_matrix_sync(k_frag, k_tile + n * FRAG * STRIDE + c * FRAG, STRIDE);
+                wmma::mma_sync(s_frag, q_frag[c], k_frag, s_frag);
+            }
+            wmma::store_matrix_sync(s_warp + n * FRAG, s_frag, S_STRIDE, wmma::mem_row_major);
+        }
+        __syncwarp();
+
+        // Only the tile on the diagonal (and a ragged last tile) needs the mask.
+        const bool needs_mask = key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0);
+
+        // Online softmax on this warp's S rows, in shared memory. Lane `half` takes the float4
+        // columns 4*(2i + half): the two lanes of a row read different banks. Two reads of the
+        // row (max, then exp) cost less than holding 32 scores in registers.
+        const float *s_row = s_warp + row * S_STRIDE;
+        float tile_max = -INFINITY;
+        for (int i = 0; i < BLOCK_KV / 8; i++) {
+            int col = 4 * (2 * i + half);
+            float4 x = *(const float4 *)&s_row[col];
+            float xs[4] = {x.x, x.y, x.z, x.w};
+            for (int j = 0; j < 4; j++)
+                tile_max = fmaxf(tile_max, masked_score(xs[j], key0 + col + j, query, seqlen, causal, needs_mask));
+        }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1)) * scale_log2;
+        float new_max = fmaxf(row_max, tile_max);
+        float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key yet stays empty
+        float rescale = exp2f(row_max - base);
+        row_max = new_max;
+        row_sum *= rescale;  // this lane's share of the row sum; the pair is added at the end
+        __half *p_row = p_warp + row * P_STRIDE;
+        for (int i = 0; i < BLOCK_KV / 8; i++) {
+            int col = 4 * (2 * i + half);
+            float4 x = *(const float4 *)&s_row[col];
+            float xs[4] = {x.x, x.y, x.z, x.w}, p[4];
+            for (int j = 0; j < 4; j++) {
+                p[j] = exp2f(masked_score(xs[j], key0 + col + j, query, seqlen, causal, needs_mask) * scale_log2 - base);
+                row_sum += p[j];
+            }
+            __half2 lo = __floats2half2_rn(p[0], p[1]), hi = __floats2half2_rn(p[2], p[3]);
+            *(uint2 *)&p_row[col] = make_uint2(*(unsigned *)&lo, *(unsigned *)&hi);
+        }
+        if (half == 0) factor_warp[row] = rescale;
+        __syncwarp();
+
+        // Rescale O in registers: element e of every accumulator fragment sits in row frag_row[e].
+        for (int e = 0; e < FragAcc::num_elements; e++) {
+            float r = factor_warp[frag_row[e]];
+            for (int c = 0; c < DFRAGS; c++) o_acc[c].x[e] *= r;
+        }
+
+        // O += P V on tensor cores.
+        for (int kk = 0; kk < BLOCK_KV / FRAG; kk++) {
+            FragA p_frag;
+            wmma::load_matrix_sync(p_frag, p_warp + kk * FRAG, P_STRIDE);
+            for (int c = 0; c < DFRAGS; c++) {
+                FragV v_frag;
+                wmma::load_matrix_sync(v_frag, v_tile + kk * FRAG * STRIDE + c * FRAG, STRIDE);
+                wmma::mma_sync(o_acc[c], p_frag, v_frag, o_acc[c]);
+            }
+        }
+    }
+
+    // O = accumulator / sum, LSE = ln(sum) + max, each written once.
+    float sum = row_sum + __shfl_xor_sync(0xffffffff, row_sum, 1);
+    __syncwarp();  // every lane has read the last tile's factors
+    if (half == 0) {
+        factor_warp[row] = 1.0f / sum;
+        if (query < seqlen) lse[head * seqlen + query] = (row_max + log2f(sum)) * LN2;
+    }
+    __syncwarp();
+    for (int e = 0; e < FragAcc::num_elements; e++) {
+        float r = factor_warp[frag_row[e]];
+        for (int c = 0; c < DFRAGS; c++) o_acc[c].x[e] *= r;
+    }
+    // Each 16 x 16 block of O goes through the warp's S rows to 16-byte fp16 stores.
+    for (int c = 0; c < DFRAGS; c++) {
+        wmma::store_matrix_sync(s_warp, o_acc[c], S_STRIDE, wmma::mem_row_major);
+        __syncwarp();
+        if (query < seqlen) {
+            const float *src = s_warp + row * S_STRIDE + half * 8;
+            __half2 h[4];
+            for (int j = 0; j < 4; j++) h[j] = __floats2half2_rn(src[2 * j], src[2 * j + 1]);
+            *(uint4 *)&o[(head * seqlen + query) * HEAD_DIM + c * FRAG + half * 8] = *(uint4 *)h;
+        }
+        __syncwarp();
+    }
+}
+
+// --- Launcher --------------------------------------------------------------------------------
+static size_t workspace_bytes(const AttnShape *s) {
+    (void)s;
+    return 0;  // nothing that grows with N: S and P stay on chip
+}
+
+template <int HEAD_DIM>
+static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
+    const AttnShape *s = &args->shape;
+    int smem = Smem<HEAD_DIM>::TOTAL;
+    RETURN_IF_ERROR(cudaFuncSetAttribute(flash_attention_kernel<HEAD_DIM>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    int heads = s->batch * s->heads, tiles = ceil_div(s->seqlen, BLOCK_Q);
+    dim3 grid = s->causal ? dim3(heads, tiles) : dim3(tiles, heads);
+    flash_attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(
+        args->q, args->k, args->v, args->o, args->lse, s->seqlen, s->scale * LOG2E, s->causal);
+    return cudaGetLastError();
+}
+
+static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
+    switch (args->shape.headdim) {
+    case 64: return launch<64>(args, stream);
+    case 128: return launch<128>(args, stream);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+const Chapter chapter = {
+    "06_tensorcore_wmma",
+    "QK^T and PV on tensor cores through WMMA (fp16 in, fp32 accumulate)",
+    PRECISION_FP16_TC,
+    80,
+    workspace_bytes,
+    forward,
+};
