@@ -1,0 +1,404 @@
+#!/usr/bin/env python3
+"""The test runner: CPU tests always, the GPU matrix when a GPU is present, sanitize on demand.
+
+    tests/run.py [--build DIR] [--make CMD] [--suite default|cpu|gpu|sanitize|all]
+                 [-k SUBSTRING] [--gpu auto|yes|no] [--no-build] [--list] [-v] [--keep-tmp]
+
+`make test` runs it with --build $(BUILD); `make sanitize` adds --suite sanitize.
+
+A test module is tests/test_*.py. It may set SUITE = "cpu" (the default), "gpu" or "sanitize".
+Its tests are its module-level functions named test_*, taking no argument or one `ctx`.
+A test passes if it returns, fails on an exception (an AssertionError whose message says
+what was expected and what came), and is skipped on unittest.SkipTest(reason).
+A module may also define cases(ctx) -> [(name, fn) or (name, fn, group)]: sub-tests taking
+ctx, each counted on its own. With PARALLEL = n the cases run on n threads; cases that
+share a `group` run in one thread, in order (e.g. every chapter of one shape, so the
+first run makes the shared input/reference cache and the others reuse it).
+
+Before the CPU tests the multiarch binaries are built (make BUILD=<build>/multiarch
+ARCH=multi all); when a GPU is present, the native ones too (make BUILD=<build> all).
+A build failure is a failed test. The last line of the output is always
+`N passed, N failed` or `N passed, N failed, N skipped`; the exit code is 1 on any failure.
+"""
+import argparse
+import concurrent.futures
+import importlib.util
+import inspect
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import unittest
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITES = {"default": ["cpu", "gpu"], "cpu": ["cpu"], "gpu": ["gpu"], "sanitize": ["sanitize"],
+          "all": ["cpu", "gpu", "sanitize"]}
+NEEDS_GPU = {"gpu", "sanitize"}
+BUILD_TIMEOUT_S = 3600
+DETAIL_LINES = 40  # lines of a failure message shown under it
+
+
+def discover_chapters(root):
+    """Chapter directories NN_name holding an attention.cu, in order (as the Makefile does)."""
+    return sorted(p.parent.name for p in root.glob("[0-9][0-9]_*/attention.cu"))
+
+
+class Context:
+    """What every test gets: paths, tools, the chapters, whether a GPU is usable, helpers."""
+
+    def __init__(self, root, build, make, tmp_root):
+        self.root = root
+        self.build = build                    # native build (make BUILD=<build>)
+        self.multiarch = build / "multiarch"  # sm_80 + sm_89 + sm_90 + PTX (ARCH=multi)
+        self.python = sys.executable
+        self.make = make
+        self.chapters = discover_chapters(root)
+        self.gpu = False
+        self.gpu_reason = "not probed"
+        self.build_failed = {}                # build name -> output tail
+        self._tmp_root = tmp_root
+        self._lock = threading.Lock()
+        self._once = {}
+
+    # --- helpers ---------------------------------------------------------------------
+    def tmpdir(self):
+        """A fresh, empty temporary directory (removed when the run ends)."""
+        return Path(tempfile.mkdtemp(dir=self._tmp_root))
+
+    def run(self, cmd, env=None, timeout=300, cwd=None, input=None):
+        """Run cmd (a list) in the repo root; env adds to (None: removes from) os.environ.
+        Returns the CompletedProcess (text, stdout/stderr captured); a time-out is a failure."""
+        cmd = [str(c) for c in cmd]
+        full_env = dict(os.environ)
+        for key, value in (env or {}).items():
+            if value is None:
+                full_env.pop(key, None)
+            else:
+                full_env[key] = str(value)
+        try:
+            return subprocess.run(cmd, cwd=str(cwd or self.root), env=full_env, input=input,
+                                  stdin=None if input is not None else subprocess.DEVNULL,
+                                  capture_output=True, text=True, errors="replace",
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"timed out after {timeout} s: {shlex.join(cmd)}") from None
+        except FileNotFoundError:
+            raise AssertionError(f"cannot run {cmd[0]}: no such program") from None
+
+    def chapter_number(self, chapter):
+        return int(chapter[:2])
+
+    def binary(self, chapter, native=False):
+        return (self.build if native else self.multiarch) / chapter
+
+    def require_binary(self, chapter, native=False):
+        """The chapter's executable, or a skip when the build did not produce it (the build
+        itself is reported as a failure)."""
+        path = self.binary(chapter, native)
+        if not path.is_file():
+            raise unittest.SkipTest(f"{self.rel(path)} not built (the build failed or did not run)")
+        return path
+
+    def rel(self, path):
+        try:
+            return str(Path(path).relative_to(self.root))
+        except ValueError:
+            return str(path)
+
+    def once(self, key, fn):
+        """fn() computed once per key for the whole run, thread-safe (a failure is retried)."""
+        with self._lock:
+            entry = self._once.setdefault(key, [threading.Lock(), False, None])
+        with entry[0]:
+            if not entry[1]:
+                entry[2] = fn()
+                entry[1] = True
+            return entry[2]
+
+
+# --- results and output ---------------------------------------------------------------------
+class Results:
+    def __init__(self, verbose):
+        self.passed = self.failed = self.skipped = 0
+        self.failures = []        # test ids
+        self.skip_reasons = {}    # reason -> count
+        self.verbose = verbose
+        self.midline = False      # progress marks printed on the current line
+        self.lock = threading.Lock()
+
+    def begin(self, text):
+        print(("\n" if self.midline else "") + text, end="", flush=True)
+        self.midline = True
+
+    def end(self, text):
+        print(text if self.midline else f"  {text.strip()}", flush=True)
+        self.midline = False
+
+    def record(self, test_id, outcome, message=""):
+        with self.lock:
+            if outcome == "pass":
+                self.passed += 1
+            elif outcome == "skip":
+                self.skipped += 1
+                self.skip_reasons[message] = self.skip_reasons.get(message, 0) + 1
+            else:
+                self.failed += 1
+                self.failures.append(test_id)
+            if self.verbose or outcome == "fail":
+                note = f": {first_line(message)}" if message else ""
+                lines = [f"  {outcome.upper():4} {test_id}{note}"]
+                if outcome == "fail":
+                    lines += [f"       {line}" for line in detail_lines(message)]
+                print(("\n" if self.midline else "") + "\n".join(lines))
+                self.midline = False
+            else:
+                print("." if outcome == "pass" else "s", end="")
+                self.midline = True
+            sys.stdout.flush()
+
+
+def first_line(text):
+    lines = str(text).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def detail_lines(text):
+    lines = str(text).strip().splitlines()[1:]
+    if len(lines) > DETAIL_LINES:
+        lines = lines[:DETAIL_LINES // 2] + [f"... ({len(lines) - DETAIL_LINES} lines left out)"] + \
+            lines[-DETAIL_LINES // 2:]
+    return lines
+
+
+def call_test(fn, ctx):
+    """Run one test: ('pass'|'fail'|'skip', message)."""
+    try:
+        params = inspect.signature(fn).parameters
+        note = fn(ctx) if len(params) >= 1 else fn()
+        return "pass", note if isinstance(note, str) else ""
+    except unittest.SkipTest as exc:
+        return "skip", str(exc) or "skipped"
+    except AssertionError as exc:
+        message = str(exc)
+        if not message:  # a bare assert: show where it was
+            tb = traceback.extract_tb(exc.__traceback__)[-1]
+            message = f"assertion failed at {Path(tb.filename).name}:{tb.lineno}: {tb.line}"
+        return "fail", message
+    except Exception as exc:  # a bug in the test or the code under test
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
+        return "fail", f"{type(exc).__name__}: {exc}\n{tb}"
+
+
+# --- modules -------------------------------------------------------------------------------------
+def load_modules(results, selected_suites):
+    """Import tests/test_*.py. Returns [(suite, name, module)]; an import error is a failure."""
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "common")]
+    modules = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        name = path.stem
+        try:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        except unittest.SkipTest as exc:
+            results.record(f"{name} (import)", "skip", str(exc))
+            continue
+        except Exception:
+            results.record(f"{name} (import)", "fail", "import failed\n" + traceback.format_exc(limit=-3))
+            continue
+        suite = getattr(module, "SUITE", "cpu")
+        if suite in selected_suites:
+            modules.append((suite, name, module))
+    order = {s: i for i, s in enumerate(["cpu", "gpu", "sanitize"])}
+    modules.sort(key=lambda m: (order.get(m[0], 9), m[1]))
+    return modules
+
+
+def collect(name, module, ctx, results, pattern):
+    """The module's tests [(id, fn)] and cases [(id, fn, group)], filtered by -k."""
+    tests = [(f"{name}::{attr}", fn) for attr, fn in vars(module).items()
+             if attr.startswith("test_") and inspect.isfunction(fn) and fn.__module__ == name]
+    tests.sort(key=lambda t: t[1].__code__.co_firstlineno)
+    cases = []
+    if hasattr(module, "cases"):
+        try:
+            for item in module.cases(ctx):
+                case_name, fn = item[0], item[1]
+                group = item[2] if len(item) > 2 else ("case", case_name)
+                cases.append((f"{name}::{case_name}", fn, group))
+        except Exception:
+            results.record(f"{name}::cases", "fail", "cases(ctx) failed\n" + traceback.format_exc(limit=-3))
+    if pattern:
+        keep = lambda test_id: pattern.lower() in test_id.lower()
+        tests = [t for t in tests if keep(t[0])]
+        cases = [c for c in cases if keep(c[0])]
+    return tests, cases
+
+
+def run_module(name, module, ctx, results, tests, cases):
+    start = time.time()
+    before = (results.passed, results.failed, results.skipped)
+    results.begin(f"{name} ")
+    for test_id, fn in tests:
+        results.record(test_id, *call_test(fn, ctx))
+    groups = {}
+    for test_id, fn, group in cases:
+        groups.setdefault(group, []).append((test_id, fn))
+
+    def run_group(members):
+        for test_id, fn in members:
+            results.record(test_id, *call_test(fn, ctx))
+
+    workers = max(1, int(getattr(module, "PARALLEL", 1)))
+    if workers == 1 or len(groups) <= 1:
+        for members in groups.values():
+            run_group(members)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for future in [pool.submit(run_group, m) for m in groups.values()]:
+                future.result()
+    p, f, s = (results.passed - before[0], results.failed - before[1], results.skipped - before[2])
+    results.end(f" {p} passed, {f} failed" + (f", {s} skipped" if s else "") + f" ({time.time() - start:.1f} s)")
+
+
+# --- builds and the GPU probe ------------------------------------------------------------------
+def make_command(ctx, build_dir, extra):
+    jobs = min(8, max(2, os.cpu_count() or 2))
+    return shlex.split(ctx.make) + ["-k", f"-j{jobs}", f"BUILD={ctx.rel(build_dir)}"] + extra + ["all"]
+
+
+def make_env():
+    """The sub-make runs on its own -j: drop the parent make's jobserver (its pipe is not
+    passed on), keep the rest of MAKEFLAGS (variables given to `make test` still apply)."""
+    flags = re.sub(r"\s*--jobserver-(auth|fds)=\S+", "", os.environ.get("MAKEFLAGS", ""))
+    return {"MAKEFLAGS": flags}
+
+
+def build(ctx, results, test_id, build_dir, extra):
+    results.begin(f"{test_id} ")
+    start = time.time()
+    cmd = make_command(ctx, build_dir, extra)
+    try:
+        proc = ctx.run(cmd, env=make_env(), timeout=BUILD_TIMEOUT_S)
+        ok, output = proc.returncode == 0, proc.stdout + proc.stderr
+    except AssertionError as exc:
+        ok, output = False, str(exc)
+    if ok:
+        results.record(test_id, "pass")
+    else:
+        tail = "\n".join(output.strip().splitlines()[-30:])
+        ctx.build_failed[test_id] = tail
+        results.record(test_id, "fail", f"'{shlex.join(cmd)}' failed; the end of its output:\n{tail}")
+    results.end(f" {'ok' if ok else 'FAILED'} ({time.time() - start:.1f} s)")
+
+
+def probe_gpu(ctx):
+    """(usable, reason): run a chapter binary at a tiny shape (exit 77 = no usable GPU);
+    without a binary, ask nvidia-smi."""
+    binaries = [ctx.binary(c, native) for native in (False, True) for c in ctx.chapters]
+    for binary in [b for b in binaries if b.is_file()][:1]:  # the oldest chapter, the least demanding
+        try:
+            proc = ctx.run([binary, "--batch", "1", "--heads", "1", "--seqlen", "16", "--headdim", "64",
+                            "--no-check", "--iters", "1", "--warmup", "0"],
+                           env={"FA_CACHE": ctx.tmpdir()}, timeout=300)
+        except AssertionError as exc:
+            return True, f"{ctx.rel(binary)} did not answer ({exc}): assuming a GPU"
+        if proc.returncode == 77:
+            return False, first_line(proc.stdout) or f"{ctx.rel(binary)} exited 77 (skipped)"
+        return True, f"{ctx.rel(binary)} ran (exit {proc.returncode})"
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return False, "no chapter binary to probe with and no nvidia-smi"
+    proc = subprocess.run([smi, "-L"], capture_output=True, text=True)
+    if proc.returncode == 0 and "GPU" in proc.stdout:
+        return True, first_line(proc.stdout)
+    return False, "nvidia-smi -L lists no GPU"
+
+
+# --- main ----------------------------------------------------------------------------------------
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--build", default="build", help="native build folder (make's BUILD)")
+    parser.add_argument("--make", default="make", help="the make command (make's $(MAKE))")
+    parser.add_argument("--suite", choices=sorted(SUITES), default="default",
+                        help="default: cpu, then gpu when a GPU is present; sanitize: compute-sanitizer")
+    parser.add_argument("-k", dest="pattern", help="run only tests whose id contains this text")
+    parser.add_argument("--gpu", choices=["auto", "yes", "no"], default="auto",
+                        help="whether a GPU is usable (auto: probe)")
+    parser.add_argument("--no-build", action="store_true", help="use the binaries already built")
+    parser.add_argument("--list", action="store_true", help="list the test ids and exit")
+    parser.add_argument("-v", "--verbose", action="store_true", help="one line per test")
+    parser.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder")
+    args = parser.parse_args(argv)
+
+    start = time.time()
+    build_dir = Path(args.build)
+    build_dir = build_dir if build_dir.is_absolute() else (Path.cwd() / build_dir).resolve()
+    tmp_root = Path(tempfile.mkdtemp(prefix="fa-tests-"))
+    ctx = Context(ROOT, build_dir, args.make, tmp_root)
+    results = Results(args.verbose)
+    suites = SUITES[args.suite]
+    try:
+        modules = load_modules(results, suites)
+        if args.list:
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--list | head` ends quietly
+            for suite, name, module in modules:
+                tests, cases = collect(name, module, ctx, results, args.pattern)
+                for test_id in [t[0] for t in tests] + [c[0] for c in cases]:
+                    print(f"{suite:8} {test_id}")
+            return 0
+
+        print(f"chapters: {' '.join(ctx.chapters) or '(none)'}")
+        if not args.no_build and "cpu" in suites:
+            build(ctx, results, "build::multiarch", ctx.multiarch, ["ARCH=multi"])
+        if args.gpu == "auto":
+            ctx.gpu, ctx.gpu_reason = probe_gpu(ctx)
+        else:
+            ctx.gpu = args.gpu == "yes"
+            ctx.gpu_reason = f"--gpu {args.gpu}"
+        print(f"gpu: {'yes' if ctx.gpu else 'no'} ({ctx.gpu_reason})")
+        if ctx.gpu and not args.no_build and NEEDS_GPU & set(suites):
+            build(ctx, results, "build::native", ctx.build, [])
+
+        skipped_suites = {}
+        for suite, name, module in modules:
+            tests, cases = collect(name, module, ctx, results, args.pattern)
+            if not tests and not cases:
+                continue
+            if suite in NEEDS_GPU and not ctx.gpu:
+                count = len(tests) + len(cases)
+                skipped_suites[suite] = skipped_suites.get(suite, 0) + count
+                results.skipped += count
+                continue
+            run_module(name, module, ctx, results, tests, cases)
+
+        for suite, count in skipped_suites.items():
+            print(f"SKIP {suite} suite ({count} tests): no usable GPU: {ctx.gpu_reason}")
+        for reason, count in sorted(results.skip_reasons.items()):
+            print(f"SKIP ({count}): {reason}")
+        for test_id in results.failures:
+            print(f"FAILED {test_id}")
+        print(f"ran in {time.time() - start:.0f} s")
+    finally:
+        if not args.keep_tmp:
+            shutil.rmtree(tmp_root, ignore_errors=True)
+        else:
+            print(f"temporary files kept in {tmp_root}")
+    line = f"{results.passed} passed, {results.failed} failed"
+    if results.skipped:
+        line += f", {results.skipped} skipped"
+    print(line)
+    return 1 if results.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Every chapter builds for sm_80, sm_89 and sm_90 (the runner's `make ARCH=multi` into
+BUILD/multiarch) without a compiler warning: its binary is there and its nvcc/ptxas log
+(BUILD/multiarch/NN_name.log) holds no 'warning' and a ptxas report for each of the archs."""
+import re
+
+ARCHS = ["sm_80", "sm_89", "sm_90"]
+
+
+def build_case(chapter):
+    def case(ctx):
+        binary = ctx.binary(chapter)
+        log = binary.parent / f"{chapter}.log"
+        failed = ctx.build_failed.get("build::multiarch")
+        assert binary.is_file(), (
+            f"{ctx.rel(binary)} is missing: the multiarch build "
+            + ("failed (see build::multiarch)" if failed else "did not produce it (run without --no-build)"))
+        assert log.is_file(), f"{ctx.rel(log)} is missing: the Makefile writes nvcc's output there"
+        text = log.read_text(errors="replace")
+        warnings = [line for line in text.splitlines() if "warning" in line.lower()]
+        assert not warnings, f"{ctx.rel(log)}: {len(warnings)} compiler warning lines:\n" + "\n".join(warnings[:20])
+        for arch in ARCHS:
+            assert re.search(rf"Compiling entry function '[^']+' for '{arch}'", text), (
+                f"{ctx.rel(log)}: no ptxas report for {arch}: the multiarch build should target "
+                f"{', '.join(ARCHS)}")
+        assert binary.stat().st_mtime >= (ctx.root / chapter / "attention.cu").stat().st_mtime, (
+            f"{ctx.rel(binary)} is older than {chapter}/attention.cu: stale build")
+    return case
+
+
+def cases(ctx):
+    return [(f"multiarch_build[{chapter}]", build_case(chapter)) for chapter in ctx.chapters]
+
+
+def test_chapters_found(ctx):
+    assert ctx.chapters, "no chapter directories NN_name/attention.cu found"
+    assert ctx.chapters[0].startswith("01_"), f"the first chapter is {ctx.chapters[0]}, expected 01_naive"

@@ -1,0 +1,54 @@
+"""No GPU: a valid run is skipped, exit 77, with one line on stdout that says why (DESIGN §4).
+
+CUDA_VISIBLE_DEVICES= hides every GPU, so these cases hold on a GPU machine too; on a
+machine without a GPU the plain environment is checked as well.
+"""
+import unittest
+
+import numpy as np
+
+PARALLEL = 2
+
+RUNS = {  # label -> arguments of a valid run
+    "small": ["--batch", "1", "--heads", "1", "--seqlen", "16", "--headdim", "64", "--warmup", "0", "--iters", "1"],
+    "causal csv": ["--batch", "2", "--heads", "3", "--seqlen", "100", "--headdim", "128", "--causal", "--csv"],
+    "defaults": [],
+    "input output": ["--input", "IN", "--output", "OUT", "--no-check"],
+}
+
+
+def skip_case(chapter, label, hide_gpus):
+    def case(ctx):
+        binary = ctx.require_binary(chapter)
+        if not hide_gpus and ctx.gpu:
+            raise unittest.SkipTest("a GPU is present: the plain-environment no-GPU cases apply only without one")
+        tmp = ctx.tmpdir()
+        folder = tmp / "in"
+        folder.mkdir()
+        for name in "qkv":
+            np.save(folder / f"{name}.npy", np.ones((1, 2, 20, 64), np.float16))
+        args = [str(folder) if a == "IN" else str(tmp / "out") if a == "OUT" else a for a in RUNS[label]]
+        env = {"FA_CACHE": tmp / "cache"}
+        if hide_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        proc = ctx.run([binary, *args], env=env, timeout=120)
+        shown = f"{'CUDA_VISIBLE_DEVICES= ' if hide_gpus else ''}{chapter} {' '.join(args)}"
+        assert proc.returncode == 77, (
+            f"{shown}: expected exit 77 (skipped: no GPU), got {proc.returncode}; "
+            f"stdout {proc.stdout.strip()!r} stderr {proc.stderr.strip()!r}")
+        lines = proc.stdout.splitlines()
+        assert len(lines) == 1 and lines[0].strip(), f"{shown}: expected one line on stdout, got {proc.stdout!r}"
+        assert not proc.stderr.strip(), f"{shown}: expected nothing on stderr, got {proc.stderr.strip()!r}"
+        line = lines[0].lower()
+        assert "gpu" in line and "skip" in line, f"{shown}: the line should say it skipped for want of a GPU: {lines[0]!r}"
+        assert not (tmp / "out").exists(), f"{shown}: skipped, yet created the --output folder"
+    return case
+
+
+def cases(ctx):
+    out = []
+    for chapter in ctx.chapters:
+        for label in RUNS:
+            out.append((f"no_gpu_exit_77[{chapter}: {label}, GPUs hidden]", skip_case(chapter, label, True)))
+        out.append((f"no_gpu_exit_77[{chapter}: small, plain environment]", skip_case(chapter, "small", False)))
+    return out

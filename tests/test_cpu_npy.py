@@ -1,0 +1,269 @@
+"""common/npy.c, the .npy reader and writer the harness uses, against NumPy itself.
+
+tests/npy_tool.c drives it: files NumPy writes (every supported dtype, 0-d to 4-d, header
+versions 1, 2 and 3) must read with NumPy's dtype, shape and bits; files it writes must load
+in NumPy with the exact values; anything it cannot take must be refused with a message that
+names the problem.
+"""
+import io
+import os
+import shutil
+import unittest
+from pathlib import Path
+
+import numpy as np
+
+DTYPES = {"f2": np.float16, "f4": np.float32, "f8": np.float64, "i8": np.int64}
+NAMES = {"f2": "float16", "f4": "float32", "f8": "float64", "i8": "int64"}
+UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+SHAPES = [(), (1,), (7,), (2, 3, 4, 5), (3, 0)]
+VERSIONS = [(1, 0), (2, 0), (3, 0)]
+
+
+def tool(ctx):
+    """Compile tests/npy_tool.c with common/npy.c once (-Wall -Wextra -Werror)."""
+    def compile_tool():
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if not cc:
+            raise unittest.SkipTest("no C compiler (cc or gcc) to build tests/npy_tool.c")
+        out = ctx.tmpdir() / "npy_tool"
+        cmd = [cc, "-O2", "-Wall", "-Wextra", "-Werror", "-Icommon", "tests/npy_tool.c", "common/npy.c",
+               "-o", out]
+        proc = ctx.run(cmd, timeout=120)
+        assert proc.returncode == 0, f"compiling the npy tool failed:\n{proc.stdout}{proc.stderr}"
+        return out
+    return ctx.once("npy_tool", compile_tool)
+
+
+def run_tool(ctx, *args):
+    return ctx.run([tool(ctx), *args], timeout=60)
+
+
+def pattern(dtype, count):
+    """What npy_tool write puts in element i (see tests/npy_tool.c)."""
+    i = np.arange(count, dtype=np.uint64)
+    if dtype == "f2":
+        bits = ((i * np.uint64(2654435761)) % np.uint64(0x7C00)).astype(np.uint16)
+        bits[1::2] |= np.uint16(0x8000)
+        return bits.view(np.float16)
+    if dtype == "f4":
+        return i.astype(np.float32) * np.float32(0.25) - np.float32(3.5)
+    if dtype == "f8":
+        return i.astype(np.float64) * 0.125 - 1.5
+    return i.astype(np.int64) * 1000003 - 5000000000
+
+
+def sample(dtype, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    if dtype == "i8":
+        return rng.integers(-2**62, 2**62, size=shape, dtype=np.int64)
+    a = rng.standard_normal(shape) * 100
+    a = np.asarray(a).astype(DTYPES[dtype])
+    if a.size >= 4:  # specials the reader must carry bit for bit
+        flat = a.reshape(-1)
+        flat[:4] = [np.inf, -np.inf, -0.0, np.finfo(DTYPES[dtype]).tiny / 2]
+    return a
+
+
+def write_numpy(path, array, version=(1, 0)):
+    with open(path, "wb") as f:
+        np.lib.format.write_array(f, array, version=version)
+    return path
+
+
+def check_reads(ctx, path, array):
+    """npy_tool reads `path` as NumPy's `array`: dtype, shape, count and every element's bits."""
+    proc = run_tool(ctx, "info", path)
+    assert proc.returncode == 0, f"info {path.name}: expected exit 0, got {proc.returncode}: {proc.stderr.strip()}"
+    line = proc.stdout.strip()
+    dtype = line.split()[1]
+    shape_text = line.split(" shape ")[1].split(" count ")[0].strip()
+    shape = tuple(int(d) for d in shape_text.split(",")) if shape_text else ()
+    assert dtype == array.dtype.name, f"{path.name}: dtype {dtype}, expected {array.dtype.name}"
+    assert shape == array.shape, f"{path.name}: shape {shape}, expected {array.shape}"
+    count = int(line.split(" count ")[1].split()[0])
+    assert count == array.size, f"{path.name}: count {count}, expected {array.size}"
+    proc = run_tool(ctx, "dump", path)
+    assert proc.returncode == 0, f"dump {path.name}: exit {proc.returncode}: {proc.stderr.strip()}"
+    got = [int(x, 16) for x in proc.stdout.split()]
+    want = array.reshape(-1).view(UINT[array.itemsize]).tolist()
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert len(got) == len(want) and not bad, (
+        f"{path.name}: {len(got)} elements read, {len(want)} expected; first mismatch at "
+        f"{bad[:1]}: read {[hex(got[i]) for i in bad[:1]]}, expected {[hex(want[i]) for i in bad[:1]]}")
+
+
+# --- the tool builds -------------------------------------------------------------------------
+def test_tool_compiles_without_warnings(ctx):
+    assert tool(ctx).is_file()
+
+
+# --- NumPy writes, C reads -------------------------------------------------------------------
+def test_reads_numpy_files_every_dtype_shape_version(ctx):
+    folder = ctx.tmpdir()
+    checked = 0
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            for version in VERSIONS:
+                array = sample(dtype, shape, seed=checked)
+                name = f"{dtype}_{'x'.join(map(str, shape)) or 'scalar'}_v{version[0]}.npy"
+                check_reads(ctx, write_numpy(folder / name, array, version), array)
+                checked += 1
+    return f"{checked} files read"
+
+
+def test_reads_numpy_save_output(ctx):
+    """np.save itself (what common/reference.py uses), a 4-D fp16 tensor as the harness reads."""
+    path = ctx.tmpdir() / "q.npy"
+    array = sample("f2", (2, 3, 17, 64))
+    np.save(path, array)
+    check_reads(ctx, path, array)
+
+
+def test_reads_header_with_long_dict(ctx):
+    """A header padded far past 64 bytes (many dims of 1) still parses."""
+    path = ctx.tmpdir() / "long.npy"
+    array = sample("f4", (1, 1, 1, 1, 1, 1, 1, 5))
+    check_reads(ctx, write_numpy(path, array), array)
+
+
+# --- C writes, NumPy reads -------------------------------------------------------------------
+def test_numpy_reads_c_written_files(ctx):
+    folder = ctx.tmpdir()
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            path = folder / f"{dtype}_{len(shape)}d_{'x'.join(map(str, shape))}.npy"
+            proc = run_tool(ctx, "write", path, dtype, *shape)
+            assert proc.returncode == 0, f"write {path.name}: exit {proc.returncode}: {proc.stderr.strip()}"
+            array = np.load(path)
+            assert array.dtype == DTYPES[dtype], f"{path.name}: NumPy reads dtype {array.dtype}, expected {NAMES[dtype]}"
+            assert array.shape == shape, f"{path.name}: NumPy reads shape {array.shape}, expected {shape}"
+            want = pattern(dtype, int(np.prod(shape))).reshape(shape)
+            got_bits = array.reshape(-1).view(UINT[array.itemsize])
+            want_bits = want.reshape(-1).view(UINT[want.itemsize])
+            assert np.array_equal(got_bits, want_bits), (
+                f"{path.name}: values differ from the pattern, first at "
+                f"{int(np.argmax(got_bits != want_bits))}")
+            with open(path, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)
+                header = read_header(f)
+                data_offset = f.tell()
+            assert header == (shape, False, np.dtype(DTYPES[dtype])), f"{path.name}: header {header}"
+            assert data_offset % 64 == 0, f"{path.name}: data starts at byte {data_offset}, not 64-aligned"
+            assert path.stat().st_size == data_offset + array.nbytes, f"{path.name}: size {path.stat().st_size}"
+
+
+def test_roundtrip_keeps_bytes(ctx):
+    """NumPy file -> C load -> C save: the same array, and the data bytes unchanged."""
+    folder = ctx.tmpdir()
+    for dtype in DTYPES:
+        for shape in [(), (9,), (2, 3, 5, 64)]:
+            for version in [(1, 0), (2, 0)]:
+                array = sample(dtype, shape, seed=5)
+                src = write_numpy(folder / f"in_{dtype}_{len(shape)}_{version[0]}.npy", array, version)
+                dst = folder / f"out_{dtype}_{len(shape)}_{version[0]}.npy"
+                proc = run_tool(ctx, "roundtrip", src, dst)
+                assert proc.returncode == 0, f"roundtrip {src.name}: exit {proc.returncode}: {proc.stderr.strip()}"
+                back = np.load(dst)
+                assert back.dtype == array.dtype and back.shape == array.shape, (
+                    f"{src.name}: came back as {back.dtype} {back.shape}, expected {array.dtype} {array.shape}")
+                assert back.tobytes() == array.tobytes(), f"{src.name}: data bytes changed in the roundtrip"
+
+
+# --- refusals --------------------------------------------------------------------------------
+def npy_bytes(array, version=(1, 0)):
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, array, version=version)
+    return buf.getvalue()
+
+
+def check_refused(ctx, path, *keywords):
+    """info and dump must both exit 2 with one message naming the file and every keyword."""
+    for mode in ("info", "dump"):
+        proc = run_tool(ctx, mode, path)
+        message = proc.stderr.strip()
+        assert proc.returncode == 2, (
+            f"{mode} {Path(path).name}: expected exit 2 (refused), got {proc.returncode}; "
+            f"stdout {proc.stdout.strip()[:200]!r} stderr {message!r}")
+        assert str(path) in message, f"{mode} {Path(path).name}: the message does not name the file: {message!r}"
+        missing = [k for k in keywords if k.lower() not in message.lower()]
+        assert not missing, f"{mode} {Path(path).name}: message {message!r} lacks {missing}"
+        assert len(message.splitlines()) == 1, f"{mode}: expected a one-line message, got {message!r}"
+
+
+def write_bytes(ctx, name, data):
+    path = ctx.tmpdir() / name
+    path.write_bytes(data)
+    return path
+
+
+def test_refuses_wrong_magic(ctx):
+    data = bytearray(npy_bytes(np.zeros(4, np.float32)))
+    data[1:6] = b"NUMPZ"
+    check_refused(ctx, write_bytes(ctx, "magic.npy", bytes(data)), "magic")
+
+
+def test_refuses_a_text_file(ctx):
+    check_refused(ctx, write_bytes(ctx, "text.npy", b"1.0 2.0 3.0\n"), "not a .npy")
+
+
+def test_refuses_fortran_order(ctx):
+    array = np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3))
+    check_refused(ctx, write_bytes(ctx, "fortran.npy", npy_bytes(array)), "Fortran", "C-order")
+
+
+def test_refuses_big_endian(ctx):
+    array = np.arange(6, dtype=">f4")
+    check_refused(ctx, write_bytes(ctx, "big.npy", npy_bytes(array)), ">f4", "little-endian")
+
+
+def test_refuses_int32(ctx):
+    check_refused(ctx, write_bytes(ctx, "i4.npy", npy_bytes(np.arange(6, dtype=np.int32))),
+                  "<i4", "unsupported dtype", "float16")
+
+
+def test_refuses_complex(ctx):
+    check_refused(ctx, write_bytes(ctx, "c8.npy", npy_bytes(np.zeros(3, np.complex64))),
+                  "<c8", "unsupported dtype")
+
+
+def test_refuses_truncated_data(ctx):
+    data = npy_bytes(np.arange(10, dtype=np.float32))
+    check_refused(ctx, write_bytes(ctx, "short.npy", data[:-1]), "truncated", "float32")
+
+
+def test_refuses_trailing_bytes(ctx):
+    data = npy_bytes(np.arange(10, dtype=np.float16))
+    check_refused(ctx, write_bytes(ctx, "long.npy", data + b"\0\0"), "trailing bytes")
+
+
+def test_refuses_truncated_header(ctx):
+    data = npy_bytes(np.arange(10, dtype=np.float64))
+    check_refused(ctx, write_bytes(ctx, "head.npy", data[:30]), "truncated", "header")
+    check_refused(ctx, write_bytes(ctx, "head2.npy", npy_bytes(np.zeros(2), (2, 0))[:11]), "truncated", "header")
+
+
+def test_refuses_unknown_version(ctx):
+    data = bytearray(npy_bytes(np.zeros(4, np.float32)))
+    data[6] = 9
+    check_refused(ctx, write_bytes(ctx, "v9.npy", bytes(data)), "version 9")
+
+
+def test_refuses_missing_file(ctx):
+    path = ctx.tmpdir() / "nope.npy"
+    check_refused(ctx, path, "cannot open", "no such file")
+
+
+def test_refuses_empty_file(ctx):
+    check_refused(ctx, write_bytes(ctx, "empty.npy", b""), "not a .npy")
+
+
+def test_write_refuses_missing_folder(ctx):
+    path = ctx.tmpdir() / "no" / "such" / "out.npy"
+    proc = run_tool(ctx, "write", path, "f4", "3")
+    assert proc.returncode == 2, f"writing into a missing folder: expected exit 2, got {proc.returncode}"
+    assert str(path) in proc.stderr and "cannot create" in proc.stderr, (
+        f"expected 'cannot create {path}...', got {proc.stderr.strip()!r}")
+    assert not os.path.exists(path)

@@ -1,0 +1,260 @@
+"""common/reference.py, the ground truth: checked against attention written out directly.
+
+The direct formula here is deliberately naive and different from the reference's code: the
+whole score matrix at once (einsum), the mask as an -inf upper triangle, exp without a shift,
+the LSE as log(sum(exp(s))). Then the script's command line: file names, determinism, the
+cache, --input, and refusals.
+"""
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
+import reference  # noqa: E402
+
+SCRIPT = Path(reference.__file__)
+
+
+def direct_attention(q, k, v, causal, scale, shift=False):
+    """O [B,H,N,D], LSE [B,H,N] in float64, straight from the formula."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    s = np.einsum("bhid,bhjd->bhij", q, k) * scale
+    n = s.shape[-1]
+    if causal:
+        upper = np.triu(np.ones((n, n), dtype=bool), k=1)  # key j > query i
+        s = np.where(upper, -np.inf, s)
+    if shift:  # for logits whose exp would lose range: exp(s - m) and m + log(sum)
+        m = np.max(s, axis=-1, keepdims=True)
+        e = np.exp(s - m)
+        return (np.einsum("bhij,bhjd->bhid", e, v) / e.sum(-1, keepdims=True),
+                (m + np.log(e.sum(-1, keepdims=True)))[..., 0])
+    e = np.exp(s)
+    return np.einsum("bhij,bhjd->bhid", e / np.sum(e, axis=-1, keepdims=True), v), np.log(np.sum(e, axis=-1))
+
+
+def rel_err(got, want):
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
+
+
+def check_close(got, want, what, tol=1e-12):
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
+    assert np.all(np.isfinite(got)), f"{what}: {np.count_nonzero(~np.isfinite(got))} non-finite values"
+    err = rel_err(got, want)
+    assert err <= tol, f"{what}: relative error {err:.3e} against the direct formula, expected <= {tol:.0e}"
+
+
+SHAPES = [(1, 1, 1, 64), (1, 1, 2, 128), (2, 3, 17, 64), (1, 2, 50, 128), (2, 1, 33, 64), (1, 1, 129, 128)]
+
+
+def test_matches_direct_formula_all_rows():
+    checked = 0
+    for b, h, n, d in SHAPES:
+        q, k, v = reference.make_inputs(b, h, n, d, seed=n + d)
+        for causal in (False, True):
+            for scale in (1 / math.sqrt(d), 0.3, 1.7, 0.0883883476):
+                rows = np.arange(n, dtype=np.int64)
+                o, lse = reference.attention_reference(q, k, v, rows, causal, scale)
+                want_o, want_lse = direct_attention(q, k, v, causal, scale)
+                what = f"B={b} H={h} N={n} D={d} causal={causal} scale={scale:g}"
+                assert o.dtype == np.float64 and lse.dtype == np.float64, f"{what}: dtypes {o.dtype}, {lse.dtype}"
+                check_close(o, want_o, f"{what}: O")
+                check_close(lse, want_lse, f"{what}: LSE")
+                checked += 1
+    return f"{checked} configurations"
+
+
+def test_matches_direct_formula_on_sampled_rows():
+    """Given a subset of rows, O and LSE are those rows of the full result (causal: their own mask)."""
+    b, h, n, d = 2, 2, 70, 64
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((b, h, n, d)).astype(np.float16) for _ in range(3))
+    rows = np.array([0, 1, 5, 31, 32, 68, 69], dtype=np.int64)
+    for causal in (False, True):
+        o, lse = reference.attention_reference(q, k, v, rows, causal, 0.125)
+        want_o, want_lse = direct_attention(q, k, v, causal, 0.125)
+        check_close(o, want_o[:, :, rows], f"rows {rows.tolist()} causal={causal}: O")
+        check_close(lse, want_lse[:, :, rows], f"rows {rows.tolist()} causal={causal}: LSE")
+
+
+def test_causal_first_row_is_v0():
+    """Causal row 0 sees key 0 only: O = V[0] exactly and LSE = its one scaled score."""
+    q, k, v = reference.make_inputs(1, 2, 9, 64, seed=3)
+    o, lse = reference.attention_reference(q, k, v, np.arange(9, dtype=np.int64), True, 0.125)
+    assert np.array_equal(o[:, :, 0], v[:, :, 0].astype(np.float64)), "causal O[0] should equal V[0]"
+    s00 = np.sum(q[:, :, 0].astype(np.float64) * k[:, :, 0].astype(np.float64), axis=-1) * 0.125
+    assert np.allclose(lse[:, :, 0], s00, rtol=0, atol=1e-12), f"causal LSE[0] {lse[:, :, 0]}, expected {s00}"
+
+
+def test_large_logits_stay_finite():
+    """Q, K scaled by qk_std = 4.5 (logits up to ~100): finite, and equal to the shifted formula."""
+    for d in (64, 128):
+        q, k, v = reference.make_inputs(1, 2, 300, d, seed=7, qk_std=4.5)
+        scale = 1 / math.sqrt(d)
+        s = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), k.astype(np.float64)) * scale
+        assert np.abs(s).max() >= 50, f"D={d}: max |logit| {np.abs(s).max():.1f}: expected large logits (>= 50)"
+        for causal in (False, True):
+            rows = np.arange(300, dtype=np.int64)
+            o, lse = reference.attention_reference(q, k, v, rows, causal, scale)
+            want_o, want_lse = direct_attention(q, k, v, causal, scale, shift=True)
+            check_close(o, want_o, f"qk_std 4.5 D={d} causal={causal}: O")
+            check_close(lse, want_lse, f"qk_std 4.5 D={d} causal={causal}: LSE")
+    # Logits far past exp's float64 range (~709): the reference must still be finite.
+    q, k, v = reference.make_inputs(1, 1, 40, 64, seed=1, qk_std=40.0)
+    o, lse = reference.attention_reference(q, k, v, np.arange(40, dtype=np.int64), False, 0.125)
+    want_o, want_lse = direct_attention(q, k, v, False, 0.125, shift=True)
+    check_close(o, want_o, "qk_std 40: O")
+    check_close(lse, want_lse, "qk_std 40: LSE")
+
+
+def test_make_inputs_deterministic_fp16():
+    a = reference.make_inputs(2, 3, 17, 64, seed=5)
+    b = reference.make_inputs(2, 3, 17, 64, seed=5)
+    c = reference.make_inputs(2, 3, 17, 64, seed=6)
+    for x, y, z, name in zip(a, b, c, "qkv"):
+        assert x.dtype == np.float16 and x.shape == (2, 3, 17, 64), f"{name}: {x.dtype} {x.shape}"
+        assert np.array_equal(x, y), f"{name}: the same seed gave different inputs"
+        assert not np.array_equal(x, z), f"{name}: seeds 5 and 6 gave the same inputs"
+    q, k, v = reference.make_inputs(1, 4, 256, 64, seed=0, qk_std=4.5)
+    for x, want, name in ((q, 4.5, "q"), (k, 4.5, "k"), (v, 1.0, "v")):
+        std = float(x.astype(np.float64).std())
+        assert abs(std - want) < 0.05 * want, f"qk_std 4.5: {name} has std {std:.3f}, expected ~{want}"
+
+
+def test_sample_rows_small_shapes_every_row():
+    for b, h, n in [(1, 1, 1), (2, 3, 17), (1, 16, 2048), (1, 1, 8192)]:
+        assert b * h * n * n <= reference.FULL_PAIRS, "test shape too large"
+        rows = reference.sample_rows(b, h, n)
+        assert rows.dtype == np.int64, f"rows dtype {rows.dtype}, expected int64"
+        assert np.array_equal(rows, np.arange(n)), f"B={b} H={h} N={n}: expected every row, got {len(rows)}"
+
+
+def test_sample_rows_large_shapes_sampled():
+    for b, h, n in [(1, 1, 8193), (1, 16, 4096), (4, 16, 4096), (1, 16, 16384), (64, 32, 4096)]:
+        rows = reference.sample_rows(b, h, n)
+        what = f"B={b} H={h} N={n}"
+        assert b * h * n * n > reference.FULL_PAIRS, "test shape too small"
+        assert rows.dtype == np.int64, f"{what}: rows dtype {rows.dtype}"
+        assert rows[0] == 0 and rows[-1] == n - 1, f"{what}: the sample must hold rows 0 and N-1, got {rows[[0, -1]]}"
+        assert np.all(np.diff(rows) > 0), f"{what}: rows not sorted and unique"
+        assert reference.MIN_SAMPLED_ROWS <= len(rows) < n, f"{what}: {len(rows)} rows sampled of {n}"
+        assert b * h * len(rows) * n <= 2 * reference.FULL_PAIRS + b * h * n * reference.MIN_SAMPLED_ROWS, (
+            f"{what}: {len(rows)} rows: the reference would cost more than the budget FULL_PAIRS")
+        assert np.array_equal(rows, reference.sample_rows(b, h, n)), f"{what}: the sample is not deterministic"
+
+
+# --- the command line ----------------------------------------------------------------------------
+def prepare(ctx, out, *args):
+    return ctx.run([ctx.python, SCRIPT, "prepare", "--out", out, *args], timeout=300)
+
+
+SHAPE_ARGS = ["--batch", "1", "--heads", "2", "--seqlen", "33", "--headdim", "64", "--seed", "3"]
+REF_FILES = ["ref_c1_s0.125_rows.npy", "ref_c1_s0.125_o.npy", "ref_c1_s0.125_lse.npy"]
+
+
+def test_prepare_writes_documented_files(ctx):
+    out = ctx.tmpdir() / "data"
+    proc = prepare(ctx, out, *SHAPE_ARGS, "--scale", "0.125", "--causal")
+    assert proc.returncode == 0, f"prepare failed ({proc.returncode}): {proc.stderr}"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(["q.npy", "k.npy", "v.npy"] + REF_FILES), f"prepare wrote {names}"
+    q, k, v = (np.load(out / f"{n}.npy") for n in "qkv")
+    for x, want in zip((q, k, v), reference.make_inputs(1, 2, 33, 64, 3)):
+        assert x.dtype == np.float16 and x.shape == (1, 2, 33, 64), f"input {x.dtype} {x.shape}"
+        assert np.array_equal(x, want), "prepare's inputs differ from make_inputs with the same seed"
+    rows = np.load(out / REF_FILES[0])
+    o = np.load(out / REF_FILES[1])
+    lse = np.load(out / REF_FILES[2])
+    assert rows.dtype == np.int64 and np.array_equal(rows, np.arange(33)), f"rows {rows.dtype} {rows}"
+    assert o.dtype == np.float64 and o.shape == (1, 2, 33, 64), f"o {o.dtype} {o.shape}"
+    assert lse.dtype == np.float64 and lse.shape == (1, 2, 33), f"lse {lse.dtype} {lse.shape}"
+    want_o, want_lse = direct_attention(q, k, v, True, 0.125)
+    check_close(o, want_o, "prepare: O")
+    check_close(lse, want_lse, "prepare: LSE")
+    paths = reference.ref_paths(str(out), True, "0.125")
+    assert sorted(Path(p).name for p in paths.values()) == sorted(REF_FILES), f"ref_paths gives {paths}"
+
+
+def test_prepare_deterministic_and_reuses_cache(ctx):
+    a, b = ctx.tmpdir(), ctx.tmpdir()
+    for out in (a, b):
+        proc = prepare(ctx, out, *SHAPE_ARGS, "--scale", "0.125", "--causal")
+        assert proc.returncode == 0, f"prepare failed ({proc.returncode}): {proc.stderr}"
+    for name in ["q.npy", "k.npy", "v.npy"] + REF_FILES:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), f"{name} differs between two runs of one seed"
+    # A second prepare into the same folder keeps what is there (the cache): plant a marker.
+    marker = np.zeros((1, 2, 33, 64))
+    np.save(a / REF_FILES[1], marker)
+    proc = prepare(ctx, a, *SHAPE_ARGS, "--scale", "0.125", "--causal")
+    assert proc.returncode == 0, f"prepare (cached) failed: {proc.stderr}"
+    assert np.array_equal(np.load(a / REF_FILES[1]), marker), "prepare rewrote a cached reference file"
+    leftovers = [p.name for p in a.iterdir() if ".tmp" in p.name]
+    assert not leftovers, f"temporary files left behind: {leftovers}"
+    # Another causal flag and scale in the same folder: new reference files beside the old ones.
+    proc = prepare(ctx, a, *SHAPE_ARGS, "--scale", "0.3")
+    assert proc.returncode == 0, f"prepare --scale 0.3 failed: {proc.stderr}"
+    for part in ("rows", "o", "lse"):
+        assert (a / f"ref_c0_s0.3_{part}.npy").is_file(), f"ref_c0_s0.3_{part}.npy not written"
+
+
+def test_prepare_no_ref_writes_inputs_only(ctx):
+    out = ctx.tmpdir()
+    proc = prepare(ctx, out, *SHAPE_ARGS, "--scale", "0.125", "--no-ref")
+    assert proc.returncode == 0, f"prepare --no-ref failed: {proc.stderr}"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["k.npy", "q.npy", "v.npy"], f"prepare --no-ref wrote {names}"
+
+
+def test_prepare_input_folder(ctx):
+    src, out = ctx.tmpdir(), ctx.tmpdir()
+    rng = np.random.default_rng(42)
+    arrays = [rng.standard_normal((2, 1, 20, 128)).astype(np.float16) for _ in range(3)]
+    for name, array in zip("qkv", arrays):
+        np.save(src / f"{name}.npy", array)
+    proc = prepare(ctx, out, "--input", src, "--scale", "0.2", "--causal")
+    assert proc.returncode == 0, f"prepare --input failed ({proc.returncode}): {proc.stderr}"
+    o = np.load(out / "ref_c1_s0.2_o.npy")
+    lse = np.load(out / "ref_c1_s0.2_lse.npy")
+    rows = np.load(out / "ref_c1_s0.2_rows.npy")
+    assert np.array_equal(rows, np.arange(20)), f"rows {rows}"
+    want_o, want_lse = direct_attention(*arrays, True, 0.2)
+    check_close(o, want_o, "prepare --input: O")
+    check_close(lse, want_lse, "prepare --input: LSE")
+    assert sorted(p.name for p in src.iterdir()) == ["k.npy", "q.npy", "v.npy"], "prepare --input changed SRC"
+
+
+def test_inputs_command_qk_std(ctx):
+    out = ctx.tmpdir()
+    proc = ctx.run([ctx.python, SCRIPT, "inputs", "--out", out, "--batch", "1", "--heads", "2", "--seqlen", "300",
+                    "--headdim", "64", "--seed", "7", "--qk-std", "4.5"])
+    assert proc.returncode == 0, f"inputs failed ({proc.returncode}): {proc.stderr}"
+    q, k, v = (np.load(out / f"{n}.npy") for n in "qkv")
+    for x, want in zip((q, k, v), reference.make_inputs(1, 2, 300, 64, 7, qk_std=4.5)):
+        assert np.array_equal(x, want), "inputs --qk-std 4.5 differ from make_inputs(qk_std=4.5)"
+
+
+BAD_ARGS = [
+    (["prepare", "--batch", "1"], "--out"),
+    (["prepare", "--out", "OUT", "--scale", "0.1"], "--batch"),
+    (["prepare", "--out", "OUT", *SHAPE_ARGS[:4], "--seqlen", "0", "--headdim", "64", "--scale", "0.1"], ">= 1"),
+    (["prepare", "--out", "OUT", *SHAPE_ARGS, "--scale", "-1"], "--scale"),
+    (["prepare", "--out", "OUT", *SHAPE_ARGS, "--scale", "nan"], "--scale"),
+    (["prepare", "--out", "OUT", *SHAPE_ARGS], "--scale"),
+    (["inputs", "--out", "OUT", "--batch", "x", "--heads", "1", "--seqlen", "4", "--headdim", "64"], "--batch"),
+    (["transmogrify"], "invalid choice"),
+    ([], "command"),
+    (["prepare", "--out", "OUT", "--input", "MISSING", "--scale", "0.1"], "MISSING"),
+]
+
+
+def test_bad_arguments_exit_2(ctx):
+    tmp = ctx.tmpdir()
+    for args, keyword in BAD_ARGS:
+        args = [str(tmp / a) if a in ("OUT", "MISSING") else a for a in args]
+        keyword = str(tmp / keyword) if keyword == "MISSING" else keyword
+        proc = ctx.run([ctx.python, SCRIPT, *args], timeout=60)
+        assert proc.returncode == 2, (
+            f"reference.py {' '.join(args)}: expected exit 2, got {proc.returncode}; stderr {proc.stderr.strip()!r}")
+        assert keyword in proc.stderr, f"reference.py {' '.join(args)}: stderr lacks {keyword!r}: {proc.stderr.strip()!r}"
+        assert "Traceback" not in proc.stderr, f"reference.py {' '.join(args)}: a traceback instead of a message"
