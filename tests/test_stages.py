@@ -1,0 +1,380 @@
+#!/usr/bin/env python3
+"""CPU tests of common/stages.py: results files, Markdown tables, the math and the skip rule.
+
+No GPU, PyTorch or matplotlib needed. Each test_* function takes no arguments; run them all
+with `python tests/test_stages.py` (or through tests/run.py).
+"""
+import contextlib
+import io
+import os
+import stat
+import sys
+import tempfile
+import traceback
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+FIXTURES = os.path.join(HERE, "fixtures")
+sys.path.insert(0, os.path.join(ROOT, "common"))
+
+import stages  # noqa: E402
+
+FIXTURE_CSV = os.path.join(FIXTURES, "FAKE_GPU.csv")
+FIXTURE_GPU = "FAKE GPU H200"
+
+
+def read(path):
+    """The text of a file."""
+    with open(path) as f:
+        return f.read()
+
+
+def fixture_rows():
+    """The made-up results of tests/fixtures/FAKE_GPU.csv (with its notes)."""
+    return stages.read_results(FIXTURE_CSV)
+
+
+def quiet(function, *args):
+    """Call function with its stdout swallowed; return (result, printed text)."""
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        result = function(*args)
+    return result, buffer.getvalue()
+
+
+# --- Results files ---------------------------------------------------------------------
+
+def test_csv_round_trip():
+    shape = stages.bench_shape(128, 4096, 1)
+    rows = [stages.make_row("04_fused", shape, "PASS", 18.3301, 29.99, 3.012e-4),
+            stages.make_row("01_naive", stages.bench_shape(64, 16384, 0), "SKIP",
+                            note="this shape needs 33.0 GiB of device memory, lower B, H or N"),
+            stages.make_row("torch_flash", shape, "FAIL", 0.9194, 298.98, 0.0123, note="odd, but kept")]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "NVIDIA_H200.csv")
+        stages.write_results(path, rows)
+        assert read(path).splitlines()[0] == "impl,batch,heads,seqlen,headdim,causal,dtype,ms,tflops,rel_l2,status"
+        assert read(path).splitlines()[2] == "01_naive,1,32,16384,64,0,fp16,,,,SKIP"
+        back = stages.read_results(path)
+    assert back == rows, back
+    assert back[0]["ms"] == 18.3301 and back[0]["batch"] == 4 and back[0]["causal"] == 1
+    assert "note" not in back[0] and back[1]["note"].startswith("this shape needs")
+
+
+def test_read_results_refuses_other_csv():
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "other.csv")
+        with open(path, "w") as f:
+            f.write("impl,ms\n01_naive,1.0\n")
+        try:
+            stages.read_results(path)
+        except ValueError as exc:
+            assert "missing columns" in str(exc)
+        else:
+            raise AssertionError("a CSV without the result columns was accepted")
+
+
+def test_env_round_trip():
+    env = {"gpu": "NVIDIA H200", "command": "python3 common/stages.py bench --build build 01_naive"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "x.env")
+        stages.write_env(path, env)
+        assert read(path) == ("gpu: NVIDIA H200\n"
+                              "command: python3 common/stages.py bench --build build 01_naive\n")
+        assert stages.read_env(path) == env
+        assert stages.read_env(os.path.join(tmp, "missing.env")) == {}
+
+
+# --- Markdown -------------------------------------------------------------------------
+
+def test_stage_table_matches_golden():
+    got = stages.stage_table_markdown(fixture_rows(), "docs/results/FAKE_GPU.csv", FIXTURE_GPU)
+    want = read(os.path.join(FIXTURES, "stage_table.md"))
+    assert got == want, "stage table differs from tests/fixtures/stage_table.md:\n" + got
+
+
+def test_results_page_matches_golden():
+    env = stages.read_env(os.path.join(FIXTURES, "FAKE_GPU.env"))
+    got = stages.results_markdown(fixture_rows(), env, "FAKE_GPU.csv")
+    want = read(os.path.join(FIXTURES, "FAKE_GPU.md"))
+    assert got == want, "results page differs from tests/fixtures/FAKE_GPU.md:\n" + got
+
+
+def test_chapter_table_matches_golden():
+    got = stages.chapter_table_markdown(fixture_rows(), "04_fused", "03_online_softmax",
+                                        "../docs/results/FAKE_GPU.csv", FIXTURE_GPU)
+    want = read(os.path.join(FIXTURES, "chapter_04_fused.md"))
+    assert got == want, "chapter table differs from tests/fixtures/chapter_04_fused.md:\n" + got
+
+
+def test_stage_cells_hand_computed():
+    rows = fixture_rows()
+    # 02 at 27.49 ms, 20.0 TFLOP/s; 01 at 68.72 ms; FA2 331.98, cuDNN 582.99 TFLOP/s.
+    cells = stages.stage_cells(rows, "02_tiling", "01_naive", "01_naive", 0)
+    assert cells == ["27.5", "20.0", "2.5x", "2.5x", "6%", "3%"], cells
+    # 07 causal: 70.1 / 1.2 = 58.4x vs 01; its previous chapter (06) FAILed there: no ratio.
+    cells = stages.stage_cells(rows, "07_async_pipeline", "01_naive", "06_tensorcore_wmma", 1)
+    assert cells == ["1.20", "229.1", "58.4x", "-", "77%", "45%"], cells
+    assert stages.stage_cells(rows, "06_tensorcore_wmma", "01_naive", "05_causal", 1) == ["FAIL"] + ["-"] * 5
+    assert stages.stage_cells(rows, "torch_efficient", "01_naive", None, 1) == ["skip"] + ["-"] * 5
+    assert stages.stage_cells(rows, "04_fused", "01_naive", "03_online_softmax", 0, 64) == ["-"] * 6
+    # An anchor has no previous chapter: its "x vs prev" cell is empty.
+    assert stages.stage_cells(rows, "torch_cudnn", "01_naive", None, 0)[2:4] == ["72.9x", ""]
+
+
+def test_marker_replacement():
+    begin, end = stages.STAGE_BEGIN, stages.STAGE_END
+    text = f"# Title\n\nbefore\n{begin}\nold table\nmore old\n{end}\nafter\n"
+    new = stages.replace_between(text, begin, end, "| a |\n|--|\n")
+    assert new == f"# Title\n\nbefore\n{begin}\n\n| a |\n|--|\n\n{end}\nafter\n", new
+    assert stages.replace_between(new, begin, end, "| a |\n|--|\n") == new  # idempotent
+    for broken in ("no markers at all\n", f"only {begin}\nx\n", f"{end}\nonly the end\n",
+                   f"{end}\nwrong order\n{begin}\n"):
+        assert stages.replace_between(broken, begin, end, "table") == broken, broken
+
+
+def test_regenerate_tables_on_a_tree():
+    with tempfile.TemporaryDirectory() as tmp:
+        csv_path = os.path.join(tmp, "results", "FAKE_GPU.csv")
+        stages.write_results(csv_path, fixture_rows())
+        readme = os.path.join(tmp, "README.md")
+        with open(readme, "w") as f:
+            f.write(f"intro\n{stages.STAGE_BEGIN}\nstale\n{stages.STAGE_END}\nend\n")
+        for chapter, text in (("03_online_softmax", "# 03, no markers\n"),
+                              ("04_fused", f"# 04\n{stages.MEASURED_BEGIN}\n{stages.MEASURED_END}\n")):
+            os.mkdir(os.path.join(tmp, chapter))
+            with open(os.path.join(tmp, chapter, "README.md"), "w") as f:
+                f.write(text)
+        quiet(stages.regenerate_tables, csv_path, readme)
+        top = read(readme)
+        assert top.startswith("intro\n") and top.endswith(f"{stages.STAGE_END}\nend\n") and "stale" not in top
+        assert "| 07_async_pipeline | 2.12 | 259.9 | 32.5x |" in top
+        assert "`results/FAKE_GPU.csv`" in top
+        assert read(os.path.join(tmp, "03_online_softmax", "README.md")) == "# 03, no markers\n"
+        chapter = read(os.path.join(tmp, "04_fused", "README.md"))
+        assert "| **04_fused** | non-causal | 29.2 | 30.0 | 18.3 |" in chapter
+        assert "| 03_online_softmax | causal |" in chapter and "`../results/FAKE_GPU.csv`" in chapter
+        assert os.path.exists(os.path.join(tmp, "results", "FAKE_GPU.md"))
+
+
+# --- Math, formats, the skip rule --------------------------------------------------------
+
+def test_speedup_and_percent():
+    assert stages.speedup(100.0, 8.0) == 12.5
+    assert stages.fmt_speedup(stages.speedup(68.72, 2.115)) == "32.5x"
+    assert stages.speedup(None, 1.0) is None and stages.speedup(1.0, None) is None
+    assert abs(stages.percent_of(150.0, 332.0) - 45.1807) < 1e-3
+    assert stages.fmt_percent(stages.percent_of(150.0, 332.0)) == "45%"
+    assert stages.percent_of(150.0, None) is None and stages.fmt_percent(None) == "-"
+    shape = stages.bench_shape(128, 4096, 0)  # 4*4*16*4096^2*128 = 5.4976e11 FLOPs
+    assert abs(stages.forward_tflops(shape, 1.0) - 549.7558) < 1e-3
+    assert abs(stages.forward_tflops(dict(shape, causal=1), 1.0) - 274.8779) < 1e-3
+
+
+def test_number_formats():
+    assert [stages.fmt_ms(x) for x in (0.0123, 0.943, 3.665, 18.33, 68.72, 123.4, 4567.8)] == \
+        ["0.012", "0.943", "3.67", "18.3", "68.7", "123", "4568"]
+    assert stages.fmt_tflops(259.93) == "259.9" and stages.fmt_tflops(8) == "8.0"
+    assert stages.fmt_rel(2.9e-4) == "2.9e-04" and stages.fmt_ms(None) == "-"
+    assert [stages.n_label(n) for n in (512, 1024, 16384, 1000)] == ["512", "1k", "16k", "1000"]
+
+
+def test_skip_projection():
+    # 100 ms on some work -> 400 ms on 4x the work, times 14 runs = 5.6 s.
+    assert abs(stages.projected_seconds(10, 100.0, 40) - 5.6) < 1e-9
+    assert stages.RUNS_PER_SHAPE == 14
+    assert stages.BUDGET_S == 15
+    at = lambda n: stages.bench_shape(128, n, 0)
+    assert stages.work(at(8192)) == 2 * stages.work(at(4096))      # B·N fixed: work grows as N
+    assert stages.too_slow(None, at(512)) is None
+    assert stages.too_slow((stages.work(at(4096)), 354.0), at(8192)) is None  # 9.9 s: runs
+    assert stages.too_slow((stages.work(at(8192)), 708.0), at(16384)) == "projected 20 s"  # 19.8 s
+    assert stages.too_slow((stages.work(at(1024)), 260.0), at(4096)) is None  # 14.56 s: runs
+    assert stages.too_slow((stages.work(at(1024)), 270.0), at(4096)) == "projected 16 s"  # 15.12 s
+
+
+def test_bench_shapes():
+    shapes = stages.bench_shapes()
+    assert len(shapes) == 24
+    assert all(s["batch"] * s["seqlen"] == 16384 and s["heads"] * s["headdim"] == 2048 for s in shapes)
+    assert shapes[0] == {"batch": 32, "heads": 16, "seqlen": 512, "headdim": 128, "causal": 0}
+    for d in (64, 128):
+        for c in (0, 1):
+            ns = [s["seqlen"] for s in shapes if (s["headdim"], s["causal"]) == (d, c)]
+            assert ns == [512, 1024, 2048, 4096, 8192, 16384], ns
+    assert sorted({s["seqlen"] for s in stages.bench_shapes(quick=True)}) == [1024, 4096]
+
+
+def test_gpu_slug():
+    assert stages.gpu_slug("NVIDIA H200") == "NVIDIA_H200"
+    assert stages.gpu_slug("NVIDIA GeForce RTX 4090\nNVIDIA GeForce RTX 4090\n") == "NVIDIA_GeForce_RTX_4090"
+    assert stages.gpu_slug("NVIDIA A100-SXM4-80GB") == "NVIDIA_A100-SXM4-80GB"
+    assert stages.gpu_slug("") == "unknown_gpu" and stages.gpu_slug(None) == "unknown_gpu"
+    assert stages.gpu_slug("a/b c") == "a_b_c"
+
+
+def test_classify_exit_codes():
+    row = "04_fused,4,16,4096,128,0,fp16,18.3300,29.99,3.000e-04,PASS,1.2e-03,2.0e-05,1,0\n"
+    status, parsed, note = stages.classify("04_fused", 0, row, "")
+    assert status == "PASS" and parsed["ms"] == 18.33 and parsed["rel_l2"] == 3e-4 and note is None
+    status, parsed, _ = stages.classify("04_fused", 1, row.replace("PASS", "FAIL"), "")
+    assert status == "FAIL" and parsed["tflops"] == 29.99
+    assert stages.classify("04_fused", 77, "04_fused: skipped: no CUDA GPU available (x)\n", "") == \
+        ("skipped", None, "no CUDA GPU available (x)")
+    assert stages.classify("01_naive", 2, "", "01_naive: this shape needs 66 GiB\n") == \
+        ("usage", None, "this shape needs 66 GiB")
+    assert stages.classify("04_fused", 1, "", "04_fused: CUDA error in the forward: x\n") == \
+        ("error", None, "CUDA error in the forward: x")
+    assert stages.classify("04_fused", -11, "", "") == ("error", None, "exit -11: no output")
+
+
+# --- The commands, on fake chapter binaries ------------------------------------------------
+
+FAKE_BINARY = '''#!{python}
+"""A stand-in for a chapter binary: behaviour chosen by its name."""
+import os, sys
+name = os.path.basename(sys.argv[0])
+args = sys.argv[1:]
+if "--dry-run" in args:
+    print(f"{{name}}: the fake idea of {{name}}")
+    sys.exit(0)
+def flag(f, default):
+    return int(args[args.index(f) + 1]) if f in args else default
+b, h, n, d = flag("--batch", 8), flag("--heads", 16), flag("--seqlen", 2048), flag("--headdim", 128)
+c = int("--causal" in args)
+if name.endswith("old"):
+    print(f"{{name}}: skipped: needs sm_80 or newer")
+    sys.exit(77)
+if name.endswith("big") and n >= 4096:
+    print(f"{{name}}: this shape needs 99.0 GiB of device memory", file=sys.stderr)
+    sys.exit(2)
+ms = 300.0 * (n / 1024) ** 2 if name.endswith("slow") else 1.0 * (n / 1024) ** 2
+status = "FAIL" if name.endswith("bad") else "PASS"
+tflops = 4.0 * b * h * n * n * d / (2 if c else 1) / (ms * 1e-3) / 1e12
+print(f"{{name}},{{b}},{{h}},{{n}},{{d}},{{c}},fp16,{{ms:.4f}},{{tflops:.2f}},3.000e-04,{{status}},1e-3,1e-5,1,0")
+sys.exit(1 if status == "FAIL" else 0)
+'''
+
+
+def make_fake_build(folder, names):
+    """Write executable fake chapter binaries named names into folder."""
+    os.makedirs(folder, exist_ok=True)
+    for name in names:
+        path = os.path.join(folder, name)
+        with open(path, "w") as f:
+            f.write(FAKE_BINARY.format(python=sys.executable))
+        os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)
+
+
+def without_torch(function, *args):
+    """Run a command as if PyTorch were absent, whatever this machine has."""
+    saved = stages.torch_gpu_ready
+    stages.torch_gpu_ready = lambda line: (print(line), False)[1]
+    try:
+        return quiet(function, *args)
+    finally:
+        stages.torch_gpu_ready = saved
+
+
+def test_bench_on_fake_binaries():
+    names = ["01_slow", "02_big", "03_old", "04_bad", "05_good"]
+    with tempfile.TemporaryDirectory() as tmp:
+        make_fake_build(os.path.join(tmp, "build"), names)
+        out = os.path.join(tmp, "results")
+        readme = os.path.join(tmp, "README.md")
+        with open(readme, "w") as f:
+            f.write(f"{stages.STAGE_BEGIN}\n{stages.STAGE_END}\n")
+        args = stages.parse_args(["bench", "--build", os.path.join(tmp, "build"), "--quick",
+                                  "--out", out, "--readme", readme] + names)
+        code, printed = without_torch(stages.command_bench, args)
+        assert code == 1, printed  # 04_bad FAILed
+        assert "PyTorch not found: anchor rows skipped" in printed
+        csv_files = [p for p in os.listdir(out) if p.endswith(".csv") and not p.endswith(".notes.csv")]
+        assert len(csv_files) == 1, os.listdir(out)
+        rows = stages.read_results(os.path.join(out, csv_files[0]))
+        assert len(rows) == 8 * len(names)
+        def at(impl, n, d=128, c=0):
+            return stages.find_row(rows, impl, d, n, c)
+        assert at("01_slow", 1024)["status"] == "PASS"
+        assert at("01_slow", 4096)["status"] == "SKIP" and at("01_slow", 4096)["note"] == "projected 17 s"  # 300 ms x 4 x 14
+        assert at("01_slow", 4096)["ms"] is None
+        assert at("02_big", 4096, 64, 1)["note"] == "this shape needs 99.0 GiB of device memory"
+        assert at("03_old", 1024)["status"] == "SKIP" and "needs sm_80" in at("03_old", 1024)["note"]
+        assert at("04_bad", 4096)["status"] == "FAIL" and at("04_bad", 4096)["ms"] == 16.0
+        assert at("05_good", 4096)["status"] == "PASS" and at("05_good", 4096)["tflops"] > 0
+        assert os.path.exists(os.path.join(out, csv_files[0][:-4] + ".md"))
+        assert "| 05_good | 16.0 |" in read(readme)
+
+
+def test_bench_stops_when_every_chapter_skips():
+    with tempfile.TemporaryDirectory() as tmp:
+        make_fake_build(os.path.join(tmp, "build"), ["01_old", "02_old"])
+        out = os.path.join(tmp, "results")
+        args = stages.parse_args(["bench", "--build", os.path.join(tmp, "build"), "--quick",
+                                  "--out", out, "--readme", os.path.join(tmp, "README.md"),
+                                  "01_old", "02_old"])
+        code, printed = without_torch(stages.command_bench, args)
+        assert code == 0 and not os.path.exists(out), printed
+        assert "nothing measured" in printed
+
+
+def test_run_on_fake_binaries():
+    saved_columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "200"  # wide enough that "adds" is not cut
+    try:
+        run_on_fake_binaries()
+    finally:
+        if saved_columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = saved_columns
+
+
+def run_on_fake_binaries():
+    """make run on fake binaries: exit 0 with a skip, 1 with a FAIL or a missing binary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        build = os.path.join(tmp, "build")
+        make_fake_build(build, ["01_good", "02_good", "03_old", "04_bad"])
+        code, printed = quiet(stages.command_run, stages.parse_args(
+            ["run", "--build", build, "01_good", "02_good", "03_old"]))
+        assert code == 0, printed
+        assert "running 01_good" in printed and "not a failure" in printed
+        line = next(l for l in printed.splitlines() if l.startswith("02_good "))
+        assert "the fake idea of 02_good" in line and "4.00" in line and "PASS" in line, line
+        code, printed = quiet(stages.command_run, stages.parse_args(
+            ["run", "--build", build, "01_good", "04_bad", "09_missing"]))
+        assert code == 1 and "failed: 04_bad, 09_missing" in printed, printed
+
+
+def test_table_command_without_csv():
+    with tempfile.TemporaryDirectory() as tmp:
+        args = stages.parse_args(["table", "--csv", os.path.join(tmp, "none.csv")])
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert stages.command_table(args) == 2
+        assert "no results CSV" in err.getvalue()
+
+
+def main():
+    tests = [(name, f) for name, f in sorted(globals().items()) if name.startswith("test_") and callable(f)]
+    passed = failed = skipped = 0
+    for name, test in tests:
+        try:
+            test()
+        except unittest.SkipTest as exc:
+            skipped += 1
+            print(f"SKIP {name}: {exc}")
+        except Exception:
+            failed += 1
+            print(f"FAIL {name}")
+            traceback.print_exc()
+        else:
+            passed += 1
+            print(f"ok   {name}")
+    print(f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
