@@ -82,8 +82,10 @@ def fmt_tflops(tflops):
 
 
 def fmt_speedup(ratio):
-    """A speedup like 12.3x; '-' when missing."""
-    return "-" if ratio is None else f"{ratio:.1f}x"
+    """A speedup like 12.3x, or 1.04x below 10x (small steps matter); '-' when missing."""
+    if ratio is None:
+        return "-"
+    return f"{ratio:.1f}x" if ratio >= 10 else f"{ratio:.2f}x"
 
 
 def fmt_percent(percent):

@@ -112,7 +112,7 @@ def test_stage_cells_hand_computed():
     rows = fixture_rows()
     # 02 at 27.49 ms, 20.0 TFLOP/s; 01 at 68.72 ms; FA2 331.98, cuDNN 582.99 TFLOP/s.
     cells = stages.stage_cells(rows, "02_tiling", "01_naive", "01_naive", 0)
-    assert cells == ["27.5", "20.0", "2.5x", "2.5x", "6%", "3%"], cells
+    assert cells == ["27.5", "20.0", "2.50x", "2.50x", "6%", "3%"], cells
     # 07 causal: 70.1 / 1.2 = 58.4x vs 01; its previous chapter (06) FAILed there: no ratio.
     cells = stages.stage_cells(rows, "07_async_pipeline", "01_naive", "06_tensorcore_wmma", 1)
     assert cells == ["1.20", "229.1", "58.4x", "-", "77%", "45%"], cells
@@ -163,6 +163,7 @@ def test_regenerate_tables_on_a_tree():
 def test_speedup_and_percent():
     assert stages.speedup(100.0, 8.0) == 12.5
     assert stages.fmt_speedup(stages.speedup(68.72, 2.115)) == "32.5x"
+    assert stages.fmt_speedup(stages.speedup(25.8, 24.9)) == "1.04x"   # below 10x: two decimals
     assert stages.speedup(None, 1.0) is None and stages.speedup(1.0, None) is None
     assert abs(stages.percent_of(150.0, 332.0) - 45.1807) < 1e-3
     assert stages.fmt_percent(stages.percent_of(150.0, 332.0)) == "45%"
