@@ -77,8 +77,8 @@ diff:
 
 CH ?= 04
 profile: all
-	ncu --clock-control none --set full --kernel-name regex:'^(?!.*(fill|memset))' \
-	    $(BUILD)/$(wildcard $(CH)_*) --warmup 1 --iters 1 --no-check --batch 4 --heads 16 --seqlen 4096
+	ncu --clock-control none --set full --launch-count 3 \
+	    $(BUILD)/$(wildcard $(CH)_*) --warmup 0 --iters 1 --no-check --batch 4 --heads 16 --seqlen 4096
 
 sass: all
 	@cuobjdump --dump-sass $(BUILD)/$(wildcard $(CH)_*)
