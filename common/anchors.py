@@ -32,8 +32,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import reference  # noqa: E402  (common/reference.py, NumPy only)
-
-ANCHORS = ("torch_flash", "torch_cudnn", "torch_efficient", "torch_eager")
+from results import ANCHORS, CSV_FIELDS, forward_tflops, make_row, shape_label  # noqa: E402
 BACKENDS = {"torch_flash": "FLASH_ATTENTION", "torch_cudnn": "CUDNN_ATTENTION",
             "torch_efficient": "EFFICIENT_ATTENTION"}
 REL_L2_TOL = 3e-3
@@ -65,22 +64,6 @@ def prepare(cache_dir, shape):
     if reference.main(argv) != 0:
         raise RuntimeError(f"reference.py prepare failed for {folder}")
     return folder, reference.ref_paths(folder, shape["causal"], scale_text(shape["headdim"]))
-
-
-def row(impl, shape, status, ms=None, tflops=None, rel_l2=None, note=None):
-    """One result row, the same dict as common/stages.py writes."""
-    out = {"impl": impl, "batch": shape["batch"], "heads": shape["heads"], "seqlen": shape["seqlen"],
-           "headdim": shape["headdim"], "causal": int(shape["causal"]), "dtype": "fp16",
-           "ms": ms, "tflops": tflops, "rel_l2": rel_l2, "status": status}
-    if note:
-        out["note"] = note
-    return out
-
-
-def tflops_of(shape, ms):
-    """4·B·H·N²·D FLOPs (halved when causal) per ms, in TFLOP/s."""
-    flops = 4.0 * shape["batch"] * shape["heads"] * shape["seqlen"] ** 2 * shape["headdim"]
-    return (flops / 2 if shape["causal"] else flops) / (ms * 1e-3) / 1e12
 
 
 def eager_forward(torch, q, k, v, causal, scale):
@@ -159,9 +142,9 @@ def measure(torch, impl, shape, tensors, ref, warmup, iters):
         reason = first_line(exc, caught)
     if reason:  # outside the except block, so the traceback no longer holds tensors
         torch.cuda.empty_cache()
-        return row(impl, shape, "SKIP", note=reason)
+        return make_row(impl, shape, "SKIP", note=reason)
     status = "PASS" if rel <= REL_L2_TOL else "FAIL"
-    return row(impl, shape, status, round(ms, 4), round(tflops_of(shape, ms), 2),
+    return make_row(impl, shape, status, round(ms, 4), round(forward_tflops(shape, ms), 2),
                float(f"{rel:.3e}"))
 
 
@@ -181,14 +164,12 @@ def run_anchors(shapes, cache_dir, warmup=3, iters=10):
         return []
     rows = []
     for shape in shapes:
-        label = (f"B={shape['batch']} H={shape['heads']} N={shape['seqlen']} D={shape['headdim']} "
-                 f"{'causal' if shape['causal'] else 'non-causal'}")
-        print(f"anchors {label}", flush=True)
+        print(f"anchors {shape_label(shape)}", flush=True)
         try:
             tensors, ref = load_shape(torch, cache_dir, shape)
         except (RuntimeError, OSError, ValueError) as exc:
             torch.cuda.empty_cache()
-            rows += [row(impl, shape, "SKIP", note=first_line(exc)) for impl in ANCHORS]
+            rows += [make_row(impl, shape, "SKIP", note=first_line(exc)) for impl in ANCHORS]
             print(f"  inputs unavailable: {first_line(exc)}", flush=True)
             continue
         for impl in ANCHORS:
@@ -218,8 +199,7 @@ def main(argv=None):
     shape = {"batch": args.batch, "heads": args.heads, "seqlen": args.seqlen, "headdim": args.headdim,
              "causal": int(args.causal)}
     rows = run_anchors([shape], args.cache, args.warmup, args.iters)
-    fields = ("impl", "batch", "heads", "seqlen", "headdim", "causal", "dtype", "ms", "tflops",
-              "rel_l2", "status")
+    fields = CSV_FIELDS
     writer = csv.writer(sys.stdout, lineterminator="\n")
     writer.writerow(fields + ("note",))
     for r in rows:

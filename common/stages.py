@@ -32,6 +32,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
+from results import (ANCHORS, CSV_FIELDS, INT_FIELDS, forward_tflops, make_row,  # noqa: E402
+                     shape_label, work)
 
 # --- The benchmark of DESIGN §7 -----------------------------------------------------------
 BENCH_DS = (128, 64)
@@ -44,12 +46,8 @@ BENCH_WARMUP, BENCH_ITERS = 3, 10
 RUNS_PER_SHAPE = BENCH_WARMUP + BENCH_ITERS + 1   # warm-up, timed, and the checked run
 BUDGET_S = 15           # a (chapter, shape) projected to take longer is skipped (01 at 16k: ~20 s)
 BINARY_TIMEOUT_S = 600  # a binary still running after this is counted as an error
-ANCHORS = ("torch_flash", "torch_cudnn", "torch_efficient", "torch_eager")
 FA2, CUDNN = "torch_flash", "torch_cudnn"
 
-CSV_FIELDS = ("impl", "batch", "heads", "seqlen", "headdim", "causal", "dtype",
-              "ms", "tflops", "rel_l2", "status")
-INT_FIELDS = ("batch", "heads", "seqlen", "headdim", "causal")
 FLOAT_FIELDS = ("ms", "tflops", "rel_l2")
 KEY_FIELDS = ("impl", "batch", "heads", "seqlen", "headdim", "causal")
 NOTE_FIELDS = KEY_FIELDS + ("note",)
@@ -117,12 +115,6 @@ def n_label(n):
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-def forward_tflops(shape, ms):
-    """TFLOP/s of one forward: 4·B·H·N²·D FLOPs, halved when causal."""
-    flops = 4.0 * shape["batch"] * shape["heads"] * shape["seqlen"] ** 2 * shape["headdim"]
-    return (flops / 2 if shape["causal"] else flops) / (ms * 1e-3) / 1e12
-
-
 # --- Shapes and the skip rule ---------------------------------------------------------------
 
 def bench_shape(headdim, seqlen, causal):
@@ -135,17 +127,6 @@ def bench_shapes(quick=False):
     """Every bench shape, N ascending within each (D, causal), as the skip rule needs."""
     ns = QUICK_NS if quick else BENCH_NS
     return [bench_shape(d, n, c) for d in BENCH_DS for c in (0, 1) for n in ns]
-
-
-def shape_label(shape):
-    """B=4 H=16 N=4096 D=128 causal."""
-    mask = "causal" if shape["causal"] else "non-causal"
-    return f"B={shape['batch']} H={shape['heads']} N={shape['seqlen']} D={shape['headdim']} {mask}"
-
-
-def work(shape):
-    """B·H·N²·D: what a forward's time grows with (the bench keeps B·N fixed, so ~N)."""
-    return shape["batch"] * shape["heads"] * shape["seqlen"] ** 2 * shape["headdim"]
 
 
 def projected_seconds(last_work, last_ms, new_work, runs=RUNS_PER_SHAPE):
@@ -170,15 +151,6 @@ def gpu_slug(name):
 
 
 # --- Result rows and files ----------------------------------------------------------------
-
-def make_row(impl, shape, status, ms=None, tflops=None, rel_l2=None, note=None, dtype="fp16"):
-    """One result row (a dict of CSV_FIELDS, plus an optional note)."""
-    row = {"impl": impl, **{k: int(shape[k]) for k in INT_FIELDS}, "dtype": dtype,
-           "ms": ms, "tflops": tflops, "rel_l2": rel_l2, "status": status}
-    if note:
-        row["note"] = note
-    return row
-
 
 def row_key(row):
     """What identifies a row: impl and shape."""
