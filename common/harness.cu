@@ -359,8 +359,9 @@ static void prepare_data(const Options *o, const DataPaths *p) {
             rc ? strerror(rc) : "it failed, see above");
 }
 
+// Load dir/file, refusing another dtype or shape (a negative dimension matches any).
 static void *load_array(const char *dir, const char *file, NpyDtype dtype, int ndim,
-                        const long long *shape) {
+                        const long long *shape, NpyHeader *header) {
     char path[4096], err[1024];
     NpyHeader h;
     void *data;
@@ -369,6 +370,7 @@ static void *load_array(const char *dir, const char *file, NpyDtype dtype, int n
     int ok = h.ndim == ndim;
     for (int i = 0; ok && i < ndim; i++) ok = shape[i] < 0 || h.shape[i] == shape[i];
     if (!ok) die(EXIT_USAGE, "%s: unexpected shape (stale cache? delete it and rerun)", path);
+    if (header) *header = h;
     return data;
 }
 
@@ -395,23 +397,23 @@ static CheckResult check_outputs(const Options *o, const DataPaths *p, const __h
     snprintf(file, sizeof file, "ref_%s_rows.npy", p->ref_tag);
     long long any = -1;
     NpyHeader h;
-    char path[4096], err[1024];
-    join(path, sizeof path, p->ref_dir, file);
-    if (npy_read_header(path, &h, err, sizeof err)) die(EXIT_USAGE, "%s", err);
-    long long nrows = h.ndim == 1 ? h.shape[0] : 0;
-    int64_t *rows = (int64_t *)load_array(p->ref_dir, file, NPY_I64, 1, &any);
+    int64_t *rows = (int64_t *)load_array(p->ref_dir, file, NPY_I64, 1, &any, &h);
+    long long nrows = h.shape[0];
+    for (long long i = 0; i < nrows; i++)
+        if (rows[i] < 0 || rows[i] >= s->seqlen)
+            die(EXIT_USAGE, "%s/%s: row %lld out of range (stale cache? delete it and rerun)", p->ref_dir,
+                file, (long long)rows[i]);
     long long o_shape[4] = {s->batch, s->heads, nrows, s->headdim};
     snprintf(file, sizeof file, "ref_%s_o.npy", p->ref_tag);
-    double *ref_o = (double *)load_array(p->ref_dir, file, NPY_F64, 4, o_shape);
+    double *ref_o = (double *)load_array(p->ref_dir, file, NPY_F64, 4, o_shape, NULL);
     snprintf(file, sizeof file, "ref_%s_lse.npy", p->ref_tag);
-    double *ref_lse = (double *)load_array(p->ref_dir, file, NPY_F64, 3, o_shape);
+    double *ref_lse = (double *)load_array(p->ref_dir, file, NPY_F64, 3, o_shape, NULL);
 
     double err2 = 0, ref2 = 0;
     const int D = s->headdim;
     for (long long bh = 0; bh < (long long)s->batch * s->heads; bh++) {
         for (long long i = 0; i < nrows; i++) {
             long long row = rows[i];
-            if (row < 0 || row >= s->seqlen) die(EXIT_USAGE, "%s: row %lld out of range", path, row);
             const __half *got = out + ((size_t)bh * s->seqlen + row) * D;
             const double *want = ref_o + ((size_t)bh * nrows + i) * D;
             for (int d = 0; d < D; d++) {
@@ -583,7 +585,7 @@ int main(int argc, char **argv) {
     __half *host_in[3], *dev_in[3];
     size_t in_bytes = elems_qkv(s) * sizeof(__half), lse_bytes = elems_lse(s) * sizeof(float);
     for (int i = 0; i < 3; i++) {
-        host_in[i] = (__half *)load_array(paths.data_dir, names[i], NPY_F16, 4, qkv_shape);
+        host_in[i] = (__half *)load_array(paths.data_dir, names[i], NPY_F16, 4, qkv_shape, NULL);
         CUDA_CHECK(cudaMalloc(&dev_in[i], in_bytes));
         CUDA_CHECK(cudaMemcpy(dev_in[i], host_in[i], in_bytes, cudaMemcpyHostToDevice));
         free(host_in[i]);
