@@ -2,11 +2,12 @@
 //
 // Grid: one block per (64-query tile, b*h), heaviest causal tiles first (as 05).
 // Block: 4 warps; warp w owns query rows 16w..16w+15 of the tile. Q, K and V tiles live in
-// shared memory as fp16 (no more conversion to fp32). A warp keeps its Q rows and its 16 x
-// HEAD_DIM output accumulator in WMMA fragments, in registers. S = Q K^T leaves the tensor
-// cores as fp32 fragments whose element-to-(row, col) map is opaque, so each warp stores its
-// 16 x 64 S tile to shared memory, runs the online softmax there in fp32, and writes P back
-// as fp16 for the second product, O += P V.
+// shared memory as fp16 (no more conversion to fp32). A warp keeps its 16 x HEAD_DIM output
+// accumulator in WMMA fragments, in registers. S = Q K^T leaves the tensor cores as fp32
+// fragments whose element-to-(row, col) map is opaque, so each warp stores its 16 x 64 S tile
+// to shared memory, runs the online softmax on it in fp32, and writes P over it as fp16 for
+// the second product, O += P V. Three blocks share an SM (12 warps), which is what the
+// register and shared-memory budgets below are sized for.
 #include <mma.h>
 
 #include "../common/harness.h"
@@ -18,10 +19,13 @@ using namespace nvcuda;
 #define WARPS 4
 #define THREADS (WARPS * 32)
 #define FRAG 16                          // WMMA shape: 16 x 16 x 16, fp16 in, fp32 accumulate
+#define BLOCKS_PER_SM 3                  // 168 registers per thread at most, 75 KiB of shared memory
 #define PAD 8                            // halves of padding per fp16 row: 32-byte aligned rows for
                                          // WMMA, and 8 consecutive rows start in 8 different banks
-#define S_STRIDE (BLOCK_KV + 4)          // floats per row of the S tile
-#define P_STRIDE (BLOCK_KV + PAD)        // halves per row of the P tile
+#define S_STRIDE (BLOCK_KV + 8)          // floats per row of the S tile: 8 rows start in 8 different
+                                         // bank quads, so fragment stores and float4 reads of S are
+                                         // conflict-free (+4 was not: 2-way conflicts, 6% slower)
+#define P_STRIDE (BLOCK_KV + PAD)        // halves per row of P, packed over the warp's S rows
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
@@ -30,27 +34,41 @@ typedef wmma::fragment<wmma::matrix_b, FRAG, FRAG, FRAG, __half, wmma::col_major
 typedef wmma::fragment<wmma::matrix_b, FRAG, FRAG, FRAG, __half, wmma::row_major> FragV;
 typedef wmma::fragment<wmma::accumulator, FRAG, FRAG, FRAG, float> FragAcc;
 
-// Shared memory of one block, in bytes: the Q tile (whose space the S tile reuses once Q is in
-// fragments), the K and V tiles, the P tile and one factor per row.
+// Shared memory of one block, in bytes: the Q, K and V tiles, the S tile (P is written over it)
+// and one factor per row. 71 KiB at D=128: three blocks fit in an SM's 228 KiB.
 template <int HEAD_DIM>
 struct Smem {
     static constexpr int STRIDE = HEAD_DIM + PAD;  // halves per row of the Q, K, V tiles
     static constexpr int Q_BYTES = BLOCK_Q * STRIDE * 2, S_BYTES = BLOCK_Q * S_STRIDE * 4;
-    static constexpr int QS_BYTES = Q_BYTES > S_BYTES ? Q_BYTES : S_BYTES;
-    static constexpr int KV_BYTES = BLOCK_KV * STRIDE * 2, P_BYTES = BLOCK_Q * P_STRIDE * 2;
-    static constexpr int TOTAL = QS_BYTES + 2 * KV_BYTES + P_BYTES + BLOCK_Q * 4;
+    static constexpr int KV_BYTES = BLOCK_KV * STRIDE * 2;
+    static constexpr int TOTAL = Q_BYTES + S_BYTES + 2 * KV_BYTES + BLOCK_Q * 4;
 };
 
-// 64 rows of HEAD_DIM halves into a padded shared tile, 16 bytes per thread per step
-// (zero rows past seqlen).
-template <int HEAD_DIM>
+// ROWS rows of HEAD_DIM halves into a padded shared tile (zero rows past seqlen). Thread t
+// moves 16-byte chunk t % CHUNKS of rows t / CHUNKS, + ROWS_PER_PASS, ...: a fixed number of
+// copies at constant offsets, four loads in flight before their four stores.
+template <int HEAD_DIM, int ROWS>
 __device__ void load_tile(__half *tile, const __half *src, int row0, int seqlen) {
-    const int chunks = HEAD_DIM / 8, stride = HEAD_DIM + PAD;
-    for (int c = threadIdx.x; c < 64 * chunks; c += THREADS) {
-        int row = c / chunks, d0 = c % chunks * 8;
-        uint4 raw = row0 + row < seqlen ? *(const uint4 *)(src + (size_t)(row0 + row) * HEAD_DIM + d0)
-                                        : make_uint4(0, 0, 0, 0);
-        *(uint4 *)&tile[row * stride + d0] = raw;
+    constexpr int CHUNKS = HEAD_DIM / 8, ROWS_PER_PASS = THREADS / CHUNKS, PASSES = ROWS / ROWS_PER_PASS;
+    static_assert(PASSES % 4 == 0, "every thread moves a multiple of four chunks");
+    const int row = threadIdx.x / CHUNKS, d0 = threadIdx.x % CHUNKS * 8;
+    const __half *from = src + (size_t)(row0 + row) * HEAD_DIM + d0;
+    __half *to = tile + row * (HEAD_DIM + PAD) + d0;
+    if (row0 + ROWS <= seqlen) {  // a whole tile (all but the last): no checks
+#pragma unroll
+        for (int i0 = 0; i0 < PASSES; i0 += 4) {
+            uint4 raw[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) raw[i] = *(const uint4 *)(from + (i0 + i) * ROWS_PER_PASS * HEAD_DIM);
+#pragma unroll
+            for (int i = 0; i < 4; i++) *(uint4 *)(to + (i0 + i) * ROWS_PER_PASS * (HEAD_DIM + PAD)) = raw[i];
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < PASSES; i++)
+            *(uint4 *)(to + i * ROWS_PER_PASS * (HEAD_DIM + PAD)) =
+                row0 + row + i * ROWS_PER_PASS < seqlen ? *(const uint4 *)(from + i * ROWS_PER_PASS * HEAD_DIM)
+                                                        : make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -66,24 +84,31 @@ __device__ void accumulator_rows(int frag_row[FragAcc::num_elements], float *scr
     __syncwarp();
 }
 
+// 2^x as one MUFU instruction. exp2f() adds fix-ups for results below 2^-126, which a
+// probability can lose (they flush to 0): four instructions per score instead of one.
+__device__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // A raw score, or -inf where the causal mask or the end of the sequence hides the key.
 __device__ float masked_score(float score, int key, int query, int seqlen, int causal, bool needs_mask) {
     return needs_mask && (key >= seqlen || (causal && key > query)) ? -INFINITY : score;
 }
 
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(THREADS, 2)
+__global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse,
                        int seqlen, float scale_log2, int causal) {
     typedef Smem<HEAD_DIM> L;
     constexpr int STRIDE = L::STRIDE, DFRAGS = HEAD_DIM / FRAG;
     extern __shared__ __align__(128) unsigned char smem[];
     __half *q_tile = (__half *)smem;                        // [BLOCK_Q][STRIDE]
-    float *s_tile = (float *)smem;                          // [BLOCK_Q][S_STRIDE], once Q is in registers
-    __half *k_tile = (__half *)(smem + L::QS_BYTES);        // [BLOCK_KV][STRIDE]
+    float *s_tile = (float *)(smem + L::Q_BYTES);           // [BLOCK_Q][S_STRIDE], P over it
+    __half *k_tile = (__half *)(smem + L::Q_BYTES + L::S_BYTES);  // [BLOCK_KV][STRIDE]
     __half *v_tile = k_tile + BLOCK_KV * STRIDE;            // [BLOCK_KV][STRIDE]
-    __half *p_tile = v_tile + BLOCK_KV * STRIDE;            // [BLOCK_Q][P_STRIDE]
-    float *row_factor = (float *)(p_tile + BLOCK_Q * P_STRIDE);  // [BLOCK_Q]
+    float *row_factor = (float *)(v_tile + BLOCK_KV * STRIDE);  // [BLOCK_Q]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Causal work grows with the query tile, so the causal grid is (b*h, tiles) and hands out
@@ -97,14 +122,10 @@ flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half
     const __half *v_head = v + head * seqlen * HEAD_DIM;
     const int warp_row0 = warp * FRAG;                      // this warp's first row in the tile
     float *s_warp = s_tile + warp_row0 * S_STRIDE;
-    __half *p_warp = p_tile + warp_row0 * P_STRIDE;
+    __half *p_warp = (__half *)s_warp;                      // [16][P_STRIDE]
     float *factor_warp = row_factor + warp_row0;
 
-    load_tile<HEAD_DIM>(q_tile, q_head, query0, seqlen);
-    __syncthreads();
-    FragA q_frag[DFRAGS];  // this warp's 16 query rows, for the whole loop
-    for (int c = 0; c < DFRAGS; c++)
-        wmma::load_matrix_sync(q_frag[c], q_tile + warp_row0 * STRIDE + c * FRAG, STRIDE);
+    load_tile<HEAD_DIM, BLOCK_Q>(q_tile, q_head, query0, seqlen);
     int frag_row[FragAcc::num_elements];
     accumulator_rows(frag_row, (float *)p_warp);
 
@@ -119,56 +140,63 @@ flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half
     // Causal: keys past this tile's last query are masked for every row: skip those tiles.
     const int key_end = causal ? min(seqlen, query0 + BLOCK_Q) : seqlen;
     for (int key0 = 0; key0 < key_end; key0 += BLOCK_KV) {
-        __syncthreads();  // the previous K and V tiles are consumed (and all of Q is in fragments)
-        load_tile<HEAD_DIM>(k_tile, k_head, key0, seqlen);
-        load_tile<HEAD_DIM>(v_tile, v_head, key0, seqlen);
+        __syncthreads();  // the previous K and V tiles are consumed
+        load_tile<HEAD_DIM, BLOCK_KV>(k_tile, k_head, key0, seqlen);
+        load_tile<HEAD_DIM, BLOCK_KV>(v_tile, v_head, key0, seqlen);
         __syncthreads();
 
-        // S = Q K^T on tensor cores: four 16 x 16 fragments make this warp's 16 x 64 scores.
-        for (int n = 0; n < BLOCK_KV / FRAG; n++) {
-            FragAcc s_frag;
-            wmma::fill_fragment(s_frag, 0.0f);
-            for (int c = 0; c < DFRAGS; c++) {
+        // S = Q K^T on tensor cores: four 16 x 16 accumulators make this warp's 16 x 64 scores.
+        // Q's fragments are re-read from shared memory at every tile, one k-slice at a time: held
+        // in registers for the whole loop they would take 64 more per thread and allow only two
+        // blocks per SM (measured: 28% slower).
+        FragAcc s_frag[BLOCK_KV / FRAG];
+        for (int n = 0; n < BLOCK_KV / FRAG; n++) wmma::fill_fragment(s_frag[n], 0.0f);
+        for (int c = 0; c < DFRAGS; c++) {
+            FragA q_frag;
+            wmma::load_matrix_sync(q_frag, q_tile + warp_row0 * STRIDE + c * FRAG, STRIDE);
+            for (int n = 0; n < BLOCK_KV / FRAG; n++) {
                 FragKT k_frag;
                 wmma::load_matrix_sync(k_frag, k_tile + n * FRAG * STRIDE + c * FRAG, STRIDE);
-                wmma::mma_sync(s_frag, q_frag[c], k_frag, s_frag);
+                wmma::mma_sync(s_frag[n], q_frag, k_frag, s_frag[n]);
             }
-            wmma::store_matrix_sync(s_warp + n * FRAG, s_frag, S_STRIDE, wmma::mem_row_major);
         }
+        for (int n = 0; n < BLOCK_KV / FRAG; n++)
+            wmma::store_matrix_sync(s_warp + n * FRAG, s_frag[n], S_STRIDE, wmma::mem_row_major);
         __syncwarp();
 
         // Only the tile on the diagonal (and a ragged last tile) needs the mask.
         const bool needs_mask = key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0);
 
-        // Online softmax on this warp's S rows, in shared memory. Lane `half` takes the float4
-        // columns 4*(2i + half): the two lanes of a row read different banks. Two reads of the
-        // row (max, then exp) cost less than holding 32 scores in registers.
+        // Online softmax on this warp's S rows. Lane `half` reads the float4 columns 4*(2i + half)
+        // (the two lanes of a row read different banks) into registers, once.
         const float *s_row = s_warp + row * S_STRIDE;
+        float score[BLOCK_KV / 2];
         float tile_max = -INFINITY;
         for (int i = 0; i < BLOCK_KV / 8; i++) {
             int col = 4 * (2 * i + half);
             float4 x = *(const float4 *)&s_row[col];
             float xs[4] = {x.x, x.y, x.z, x.w};
-            for (int j = 0; j < 4; j++)
-                tile_max = fmaxf(tile_max, masked_score(xs[j], key0 + col + j, query, seqlen, causal, needs_mask));
+            for (int j = 0; j < 4; j++) {
+                score[4 * i + j] = masked_score(xs[j], key0 + col + j, query, seqlen, causal, needs_mask);
+                tile_max = fmaxf(tile_max, score[4 * i + j]);
+            }
         }
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1)) * scale_log2;
         float new_max = fmaxf(row_max, tile_max);
         float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key yet stays empty
-        float rescale = exp2f(row_max - base);
+        float rescale = exp2_approx(row_max - base);
         row_max = new_max;
         row_sum *= rescale;  // this lane's share of the row sum; the pair is added at the end
+        for (int i = 0; i < BLOCK_KV / 2; i++) {
+            score[i] = exp2_approx(score[i] * scale_log2 - base);
+            row_sum += score[i];
+        }
+        __syncwarp();  // every lane has read its scores: P may overwrite S
         __half *p_row = p_warp + row * P_STRIDE;
         for (int i = 0; i < BLOCK_KV / 8; i++) {
-            int col = 4 * (2 * i + half);
-            float4 x = *(const float4 *)&s_row[col];
-            float xs[4] = {x.x, x.y, x.z, x.w}, p[4];
-            for (int j = 0; j < 4; j++) {
-                p[j] = exp2f(masked_score(xs[j], key0 + col + j, query, seqlen, causal, needs_mask) * scale_log2 - base);
-                row_sum += p[j];
-            }
-            __half2 lo = __floats2half2_rn(p[0], p[1]), hi = __floats2half2_rn(p[2], p[3]);
-            *(uint2 *)&p_row[col] = make_uint2(*(unsigned *)&lo, *(unsigned *)&hi);
+            __half2 lo = __floats2half2_rn(score[4 * i], score[4 * i + 1]);
+            __half2 hi = __floats2half2_rn(score[4 * i + 2], score[4 * i + 3]);
+            *(uint2 *)&p_row[4 * (2 * i + half)] = make_uint2(*(unsigned *)&lo, *(unsigned *)&hi);
         }
         if (half == 0) factor_warp[row] = rescale;
         __syncwarp();
@@ -180,6 +208,9 @@ flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half
         }
 
         // O += P V on tensor cores.
+        // Two k-slices per loop trip: fully unrolled, the V fragments loaded ahead push the
+        // kernel past its 168 registers (spills).
+#pragma unroll 2
         for (int kk = 0; kk < BLOCK_KV / FRAG; kk++) {
             FragA p_frag;
             wmma::load_matrix_sync(p_frag, p_warp + kk * FRAG, P_STRIDE);

@@ -11,7 +11,6 @@
 // accumulators be masked, exponentiated and fed back as the P operand without a round trip
 // through shared memory.
 #include <cuda_pipeline_primitives.h>
-#include <limits.h>
 
 #include "../common/harness.h"
 
@@ -50,6 +49,12 @@ struct Config {
     static constexpr bool Q_IN_REGISTERS = HEAD_DIM == 64;
 };
 
+// Where chunk `chunk` (8 halves, 16 bytes) of row `row` of a tile lives in shared memory.
+template <int HEAD_DIM>
+__device__ int tile_offset(int row, int chunk) {
+    return row * (HEAD_DIM + PAD) + chunk * 8;
+}
+
 // --- The tensor-core instructions, as the PTX ISA documents them ---------------------------
 // Four 8x8 b16 matrices from shared memory; lanes 8i..8i+7 give the row addresses of matrix i.
 __device__ void ldmatrix_x4(unsigned frag[4], const __half *row_address) {
@@ -85,19 +90,39 @@ __device__ void load_q_step(unsigned frag[2][4], const __half *q_tile, int warp_
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
-        ldmatrix_x4(frag[mt], q_tile + (warp_row0 + mt * 16 + lane % 16) * (HEAD_DIM + PAD) + ks * 16 + lane / 16 * 8);
+        ldmatrix_x4(frag[mt], q_tile + tile_offset<HEAD_DIM>(warp_row0 + mt * 16 + lane % 16, ks * 2 + lane / 16));
+}
+
+// The B fragments of k16 step `ks` for every key of the tile, two n8 tiles (16 keys) per ldmatrix.
+template <int HEAD_DIM, int KEY_TILES>
+__device__ void load_k_step(unsigned frag[KEY_TILES / 2][4], const __half *k_tile, int ks) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int np = 0; np < KEY_TILES / 2; np++)
+        ldmatrix_x4(frag[np], k_tile + tile_offset<HEAD_DIM>(np * 16 + lane % 8 + lane / 16 * 8, ks * 2 + lane / 8 % 2));
 }
 
 // --- The pipeline: rows of a tile copied to shared memory asynchronously (cp.async) ---------
-// Each thread issues 16-byte copies; rows past seqlen are zero-filled instead of read.
-template <int HEAD_DIM>
-__device__ void load_tile_async(__half *tile, const __half *src, int row0, int rows, int seqlen) {
-    const int chunks = HEAD_DIM / 8, stride = HEAD_DIM + PAD;
-    for (int c = threadIdx.x; c < rows * chunks; c += THREADS) {
-        int row = c / chunks, d0 = c % chunks * 8;
-        bool valid = row0 + row < seqlen;
-        const __half *from = src + (size_t)(valid ? row0 + row : 0) * HEAD_DIM + d0;
-        __pipeline_memcpy_async(&tile[row * stride + d0], from, 16, valid ? 0 : 16);
+// Thread t copies chunk t % CHUNKS of rows t / CHUNKS, + ROWS_PER_PASS, ...: a fixed number of
+// 16-byte copies whose addresses differ by constants. Rows past seqlen are zero-filled.
+template <int HEAD_DIM, int ROWS>
+__device__ void load_tile_async(__half *tile, const __half *src, int row0, int seqlen) {
+    constexpr int CHUNKS = HEAD_DIM / 8, ROWS_PER_PASS = THREADS / CHUNKS;
+    static_assert(ROWS % ROWS_PER_PASS == 0, "every thread copies the same number of chunks");
+    const int row = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    const __half *from = src + (size_t)(row0 + row) * HEAD_DIM + chunk * 8;
+    if (row0 + ROWS <= seqlen) {  // a whole tile (all but the last): no checks
+#pragma unroll
+        for (int i = 0; i < ROWS / ROWS_PER_PASS; i++)
+            __pipeline_memcpy_async(&tile[tile_offset<HEAD_DIM>(row + i * ROWS_PER_PASS, chunk)],
+                                    from + i * ROWS_PER_PASS * HEAD_DIM, 16);
+    } else {
+#pragma unroll
+        for (int i = 0; i < ROWS / ROWS_PER_PASS; i++) {
+            bool valid = row0 + row + i * ROWS_PER_PASS < seqlen;
+            __pipeline_memcpy_async(&tile[tile_offset<HEAD_DIM>(row + i * ROWS_PER_PASS, chunk)],
+                                    valid ? from + i * ROWS_PER_PASS * HEAD_DIM : src, 16, valid ? 0 : 16);
+        }
     }
 }
 
@@ -112,15 +137,15 @@ __device__ float exp2_approx(float x) {
 
 // -inf wherever the causal mask or the end of the sequence hides the key. Lane element
 // [mt][nt][2r+e] holds query row0 + 16mt + 8r and key key0 + 8nt + e (row0, key0: the lane's first).
+// Called only for the tiles that need it: on the diagonal, or past the end of the sequence.
 template <int KEY_TILES>
-__device__ void mask_scores(float score[2][KEY_TILES][4], int row0, int key0, int seqlen, int causal,
-                            bool needs_mask) {
+__device__ void mask_scores(float score[2][KEY_TILES][4], int row0, int key0, int seqlen, int causal) {
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             int query = row0 + mt * 16 + r * 8;
-            int key_limit = !needs_mask ? INT_MAX : causal ? min(seqlen, query + 1) : seqlen;  // first hidden key
+            int key_limit = causal ? min(seqlen, query + 1) : seqlen;  // first hidden key
 #pragma unroll
             for (int nt = 0; nt < KEY_TILES; nt++)
 #pragma unroll
@@ -145,7 +170,7 @@ __global__ void __launch_bounds__(THREADS, 2)
 flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse,
                        int seqlen, float scale_log2, int causal) {
     typedef Config<HEAD_DIM> L;
-    constexpr int STRIDE = L::STRIDE, BLOCK_KV = L::BLOCK_KV, STAGES = L::STAGES;
+    constexpr int BLOCK_KV = L::BLOCK_KV, STAGES = L::STAGES;
     constexpr int KEY_TILES = BLOCK_KV / 8;    // n8 tiles of scores per m16 tile
     constexpr int DIM_TILES = HEAD_DIM / 8;    // n8 tiles of output per m16 tile
     extern __shared__ __align__(128) unsigned char smem[];
@@ -171,11 +196,11 @@ flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half
     const int kv_tiles = ceil_div(key_end, BLOCK_KV);
 
     // Fill the ring: Q and the first STAGES-1 (K, V) tiles, one commit group per tile.
-    load_tile_async<HEAD_DIM>(q_tile, q_head, query0, BLOCK_Q, seqlen);
+    load_tile_async<HEAD_DIM, BLOCK_Q>(q_tile, q_head, query0, seqlen);
     for (int t = 0; t < STAGES - 1; t++) {
         if (t < kv_tiles) {
-            load_tile_async<HEAD_DIM>(k_ring + t * L::KV_HALVES, k_head, t * BLOCK_KV, BLOCK_KV, seqlen);
-            load_tile_async<HEAD_DIM>(v_ring + t * L::KV_HALVES, v_head, t * BLOCK_KV, BLOCK_KV, seqlen);
+            load_tile_async<HEAD_DIM, BLOCK_KV>(k_ring + t * L::KV_HALVES, k_head, t * BLOCK_KV, seqlen);
+            load_tile_async<HEAD_DIM, BLOCK_KV>(v_ring + t * L::KV_HALVES, v_head, t * BLOCK_KV, seqlen);
         }
         __pipeline_commit();
     }
@@ -193,8 +218,8 @@ flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half
         __syncthreads();  // ...for every thread's copies; and the slot refilled next is consumed
         const int next = tile + STAGES - 1;
         if (next < kv_tiles) {
-            load_tile_async<HEAD_DIM>(k_ring + next % STAGES * L::KV_HALVES, k_head, next * BLOCK_KV, BLOCK_KV, seqlen);
-            load_tile_async<HEAD_DIM>(v_ring + next % STAGES * L::KV_HALVES, v_head, next * BLOCK_KV, BLOCK_KV, seqlen);
+            load_tile_async<HEAD_DIM, BLOCK_KV>(k_ring + next % STAGES * L::KV_HALVES, k_head, next * BLOCK_KV, seqlen);
+            load_tile_async<HEAD_DIM, BLOCK_KV>(v_ring + next % STAGES * L::KV_HALVES, v_head, next * BLOCK_KV, seqlen);
         }
         __pipeline_commit();  // possibly empty: keeps one group per tile
         const __half *k_tile = k_ring + tile % STAGES * L::KV_HALVES;
@@ -206,34 +231,32 @@ flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half
                 for (int ks = 0; ks < HEAD_DIM / 16; ks++) load_q_step<HEAD_DIM>(q_regs[ks], q_tile, warp_row0, ks);
         }
 
-        // S = Q K^T: per m16 tile, KEY_TILES accumulators of 16 x 8 scores. With Q re-read, the
-        // loop is not unrolled: unrolled, the compiler hoists loads of later steps and passes
-        // 255 registers (spills).
+        // S = Q K^T: per m16 tile, KEY_TILES accumulators of 16 x 8 scores. The fragments of
+        // k-step ks+1 are loaded (ldmatrix) while the MMAs of step ks run: two register buffers.
         float score[2][KEY_TILES][4] = {};
-#pragma unroll(L::Q_IN_REGISTERS ? HEAD_DIM / 16 : 1)
-        for (int ks = 0; ks < HEAD_DIM / 16; ks++) {
-            unsigned q_frag[2][4];
-            if constexpr (L::Q_IN_REGISTERS) {
-                for (int mt = 0; mt < 2; mt++)
-                    for (int i = 0; i < 4; i++) q_frag[mt][i] = q_regs[ks][mt][i];
-            } else {
-                load_q_step<HEAD_DIM>(q_frag, q_tile, warp_row0, ks);
-            }
+        unsigned q_frag[2][2][4], k_frag[2][KEY_TILES / 2][4];  // [buffer][...]
+        if constexpr (!L::Q_IN_REGISTERS) load_q_step<HEAD_DIM>(q_frag[0], q_tile, warp_row0, 0);
+        load_k_step<HEAD_DIM, KEY_TILES>(k_frag[0], k_tile, 0);
 #pragma unroll
-            for (int np = 0; np < KEY_TILES / 2; np++) {  // two n8 tiles (16 keys) per ldmatrix
-                unsigned k_frag[4];
-                ldmatrix_x4(k_frag, k_tile + (np * 16 + lane % 8 + lane / 16 * 8) * STRIDE + ks * 16 + lane / 8 % 2 * 8);
+        for (int ks = 0; ks < HEAD_DIM / 16; ks++) {
+            const int cur = ks % 2, nxt = (ks + 1) % 2;
+            if (ks + 1 < HEAD_DIM / 16) {
+                if constexpr (!L::Q_IN_REGISTERS) load_q_step<HEAD_DIM>(q_frag[nxt], q_tile, warp_row0, ks + 1);
+                load_k_step<HEAD_DIM, KEY_TILES>(k_frag[nxt], k_tile, ks + 1);
+            }
+            unsigned (*q_step)[4] = L::Q_IN_REGISTERS ? q_regs[ks] : q_frag[cur];
+#pragma unroll
+            for (int np = 0; np < KEY_TILES / 2; np++)
 #pragma unroll
                 for (int mt = 0; mt < 2; mt++) {
-                    mma_16x8x16(score[mt][2 * np], q_frag[mt], k_frag[0], k_frag[1]);
-                    mma_16x8x16(score[mt][2 * np + 1], q_frag[mt], k_frag[2], k_frag[3]);
+                    mma_16x8x16(score[mt][2 * np], q_step[mt], k_frag[cur][np][0], k_frag[cur][np][1]);
+                    mma_16x8x16(score[mt][2 * np + 1], q_step[mt], k_frag[cur][np][2], k_frag[cur][np][3]);
                 }
-            }
         }
 
         // Only the tiles on the diagonal (and a ragged last tile) need the mask.
-        const bool needs_mask = key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0);
-        mask_scores<KEY_TILES>(score, query0 + warp_row0 + group, key0 + 2 * quad_lane, seqlen, causal, needs_mask);
+        if (key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0))
+            mask_scores<KEY_TILES>(score, query0 + warp_row0 + group, key0 + 2 * quad_lane, seqlen, causal);
 
         // Online softmax in registers: lane holds rows g and g+8 of each m16 tile, 2 keys per n8 tile.
         unsigned p_frag[2][KEY_TILES / 2][4];  // P as the A operand of the next MMA
@@ -280,7 +303,7 @@ flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half
 #pragma unroll
             for (int dp = 0; dp < DIM_TILES / 2; dp++) {  // two n8 tiles (16 dims) per ldmatrix
                 unsigned v_frag[4];
-                ldmatrix_x4_trans(v_frag, v_tile + (kk * 16 + lane % 8 + lane / 8 % 2 * 8) * STRIDE + dp * 16 + lane / 16 * 8);
+                ldmatrix_x4_trans(v_frag, v_tile + tile_offset<HEAD_DIM>(kk * 16 + lane % 8 + lane / 8 % 2 * 8, dp * 2 + lane / 16));
 #pragma unroll
                 for (int mt = 0; mt < 2; mt++) {
                     mma_16x8x16(o_acc[mt][2 * dp], p_frag[mt][kk], v_frag[0], v_frag[1]);
