@@ -24,7 +24,7 @@ using namespace nvcuda;
                                          // WMMA, and 8 consecutive rows start in 8 different banks
 #define S_STRIDE (BLOCK_KV + 8)          // floats per row of the S tile: 8 rows start in 8 different
                                          // bank quads, so fragment stores and float4 reads of S are
-                                         // conflict-free (+4 was not: 2-way conflicts, 6% slower)
+                                         // conflict-free (+4 was not: 2-way conflicts, 5% slower)
 #define P_STRIDE (BLOCK_KV + PAD)        // halves per row of P, packed over the warp's S rows
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f

@@ -1,6 +1,6 @@
 // 07_async_pipeline: 06 with the tensor cores kept fed: K/V tiles arrive through a ring of
-// asynchronous copies (cp.async) while the previous tile is computed, and S/P never leave
-// registers.
+// asynchronous copies (cp.async) while the previous tile is computed, S/P never leave
+// registers, and the operands of the next k-step are loaded while the current one multiplies.
 //
 // Grid: one block per (128-query tile, b*h), heaviest causal tiles first (as 05).
 // Block: 4 warps; warp w owns query rows 32w..32w+31. Shared memory: the Q tile and a ring of
