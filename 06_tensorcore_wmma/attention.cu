@@ -50,10 +50,11 @@ struct Smem {
 template <int HEAD_DIM, int ROWS>
 __device__ void load_tile(__half *tile, const __half *src, int row0, int seqlen) {
     constexpr int CHUNKS = HEAD_DIM / 8, ROWS_PER_PASS = THREADS / CHUNKS, PASSES = ROWS / ROWS_PER_PASS;
+    constexpr int STRIDE = Smem<HEAD_DIM>::STRIDE;
     static_assert(PASSES % 4 == 0, "every thread moves a multiple of four chunks");
     const int row = threadIdx.x / CHUNKS, d0 = threadIdx.x % CHUNKS * 8;
     const __half *from = src + (size_t)(row0 + row) * HEAD_DIM + d0;
-    __half *to = tile + row * (HEAD_DIM + PAD) + d0;
+    __half *to = tile + row * STRIDE + d0;
     if (row0 + ROWS <= seqlen) {  // a whole tile (all but the last): no checks
 #pragma unroll
         for (int i0 = 0; i0 < PASSES; i0 += 4) {
@@ -61,12 +62,12 @@ __device__ void load_tile(__half *tile, const __half *src, int row0, int seqlen)
 #pragma unroll
             for (int i = 0; i < 4; i++) raw[i] = *(const uint4 *)(from + (i0 + i) * ROWS_PER_PASS * HEAD_DIM);
 #pragma unroll
-            for (int i = 0; i < 4; i++) *(uint4 *)(to + (i0 + i) * ROWS_PER_PASS * (HEAD_DIM + PAD)) = raw[i];
+            for (int i = 0; i < 4; i++) *(uint4 *)(to + (i0 + i) * ROWS_PER_PASS * STRIDE) = raw[i];
         }
     } else {
 #pragma unroll
         for (int i = 0; i < PASSES; i++)
-            *(uint4 *)(to + i * ROWS_PER_PASS * (HEAD_DIM + PAD)) =
+            *(uint4 *)(to + i * ROWS_PER_PASS * STRIDE) =
                 row0 + row + i * ROWS_PER_PASS < seqlen ? *(const uint4 *)(from + i * ROWS_PER_PASS * HEAD_DIM)
                                                         : make_uint4(0, 0, 0, 0);
     }

@@ -52,7 +52,7 @@ struct Config {
 // Where chunk `chunk` (8 halves, 16 bytes) of row `row` of a tile lives in shared memory.
 template <int HEAD_DIM>
 __device__ int tile_offset(int row, int chunk) {
-    return row * (HEAD_DIM + PAD) + chunk * 8;
+    return row * Config<HEAD_DIM>::STRIDE + chunk * 8;
 }
 
 // --- The tensor-core instructions, as the PTX ISA documents them ---------------------------
@@ -244,7 +244,9 @@ flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half
                 if constexpr (!L::Q_IN_REGISTERS) load_q_step<HEAD_DIM>(q_frag[nxt], q_tile, warp_row0, ks + 1);
                 load_k_step<HEAD_DIM, KEY_TILES>(k_frag[nxt], k_tile, ks + 1);
             }
-            unsigned (*q_step)[4] = L::Q_IN_REGISTERS ? q_regs[ks] : q_frag[cur];
+            unsigned (*q_step)[4];  // this step's Q fragments, [m16 tile]
+            if constexpr (L::Q_IN_REGISTERS) q_step = q_regs[ks];
+            else q_step = q_frag[cur];
 #pragma unroll
             for (int np = 0; np < KEY_TILES / 2; np++)
 #pragma unroll

@@ -203,6 +203,11 @@ def spills(ctx, chapter):
     return out
 
 
+def lines_with(pattern, text):
+    """Every whole line of text that matches pattern."""
+    return re.findall(r"[^\n]*" + pattern + r"[^\n]*", text)
+
+
 # --- the cases -----------------------------------------------------------------------------------
 def claim_cases(chapter, number):
     claims = dict(CLAIMS.get(number, {}), **EVERY_CHAPTER)
@@ -219,7 +224,7 @@ def claim_cases(chapter, number):
         add(f"PTX has /{pattern}/", has)
     for pattern in claims.get("ptx_lacks", []):
         def lacks(ctx, pattern=pattern):
-            hits = re.findall(r"[^\n]*" + pattern + r"[^\n]*", ptx(ctx, chapter))
+            hits = lines_with(pattern, ptx(ctx, chapter))
             assert not hits, (f"{chapter} ({claims['adds']}): its PTX has /{pattern}/ {len(hits)} times, "
                               f"expected none; e.g. {hits[0].strip()!r}")
         add(f"PTX lacks /{pattern}/", lacks)
@@ -262,7 +267,7 @@ def claim_cases(chapter, number):
         add(f"{claims['launches']} launch in the source", launches)
     for pattern in claims.get("source_lacks", []):
         def source_lacks(ctx, pattern=pattern):
-            hits = re.findall(r"[^\n]*" + pattern + r"[^\n]*", source(ctx, chapter))
+            hits = lines_with(pattern, source(ctx, chapter))
             assert not hits, (f"{chapter}/attention.cu calls /{pattern}/ (the harness owns device memory): "
                               f"{hits[0].strip()!r}")
         add(f"source lacks /{pattern}/", source_lacks)
