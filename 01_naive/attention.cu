@@ -101,7 +101,8 @@ const Chapter chapter = {
     "01_naive",
     "textbook attention: S = QK^T, softmax, PV as separate kernels, S and P in device memory",
     PRECISION_FP32,
-    75,
+    75, 0,  // oldest and newest GPU it runs on (0: no newest)
     workspace_bytes,
+    NULL,   // nothing to prepare before the forward
     forward,
 };

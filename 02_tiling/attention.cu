@@ -160,7 +160,8 @@ const Chapter chapter = {
     "02_tiling",
     "shared-memory tiling of both matmuls (data reuse through SRAM); S still in device memory",
     PRECISION_FP32,
-    75,
+    75, 0,  // oldest and newest GPU it runs on (0: no newest)
     workspace_bytes,
+    NULL,   // nothing to prepare before the forward
     forward,
 };

@@ -176,7 +176,8 @@ const Chapter chapter = {
     "03_online_softmax",
     "the online softmax: max and sum in one pass over S (Milakov & Gimelshein)",
     PRECISION_FP32,
-    75,
+    75, 0,  // oldest and newest GPU it runs on (0: no newest)
     workspace_bytes,
+    NULL,   // nothing to prepare before the forward
     forward,
 };

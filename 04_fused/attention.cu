@@ -203,7 +203,8 @@ const Chapter chapter = {
     "04_fused",
     "FlashAttention: one kernel, Q/K/V tiles in SRAM, online softmax, S never in device memory",
     PRECISION_FP32,
-    80,
+    80, 0,  // oldest and newest GPU it runs on (0: no newest)
     workspace_bytes,
+    NULL,   // nothing to prepare before the forward
     forward,
 };

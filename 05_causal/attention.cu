@@ -213,7 +213,8 @@ const Chapter chapter = {
     "05_causal",
     "causal done right: fully masked tiles skipped, only diagonal tiles masked, heaviest tiles first",
     PRECISION_FP32,
-    80,
+    80, 0,  // oldest and newest GPU it runs on (0: no newest)
     workspace_bytes,
+    NULL,   // nothing to prepare before the forward
     forward,
 };

@@ -280,7 +280,8 @@ const Chapter chapter = {
     "06_tensorcore_wmma",
     "QK^T and PV on tensor cores through WMMA (fp16 in, fp32 accumulate)",
     PRECISION_FP16_TC,
-    80,
+    80, 0,  // oldest and newest GPU it runs on (0: no newest)
     workspace_bytes,
+    NULL,   // nothing to prepare before the forward
     forward,
 };

@@ -365,7 +365,8 @@ const Chapter chapter = {
     "07_async_pipeline",
     "loads overlapped with compute (cp.async ring), mma.sync + ldmatrix with P kept in registers",
     PRECISION_FP16_TC,
-    80,
+    80, 0,  // oldest and newest GPU it runs on (0: no newest)
     workspace_bytes,
+    NULL,   // nothing to prepare before the forward
     forward,
 };

@@ -28,16 +28,21 @@ typedef struct {
     void *workspace;          // chapter.workspace_bytes(shape) bytes, NULL when 0
 } AttnArgs;
 
-// Internal precision of a chapter: selects the tolerances of DESIGN §4.
+// Internal precision of a chapter: selects its tolerances and how the check reads them
+// (common/harness.cu, precision_rule).
 typedef enum { PRECISION_FP32 = 0, PRECISION_FP16_TC = 1, PRECISION_FP8_TC = 2 } Precision;
 
 typedef struct {
     const char *name;   // the chapter directory, e.g. "04_fused"
     const char *adds;   // one line: the idea this chapter adds
     Precision precision;
-    int min_sm;         // oldest compute capability it runs on, e.g. 80 for sm_80
+    int min_sm, max_sm; // compute capabilities it runs on, e.g. 80 for sm_80; max_sm 0: no upper
+                        // bound (08 runs on sm_90 only: its sm_90a code runs on no other GPU)
     // Device scratch the forward needs (the harness allocates it; chapters never allocate).
     size_t (*workspace_bytes)(const AttnShape *shape);
+    // Optional (NULL: none): work on the inputs that `forward` needs done first, such as 08's
+    // quantisation to FP8. Part of every timed forward, and also timed on its own.
+    cudaError_t (*prepare)(const AttnArgs *args, cudaStream_t stream);
     // Enqueue one forward pass on `stream`; return the first CUDA error met.
     cudaError_t (*forward)(const AttnArgs *args, cudaStream_t stream);
 } Chapter;

@@ -631,7 +631,7 @@ def bench_one(build, name, shape, last, unsupported):
         return make_row(name, shape, "SKIP", note=note)
     if status == "error":
         return make_row(name, shape, "FAIL", note=note)
-    return make_row(name, shape, status, row["ms"], row["tflops"], row["rel_l2"], note=note)
+    return make_row(name, shape, status, row["ms"], row["tflops"], row["rel_l2"], note=note, dtype=row["dtype"])
 
 
 def row_progress(row):
