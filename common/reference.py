@@ -10,8 +10,16 @@ computed in float64 from the very fp16 inputs the chapters get. Only NumPy is us
       Write DIR/q.npy, k.npy, v.npy (generated inputs, unless --input gives them), then
       DIR/ref_<tag>_rows.npy, _o.npy, _lse.npy with tag = c<causal>_s<F>. Files that already
       exist are kept (the cache), new ones are written atomically.
+      --fp8-floor also writes DIR/ref_<tag>_fp8floor.npy: [rel L2 of O, max abs error of LSE]
+      that quantising Q, K, V to e4m3 alone causes (per (b, h) scales), what FP8 chapters
+      are measured against.
   reference.py inputs --out DIR --batch B --heads H --seqlen N --headdim D --seed S [--qk-std X]
-      Only write inputs; --qk-std scales Q and K so that logits grow like X^2.
+                      [--outliers F]
+      Only write inputs; --qk-std scales Q and K so that logits grow like X^2; --outliers
+      sets a fraction F of the entries of Q and K to +-U(10, 100).
+  reference.py floor --input DIR [--causal] [--scale F] [--block-rows R]
+      Print the e4m3 input-quantisation floor of DIR's inputs, scales per (b, h) and per block
+      of R rows.
 
 Small shapes are checked on every query row. Above FULL_PAIRS (query, key) pairs a
 deterministic sample of rows per (b, h) is used, so an N = 16k reference takes seconds.
@@ -28,14 +36,90 @@ MIN_SAMPLED_ROWS = 8      # rows per (b, h) at the least when sampling
 CHUNK_BYTES = 256 << 20   # float64 scores held at once while computing the reference
 
 
-def make_inputs(batch, heads, seqlen, headdim, seed, qk_std=1.0):
-    """Q, K, V ~ N(0, 1) (Q and K times qk_std), rounded to fp16. Same seed, same inputs."""
+def make_inputs(batch, heads, seqlen, headdim, seed, qk_std=1.0, outliers=0.0):
+    """Q, K, V ~ N(0, 1) (Q and K times qk_std), rounded to fp16. Same seed, same inputs.
+    outliers: that fraction of the entries of Q and of K become +-U(10, 100)."""
     rng = np.random.default_rng(seed)
     shape = (batch, heads, seqlen, headdim)
-    q = (rng.standard_normal(shape, dtype=np.float32) * qk_std).astype(np.float16)
-    k = (rng.standard_normal(shape, dtype=np.float32) * qk_std).astype(np.float16)
-    v = rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
-    return q, k, v
+    q = rng.standard_normal(shape, dtype=np.float32) * qk_std
+    k = rng.standard_normal(shape, dtype=np.float32) * qk_std
+    v = rng.standard_normal(shape, dtype=np.float32)
+    if outliers > 0:
+        for x in (q, k):
+            hit = rng.random(shape) < outliers
+            x[hit] = rng.choice([-1.0, 1.0], hit.sum()) * rng.uniform(10, 100, hit.sum())
+    return q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)
+
+
+# --- FP8 e4m3, emulated: 1 sign, 4 exponent (bias 7), 3 mantissa bits ---------------------
+E4M3_MAX = 448.0        # 1.75 * 2^8; 0x7f and 0xff are NaN, there is no infinity
+E4M3_MIN_EXP = -6       # smallest normal exponent; below 2^-6 subnormals step by 2^-9
+E4M3_MANTISSA_BITS = 3
+
+
+def e4m3_round(x):
+    """x rounded to e4m3 as cvt.rn.satfinite does it: to nearest, ties to even, on 3 mantissa
+    bits (2^-9 steps among the subnormals), +-Inf and anything beyond 448 to +-448, NaN kept."""
+    x = np.asarray(x, dtype=np.float64)
+    mag = np.abs(x)
+    finite = np.isfinite(mag) & (mag > 0)
+    exponent = np.full(mag.shape, float(E4M3_MIN_EXP))
+    exponent[finite] = np.maximum(np.floor(np.log2(mag[finite])), E4M3_MIN_EXP)
+    quantum = np.exp2(exponent - E4M3_MANTISSA_BITS)
+    rounded = np.where(finite, np.round(mag / quantum) * quantum, mag)  # np.round: half to even
+    rounded = np.where(np.isinf(mag), E4M3_MAX, np.minimum(rounded, E4M3_MAX))
+    return np.copysign(rounded, x)
+
+
+def e4m3_decode(codes):
+    """The float64 value of each e4m3 code (uint8)."""
+    codes = np.asarray(codes, dtype=np.uint8).astype(np.int64)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
+    value = np.where(exponent == 0, mantissa * 2.0 ** (E4M3_MIN_EXP - E4M3_MANTISSA_BITS),
+                     (1 + mantissa / 8.0) * np.exp2(exponent - 7.0))
+    value = np.where((exponent == 0xF) & (mantissa == 0x7), np.nan, value)
+    return sign * value
+
+
+def e4m3_encode(x):
+    """The e4m3 code (uint8) of each value of x after e4m3_round; NaN becomes 0x7f."""
+    rounded = e4m3_round(x)
+    mag = np.abs(rounded)
+    normal = mag >= 2.0 ** E4M3_MIN_EXP
+    safe = np.where(normal, mag, 1.0)
+    exponent = np.where(normal, np.floor(np.log2(safe)) + 7, 0)
+    mantissa = np.where(normal, (safe / np.exp2(exponent - 7) - 1) * 8, mag / 2.0 ** (E4M3_MIN_EXP - 3))
+    mantissa = np.where(np.isnan(rounded), 0, mantissa)
+    codes = (np.signbit(rounded).astype(np.int64) << 7) | (exponent.astype(np.int64) << 3) | \
+        np.rint(mantissa).astype(np.int64)
+    return np.where(np.isnan(rounded), 0x7F, codes).astype(np.uint8)
+
+
+def quantize_e4m3(x, block_rows=None):
+    """x [B, H, N, D] through e4m3 and back, as FP8 chapters quantise it: scale = 448 / amax
+    per (b, h) (or per block of block_rows rows), x * scale in float32, rounded to e4m3;
+    returns the float64 values the e4m3 codes stand for (code / scale)."""
+    batch, heads, seqlen, headdim = x.shape
+    rows = block_rows or seqlen
+    blocks = -(-seqlen // rows)
+    padded = np.zeros((batch, heads, blocks * rows, headdim), np.float32)
+    padded[:, :, :seqlen] = x
+    blocked = padded.reshape(batch, heads, blocks, rows * headdim)
+    amax = np.abs(blocked).max(axis=-1, keepdims=True)
+    scale = np.where(amax > 0, np.float32(E4M3_MAX) / np.where(amax > 0, amax, 1), np.float32(1))
+    codes = e4m3_round(blocked * scale.astype(np.float32))
+    out = (codes / scale.astype(np.float64)).reshape(batch, heads, blocks * rows, headdim)
+    return out[:, :, :seqlen]
+
+
+def fp8_floor(q, k, v, rows, causal, scale, ref_o, ref_lse, block_rows=None):
+    """[rel L2 of O, max abs error of LSE] of exact attention on e4m3-quantised inputs against
+    exact attention on the inputs themselves: the error no FP8 kernel can go below."""
+    quantized = [quantize_e4m3(x, block_rows) for x in (q, k, v)]
+    o, lse = attention_reference(*quantized, rows, causal, scale)
+    rel = np.linalg.norm(o - ref_o) / max(np.linalg.norm(ref_o), np.finfo(np.float64).tiny)
+    return np.array([rel, np.abs(lse - ref_lse).max()], dtype=np.float64)
 
 
 def sample_rows(batch, heads, seqlen):
@@ -100,14 +184,14 @@ def load_inputs(folder):
 
 def ref_paths(folder, causal, scale_text):
     tag = f"c{int(causal)}_s{scale_text}"
-    return {part: os.path.join(folder, f"ref_{tag}_{part}.npy") for part in ("rows", "o", "lse")}
+    return {part: os.path.join(folder, f"ref_{tag}_{part}.npy") for part in ("rows", "o", "lse", "fp8floor")}
 
 
-def write_inputs(folder, args, qk_std=1.0):
+def write_inputs(folder, args, qk_std=1.0, outliers=0.0):
     names = [os.path.join(folder, f"{n}.npy") for n in ("q", "k", "v")]
     if all(os.path.exists(n) for n in names):
         return
-    arrays = make_inputs(args.batch, args.heads, args.seqlen, args.headdim, args.seed, qk_std)
+    arrays = make_inputs(args.batch, args.heads, args.seqlen, args.headdim, args.seed, qk_std, outliers)
     for name, array in zip(names, arrays):
         save_atomic(name, array)
 
@@ -119,14 +203,32 @@ def prepare(args):
     if args.no_ref:
         return
     paths = ref_paths(args.out, args.causal, args.scale)
-    if all(os.path.exists(p) for p in paths.values()):
+    have_ref = all(os.path.exists(paths[p]) for p in ("rows", "o", "lse"))
+    if have_ref and (not args.fp8_floor or os.path.exists(paths["fp8floor"])):
         return
     q, k, v = load_inputs(args.input or args.out)
+    if have_ref:
+        rows, o, lse = (np.load(paths[p]) for p in ("rows", "o", "lse"))
+    else:
+        rows = sample_rows(*q.shape[:3])
+        o, lse = attention_reference(q, k, v, rows, args.causal, float(args.scale))
+    if args.fp8_floor:
+        save_atomic(paths["fp8floor"], fp8_floor(q, k, v, rows, args.causal, float(args.scale), o, lse))
+    if not have_ref:
+        save_atomic(paths["o"], o)
+        save_atomic(paths["lse"], lse)
+        save_atomic(paths["rows"], rows)  # last: its presence means the set is complete
+
+
+def print_floor(args):
+    """The e4m3 floor of a folder's inputs, per (b, h) scales and per block of rows."""
+    q, k, v = load_inputs(args.input)
+    scale = float(args.scale) if args.scale else 1 / math.sqrt(q.shape[-1])
     rows = sample_rows(*q.shape[:3])
-    o, lse = attention_reference(q, k, v, rows, args.causal, float(args.scale))
-    save_atomic(paths["o"], o)
-    save_atomic(paths["lse"], lse)
-    save_atomic(paths["rows"], rows)  # last: its presence means the set is complete
+    o, lse = attention_reference(q, k, v, rows, args.causal, scale)
+    for label, block in (("per (b, h)", None), (f"per {args.block_rows} rows", args.block_rows)):
+        rel, lse_err = fp8_floor(q, k, v, rows, args.causal, scale, o, lse, block)
+        print(f"e4m3 input floor, scales {label}: rel L2 of O {rel:.3e}, LSE max abs {lse_err:.3e}")
 
 
 def positive_int(text):
@@ -139,6 +241,7 @@ def positive_int(text):
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("floor")
     for name in ("prepare", "inputs"):
         p = sub.add_parser(name)
         p.add_argument("--out", required=True)
@@ -152,8 +255,18 @@ def parse_args(argv):
     prep.add_argument("--scale", required=True, help="softmax scale, as text (it names the files)")
     prep.add_argument("--causal", action="store_true")
     prep.add_argument("--no-ref", action="store_true", help="only the inputs")
+    prep.add_argument("--fp8-floor", action="store_true", help="also the e4m3 input-quantisation floor")
     sub.choices["inputs"].add_argument("--qk-std", type=float, default=1.0)
+    sub.choices["inputs"].add_argument("--outliers", type=float, default=0.0,
+                                       help="fraction of Q and K entries set to +-U(10, 100)")
+    floor = sub.choices["floor"]
+    floor.add_argument("--input", required=True)
+    floor.add_argument("--causal", action="store_true")
+    floor.add_argument("--scale", help="softmax scale (default 1/sqrt(D))")
+    floor.add_argument("--block-rows", type=positive_int, default=128)
     args = parser.parse_args(argv)
+    if args.command == "floor":
+        return args
     generated = args.command == "inputs" or args.input is None
     if generated and None in (args.batch, args.heads, args.seqlen, args.headdim):
         parser.error("give --batch, --heads, --seqlen and --headdim (or --input)")
@@ -169,9 +282,11 @@ def main(argv=None):
     try:
         if args.command == "prepare":
             prepare(args)
+        elif args.command == "floor":
+            print_floor(args)
         else:
             os.makedirs(args.out, exist_ok=True)
-            write_inputs(args.out, args, args.qk_std)
+            write_inputs(args.out, args, args.qk_std, args.outliers)
     except (OSError, ValueError) as exc:
         print(f"reference.py: {exc}", file=sys.stderr)
         return 2
