@@ -27,6 +27,11 @@ else
   PY_DEPS := .venv/.ready
 endif
 
+# Chapters built on Hopper's arch-specific features (wgmma) target sm_90a alone, whatever ARCH says:
+# sm_90a code runs on sm_90 only, and the chapter says so (exit 77) on any other GPU.
+SM90A_CHAPTERS := 08_fp8
+$(addprefix $(BUILD)/,$(SM90A_CHAPTERS)): GENCODE := -gencode=arch=compute_90a,code=sm_90a
+
 EXTRA_NVFLAGS ?=   # e.g. -DBLOCK_KV_D128=64 to try another tile size in 07
 NVFLAGS := -O3 -std=c++17 -lineinfo -Xcompiler -Wall,-Wextra -Xptxas -v $(EXTRA_NVFLAGS) \
            -DFA_ROOT='"$(CURDIR)"' -DFA_PYTHON='"$(PYTHON)"'

@@ -1,0 +1,528 @@
+// 08_fp8: 07's algorithm on Hopper's own datapath, in FP8. Q, K and V are quantised to e4m3
+// with scales found on the device (per (batch, head)), both matrix products run on warpgroup
+// MMA (wgmma: e4m3 in, fp32 accumulate), their tiles arrive through the bulk tensor copy
+// engine (TMA) completing on mbarriers, and P is converted to e4m3 in registers and fed back
+// as the A operand of the second product.
+//
+// Three kernels per forward. amax_kernel: max |x| of Q, K and V per (b, h). quantize_kernel:
+// e4m3 copies of Q and K, and of V transposed (keys fastest). attention_kernel: one block per
+// (128-query tile, b*h), heaviest causal tiles first (as 05); 2 warpgroups of 4 warps, each
+// owning 64 query rows. Shared memory: the Q tile and a ring of STAGES (K, Vt) tile pairs, in
+// the swizzled layout TMA writes and wgmma reads. Registers: per warpgroup the 64 x 128 scores,
+// the 64 x HEAD_DIM output accumulator and each row's running max and sum.
+#include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)
+#include <cudaTypedefs.h>
+#include <cuda_fp8.h>
+#include <stdio.h>
+
+#include "../common/harness.h"
+
+#define BLOCK_Q 128        // query rows per block: 2 warpgroups x 64 (wgmma's M)
+#define BLOCK_KV 128       // keys per tile: wgmma's N for QK^T; 128 e4m3 bytes = one swizzled row of Vt
+#define WARPGROUPS 2
+#define WARPGROUP_THREADS 128
+#define THREADS (WARPGROUPS * WARPGROUP_THREADS)
+#define WARPGROUP_ROWS (BLOCK_Q / WARPGROUPS)
+#define MMA_K 32           // e4m3 wgmma: 32 elements (bytes) of the reduced dimension per instruction
+#define E4M3_MAX 448.0f    // the largest finite e4m3 value
+#define P_SCALE_LOG2 8.0f  // P is stored as 256 p: [0, 256] keeps p >= 2^-14 in e4m3's normal range
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+template <int HEAD_DIM>
+struct Config {
+    static constexpr int STAGES = HEAD_DIM == 128 ? 3 : 4;  // (K, Vt) tile pairs in flight
+    static constexpr int Q_BYTES = BLOCK_Q * HEAD_DIM;       // e4m3: one byte per element
+    static constexpr int K_BYTES = BLOCK_KV * HEAD_DIM;
+    static constexpr int V_BYTES = HEAD_DIM * BLOCK_KV;
+    static constexpr int BARRIERS = 1 + 2 * STAGES;          // Q full, K/V full and empty
+    static constexpr int SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_BYTES + V_BYTES) + BARRIERS * 8;
+    static_assert(HEAD_DIM % MMA_K == 0 && BLOCK_KV % MMA_K == 0, "whole wgmma k-steps");
+    static_assert(Q_BYTES % 1024 == 0 && K_BYTES % 1024 == 0 && V_BYTES % 1024 == 0,
+                  "every tile starts 1024-byte aligned, as the 128-byte swizzle needs");
+};
+
+// --- Quantisation: e4m3 copies with one scale per (b, h) and tensor --------------------------
+#define QUANT_THREADS 256
+#define QUANT_ROWS 64      // rows (keys) per quantize_kernel block: four 16-key groups of V
+
+// x * scale maps |x| <= amax onto e4m3's range [-448, 448]; the descale undoes it.
+__host__ __device__ float e4m3_scale(float amax) { return amax > 0 ? E4M3_MAX / amax : 1.0f; }
+__host__ __device__ float e4m3_descale(float amax) { return amax > 0 ? amax / E4M3_MAX : 1.0f; }
+
+// Max |x| over each (b, h) slab of Q, K and V (blockIdx.z), into amax[tensor][b*h] (zeroed
+// first). Non-negative floats order like their bits, so atomicMax on the bits is a float max.
+__global__ void __launch_bounds__(QUANT_THREADS)
+amax_kernel(const __half *q, const __half *k, const __half *v, size_t head_elems, float *amax) {
+    const size_t head = blockIdx.y;
+    const __half *src = (blockIdx.z == 0 ? q : blockIdx.z == 1 ? k : v) + head * head_elems;
+    const uint4 *vectors = (const uint4 *)src;  // 8 halves each
+    __half2 largest = __float2half2_rn(0.0f);
+    for (size_t i = (size_t)blockIdx.x * QUANT_THREADS + threadIdx.x; i < head_elems / 8;
+         i += (size_t)gridDim.x * QUANT_THREADS) {
+        uint4 x = vectors[i];
+        const __half2 *pairs = (const __half2 *)&x;
+        for (int j = 0; j < 4; j++) largest = __hmax2(largest, __habs2(pairs[j]));
+    }
+    float m = fmaxf(__low2float(largest), __high2float(largest));
+    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, offset));
+    __shared__ float warp_max[QUANT_THREADS / 32];
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < QUANT_THREADS / 32; w++) m = fmaxf(m, warp_max[w]);
+        atomicMax((unsigned *)&amax[blockIdx.z * gridDim.y + head], __float_as_uint(m));
+    }
+}
+
+// 8 halves, times scale, to 8 e4m3 bytes (cvt.rn.satfinite: round to nearest even, clamp at 448).
+__device__ uint2 to_e4m3x8(uint4 halves, float scale) {
+    const __half2 *pairs = (const __half2 *)&halves;
+    unsigned packed[4];
+    for (int j = 0; j < 4; j++) {
+        float2 f = __half22float2(pairs[j]);
+        packed[j] = __nv_cvt_float2_to_fp8x2(make_float2(f.x * scale, f.y * scale), __NV_SATFINITE, __NV_E4M3);
+    }
+    return make_uint2(packed[0] | packed[1] << 16, packed[2] | packed[3] << 16);
+}
+
+// Where key k of a 16-key group goes in Vt. The QK^T accumulator gives a thread, of each row,
+// keys {2t, 2t+1, 2t+8, 2t+9} of every 16 (t = lane % 4); the A operand of PV wants it to hold
+// positions {4t..4t+3}. Storing key 8h + 2t + e at position 4t + 2h + e makes the two agree:
+// the permutation is folded into V once, and P never moves between registers.
+__device__ int key_slot(int key) {
+    const int k = key % 16, half_of_16 = k / 8, pair = k / 2 % 4, odd = k % 2;
+    return key - k + 4 * pair + 2 * half_of_16 + odd;
+}
+
+// Rows [64 x, 64 x + 64) of Q, K (blockIdx.z 0, 1: the same layout, in e4m3) or V (2: transposed
+// to [b*h][HEAD_DIM][seqlen_padded], keys fastest and permuted, zeros past seqlen).
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(QUANT_THREADS)
+quantize_kernel(const __half *q, const __half *k, const __half *v, const float *amax, unsigned char *q8,
+                unsigned char *k8, unsigned char *vt8, int seqlen, int seqlen_padded) {
+    constexpr int VECTORS_PER_ROW = HEAD_DIM / 8;
+    const int tensor = blockIdx.z, row0 = blockIdx.x * QUANT_ROWS, rows = min(QUANT_ROWS, seqlen - row0);
+    const size_t head = blockIdx.y;
+    const float scale = e4m3_scale(amax[tensor * gridDim.y + head]);
+    const size_t first = (head * seqlen + row0) * HEAD_DIM;  // element offset of the block's first row
+    if (tensor < 2) {
+        const uint4 *src = (const uint4 *)((tensor ? k : q) + first);
+        uint2 *dst = (uint2 *)((tensor ? k8 : q8) + first);
+        for (int i = threadIdx.x; i < rows * VECTORS_PER_ROW; i += QUANT_THREADS) dst[i] = to_e4m3x8(src[i], scale);
+        return;
+    }
+    // V: wgmma's 8-bit B operand must be K-major (the reduced dimension, keys, fastest).
+    __shared__ __align__(16) unsigned char vt_tile[HEAD_DIM][QUANT_ROWS];
+    const uint4 *src = (const uint4 *)(v + first);
+    for (int i = threadIdx.x; i < QUANT_ROWS * VECTORS_PER_ROW; i += QUANT_THREADS) {
+        const int key = i / VECTORS_PER_ROW, dim0 = i % VECTORS_PER_ROW * 8;
+        uint2 packed = key < rows ? to_e4m3x8(src[i], scale) : make_uint2(0, 0);
+        const unsigned char *bytes = (const unsigned char *)&packed;
+        for (int e = 0; e < 8; e++) vt_tile[dim0 + e][key_slot(key)] = bytes[e];
+    }
+    __syncthreads();
+    constexpr int CHUNKS = QUANT_ROWS / 16;  // 16-byte stores per row of the tile
+    for (int i = threadIdx.x; i < HEAD_DIM * CHUNKS; i += QUANT_THREADS) {
+        const int dim = i / CHUNKS, key = row0 + i % CHUNKS * 16;
+        if (key < seqlen_padded)
+            *(uint4 *)(vt8 + (head * HEAD_DIM + dim) * seqlen_padded + key) = *(const uint4 *)&vt_tile[dim][key - row0];
+    }
+}
+
+// --- Hopper's asynchronous machinery, as the PTX ISA documents it --------------------------
+__device__ unsigned smem_address(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// An mbarrier completes a phase once `count` threads have arrived and every byte announced with
+// expect_tx has landed; waiters name the phase parity they wait for.
+__device__ void mbarrier_init(uint64_t *barrier, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(barrier)), "r"(count));
+}
+
+__device__ void mbarrier_arrive_expect_bytes(uint64_t *barrier, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(barrier)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ void mbarrier_arrive(uint64_t *barrier) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(barrier)) : "memory");
+}
+
+__device__ void mbarrier_wait(uint64_t *barrier, int phase) {
+    unsigned done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(smem_address(barrier)), "r"(phase) : "memory");
+    } while (!done);
+}
+
+// TMA: copy the box at (x, y, z) of a tensor map into shared memory; its bytes count towards
+// the barrier's transaction. Rows outside the tensor arrive as zeros.
+__device__ void tma_load(void *dst, const CUtensorMap *map, uint64_t *barrier, int x, int y, int z) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%3, %4, %5}], [%2];\n"
+                 ::"r"(smem_address(dst)), "l"(map), "r"(smem_address(barrier)), "r"(x), "r"(y), "r"(z)
+                 : "memory");
+}
+
+// A wgmma operand in shared memory: a K-major tile whose rows are row_bytes (64 or 128) long,
+// swizzled as TMA wrote it. Fields: start address, leading byte offset (unused by swizzled
+// K-major tiles: 1), stride byte offset (8 rows, one swizzle atom), swizzle mode; all >> 4.
+__device__ uint64_t smem_descriptor(const void *tile, int row_bytes) {
+    const uint64_t mode = row_bytes == 128 ? 1 : 2;  // 128-byte or 64-byte swizzle
+    return (uint64_t)(smem_address(tile) & 0x3FFFF) >> 4 | 1ull << 16 | (uint64_t)(8 * row_bytes >> 4) << 32 |
+           mode << 62;
+}
+
+// wgmma runs asynchronously: fence (operand registers ready), issue, commit, wait.
+__device__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// Keeps the compiler from moving reads or writes of accumulators across the async region.
+template <int COUNT>
+__device__ void hold_registers(float (&acc)[COUNT]) {
+#pragma unroll
+    for (int i = 0; i < COUNT; i++) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+#define ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
+                   "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define ACC32(d, i) ACC8(d, i), ACC8(d, i + 8), ACC8(d, i + 16), ACC8(d, i + 24)
+#define REGS32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define REGS64 REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
+               "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+
+// d (64 x 128 fp32) = A (64 x 32, shared) * B (32 x 128, shared) [+ d if accumulate]; e4m3.
+// Thread t of the warpgroup holds d rows 16 (t/32) + t%32/4 (+8), columns 8c + 2 (t%4) (+1).
+__device__ void wgmma_64x128x32_shared_a(float (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" REGS64 "}, %64, %65, acc, 1, 1;\n}\n"
+                 : ACC32(d, 0), ACC32(d, 32)
+                 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+// d (64 x N fp32) += A (64 x 32, e4m3 in registers: 4 x 4 bytes per thread) * B (32 x N, shared).
+__device__ void wgmma_64x128x32_register_a(float (&d)[64], const unsigned (&a)[4], uint64_t b_desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" REGS64 "}, {%64, %65, %66, %67}, %68, 1, 1, 1;\n"
+                 : ACC32(d, 0), ACC32(d, 32)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+}
+
+__device__ void wgmma_64x64x32_register_a(float (&d)[32], const unsigned (&a)[4], uint64_t b_desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" REGS32 "}, {%32, %33, %34, %35}, %36, 1, 1, 1;\n"
+                 : ACC32(d, 0)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+}
+
+template <int HEAD_DIM>
+__device__ void wgmma_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p)[4], uint64_t v_desc) {
+    if constexpr (HEAD_DIM == 128) wgmma_64x128x32_register_a(o_acc, p, v_desc);
+    else wgmma_64x64x32_register_a(o_acc, p, v_desc);
+}
+
+// Four fp32 values to four e4m3 bytes, the first in the lowest byte.
+__device__ unsigned pack_e4m3x4(float a, float b, float c, float d) {
+    unsigned lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+    unsigned hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+    return lo | hi << 16;
+}
+
+__device__ unsigned pack_half2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *(unsigned *)&h;
+}
+
+// --- Online softmax on the accumulators (as 07) ----------------------------------------------
+__device__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+
+__device__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// Accumulator element j of a thread: row row0 + 8 (j%4/2), column col0 + 8 (j/4) + j%2.
+__device__ void mask_scores(float (&score)[BLOCK_KV / 2], int row0, int col0, int seqlen, int causal) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int query = row0 + 8 * r;
+        const int key_limit = causal ? min(seqlen, query + 1) : seqlen;  // first hidden key
+#pragma unroll
+        for (int c = 0; c < BLOCK_KV / 8; c++)
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                if (col0 + 8 * c + e >= key_limit) score[4 * c + 2 * r + e] = -INFINITY;
+    }
+}
+
+// --- The kernel ----------------------------------------------------------------------------
+template <int HEAD_DIM>
+__device__ void load_kv_tile(unsigned char *k_tile, unsigned char *v_tile, const CUtensorMap *k_map,
+                             const CUtensorMap *vt_map, uint64_t *full, int tile, int head) {
+    mbarrier_arrive_expect_bytes(full, Config<HEAD_DIM>::K_BYTES + Config<HEAD_DIM>::V_BYTES);
+    tma_load(k_tile, k_map, full, 0, tile * BLOCK_KV, head);
+    tma_load(v_tile, vt_map, full, tile * BLOCK_KV, 0, head);
+}
+
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(THREADS, 1)
+attention_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                 const __grid_constant__ CUtensorMap vt_map, const float *amax, __half *o, float *lse,
+                 int seqlen, int heads, float scale_log2e, int causal) {
+    typedef Config<HEAD_DIM> C;
+    constexpr int STAGES = C::STAGES;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *q_tile = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    unsigned char *k_ring = q_tile + C::Q_BYTES;        // [STAGES][BLOCK_KV][HEAD_DIM]
+    unsigned char *v_ring = k_ring + STAGES * C::K_BYTES;  // [STAGES][HEAD_DIM][BLOCK_KV]
+    uint64_t *q_full = (uint64_t *)(v_ring + STAGES * C::V_BYTES);
+    uint64_t *kv_full = q_full + 1, *kv_empty = kv_full + STAGES;
+
+    const int warpgroup = threadIdx.x / WARPGROUP_THREADS, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
+    const int query0 = query_tile * BLOCK_Q;
+    const int head = causal ? blockIdx.x : blockIdx.y;
+    const int group_query0 = query0 + warpgroup * WARPGROUP_ROWS;
+    const int row0 = group_query0 + warp % 4 * 16 + lane / 4;  // this thread's rows: row0, row0 + 8
+    const int key_end = causal ? min(seqlen, query0 + BLOCK_Q) : seqlen;
+    const int kv_tiles = ceil_div(key_end, BLOCK_KV);
+
+    // The descales fold into the softmax scale (Q and K) and the final normalisation (V).
+    const float scale_log2 = scale_log2e * e4m3_descale(amax[head]) * e4m3_descale(amax[heads + head]);
+    const float v_descale = e4m3_descale(amax[2 * heads + head]);
+
+    // One thread starts the copies: Q, then the first STAGES (K, Vt) tiles.
+    if (threadIdx.x == 0) {
+        mbarrier_init(q_full, 1);
+        for (int s = 0; s < STAGES; s++) mbarrier_init(&kv_full[s], 1), mbarrier_init(&kv_empty[s], THREADS / 32);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbarrier_arrive_expect_bytes(q_full, C::Q_BYTES);
+        tma_load(q_tile, &q_map, q_full, 0, query0, head);
+        for (int t = 0; t < min(STAGES, kv_tiles); t++)
+            load_kv_tile<HEAD_DIM>(k_ring + t * C::K_BYTES, v_ring + t * C::V_BYTES, &k_map, &vt_map, &kv_full[t], t, head);
+    }
+    __syncthreads();  // the barriers are initialised before anyone waits on them
+
+    float o_acc[HEAD_DIM / 2] = {}, row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    const unsigned char *q_rows = q_tile + warpgroup * WARPGROUP_ROWS * HEAD_DIM;
+    mbarrier_wait(q_full, 0);
+
+    for (int tile = 0; tile < kv_tiles; tile++) {
+        const int stage = tile % STAGES, phase = tile / STAGES % 2, key0 = tile * BLOCK_KV;
+        const unsigned char *k_tile = k_ring + stage * C::K_BYTES, *v_tile = v_ring + stage * C::V_BYTES;
+        mbarrier_wait(&kv_full[stage], phase);
+
+        // S = Q K^T: HEAD_DIM / 32 wgmmas, operands straight from the swizzled tiles.
+        float score[BLOCK_KV / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++)
+            wgmma_64x128x32_shared_a(score, smem_descriptor(q_rows + ks * MMA_K, HEAD_DIM),
+                                     smem_descriptor(k_tile + ks * MMA_K, HEAD_DIM), ks > 0);
+        wgmma_commit();
+        wgmma_wait_all();
+        hold_registers(score);
+
+        if (key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > group_query0))
+            mask_scores(score, row0, key0 + 2 * (lane % 4), seqlen, causal);
+
+        // Online softmax in registers, in log2 units; p is kept as 2^8 p (P_SCALE_LOG2).
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float tile_max = -INFINITY;
+#pragma unroll
+            for (int c = 0; c < BLOCK_KV / 8; c++)
+                tile_max = fmaxf(tile_max, fmaxf(score[4 * c + 2 * r], score[4 * c + 2 * r + 1]));
+            const float new_max = fmaxf(row_max[r], quad_max(tile_max) * scale_log2);
+            const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key yet stays empty
+            const float rescale = exp2_approx(row_max[r] - base);
+            row_max[r] = new_max;
+            row_sum[r] *= rescale;
+#pragma unroll
+            for (int c = 0; c < HEAD_DIM / 8; c++) o_acc[4 * c + 2 * r] *= rescale, o_acc[4 * c + 2 * r + 1] *= rescale;
+#pragma unroll
+            for (int c = 0; c < BLOCK_KV / 8; c++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float *x = &score[4 * c + 2 * r + e];
+                    *x = exp2_approx(fmaf(*x, scale_log2, P_SCALE_LOG2 - base));
+                    row_sum[r] += *x;
+                }
+        }
+
+        // P to e4m3, in the A-operand layout: per 32 keys, rows g and g+8 of keys 2t, 2t+1,
+        // 2t+8, 2t+9 of each 16, which Vt's key_slot order turns into positions 4t..4t+3.
+        unsigned p_frag[BLOCK_KV / MMA_K][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int c = 4 * kk + 2 * (i / 2), r = i % 2;  // n8 chunks c, c + 1; row g + 8r
+                p_frag[kk][i] = pack_e4m3x4(score[4 * c + 2 * r], score[4 * c + 2 * r + 1],
+                                            score[4 * c + 4 + 2 * r], score[4 * c + 4 + 2 * r + 1]);
+            }
+
+        // O += P V: P from registers, Vt from shared memory.
+        hold_registers(o_acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
+            wgmma_pv<HEAD_DIM>(o_acc, p_frag[kk], smem_descriptor(v_tile + kk * MMA_K, BLOCK_KV));
+        wgmma_commit();
+        wgmma_wait_all();
+        hold_registers(o_acc);
+
+        // The stage is free once every warp is done with it; thread 0 then refills it.
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&kv_empty[stage]);
+        if (threadIdx.x == 0 && tile + STAGES < kv_tiles) {
+            mbarrier_wait(&kv_empty[stage], phase);
+            load_kv_tile<HEAD_DIM>(k_ring + stage * C::K_BYTES, v_ring + stage * C::V_BYTES, &k_map, &vt_map,
+                                   &kv_full[stage], tile + STAGES, head);
+        }
+        __syncwarp();
+    }
+
+    // O = accumulator * v_descale / sum, LSE = ln(sum) + max (p was scaled by 2^8), once each.
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int query = row0 + 8 * r;
+        const float sum = quad_sum(row_sum[r]), scale_out = v_descale / sum;
+        if (query >= seqlen) continue;
+        __half *o_row = o + ((size_t)head * seqlen + query) * HEAD_DIM + 2 * (lane % 4);
+#pragma unroll
+        for (int c = 0; c < HEAD_DIM / 8; c++)
+            *(unsigned *)&o_row[8 * c] = pack_half2(o_acc[4 * c + 2 * r] * scale_out, o_acc[4 * c + 2 * r + 1] * scale_out);
+        if (lane % 4 == 0) lse[(size_t)head * seqlen + query] = (row_max[r] + log2f(sum) - P_SCALE_LOG2) * LN2;
+    }
+}
+
+// --- Launchers -------------------------------------------------------------------------------
+// The workspace: amax[3][b*h], then Q and K in e4m3 ([b*h][N][D]), then Vt ([b*h][D][N_padded]).
+typedef struct {
+    float *amax;
+    unsigned char *q8, *k8, *vt8;
+    int seqlen_padded;  // Vt's rows are padded to 16 keys: TMA needs row strides of 16 bytes
+} Workspace;
+
+static size_t amax_bytes(const AttnShape *s) {
+    return ((size_t)3 * s->batch * s->heads * sizeof(float) + 255) / 256 * 256;
+}
+
+static Workspace workspace_layout(const AttnArgs *args) {
+    const AttnShape *s = &args->shape;
+    const size_t qk_bytes = (size_t)s->batch * s->heads * s->seqlen * s->headdim;
+    Workspace w;
+    w.amax = (float *)args->workspace;
+    w.q8 = (unsigned char *)args->workspace + amax_bytes(s);
+    w.k8 = w.q8 + qk_bytes;
+    w.vt8 = w.k8 + qk_bytes;
+    w.seqlen_padded = ceil_div(s->seqlen, 16) * 16;
+    return w;
+}
+
+static size_t workspace_bytes(const AttnShape *s) {
+    const size_t heads = (size_t)s->batch * s->heads;
+    return amax_bytes(s) + 2 * heads * s->seqlen * s->headdim + heads * s->headdim * (ceil_div(s->seqlen, 16) * 16);
+}
+
+static cudaError_t prepare(const AttnArgs *args, cudaStream_t stream) {
+    const AttnShape *s = &args->shape;
+    const Workspace w = workspace_layout(args);
+    const int heads = s->batch * s->heads;
+    const size_t head_elems = (size_t)s->seqlen * s->headdim;
+    RETURN_IF_ERROR(cudaMemsetAsync(w.amax, 0, 3 * heads * sizeof(float), stream));
+    const int chunks = (int)((head_elems / 8 + QUANT_THREADS * 8 - 1) / (QUANT_THREADS * 8));  // ~8 loads a thread
+    dim3 amax_grid(chunks, heads, 3);
+    amax_kernel<<<amax_grid, QUANT_THREADS, 0, stream>>>(args->q, args->k, args->v, head_elems, w.amax);
+    RETURN_IF_ERROR(cudaGetLastError());
+    dim3 grid(ceil_div(s->seqlen, QUANT_ROWS), heads, 3);
+    if (s->headdim == 128)
+        quantize_kernel<128><<<grid, QUANT_THREADS, 0, stream>>>(args->q, args->k, args->v, w.amax, w.q8, w.k8, w.vt8,
+                                                                 s->seqlen, w.seqlen_padded);
+    else
+        quantize_kernel<64><<<grid, QUANT_THREADS, 0, stream>>>(args->q, args->k, args->v, w.amax, w.q8, w.k8, w.vt8,
+                                                                s->seqlen, w.seqlen_padded);
+    return cudaGetLastError();
+}
+
+// cuTensorMapEncodeTiled from the driver, found at run time (the program links no libcuda).
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
+    if (!encode) {
+        void *found = NULL;
+        cudaDriverEntryPointQueryResult status;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &found, 12000, cudaEnableDefault, &status) ==
+                cudaSuccess && status == cudaDriverEntryPointSuccess)
+            encode = (PFN_cuTensorMapEncodeTiled_v12000)found;
+    }
+    return encode;
+}
+
+// A tensor map over e4m3 bytes [heads][rows][row_bytes] whose boxes are box_rows x box_bytes,
+// swizzled by the box row length (64 or 128 bytes), the layout wgmma's descriptors name.
+static cudaError_t make_tensor_map(CUtensorMap *map, void *base, int row_bytes, int rows, int heads, int box_bytes,
+                                   int box_rows) {
+    PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    if (!encode) {
+        fprintf(stderr, "08_fp8: the driver offers no cuTensorMapEncodeTiled (needs CUDA 12 or newer)\n");
+        return cudaErrorNotSupported;
+    }
+    cuuint64_t dims[3] = {(cuuint64_t)row_bytes, (cuuint64_t)rows, (cuuint64_t)heads};
+    cuuint64_t strides[2] = {(cuuint64_t)row_bytes, (cuuint64_t)row_bytes * rows};  // of dims 1, 2 in bytes
+    cuuint32_t box[3] = {(cuuint32_t)box_bytes, (cuuint32_t)box_rows, 1}, element_strides[3] = {1, 1, 1};
+    CUresult result = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, base, dims, strides, box, element_strides,
+                             CU_TENSOR_MAP_INTERLEAVE_NONE,
+                             box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (result != CUDA_SUCCESS) {
+        fprintf(stderr, "08_fp8: cuTensorMapEncodeTiled failed (CUresult %d)\n", (int)result);
+        return cudaErrorInvalidValue;
+    }
+    return cudaSuccess;
+}
+
+template <int HEAD_DIM>
+static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
+    const AttnShape *s = &args->shape;
+    const Workspace w = workspace_layout(args);
+    const int heads = s->batch * s->heads, tiles = ceil_div(s->seqlen, BLOCK_Q);
+    CUtensorMap q_map, k_map, vt_map;
+    RETURN_IF_ERROR(make_tensor_map(&q_map, w.q8, HEAD_DIM, s->seqlen, heads, HEAD_DIM, BLOCK_Q));
+    RETURN_IF_ERROR(make_tensor_map(&k_map, w.k8, HEAD_DIM, s->seqlen, heads, HEAD_DIM, BLOCK_KV));
+    RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt8, w.seqlen_padded, HEAD_DIM, heads, BLOCK_KV, HEAD_DIM));
+    const int smem = Config<HEAD_DIM>::SMEM_BYTES;
+    RETURN_IF_ERROR(cudaFuncSetAttribute(attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    dim3 grid = s->causal ? dim3(heads, tiles) : dim3(tiles, heads);
+    attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(q_map, k_map, vt_map, w.amax, args->o, args->lse,
+                                                                s->seqlen, heads, s->scale * LOG2E, s->causal);
+    return cudaGetLastError();
+}
+
+static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
+    switch (args->shape.headdim) {
+    case 64: return launch<64>(args, stream);
+    case 128: return launch<128>(args, stream);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+const Chapter chapter = {
+    "08_fp8",
+    "FP8 e4m3 with dynamic scales on Hopper's wgmma, fed by TMA and mbarriers",
+    PRECISION_FP8_TC,
+    90, 90,  // sm_90 only: wgmma is an sm_90a feature, and sm_90a code runs on no other GPU
+    workspace_bytes,
+    prepare,  // quantise Q, K, V to e4m3 (timed with the forward and on its own)
+    forward,
+};
