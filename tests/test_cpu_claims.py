@@ -1,7 +1,7 @@
 """What each chapter claims to do, checked in the code the compiler made (no GPU needed).
 
-PTX comes from `nvcc -ptx -arch=compute_90` on the chapter's attention.cu; SASS from
-`cuobjdump --dump-sass -arch sm_90` on its multiarch binary; spills from the ptxas report
+PTX comes from `nvcc -ptx -arch=compute_90` (compute_90a for 08) on the chapter's
+attention.cu; SASS from `cuobjdump --dump-sass -arch sm_90` on its multiarch binary; spills from the ptxas report
 in BUILD/multiarch/NN_name.log; launches and allocations from the source (comments and
 strings stripped). cuobjdump (and nvdisasm, which it needs to print SASS) are taken from
 PATH or next to nvcc, else fetched once from PyPI into .cache/tools; without them the SASS
@@ -44,7 +44,17 @@ CLAIMS = {
     7: dict(adds="cp.async ring for K/V, ldmatrix + mma.sync",
             launches=1, ptx_has=[r"\bcp\.async", r"\bldmatrix", PLAIN_MMA_PTX],
             sass_has=["LDGSTS", "LDSM", "HMMA"], no_spills=True),
+    8: dict(adds="FP8 e4m3 on wgmma, fed by TMA and mbarriers, P converted in registers",
+            kernels=3,  # amax, quantize, attention
+            ptx_has=[r"\bwgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3",
+                     r"\bcp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes",
+                     r"\bmbarrier\.try_wait\.parity", r"\bmbarrier\.arrive\.expect_tx",
+                     r"\bcvt\.rn\.satfinite\.e4m3x2\.f32", r"\bwgmma\.fence", r"\bwgmma\.wait_group"],
+            ptx_lacks=[PLAIN_MMA_PTX, r"\bwmma\.", r"\bcp\.async\.(ca|cg)\b"],
+            sass_lacks=["HMMA", "HGMMA"], no_spills=True,
+            sass_kernel_has={"attention_kernel": ["QGMMA", "UTMALDG", "SYNCS", "WARPGROUP"]}),
 }
+PTX_ARCH_OF = {8: "compute_90a"}  # by chapter number; the others: compute_90
 EVERY_CHAPTER = dict(source_lacks=[r"\bcuda(Malloc|Free)\w*\s*\("])  # the harness owns device memory
 SASS_ARCH = "sm_90"
 TOOL_PACKAGES = {"cuobjdump": "nvidia-cuda-cuobjdump>=13,<14", "nvdisasm": "nvidia-cuda-nvdisasm>=13,<14"}
@@ -78,7 +88,8 @@ def nvcc():
 def ptx(ctx, chapter):
     def generate():
         out = ctx.tmpdir() / f"{chapter}.ptx"
-        cmd = [nvcc(), "-ptx", "-arch=compute_90", "-std=c++17", "-o", out, f"{chapter}/attention.cu"]
+        arch = PTX_ARCH_OF.get(ctx.chapter_number(chapter), "compute_90")
+        cmd = [nvcc(), "-ptx", f"-arch={arch}", "-std=c++17", "-o", out, f"{chapter}/attention.cu"]
         proc = ctx.run(cmd, timeout=600)
         assert proc.returncode == 0, f"nvcc -ptx failed for {chapter}:\n{proc.stdout}{proc.stderr}"
         return re.sub(r"//[^\n]*", "", out.read_text())
@@ -241,6 +252,15 @@ def claim_cases(chapter, number):
             holders = sorted(f for f, ops in sass(ctx, chapter).items() if opcode in ops)
             assert not holders, f"{chapter} ({claims['adds']}): {opcode} in its {SASS_ARCH} SASS, in {holders}"
         add(f"SASS lacks {opcode}", sass_lacks)
+    for kernel, opcodes in claims.get("sass_kernel_has", {}).items():
+        def kernel_has(ctx, kernel=kernel, opcodes=tuple(opcodes)):
+            functions = {f: ops for f, ops in sass(ctx, chapter).items() if kernel in kernel_base_name(f)}
+            assert functions, f"{chapter}: no {SASS_ARCH} function named *{kernel}*; functions: {sorted(sass(ctx, chapter))}"
+            for name, ops in sorted(functions.items()):
+                missing = [op for op in opcodes if op not in ops]
+                assert not missing, f"{chapter} ({claims['adds']}): {name} lacks {missing} in its {SASS_ARCH} SASS"
+            return f"{', '.join(opcodes)} in each of {sorted(functions)}"
+        add(f"SASS of *{kernel}* has {', '.join(opcodes)}", kernel_has)
     if "kernels" in claims:
         def kernels(ctx):
             names = entries(ptx(ctx, chapter))
@@ -314,3 +334,26 @@ def test_strip_comments():
     text = 'a<<<1>>>(); // b<<<\n/* c<<< \n cudaMalloc( */ s = "<<<"; char c = \'"\'; d<<<2>>>();'
     stripped = strip_comments(text)
     assert stripped.count("<<<") == 2 and "cudaMalloc" not in stripped, f"strip_comments gave {stripped!r}"
+
+
+def test_mma_sync_e4m3_is_emulated_on_sm90(ctx):
+    """Why 08 uses wgmma: mma.sync with e4m3 operands (tests/fixtures/mma_e4m3.cu) is one native
+    QMMA on sm_89, but on sm_90 conversions to fp16 (F2FP) plus fp16 HMMAs. Hopper's FP8 rate
+    is reached only through wgmma (QGMMA)."""
+    cuobjdump, env = sass_tools(ctx)
+    ops = {}
+    for arch in ("sm_89", "sm_90"):
+        cubin = ctx.tmpdir() / f"mma_e4m3_{arch}.cubin"
+        proc = ctx.run([nvcc(), "-cubin", f"-gencode=arch=compute_{arch[3:]},code={arch}", "-o", cubin,
+                        ctx.root / "tests" / "fixtures" / "mma_e4m3.cu"], timeout=300)
+        assert proc.returncode == 0, f"nvcc -cubin for {arch} failed:\n{proc.stderr}"
+        dump = ctx.run([cuobjdump, "--dump-sass", cubin], env=env, timeout=300)
+        assert dump.returncode == 0, f"cuobjdump failed on {cubin}:\n{dump.stderr}"
+        ops[arch] = re.findall(r"\b(QMMA|HMMA|QGMMA|F2FP)(\.[A-Z0-9_.]*)?", dump.stdout)
+    names = {arch: sorted({op for op, _ in found}) for arch, found in ops.items()}
+    assert "QMMA" in names["sm_89"] and "HMMA" not in names["sm_89"], f"sm_89: expected a native QMMA, got {names['sm_89']}"
+    assert "HMMA" in names["sm_90"] and "QMMA" not in names["sm_90"], f"sm_90: expected HMMA, no QMMA, got {names['sm_90']}"
+    unpacks = [op + rest for op, rest in ops["sm_90"] if op == "F2FP" and "E4M3" in rest]
+    assert unpacks, f"sm_90: expected F2FP conversions from e4m3, got {ops['sm_90']}"
+    return (f"sm_89: {names['sm_89']}; sm_90: {len(unpacks)} x {unpacks[0]} + "
+            f"{sum(op == 'HMMA' for op, _ in ops['sm_90'])} x HMMA")

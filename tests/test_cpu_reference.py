@@ -173,7 +173,8 @@ def test_prepare_writes_documented_files(ctx):
     check_close(o, want_o, "prepare: O")
     check_close(lse, want_lse, "prepare: LSE")
     paths = reference.ref_paths(str(out), True, "0.125")
-    assert sorted(Path(p).name for p in paths.values()) == sorted(REF_FILES), f"ref_paths gives {paths}"
+    named = sorted(Path(paths[part]).name for part in ("rows", "o", "lse"))
+    assert named == sorted(REF_FILES), f"ref_paths gives {paths}"
 
 
 def test_prepare_deterministic_and_reuses_cache(ctx):
@@ -232,6 +233,144 @@ def test_inputs_command_qk_std(ctx):
     q, k, v = (np.load(out / f"{n}.npy") for n in "qkv")
     for x, want in zip((q, k, v), reference.make_inputs(1, 2, 300, 64, 7, qk_std=4.5)):
         assert np.array_equal(x, want), "inputs --qk-std 4.5 differ from make_inputs(qk_std=4.5)"
+
+
+def test_inputs_command_outliers(ctx):
+    out = ctx.tmpdir()
+    proc = ctx.run([ctx.python, SCRIPT, "inputs", "--out", out, "--batch", "1", "--heads", "2", "--seqlen", "500",
+                    "--headdim", "128", "--seed", "11", "--outliers", "0.001"])
+    assert proc.returncode == 0, f"inputs --outliers failed ({proc.returncode}): {proc.stderr}"
+    q, k, v = (np.load(out / f"{n}.npy").astype(np.float64) for n in "qkv")
+    for name, x in (("q", q), ("k", k)):
+        big = np.abs(x) >= 10
+        assert 0.0003 < big.mean() < 0.003, f"{name}: {big.mean():.4%} of entries >= 10, expected about 0.1%"
+        assert np.abs(x).max() <= 100.1, f"{name}: an entry of {np.abs(x).max()}, expected <= 100"
+    assert np.abs(v).max() < 10, "V should have no outliers"
+
+
+# --- e4m3 (FP8) emulation -------------------------------------------------------------------
+# (code, value): zero, subnormals, the smallest normal, around 1, the largest, NaN, negatives.
+E4M3_KNOWN = [(0x00, 0.0), (0x01, 2.0 ** -9), (0x07, 7 * 2.0 ** -9), (0x08, 2.0 ** -6), (0x30, 0.5),
+              (0x38, 1.0), (0x39, 1.125), (0x3F, 1.875), (0x40, 2.0), (0x77, 240.0), (0x78, 256.0),
+              (0x7E, 448.0), (0x7F, np.nan), (0x80, -0.0), (0xB8, -1.0), (0xFE, -448.0), (0xFF, np.nan)]
+# (input, e4m3 value): ties to even, subnormal rounding, saturation (satfinite).
+E4M3_ROUNDING = [(1 + 1 / 16, 1.0), (1 + 3 / 16, 1.25), (1.0624, 1.0), (1.0626, 1.125),
+                 (2.0 ** -10, 0.0), (3 * 2.0 ** -10, 2.0 ** -8), (5 * 2.0 ** -10, 2.0 ** -8),
+                 (2.0 ** -6 - 2.0 ** -11, 2.0 ** -6), (416.0, 416.0), (432.0, 448.0), (464.0, 448.0),
+                 (1e6, 448.0), (np.inf, 448.0), (-np.inf, -448.0), (-3.3, -3.25), (0.1, 0.1015625)]
+
+
+def test_e4m3_decodes_every_code():
+    codes = np.arange(256, dtype=np.uint8)
+    values = reference.e4m3_decode(codes)
+    for code, want in E4M3_KNOWN:
+        got = values[code]
+        same = (np.isnan(want) and np.isnan(got)) or (got == want and np.signbit(got) == np.signbit(want))
+        assert same, f"code 0x{code:02x} decodes to {got!r}, expected {want!r}"
+    assert np.isnan(values).sum() == 2, f"{np.isnan(values).sum()} NaN codes, expected 2 (0x7f, 0xff)"
+    positive = values[:0x7F]
+    assert np.all(np.diff(positive) > 0), "codes 0x00..0x7e should decode to increasing values"
+    assert np.array_equal(values[0x80:0xFF], -positive), "codes 0x80.. should be the negatives of 0x00.."
+    steps = {1.0: values[0x39] - values[0x38], 448.0: values[0x7E] - values[0x7D]}
+    assert steps == {1.0: 0.125, 448.0: 32.0}, f"spacing near 1 and 448: {steps}, expected 0.125 and 32"
+
+
+def test_e4m3_round_trips_every_code():
+    codes = np.arange(256, dtype=np.uint8)
+    values = reference.e4m3_decode(codes)
+    finite = ~np.isnan(values)
+    back = reference.e4m3_encode(values[finite])
+    bad = codes[finite][back != codes[finite]]
+    assert bad.size == 0, f"codes {[hex(c) for c in bad[:8]]} do not round-trip through encode(decode)"
+    assert np.array_equal(reference.e4m3_round(values[finite]), values[finite]), "e4m3 values must round to themselves"
+    assert reference.e4m3_encode([np.nan])[0] == 0x7F, "NaN should encode as 0x7f"
+
+
+def test_e4m3_rounding_and_saturation():
+    for x, want in E4M3_ROUNDING:
+        got = float(reference.e4m3_round(x))
+        assert got == want, f"e4m3_round({x!r}) = {got!r}, expected {want!r}"
+        assert float(reference.e4m3_round(-x)) == -want, f"e4m3_round({-x!r}) is not -e4m3_round({x!r})"
+
+
+def test_e4m3_matches_cuda_fp8_conversion(ctx):
+    """The emulation against the toolkit's own conversion (cuda_fp8.h's __nv_cvt_float_to_fp8,
+    satfinite, e4m3), compiled here as a host program: 200k random float32 values over the whole
+    range, every tie point between neighbouring codes, and the edges."""
+    import shutil
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    if not nvcc:
+        import unittest
+        raise unittest.SkipTest("nvcc not found: no cuda_fp8.h to compare with")
+    exe = ctx.tmpdir() / "e4m3_codes"
+    proc = ctx.run([nvcc, "-o", exe, ctx.root / "tests" / "fixtures" / "e4m3_codes.cu"], timeout=300)
+    assert proc.returncode == 0, f"nvcc failed on tests/fixtures/e4m3_codes.cu:\n{proc.stderr}"
+    rng = np.random.default_rng(5)
+    values = reference.e4m3_decode(np.arange(0x7F, dtype=np.uint8))
+    ties = (values[:-1] + values[1:]) / 2
+    x = np.concatenate([rng.standard_normal(100000) * np.exp2(rng.uniform(-12, 10, 100000)),
+                        rng.uniform(-500, 500, 100000), ties, -ties, np.nextafter(ties, 0), np.nextafter(ties, 1),
+                        [0.0, -0.0, 448.0, 449.0, 463.9, 464.0, 465.0, 1e30, np.inf, -np.inf]]).astype(np.float32)
+    text = "\n".join(f"{b:08x}" for b in x.view(np.uint32)) + "\n"
+    run = ctx.run([exe], input=text, timeout=300)
+    assert run.returncode == 0, f"e4m3_codes failed: {run.stderr}"
+    cuda = np.array([int(line, 16) for line in run.stdout.split()], dtype=np.uint8)
+    assert cuda.size == x.size, f"e4m3_codes printed {cuda.size} codes for {x.size} values"
+    ours = reference.e4m3_encode(x.astype(np.float64))
+    wrong = np.nonzero(ours != cuda)[0]
+    assert wrong.size == 0, (f"{wrong.size} of {x.size} values encode differently, e.g. {x[wrong[0]]!r}: "
+                             f"numpy 0x{ours[wrong[0]]:02x}, cuda_fp8.h 0x{cuda[wrong[0]]:02x}")
+    return f"{x.size} values agree"
+
+
+def test_quantize_e4m3_scales_per_head():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 40, 64)).astype(np.float16)
+    x[1, 2] *= 50  # one head with a much larger range
+    x[0, 1] = 0    # and one of zeros (scale 1, exact)
+    got = reference.quantize_e4m3(x)
+    assert got.shape == x.shape and got.dtype == np.float64, f"quantize_e4m3 gave {got.dtype} {got.shape}"
+    for b in range(2):
+        for h in range(3):
+            head, back = x[b, h].astype(np.float64), got[b, h]
+            amax = np.abs(head).max()
+            if amax == 0:
+                assert not back.any(), "a head of zeros should stay zeros"
+                continue
+            top = np.unravel_index(np.abs(head).argmax(), head.shape)
+            assert abs(back[top] - head[top]) <= 1e-6 * amax, f"({b},{h}): amax should map to +-448 and back exactly"
+            rel = np.linalg.norm(back - head) / np.linalg.norm(head)
+            assert 0.005 < rel < 0.05, f"({b},{h}): relative error {rel:.3e} of e4m3 (3 mantissa bits) out of range"
+    exact = np.array([1.0, -2.0, 0.5, 0.0], np.float16).reshape(1, 1, 2, 2)
+    assert np.array_equal(reference.quantize_e4m3(exact), exact.astype(np.float64)), \
+        "values exact in e4m3 after scaling (448 / 2 = 224: 224, 448, 112) should come back unchanged"
+    blocked = reference.quantize_e4m3(x, block_rows=16)
+    assert blocked.shape == x.shape and np.linalg.norm(blocked - x) <= np.linalg.norm(got - x) * 1.05, \
+        "per-block scales should be no worse than per-head ones"
+
+
+def test_fp8_floor(ctx):
+    q, k, v = reference.make_inputs(1, 2, 200, 128, seed=4)
+    rows = np.arange(200, dtype=np.int64)
+    for causal in (False, True):
+        o, lse = reference.attention_reference(q, k, v, rows, causal, 128 ** -0.5)
+        rel, lse_err = reference.fp8_floor(q, k, v, rows, causal, 128 ** -0.5, o, lse)
+        assert 0.03 < rel < 0.07, f"e4m3 floor of N(0, 1) inputs, causal={causal}: {rel:.3e}, expected ~4.7e-2"
+        assert 0 < lse_err < 0.5, f"LSE floor {lse_err:.3e} out of range"
+        want_o, _ = direct_attention(*(reference.quantize_e4m3(x) for x in (q, k, v)), causal, 128 ** -0.5)
+        assert abs(rel - rel_err(want_o, o)) < 1e-9, "fp8_floor disagrees with the direct formula"
+    exact = [np.full((1, 1, 8, 64), value, np.float16) for value in (1.0, 0.5, 2.0)]
+    o, lse = reference.attention_reference(*exact, np.arange(8), False, 0.125)
+    rel, lse_err = reference.fp8_floor(*exact, np.arange(8), False, 0.125, o, lse)
+    assert rel == 0 and lse_err == 0, f"inputs exact in e4m3 have a floor of 0, got {rel}, {lse_err}"
+    out = ctx.tmpdir() / "data"
+    proc = prepare(ctx, out, *SHAPE_ARGS, "--scale", "0.125", "--causal", "--fp8-floor")
+    assert proc.returncode == 0, f"prepare --fp8-floor failed: {proc.stderr}"
+    floors = np.load(out / "ref_c1_s0.125_fp8floor.npy")
+    q, k, v = (np.load(out / f"{n}.npy") for n in "qkv")
+    o, lse = np.load(out / REF_FILES[1]), np.load(out / REF_FILES[2])
+    want = reference.fp8_floor(q, k, v, np.arange(33), True, 0.125, o, lse)
+    assert floors.dtype == np.float64 and np.allclose(floors, want, rtol=1e-12), f"fp8floor.npy {floors}, expected {want}"
 
 
 BAD_ARGS = [
