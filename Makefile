@@ -92,7 +92,7 @@ help:
 	@echo "make            build every chapter into $(BUILD)/ (ARCH=$(ARCH); ARCH=sm_90, sm_80, multi...)"
 	@echo "make run        run every chapter on the default shape and print the stage table"
 	@echo "make test       CPU tests, and the GPU matrix when a GPU is present"
-	@echo "make bench      the DESIGN §7 sweep -> docs/results/ (CSV, Markdown, plot) and README table"
+	@echo "make bench      the benchmark sweep -> docs/results/ (CSV, Markdown, plot) and README table"
 	@echo "make compare    PyTorch SDPA anchors on the bench shapes (needs PyTorch)"
 	@echo "make sanitize   compute-sanitizer memcheck/racecheck/synccheck/initcheck, every chapter"
 	@echo "make diff A=04 B=05   the one idea chapter B adds over chapter A"

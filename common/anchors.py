@@ -12,7 +12,7 @@ Inputs and references come from the binaries' cache (<cache>/b{B}_h{H}_n{N}_d{D}
 created with common/reference.py when missing. Timing: CUDA events around each of `iters`
 runs after `warmup` runs, median ms. A backend that is missing, has no kernel for the
 shape or runs out of memory gives a SKIP row with its reason. Status is PASS when rel_l2
-is within the fp16 tensor-core tolerance of DESIGN §4 (3e-3), else FAIL.
+is within the fp16 tensor-core tolerance (3e-3, docs/design.md), else FAIL.
 
   anchors.py [--batch B --heads H --seqlen N --headdim D] [--causal] [--warmup W] [--iters K]
              [--cache DIR]      prints the anchor rows as CSV (default: the headline shape)

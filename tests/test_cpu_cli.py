@@ -1,4 +1,4 @@
-"""Every chapter binary's command line (DESIGN §4), without a GPU.
+"""Every chapter binary's command line (docs/design.md), without a GPU.
 
 Bad usage and bad input must give exit 2 and a message on stderr that names the problem and
 what to change, before any GPU work: the cases run with CUDA_VISIBLE_DEVICES= (no GPU
@@ -13,7 +13,7 @@ import numpy as np
 
 PARALLEL = 2
 
-# Device scratch each chapter promises (DESIGN §4, §5): by chapter number, in bytes.
+# Device scratch each chapter promises (docs/design.md and each chapter README): by chapter number, in bytes.
 WORKSPACE = {
     1: lambda b, h, n, d: b * h * n * n * 4,  # S (then P) in device memory: B*H*N*N fp32
     2: lambda b, h, n, d: b * h * n * n * 4,

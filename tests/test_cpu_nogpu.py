@@ -1,4 +1,4 @@
-"""No GPU: a valid run is skipped, exit 77, with one line on stdout that says why (DESIGN §4).
+"""No GPU: a valid run is skipped, exit 77, with one line on stdout that says why (docs/design.md).
 
 CUDA_VISIBLE_DEVICES= hides every GPU, so these cases hold on a GPU machine too; on a
 machine without a GPU the plain environment is checked as well.
