@@ -6,10 +6,12 @@
 //
 // Three kernels per forward. amax_kernel: max |x| of Q, K and V per (b, h). quantize_kernel:
 // e4m3 copies of Q and K, and of V transposed (keys fastest). attention_kernel: one block per
-// (128-query tile, b*h), heaviest causal tiles first (as 05); 2 warpgroups of 4 warps, each
-// owning 64 query rows. Shared memory: the Q tile and a ring of STAGES (K, Vt) tile pairs, in
-// the swizzled layout TMA writes and wgmma reads. Registers: per warpgroup the 64 x 128 scores,
-// the 64 x HEAD_DIM output accumulator and each row's running max and sum.
+// (128-query tile, b*h), heaviest causal tiles first (as 05); 3 warpgroups: a producer that only
+// issues the copies, and 2 consumers of 64 query rows each that only compute, taking turns on the
+// tensor cores, each overlapping one tile's softmax with the previous tile's P V. Shared memory:
+// the Q tile and a ring of STAGES (K, Vt) tile pairs, in the swizzled layout TMA writes and
+// wgmma reads. Registers: per consumer the 64 x 128 scores, the 64 x HEAD_DIM output
+// accumulator, P in e4m3, and each row's running max and sum.
 #include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)
 #include <cudaTypedefs.h>
 #include <cuda_fp8.h>
@@ -19,10 +21,27 @@
 
 #define BLOCK_Q 128        // query rows per block: 2 warpgroups x 64 (wgmma's M)
 #define BLOCK_KV 128       // keys per tile: wgmma's N for QK^T; 128 e4m3 bytes = one swizzled row of Vt
-#define WARPGROUPS 2
+#define CONSUMERS 2        // consumer warpgroups, each 64 query rows
 #define WARPGROUP_THREADS 128
-#define THREADS (WARPGROUPS * WARPGROUP_THREADS)
-#define WARPGROUP_ROWS (BLOCK_Q / WARPGROUPS)
+#define WARPGROUP_ROWS (BLOCK_Q / CONSUMERS)
+#define CONSUMER_WARPS (CONSUMERS * WARPGROUP_THREADS / 32)
+
+// The steps that overlap copies, softmax and matrix products, each a compile-time switch so
+// that what it is worth can be measured (-DPINGPONG=0 ...).
+#ifndef WARP_SPECIALISED
+#define WARP_SPECIALISED 1 // a producer warpgroup only copies; the two consumer warpgroups only compute
+#endif
+#ifndef PINGPONG
+#define PINGPONG 1         // the consumers take turns issuing their products (named barriers)
+#endif
+#ifndef INTRA_OVERLAP
+#define INTRA_OVERLAP 1    // P V of tile j-1 runs while the softmax of tile j does
+#endif
+#define THREADS ((CONSUMERS + WARP_SPECIALISED) * WARPGROUP_THREADS)
+#define PRODUCER_REGISTERS 24   // setmaxnreg: the producer keeps few registers...
+#define CONSUMER_REGISTERS 240  // ...and the consumers get the rest of the 64K
+static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * CONSUMERS * WARPGROUP_THREADS <= 65536,
+              "the register file holds both roles");
 #define MMA_K 32           // e4m3 wgmma: 32 elements (bytes) of the reduced dimension per instruction
 #define E4M3_MAX 448.0f    // the largest finite e4m3 value
 #define P_SCALE_LOG2 8.0f  // P is stored as 256 p: [0, 256] keeps p >= 2^-14 in e4m3's normal range
@@ -177,13 +196,34 @@ __device__ uint64_t smem_descriptor(const void *tile, int row_bytes) {
 // wgmma runs asynchronously: fence (operand registers ready), issue, commit, wait.
 __device__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int PENDING>  // wait until at most PENDING committed groups are still running
+__device__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
 
-// Keeps the compiler from moving reads or writes of accumulators across the async region.
+// Keeps the compiler from moving reads or writes of wgmma operands across the async region.
 template <int COUNT>
 __device__ void hold_registers(float (&acc)[COUNT]) {
 #pragma unroll
     for (int i = 0; i < COUNT; i++) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+template <int ROWS>
+__device__ void hold_registers(unsigned (&frag)[ROWS][4]) {
+#pragma unroll
+    for (int i = 0; i < ROWS; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) asm volatile("" : "+r"(frag[i][j])::"memory");
+}
+
+// setmaxnreg: a warpgroup gives registers back to the SM or takes more (sm_90a). Only with warp
+// specialisation, where the roles differ.
+template <int REGISTERS>
+__device__ void setmaxnreg_dec() {
+    if (WARP_SPECIALISED) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+
+template <int REGISTERS>
+__device__ void setmaxnreg_inc() {
+    if (WARP_SPECIALISED) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
 }
 
 #define ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
@@ -265,145 +305,284 @@ __device__ void mask_scores(float (&score)[BLOCK_KV / 2], int row0, int col0, in
     }
 }
 
-// --- The kernel ----------------------------------------------------------------------------
+// --- The kernel's parts -------------------------------------------------------------------
+struct Smem {
+    unsigned char *q_tile;  // [BLOCK_Q][HEAD_DIM]
+    unsigned char *k_ring;  // [STAGES][BLOCK_KV][HEAD_DIM]
+    unsigned char *v_ring;  // [STAGES][HEAD_DIM][BLOCK_KV]
+    uint64_t *q_full, *kv_full, *kv_empty;
+};
+
 template <int HEAD_DIM>
-__device__ void load_kv_tile(unsigned char *k_tile, unsigned char *v_tile, const CUtensorMap *k_map,
-                             const CUtensorMap *vt_map, uint64_t *full, int tile, int head) {
-    mbarrier_arrive_expect_bytes(full, Config<HEAD_DIM>::K_BYTES + Config<HEAD_DIM>::V_BYTES);
-    tma_load(k_tile, k_map, full, 0, tile * BLOCK_KV, head);
-    tma_load(v_tile, vt_map, full, tile * BLOCK_KV, 0, head);
+__device__ Smem smem_layout(unsigned char *raw) {
+    typedef Config<HEAD_DIM> C;
+    Smem s;
+    s.q_tile = (unsigned char *)(((uintptr_t)raw + 1023) & ~(uintptr_t)1023);
+    s.k_ring = s.q_tile + C::Q_BYTES;
+    s.v_ring = s.k_ring + C::STAGES * C::K_BYTES;
+    s.q_full = (uint64_t *)(s.v_ring + C::STAGES * C::V_BYTES);
+    s.kv_full = s.q_full + 1;
+    s.kv_empty = s.kv_full + C::STAGES;
+    return s;
 }
 
+// What a block works on, and where its copies come from.
+struct Work {
+    const CUtensorMap *k_map, *vt_map;
+    int head, query0, kv_tiles, seqlen, causal;
+};
+
+// TMA: the K and Vt tiles of `tile` into their ring stage; its full barrier completes once all
+// bytes have landed.
+template <int HEAD_DIM>
+__device__ void load_kv_tile(const Smem &s, const Work &w, int tile) {
+    typedef Config<HEAD_DIM> C;
+    const int stage = tile % C::STAGES;
+    mbarrier_arrive_expect_bytes(&s.kv_full[stage], C::K_BYTES + C::V_BYTES);
+    tma_load(s.k_ring + stage * C::K_BYTES, w.k_map, &s.kv_full[stage], 0, tile * BLOCK_KV, w.head);
+    tma_load(s.v_ring + stage * C::V_BYTES, w.vt_map, &s.kv_full[stage], tile * BLOCK_KV, 0, w.head);
+}
+
+// The producer warpgroup's one thread: every (K, Vt) tile, each into a stage once it is empty.
+template <int HEAD_DIM>
+__device__ void produce(const Smem &s, const Work &w) {
+    constexpr int STAGES = Config<HEAD_DIM>::STAGES;
+    for (int tile = 0; tile < w.kv_tiles; tile++) {
+        if (tile >= STAGES) mbarrier_wait(&s.kv_empty[tile % STAGES], (tile / STAGES - 1) % 2);
+        load_kv_tile<HEAD_DIM>(s, w, tile);
+    }
+}
+
+// A consumer is done with the stage of `tile`. Without a producer warpgroup, thread 0 then
+// refills it with the tile STAGES ahead, once every warp has let go of it.
+template <int HEAD_DIM>
+__device__ void release_stage(const Smem &s, const Work &w, int tile) {
+    constexpr int STAGES = Config<HEAD_DIM>::STAGES;
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbarrier_arrive(&s.kv_empty[tile % STAGES]);
+    if (!WARP_SPECIALISED && threadIdx.x == 0 && tile + STAGES < w.kv_tiles) {
+        mbarrier_wait(&s.kv_empty[tile % STAGES], tile / STAGES % 2);
+        load_kv_tile<HEAD_DIM>(s, w, tile + STAGES);
+    }
+    __syncwarp();
+}
+
+// S = Q K^T for the warpgroup's 64 rows: HEAD_DIM / 32 wgmmas, issued, not waited for.
+template <int HEAD_DIM>
+__device__ void issue_qk(float (&score)[BLOCK_KV / 2], const unsigned char *q_rows, const unsigned char *k_tile) {
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++)
+        wgmma_64x128x32_shared_a(score, smem_descriptor(q_rows + ks * MMA_K, HEAD_DIM),
+                                 smem_descriptor(k_tile + ks * MMA_K, HEAD_DIM), ks > 0);
+    wgmma_commit();
+}
+
+// O += P V: P from registers, Vt from shared memory; issued, not waited for.
+template <int HEAD_DIM>
+__device__ void issue_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p_frag)[BLOCK_KV / MMA_K][4],
+                         const unsigned char *v_tile) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
+        wgmma_pv<HEAD_DIM>(o_acc, p_frag[kk], smem_descriptor(v_tile + kk * MMA_K, BLOCK_KV));
+    wgmma_commit();
+}
+
+// Online softmax of one score tile, in log2 units: the new row max, the factor that rescales the
+// old sum and O (O is the caller's: it may still be in flight), and the scores turned into 2^8 p.
+__device__ void softmax_tile(float (&score)[BLOCK_KV / 2], float (&row_max)[2], float (&row_sum)[2],
+                             float (&rescale)[2], float scale_log2) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < BLOCK_KV / 8; c++)
+            tile_max = fmaxf(tile_max, fmaxf(score[4 * c + 2 * r], score[4 * c + 2 * r + 1]));
+        const float new_max = fmaxf(row_max[r], quad_max(tile_max) * scale_log2);
+        const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key yet stays empty
+        rescale[r] = exp2_approx(row_max[r] - base);
+        row_max[r] = new_max;
+        row_sum[r] *= rescale[r];
+#pragma unroll
+        for (int c = 0; c < BLOCK_KV / 8; c++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float *x = &score[4 * c + 2 * r + e];
+                *x = exp2_approx(fmaf(*x, scale_log2, P_SCALE_LOG2 - base));
+                row_sum[r] += *x;
+            }
+    }
+}
+
+template <int HEAD_DIM>
+__device__ void rescale_output(float (&o_acc)[HEAD_DIM / 2], const float (&rescale)[2]) {
+#pragma unroll
+    for (int c = 0; c < HEAD_DIM / 8; c++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) o_acc[4 * c + j] *= rescale[j / 2];
+}
+
+// P to e4m3, in the A-operand layout: per 32 keys, rows g and g+8 of keys 2t, 2t+1, 2t+8, 2t+9
+// of each 16, which Vt's key_slot order turns into positions 4t..4t+3.
+__device__ void pack_p(const float (&score)[BLOCK_KV / 2], unsigned (&p_frag)[BLOCK_KV / MMA_K][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = 4 * kk + 2 * (i / 2), r = i % 2;  // n8 chunks c, c + 1; row g + 8r
+            p_frag[kk][i] = pack_e4m3x4(score[4 * c + 2 * r], score[4 * c + 2 * r + 1],
+                                        score[4 * c + 4 + 2 * r], score[4 * c + 4 + 2 * r + 1]);
+        }
+}
+
+// Ping-pong: consumer warpgroup g issues its matrix products only after the other one has issued
+// its own (named barrier 1 + g: g's 128 threads wait, the other's 128 arrive), so that one
+// warpgroup's softmax runs while the other's products keep the tensor cores busy.
+__device__ void wait_turn(int group) {
+    if (PINGPONG) asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "n"(2 * WARPGROUP_THREADS) : "memory");
+}
+
+__device__ void pass_turn(int group) {
+    if (PINGPONG) asm volatile("bar.arrive %0, %1;\n" ::"r"(2 - group), "n"(2 * WARPGROUP_THREADS) : "memory");
+}
+
+// What a consumer warpgroup keeps on chip; thread t holds rows row0 and row0 + 8 of each.
+template <int HEAD_DIM>
+struct Consumer {
+    float o_acc[HEAD_DIM / 2];        // O, unnormalised, in V's e4m3 units
+    float score[BLOCK_KV / 2];        // S of the current tile, then its 2^8 p
+    unsigned p_frag[BLOCK_KV / MMA_K][4];  // P in e4m3, the A operand of P V
+    float row_max[2], row_sum[2], rescale[2];
+    const unsigned char *q_rows;      // the warpgroup's 64 rows of the Q tile
+    int group, group_query0, row0;
+    float scale_log2;
+};
+
+// Tile `tile` up to its probabilities: wait for its copy and for our turn, issue Q K^T (and, with
+// PV_IN_FLIGHT, P V of the previous tile right behind it), pass the turn, mask, softmax.
+template <int HEAD_DIM, bool PV_IN_FLIGHT>
+__device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
+    typedef Config<HEAD_DIM> C;
+    const int key0 = tile * BLOCK_KV;
+    mbarrier_wait(&s.kv_full[tile % C::STAGES], tile / C::STAGES % 2);
+    wait_turn(c.group);
+    issue_qk<HEAD_DIM>(c.score, c.q_rows, s.k_ring + tile % C::STAGES * C::K_BYTES);
+    if (PV_IN_FLIGHT) issue_pv<HEAD_DIM>(c.o_acc, c.p_frag, s.v_ring + (tile - 1) % C::STAGES * C::V_BYTES);
+    if (c.group == 0 || tile < w.kv_tiles - 1) pass_turn(c.group);  // every wait_turn has its pass_turn
+    if (PV_IN_FLIGHT) wgmma_wait<1>();  // S is in (groups complete in order); P V may still run
+    else wgmma_wait<0>();
+    hold_registers(c.score);
+    if (key0 + BLOCK_KV > w.seqlen || (w.causal && key0 + BLOCK_KV - 1 > c.group_query0))
+        mask_scores(c.score, c.row0, key0 + 2 * (threadIdx.x % 4), w.seqlen, w.causal);
+    softmax_tile(c.score, c.row_max, c.row_sum, c.rescale, c.scale_log2);
+}
+
+// O += P V for the tile whose P is in registers, waited for, then its stage released.
+template <int HEAD_DIM>
+__device__ void finish_pv(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile, bool issue) {
+    if (issue) issue_pv<HEAD_DIM>(c.o_acc, c.p_frag, s.v_ring + tile % Config<HEAD_DIM>::STAGES * Config<HEAD_DIM>::V_BYTES);
+    wgmma_wait<0>();
+    hold_registers(c.o_acc);
+    hold_registers(c.p_frag);
+    release_stage<HEAD_DIM>(s, w, tile);
+}
+
+// A consumer warpgroup: its 64 query rows against every key tile, then O and LSE.
+template <int HEAD_DIM>
+__device__ void consume(const Smem &s, const Work &w, int group, float scale_log2, float v_descale, __half *o,
+                        float *lse) {
+    const int lane = threadIdx.x % 32;
+    Consumer<HEAD_DIM> c;
+    c.group = group;
+    c.group_query0 = w.query0 + group * WARPGROUP_ROWS;
+    c.row0 = c.group_query0 + threadIdx.x / 32 % 4 * 16 + lane / 4;
+    c.q_rows = s.q_tile + group * WARPGROUP_ROWS * HEAD_DIM;
+    c.scale_log2 = scale_log2;
+    for (int i = 0; i < HEAD_DIM / 2; i++) c.o_acc[i] = 0.0f;
+    for (int r = 0; r < 2; r++) c.row_max[r] = -INFINITY, c.row_sum[r] = 0.0f;
+    mbarrier_wait(s.q_full, 0);
+    if (group == 1) pass_turn(group);  // warpgroup 0 goes first
+
+    if (INTRA_OVERLAP) {
+        // P V of tile j-1 is issued right after Q K^T of tile j and runs during tile j's softmax;
+        // O is rescaled once it is done, before the next P V.
+        scores_and_softmax<HEAD_DIM, false>(c, s, w, 0);
+        rescale_output<HEAD_DIM>(c.o_acc, c.rescale);
+        pack_p(c.score, c.p_frag);
+        for (int tile = 1; tile < w.kv_tiles; tile++) {
+            scores_and_softmax<HEAD_DIM, true>(c, s, w, tile);
+            finish_pv<HEAD_DIM>(c, s, w, tile - 1, false);
+            rescale_output<HEAD_DIM>(c.o_acc, c.rescale);
+            pack_p(c.score, c.p_frag);
+        }
+        finish_pv<HEAD_DIM>(c, s, w, w.kv_tiles - 1, true);
+    } else {
+        for (int tile = 0; tile < w.kv_tiles; tile++) {
+            scores_and_softmax<HEAD_DIM, false>(c, s, w, tile);
+            rescale_output<HEAD_DIM>(c.o_acc, c.rescale);
+            pack_p(c.score, c.p_frag);
+            finish_pv<HEAD_DIM>(c, s, w, tile, true);
+        }
+    }
+
+    // O = accumulator * v_descale / sum, LSE = ln(sum) + max (p was scaled by 2^8), once each.
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int query = c.row0 + 8 * r;
+        const float sum = quad_sum(c.row_sum[r]), scale_out = v_descale / sum;
+        if (query >= w.seqlen) continue;
+        __half *o_row = o + ((size_t)w.head * w.seqlen + query) * HEAD_DIM + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; j++)
+            *(unsigned *)&o_row[8 * j] = pack_half2(c.o_acc[4 * j + 2 * r] * scale_out, c.o_acc[4 * j + 2 * r + 1] * scale_out);
+        if (lane % 4 == 0) lse[(size_t)w.head * w.seqlen + query] = (c.row_max[r] + log2f(sum) - P_SCALE_LOG2) * LN2;
+    }
+}
+
+// --- The kernel ----------------------------------------------------------------------------
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(THREADS, 1)
 attention_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                  const __grid_constant__ CUtensorMap vt_map, const float *amax, __half *o, float *lse,
                  int seqlen, int heads, float scale_log2e, int causal) {
     typedef Config<HEAD_DIM> C;
-    constexpr int STAGES = C::STAGES;
     extern __shared__ unsigned char smem_raw[];
-    unsigned char *q_tile = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-    unsigned char *k_ring = q_tile + C::Q_BYTES;        // [STAGES][BLOCK_KV][HEAD_DIM]
-    unsigned char *v_ring = k_ring + STAGES * C::K_BYTES;  // [STAGES][HEAD_DIM][BLOCK_KV]
-    uint64_t *q_full = (uint64_t *)(v_ring + STAGES * C::V_BYTES);
-    uint64_t *kv_full = q_full + 1, *kv_empty = kv_full + STAGES;
-
-    const int warpgroup = threadIdx.x / WARPGROUP_THREADS, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const Smem s = smem_layout<HEAD_DIM>(smem_raw);
     const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
-    const int query0 = query_tile * BLOCK_Q;
-    const int head = causal ? blockIdx.x : blockIdx.y;
-    const int group_query0 = query0 + warpgroup * WARPGROUP_ROWS;
-    const int row0 = group_query0 + warp % 4 * 16 + lane / 4;  // this thread's rows: row0, row0 + 8
-    const int key_end = causal ? min(seqlen, query0 + BLOCK_Q) : seqlen;
-    const int kv_tiles = ceil_div(key_end, BLOCK_KV);
+    Work w;
+    w.k_map = &k_map;
+    w.vt_map = &vt_map;
+    w.head = causal ? blockIdx.x : blockIdx.y;
+    w.query0 = query_tile * BLOCK_Q;
+    w.seqlen = seqlen;
+    w.causal = causal;
+    w.kv_tiles = ceil_div(causal ? min(seqlen, w.query0 + BLOCK_Q) : seqlen, BLOCK_KV);  // causal: up to the diagonal
 
     // The descales fold into the softmax scale (Q and K) and the final normalisation (V).
-    const float scale_log2 = scale_log2e * e4m3_descale(amax[head]) * e4m3_descale(amax[heads + head]);
-    const float v_descale = e4m3_descale(amax[2 * heads + head]);
+    const float scale_log2 = scale_log2e * e4m3_descale(amax[w.head]) * e4m3_descale(amax[heads + w.head]);
+    const float v_descale = e4m3_descale(amax[2 * heads + w.head]);
 
-    // One thread starts the copies: Q, then the first STAGES (K, Vt) tiles.
     if (threadIdx.x == 0) {
-        mbarrier_init(q_full, 1);
-        for (int s = 0; s < STAGES; s++) mbarrier_init(&kv_full[s], 1), mbarrier_init(&kv_empty[s], THREADS / 32);
+        mbarrier_init(s.q_full, 1);
+        for (int i = 0; i < C::STAGES; i++) mbarrier_init(&s.kv_full[i], 1), mbarrier_init(&s.kv_empty[i], CONSUMER_WARPS);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        mbarrier_arrive_expect_bytes(q_full, C::Q_BYTES);
-        tma_load(q_tile, &q_map, q_full, 0, query0, head);
-        for (int t = 0; t < min(STAGES, kv_tiles); t++)
-            load_kv_tile<HEAD_DIM>(k_ring + t * C::K_BYTES, v_ring + t * C::V_BYTES, &k_map, &vt_map, &kv_full[t], t, head);
+        mbarrier_arrive_expect_bytes(s.q_full, C::Q_BYTES);
+        tma_load(s.q_tile, &q_map, s.q_full, 0, w.query0, w.head);
+        if (!WARP_SPECIALISED)  // the ring's first tiles; release_stage refills it
+            for (int tile = 0; tile < min(C::STAGES, w.kv_tiles); tile++) load_kv_tile<HEAD_DIM>(s, w, tile);
     }
     __syncthreads();  // the barriers are initialised before anyone waits on them
 
-    float o_acc[HEAD_DIM / 2] = {}, row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-    const unsigned char *q_rows = q_tile + warpgroup * WARPGROUP_ROWS * HEAD_DIM;
-    mbarrier_wait(q_full, 0);
-
-    for (int tile = 0; tile < kv_tiles; tile++) {
-        const int stage = tile % STAGES, phase = tile / STAGES % 2, key0 = tile * BLOCK_KV;
-        const unsigned char *k_tile = k_ring + stage * C::K_BYTES, *v_tile = v_ring + stage * C::V_BYTES;
-        mbarrier_wait(&kv_full[stage], phase);
-
-        // S = Q K^T: HEAD_DIM / 32 wgmmas, operands straight from the swizzled tiles.
-        float score[BLOCK_KV / 2];
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++)
-            wgmma_64x128x32_shared_a(score, smem_descriptor(q_rows + ks * MMA_K, HEAD_DIM),
-                                     smem_descriptor(k_tile + ks * MMA_K, HEAD_DIM), ks > 0);
-        wgmma_commit();
-        wgmma_wait_all();
-        hold_registers(score);
-
-        if (key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > group_query0))
-            mask_scores(score, row0, key0 + 2 * (lane % 4), seqlen, causal);
-
-        // Online softmax in registers, in log2 units; p is kept as 2^8 p (P_SCALE_LOG2).
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float tile_max = -INFINITY;
-#pragma unroll
-            for (int c = 0; c < BLOCK_KV / 8; c++)
-                tile_max = fmaxf(tile_max, fmaxf(score[4 * c + 2 * r], score[4 * c + 2 * r + 1]));
-            const float new_max = fmaxf(row_max[r], quad_max(tile_max) * scale_log2);
-            const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key yet stays empty
-            const float rescale = exp2_approx(row_max[r] - base);
-            row_max[r] = new_max;
-            row_sum[r] *= rescale;
-#pragma unroll
-            for (int c = 0; c < HEAD_DIM / 8; c++) o_acc[4 * c + 2 * r] *= rescale, o_acc[4 * c + 2 * r + 1] *= rescale;
-#pragma unroll
-            for (int c = 0; c < BLOCK_KV / 8; c++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float *x = &score[4 * c + 2 * r + e];
-                    *x = exp2_approx(fmaf(*x, scale_log2, P_SCALE_LOG2 - base));
-                    row_sum[r] += *x;
-                }
-        }
-
-        // P to e4m3, in the A-operand layout: per 32 keys, rows g and g+8 of keys 2t, 2t+1,
-        // 2t+8, 2t+9 of each 16, which Vt's key_slot order turns into positions 4t..4t+3.
-        unsigned p_frag[BLOCK_KV / MMA_K][4];
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int c = 4 * kk + 2 * (i / 2), r = i % 2;  // n8 chunks c, c + 1; row g + 8r
-                p_frag[kk][i] = pack_e4m3x4(score[4 * c + 2 * r], score[4 * c + 2 * r + 1],
-                                            score[4 * c + 4 + 2 * r], score[4 * c + 4 + 2 * r + 1]);
-            }
-
-        // O += P V: P from registers, Vt from shared memory.
-        hold_registers(o_acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
-            wgmma_pv<HEAD_DIM>(o_acc, p_frag[kk], smem_descriptor(v_tile + kk * MMA_K, BLOCK_KV));
-        wgmma_commit();
-        wgmma_wait_all();
-        hold_registers(o_acc);
-
-        // The stage is free once every warp is done with it; thread 0 then refills it.
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(&kv_empty[stage]);
-        if (threadIdx.x == 0 && tile + STAGES < kv_tiles) {
-            mbarrier_wait(&kv_empty[stage], phase);
-            load_kv_tile<HEAD_DIM>(k_ring + stage * C::K_BYTES, v_ring + stage * C::V_BYTES, &k_map, &vt_map,
-                                   &kv_full[stage], tile + STAGES, head);
-        }
-        __syncwarp();
-    }
-
-    // O = accumulator * v_descale / sum, LSE = ln(sum) + max (p was scaled by 2^8), once each.
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int query = row0 + 8 * r;
-        const float sum = quad_sum(row_sum[r]), scale_out = v_descale / sum;
-        if (query >= seqlen) continue;
-        __half *o_row = o + ((size_t)head * seqlen + query) * HEAD_DIM + 2 * (lane % 4);
-#pragma unroll
-        for (int c = 0; c < HEAD_DIM / 8; c++)
-            *(unsigned *)&o_row[8 * c] = pack_half2(o_acc[4 * c + 2 * r] * scale_out, o_acc[4 * c + 2 * r + 1] * scale_out);
-        if (lane % 4 == 0) lse[(size_t)head * seqlen + query] = (row_max[r] + log2f(sum) - P_SCALE_LOG2) * LN2;
+    // Warp specialisation: warpgroup 0 only copies and gives most of its registers to the two
+    // consumer warpgroups, which only compute.
+    const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
+    if (WARP_SPECIALISED && warpgroup == 0) {
+        setmaxnreg_dec<PRODUCER_REGISTERS>();
+        if (threadIdx.x == 0) produce<HEAD_DIM>(s, w);
+    } else {
+        setmaxnreg_inc<CONSUMER_REGISTERS>();
+        consume<HEAD_DIM>(s, w, warpgroup - WARP_SPECIALISED, scale_log2, v_descale, o, lse);
     }
 }
 
@@ -519,7 +698,7 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
 
 const Chapter chapter = {
     "08_fp8",
-    "FP8 e4m3 with dynamic scales on Hopper's wgmma, fed by TMA and mbarriers",
+    "FP8 e4m3 with dynamic scales on Hopper's wgmma fed by TMA: warp-specialised, softmax overlapped with the MMAs",
     PRECISION_FP8_TC,
     90, 90,  // sm_90 only: wgmma is an sm_90a feature, and sm_90a code runs on no other GPU
     workspace_bytes,

@@ -44,15 +44,16 @@ CLAIMS = {
     7: dict(adds="cp.async ring for K/V, ldmatrix + mma.sync",
             launches=1, ptx_has=[r"\bcp\.async", r"\bldmatrix", PLAIN_MMA_PTX],
             sass_has=["LDGSTS", "LDSM", "HMMA"], no_spills=True),
-    8: dict(adds="FP8 e4m3 on wgmma, fed by TMA and mbarriers, P converted in registers",
+    8: dict(adds="FP8 e4m3 on wgmma fed by TMA, warp-specialised, P converted in registers",
             kernels=3,  # amax, quantize, attention
             ptx_has=[r"\bwgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3",
                      r"\bcp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes",
                      r"\bmbarrier\.try_wait\.parity", r"\bmbarrier\.arrive\.expect_tx",
-                     r"\bcvt\.rn\.satfinite\.e4m3x2\.f32", r"\bwgmma\.fence", r"\bwgmma\.wait_group"],
+                     r"\bcvt\.rn\.satfinite\.e4m3x2\.f32", r"\bwgmma\.fence", r"\bwgmma\.wait_group",
+                     r"\bsetmaxnreg\.(inc|dec)\.sync\.aligned", r"\bbar\.arrive\b"],
             ptx_lacks=[PLAIN_MMA_PTX, r"\bwmma\.", r"\bcp\.async\.(ca|cg)\b"],
             sass_lacks=["HMMA", "HGMMA"], no_spills=True,
-            sass_kernel_has={"attention_kernel": ["QGMMA", "UTMALDG", "SYNCS", "WARPGROUP"]}),
+            sass_kernel_has={"attention_kernel": ["QGMMA", "UTMALDG", "SYNCS", "WARPGROUP", "USETMAXREG"]}),
 }
 PTX_ARCH_OF = {8: "compute_90a"}  # by chapter number; the others: compute_90
 EVERY_CHAPTER = dict(source_lacks=[r"\bcuda(Malloc|Free)\w*\s*\("])  # the harness owns device memory
