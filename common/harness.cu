@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 extern char **environ;
 
@@ -125,11 +126,15 @@ static void print_help(void) {
         chapter.name, chapter.adds);
 }
 
+// One rule for numbers: an optional '-' and decimal digits, nothing else (no spaces, no '+').
 static long long parse_int(const char *flag, const char *text, long long lo, long long hi) {
+    const char *digits = text[0] == '-' ? text + 1 : text;
+    int well_formed = *digits != 0;
+    for (const char *c = digits; *c; c++) well_formed &= *c >= '0' && *c <= '9';
     char *end;
     errno = 0;
-    long long v = strtoll(text, &end, 10);
-    if (end == text || *end || errno)
+    long long v = well_formed ? strtoll(text, &end, 10) : 0;
+    if (!well_formed || *end || errno)
         die(EXIT_USAGE, "%s expects a whole number, got '%s'", flag, text);
     if (v < lo || v > hi) die(EXIT_USAGE, "%s must be between %lld and %lld (got %lld)", flag, lo, hi, v);
     return v;
@@ -163,6 +168,7 @@ static Options parse_args(int argc, char **argv) {
             if (eq) value = eq + 1;
             else if (i + 1 < argc) value = argv[++i];
             else die(EXIT_USAGE, "%s needs a value (see --help)", flag);
+            if (!*value) die(EXIT_USAGE, "%s needs a value, got an empty one (see --help)", flag);
         } else if (eq) {
             die(EXIT_USAGE, "%s takes no value (see --help)", flag);
         }
@@ -179,8 +185,9 @@ static Options parse_args(int argc, char **argv) {
         else if (!strcmp(flag, "--scale")) {
             char *end;
             o.shape.scale = strtof(value, &end);
-            if (end == value || *end || !(o.shape.scale > 0) || !isfinite(o.shape.scale))
-                die(EXIT_USAGE, "--scale expects a positive number, got '%s'", value);
+            // Positive and normal: a subnormal scale (below ~1.2e-38) loses its precision in fp32.
+            if (end == value || *end || !(o.shape.scale > 0) || !isnormal(o.shape.scale))
+                die(EXIT_USAGE, "--scale expects a positive number between 1.2e-38 and 3.4e38, got '%s'", value);
             o.scale_given = 1;
         } else if (!strcmp(flag, "--causal")) o.shape.causal = 1;
         else if (!strcmp(flag, "--no-check")) o.check = 0;
@@ -490,8 +497,12 @@ static void require_gpu(cudaDeviceProp *prop) {
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess || count == 0) {
-        printf("%s: skipped: no CUDA GPU available (%s)\n", chapter.name,
-               err != cudaSuccess ? cudaGetErrorString(err) : "no devices");
+        const char *why = err == cudaErrorInsufficientDriver
+                              ? "no CUDA driver found: this machine has no NVIDIA GPU, or its driver is older than "
+                                "this CUDA runtime needs"
+                          : err == cudaErrorNoDevice || count == 0 ? "the driver sees no device (CUDA_VISIBLE_DEVICES?)"
+                                                                   : cudaGetErrorString(err);
+        printf("%s: skipped: no CUDA GPU available (%s)\n", chapter.name, why);
         exit(EXIT_SKIP);
     }
     CUDA_CHECK(cudaGetDeviceProperties(prop, 0));
@@ -597,6 +608,52 @@ static float time_forward(const Options *o, const AttnArgs *args, cudaStream_t s
     return median;
 }
 
+// --output DIR is checked before any work: a folder we can write into, or one we can create.
+static void check_output_dir(const char *dir) {
+    struct stat st;
+    if (stat(dir, &st) == 0) {
+        if (!S_ISDIR(st.st_mode)) die(EXIT_USAGE, "--output %s exists and is not a folder: give a folder", dir);
+        if (access(dir, W_OK | X_OK) != 0) die(EXIT_USAGE, "--output %s: cannot write into it: %s", dir, strerror(errno));
+        return;
+    }
+    if (errno != ENOENT) die(EXIT_USAGE, "--output %s: %s", dir, strerror(errno));
+    char parent[4096];
+    format_path(parent, sizeof parent, "%s", dir);
+    char *slash = strrchr(parent, '/');
+    while (slash && slash > parent && slash[1] == 0) *slash = 0, slash = strrchr(parent, '/');  // "a/b/" -> "a/b"
+    if (!slash) strcpy(parent, ".");
+    else if (slash == parent) parent[1] = 0;  // "/x": the root
+    else *slash = 0;
+    if (stat(parent, &st) != 0 || !S_ISDIR(st.st_mode))
+        die(EXIT_USAGE, "--output %s cannot be created: %s is not an existing folder", dir, parent);
+    if (access(parent, W_OK | X_OK) != 0)
+        die(EXIT_USAGE, "--output %s cannot be created in %s: %s", dir, parent, strerror(errno));
+}
+
+// NaN or Inf in an input makes the whole output row undefined: refuse it, saying where.
+static void check_inputs_finite(const Options *o) {
+    const char *names[3] = {"q.npy", "k.npy", "v.npy"};
+    const AttnShape *s = &o->shape;
+    long long shape[4] = {s->batch, s->heads, s->seqlen, s->headdim};
+    for (int i = 0; i < 3; i++) {
+        __half *x = (__half *)load_array(o->input_dir, names[i], NPY_F16, 4, shape, NULL);
+        size_t bad = 0, first = 0;
+        for (size_t e = 0; e < elems_qkv(s); e++) {
+            unsigned short bits = *(const unsigned short *)&x[e];
+            if ((bits & 0x7C00) == 0x7C00 && !bad++) first = e;  // exponent all ones: Inf or NaN
+        }
+        free(x);
+        if (bad) {
+            size_t d = first % s->headdim, n = first / s->headdim % s->seqlen;
+            size_t h = first / ((size_t)s->headdim * s->seqlen) % s->heads;
+            size_t b = first / ((size_t)s->headdim * s->seqlen * s->heads);
+            die(EXIT_USAGE, "%s/%s holds %zu NaN or Inf value%s, the first at [%zu, %zu, %zu, %zu]: attention "
+                "is undefined on them; replace them (np.nan_to_num) or find where they came from",
+                o->input_dir, names[i], bad, bad == 1 ? "" : "s", b, h, n, d);
+        }
+    }
+}
+
 static void write_outputs(const char *dir, const AttnShape *s, const __half *out, const float *lse) {
     char path[4096], err[1024];
     if (mkdir(dir, 0755) != 0 && errno != EEXIST) die(EXIT_USAGE, "cannot create %s: %s", dir, strerror(errno));
@@ -626,8 +683,10 @@ static void print_plan(const Options *o, size_t workspace) {
 
 int main(int argc, char **argv) {
     Options o = parse_args(argc, argv);
+    if (o.output_dir) check_output_dir(o.output_dir);
     if (o.input_dir) shape_from_input(&o);
     validate_shape(&o.shape);
+    if (o.input_dir) check_inputs_finite(&o);
     if (!o.scale_given) o.shape.scale = 1.0f / sqrtf((float)o.shape.headdim);
     const AttnShape *s = &o.shape;
     size_t workspace = chapter.workspace_bytes(s);

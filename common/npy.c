@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 static const char *const DESCR[NPY_DTYPE_COUNT] = {"<f2", "<f4", "<f8", "<i8"};
 static const char *const NAME[NPY_DTYPE_COUNT] = {"float16", "float32", "float64", "int64"};
@@ -24,23 +25,27 @@ static int fail(char *err, size_t err_len, const char *fmt, ...) {
     return -1;
 }
 
-// Find `'key':` in the header dict and return the text after the colon.
-static const char *dict_value(const char *dict, const char *key) {
-    char quoted[32];
-    snprintf(quoted, sizeof quoted, "'%s'", key);
-    const char *at = strstr(dict, quoted);
-    if (!at) return NULL;
-    at = strchr(at + strlen(quoted), ':');
-    if (!at) return NULL;
-    at++;
-    while (*at == ' ') at++;
-    return at;
+// The header is a Python dict literal, e.g. {'descr': '<f2', 'fortran_order': False,
+// 'shape': (2, 3), }: read token by token, so that a key is only ever a key.
+static void skip_space(const char **p) {
+    while (**p == ' ' || **p == '\t' || **p == '\n' || **p == '\r') (*p)++;
 }
 
-static int parse_descr(const char *value, NpyDtype *dtype, const char *path, char *err,
-                       size_t err_len) {
-    char descr[16] = {0};
-    if (*value != '\'' || sscanf(value + 1, "%15[^']", descr) != 1)
+// A quoted string ('...' or "...") into out; 0 on success.
+static int read_string(const char **p, char *out, size_t out_len) {
+    const char quote = **p;
+    if (quote != '\'' && quote != '"') return -1;
+    const char *end = strchr(*p + 1, quote);
+    if (!end || (size_t)(end - *p - 1) >= out_len) return -1;
+    memcpy(out, *p + 1, (size_t)(end - *p - 1));
+    out[end - *p - 1] = 0;
+    *p = end + 1;
+    return 0;
+}
+
+static int parse_descr(const char **p, NpyDtype *dtype, const char *path, char *err, size_t err_len) {
+    char descr[16];
+    if (read_string(p, descr, sizeof descr))
         return fail(err, err_len, "%s: cannot read the dtype ('descr') of the .npy header", path);
     for (int i = 0; i < NPY_DTYPE_COUNT; i++) {
         if (strcmp(descr, DESCR[i]) == 0) {
@@ -53,30 +58,85 @@ static int parse_descr(const char *value, NpyDtype *dtype, const char *path, cha
                 "float32, float64, int64)", path, descr);
 }
 
-static int parse_shape(const char *value, NpyHeader *h, const char *path, char *err,
-                       size_t err_len) {
-    if (*value != '(') return fail(err, err_len, "%s: cannot read the shape of the .npy header", path);
-    const char *p = value + 1;
+static int parse_order(const char **p, const char *path, char *err, size_t err_len) {
+    if (strncmp(*p, "False", 5) == 0) {
+        *p += 5;
+        return 0;
+    }
+    if (strncmp(*p, "True", 4) == 0)
+        return fail(err, err_len, "%s: Fortran-order arrays are not supported (save a C-order array)", path);
+    return fail(err, err_len, "%s: cannot read 'fortran_order' of the .npy header", path);
+}
+
+// A tuple of non-negative integers; the element count must fit in memory's address range.
+static int parse_shape(const char **p, NpyHeader *h, const char *path, char *err, size_t err_len) {
+    if (**p != '(') return fail(err, err_len, "%s: cannot read the shape of the .npy header", path);
+    (*p)++;
     h->ndim = 0;
     h->count = 1;
     for (;;) {
-        while (*p == ' ' || *p == ',') p++;
-        if (*p == ')') break;
+        skip_space(p);
+        if (**p == ')') break;
         char *end;
         errno = 0;
-        long long dim = strtoll(p, &end, 10);
-        if (end == p || errno || dim < 0)
+        long long dim = strtoll(*p, &end, 10);
+        if (end == *p || errno || dim < 0)
             return fail(err, err_len, "%s: malformed shape in the .npy header", path);
         if (h->ndim == NPY_MAX_DIMS)
             return fail(err, err_len, "%s: more than %d dimensions", path, NPY_MAX_DIMS);
+        if (dim > 0 && h->count > SIZE_MAX / 8 / (size_t)dim)
+            return fail(err, err_len, "%s: the shape in its header has more elements than any memory holds", path);
         h->shape[h->ndim++] = dim;
         h->count *= (size_t)dim;
-        p = end;
+        *p = end;
+        skip_space(p);
+        if (**p == ',') (*p)++;
+        else if (**p != ')') return fail(err, err_len, "%s: malformed shape in the .npy header", path);
     }
+    (*p)++;
+    return 0;
+}
+
+// The whole dict: exactly the keys descr, fortran_order and shape, each once.
+static int parse_dict(const char *dict, NpyHeader *h, const char *path, char *err, size_t err_len) {
+    const char *p = dict;
+    int seen[3] = {0, 0, 0};
+    static const char *const KEYS[3] = {"descr", "fortran_order", "shape"};
+    skip_space(&p);
+    if (*p++ != '{') return fail(err, err_len, "%s: the .npy header is not a dict", path);
+    for (;;) {
+        skip_space(&p);
+        if (*p == '}') break;
+        char key[32];
+        if (read_string(&p, key, sizeof key)) return fail(err, err_len, "%s: malformed .npy header", path);
+        skip_space(&p);
+        if (*p++ != ':') return fail(err, err_len, "%s: malformed .npy header", path);
+        skip_space(&p);
+        int k = 0;
+        while (k < 3 && strcmp(key, KEYS[k]) != 0) k++;
+        if (k == 3) return fail(err, err_len, "%s: unexpected key '%s' in the .npy header", path, key);
+        if (seen[k]++) return fail(err, err_len, "%s: key '%s' twice in the .npy header", path, key);
+        int rc = k == 0 ? parse_descr(&p, &h->dtype, path, err, err_len)
+                 : k == 1 ? parse_order(&p, path, err, err_len)
+                          : parse_shape(&p, h, path, err, err_len);
+        if (rc) return rc;
+        skip_space(&p);
+        if (*p == ',') p++;
+        else if (*p != '}') return fail(err, err_len, "%s: malformed .npy header", path);
+    }
+    if (!seen[0] || !seen[1] || !seen[2])
+        return fail(err, err_len, "%s: .npy header lacks descr, fortran_order or shape", path);
     return 0;
 }
 
 int npy_read_header(const char *path, NpyHeader *h, char *err, size_t err_len) {
+    // Say what the path is before opening it: opening a FIFO would wait for a writer forever.
+    struct stat st;
+    if (stat(path, &st) != 0) return fail(err, err_len, "cannot open %s: %s", path, strerror(errno));
+    if (S_ISDIR(st.st_mode)) return fail(err, err_len, "%s is a directory, not a .npy file", path);
+    if (!S_ISREG(st.st_mode))
+        return fail(err, err_len, "%s is not a regular file (a FIFO, socket or device), not a .npy file", path);
+    if (st.st_size == 0) return fail(err, err_len, "%s is empty (0 bytes), not a .npy file", path);
     FILE *f = fopen(path, "rb");
     if (!f) return fail(err, err_len, "cannot open %s: %s", path, strerror(errno));
     unsigned char pre[10];
@@ -107,19 +167,7 @@ int npy_read_header(const char *path, NpyHeader *h, char *err, size_t err_len) {
         fail(err, err_len, "%s: truncated .npy header", path);
         goto done;
     }
-    const char *descr = dict_value(dict, "descr");
-    const char *order = dict_value(dict, "fortran_order");
-    const char *shape = dict_value(dict, "shape");
-    if (!descr || !order || !shape) {
-        fail(err, err_len, "%s: .npy header lacks descr, fortran_order or shape", path);
-        goto done;
-    }
-    if (parse_descr(descr, &h->dtype, path, err, err_len)) goto done;
-    if (strncmp(order, "False", 5) != 0) {
-        fail(err, err_len, "%s: Fortran-order arrays are not supported (save a C-order array)", path);
-        goto done;
-    }
-    if (parse_shape(shape, h, path, err, err_len)) goto done;
+    if (parse_dict(dict, h, path, err, err_len)) goto done;
     h->data_offset = prefix + header_len;
     if (fseek(f, 0, SEEK_END) != 0) {
         fail(err, err_len, "%s: cannot seek: %s", path, strerror(errno));

@@ -6,6 +6,7 @@ visible), so a binary that looked for a GPU first would answer 77 and fail here,
 machine. --help lists every option; --dry-run prints the plan, and its workspace line shows
 the chapter's scratch memory: B*H*N*N floats for 01-03, nothing at all from 04 on.
 """
+import os
 import re
 import unittest
 
@@ -47,6 +48,28 @@ def write_qkv(folder, shape=(1, 2, 16, 64), dtype=np.float16, **override):
     return folder
 
 
+def special_q(folder, kind):
+    """A folder whose q.npy is a FIFO, a directory or an empty file (k, v are fine)."""
+    write_qkv(folder, q=None)
+    path = folder / "q.npy"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dir":
+        path.mkdir()
+    else:
+        path.write_bytes(b"")
+    return folder
+
+
+def with_special_value(folder, name, index, value):
+    """q, k, v with one element of `name` set to value (NaN or Inf) at index."""
+    write_qkv(folder)
+    array = np.load(folder / f"{name}.npy")
+    array[index] = value
+    np.save(folder / f"{name}.npy", array)
+    return folder
+
+
 def truncated_v(folder):
     write_qkv(folder)
     data = (folder / "v.npy").read_bytes()
@@ -81,6 +104,32 @@ BAD = [
      [r"\b96\b", r"\b64\b", r"\b128\b"]),
     ("input contradicts --seqlen", lambda t: ["--seqlen", "32", "--input", write_qkv(t / "in")],
      [r"--seqlen", r"\b32\b", r"\b16\b", r"(contradict|does not match|differs|disagree)"]),
+    # Files that are not .npy files at all: refused for what they are, without opening a FIFO
+    # (which would wait for a writer forever), --dry-run included.
+    ("input q.npy is a FIFO", lambda t: ["--input", special_q(t / "in", "fifo")], [r"q\.npy", r"not a regular file"]),
+    ("input q.npy is a FIFO, --dry-run", lambda t: ["--dry-run", "--input", special_q(t / "in", "fifo")],
+     [r"q\.npy", r"not a regular file"]),
+    ("input q.npy is a directory", lambda t: ["--input", special_q(t / "in", "dir")], [r"q\.npy", r"is a directory"]),
+    ("input q.npy is empty", lambda t: ["--input", special_q(t / "in", "empty")], [r"q\.npy", r"empty"]),
+    # Values no attention is defined on.
+    ("input NaN in k.npy", lambda t: ["--input", with_special_value(t / "in", "k", (0, 1, 5, 17), np.nan)],
+     [r"k\.npy", r"NaN", r"\[0, 1, 5, 17\]", r"nan_to_num"]),
+    ("input Inf in v.npy, --dry-run",
+     lambda t: ["--dry-run", "--input", with_special_value(t / "in", "v", (0, 0, 3, 2), np.inf)],
+     [r"v\.npy", r"Inf", r"\[0, 0, 3, 2\]"]),
+    # --output is checked first, before inputs are made or a GPU is looked for.
+    ("output is a file", lambda t: ["--output", write_qkv(t / "in") / "q.npy"], [r"--output", r"not a folder"]),
+    ("output is a file, --dry-run", lambda t: ["--dry-run", "--output", write_qkv(t / "in") / "q.npy"],
+     [r"--output", r"not a folder"]),
+    ("output parent missing", lambda t: ["--output", t / "no" / "such" / "out"],
+     [r"--output", r"cannot be created", r"no.such"]),
+    # One rule for numbers, and values that are empty or meaningless.
+    ("input empty", lambda t: ["--input="], [r"--input", r"empty"]),
+    ("output empty", lambda t: ["--output="], [r"--output", r"empty"]),
+    ("headdim leading space", lambda t: ["--headdim", " 64"], [r"--headdim", r"whole number"]),
+    ("headdim trailing space", lambda t: ["--headdim", "64 "], [r"--headdim", r"whole number"]),
+    ("headdim plus sign", lambda t: ["--headdim", "+64"], [r"--headdim", r"whole number"]),
+    ("scale subnormal", lambda t: ["--scale", "1e-40"], [r"--scale", r"1e-40", r"positive"]),
 ]
 
 

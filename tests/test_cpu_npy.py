@@ -267,3 +267,45 @@ def test_write_refuses_missing_folder(ctx):
     assert str(path) in proc.stderr and "cannot create" in proc.stderr, (
         f"expected 'cannot create {path}...', got {proc.stderr.strip()!r}")
     assert not os.path.exists(path)
+
+
+def test_refuses_a_directory(ctx):
+    path = ctx.tmpdir() / "q.npy"
+    path.mkdir()
+    check_refused(ctx, path, "is a directory")
+
+
+def test_refuses_a_fifo_without_waiting(ctx):
+    """A FIFO (or any non-regular file) is refused before it is opened: opening one waits for a
+    writer forever (run_tool's time-out would fail this test)."""
+    if not hasattr(os, "mkfifo"):
+        raise unittest.SkipTest("no os.mkfifo on this platform")
+    path = ctx.tmpdir() / "q.npy"
+    os.mkfifo(path)
+    check_refused(ctx, path, "not a regular file")
+
+
+def header_bytes(dict_text, data=b""):
+    """A version 1.0 .npy file whose header is dict_text, padded to 64 bytes, then data."""
+    body = dict_text.encode()
+    length = -(-(10 + len(body) + 1) // 64) * 64 - 10
+    return b"\x93NUMPY\x01\x00" + length.to_bytes(2, "little") + body.ljust(length - 1) + b"\n" + data
+
+
+def test_header_keys_are_parsed_not_searched(ctx):
+    """'descr' inside another key's string value must not be taken for the key itself."""
+    data = np.arange(3, dtype=np.float32).tobytes()
+    good = "{'fortran_order': False, 'shape': (3,), 'descr': '<f4', }"
+    check_reads(ctx, write_bytes(ctx, "reordered.npy", header_bytes(good, data)), np.arange(3, dtype=np.float32))
+    sneaky = "{'shape': (3,), 'fortran_order': False, 'x': \"'descr': '<f4'\", }"
+    check_refused(ctx, write_bytes(ctx, "sneaky.npy", header_bytes(sneaky, data)), "unexpected key 'x'")
+    twice = "{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (3,), }"
+    check_refused(ctx, write_bytes(ctx, "twice.npy", header_bytes(twice, data)), "twice")
+    missing = "{'descr': '<f4', 'fortran_order': False, }"
+    check_refused(ctx, write_bytes(ctx, "missing.npy", header_bytes(missing, data)), "lacks")
+
+
+def test_refuses_a_shape_that_overflows(ctx):
+    """A header whose element count overflows size_t is refused by the reader itself."""
+    huge = "{'descr': '<f2', 'fortran_order': False, 'shape': (4294967296, 4294967296, 16), }"
+    check_refused(ctx, write_bytes(ctx, "huge.npy", header_bytes(huge, b"\0" * 16)), "more elements")
