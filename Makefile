@@ -75,18 +75,35 @@ compare: all
 sanitize: all
 	@$(PYTHON) tests/run.py --build $(BUILD) --make '$(MAKE)' --suite sanitize
 
+# A chapter's folder from its number: 4, 04 and 04_fused all name 04_fused (empty if none).
+chapter_dir = $(firstword $(patsubst %/attention.cu,%,$(wildcard $(1)_*/attention.cu 0$(1)_*/attention.cu $(1)/attention.cu)))
+no_chapter = { echo "make $@: no chapter '$(1)' (name one by its number, e.g. $(2)=04; chapters: $(CHAPTERS))" >&2; exit 2; }
+
 A ?= 04
 B ?= 05
 diff:
-	@diff -u $(wildcard $(A)_*/attention.cu) $(wildcard $(B)_*/attention.cu) || true
+	@test -n "$(call chapter_dir,$(A))" || $(call no_chapter,$(A),A)
+	@test -n "$(call chapter_dir,$(B))" || $(call no_chapter,$(B),B)
+	@diff -u $(call chapter_dir,$(A))/attention.cu $(call chapter_dir,$(B))/attention.cu; test $$? -le 1
+
+# cuobjdump from PATH, next to nvcc, or where `make test` fetched it (.cache/tools); it needs
+# nvdisasm from the same place on PATH to print SASS.
+CUOBJDUMP ?= $(firstword $(shell command -v cuobjdump 2>/dev/null) \
+                         $(wildcard $(dir $(shell command -v $(NVCC) 2>/dev/null))cuobjdump) \
+                         $(wildcard $(CURDIR)/.cache/tools/cuobjdump))
 
 CH ?= 04
 profile: all
+	@test -n "$(call chapter_dir,$(CH))" || $(call no_chapter,$(CH),CH)
+	@command -v ncu >/dev/null 2>&1 || { echo "make profile: Nsight Compute (ncu) not found: install it with the CUDA toolkit, or put it on PATH" >&2; exit 2; }
+	@nvidia-smi -L >/dev/null 2>&1 || { echo "make profile: no NVIDIA GPU here; Nsight Compute profiles kernels on a GPU" >&2; exit 2; }
 	ncu --clock-control none --set full --launch-count 3 \
-	    $(BUILD)/$(wildcard $(CH)_*) --warmup 0 --iters 1 --no-check --batch 4 --heads 16 --seqlen 4096
+	    $(BUILD)/$(call chapter_dir,$(CH)) --warmup 0 --iters 1 --no-check --batch 4 --heads 16 --seqlen 4096
 
 sass: all
-	@cuobjdump --dump-sass $(BUILD)/$(wildcard $(CH)_*)
+	@test -n "$(call chapter_dir,$(CH))" || $(call no_chapter,$(CH),CH)
+	@test -n "$(CUOBJDUMP)" || { echo "make sass: cuobjdump not found (CUDA toolkit); 'make test' fetches one into .cache/tools" >&2; exit 2; }
+	@PATH="$(dir $(CUOBJDUMP)):$$PATH" $(CUOBJDUMP) --dump-sass $(BUILD)/$(call chapter_dir,$(CH))
 
 help:
 	@echo "make            build every chapter into $(BUILD)/ (ARCH=$(ARCH); ARCH=sm_90, sm_80, multi...)"
