@@ -615,6 +615,17 @@ static size_t workspace_bytes(const AttnShape *s) {
     return amax_bytes(s) + 2 * heads * s->seqlen * s->headdim + heads * s->headdim * (ceil_div(s->seqlen, 16) * 16);
 }
 
+template <int HEAD_DIM>
+static cudaError_t quantize(const AttnArgs *args, cudaStream_t stream) {
+    const AttnShape *s = &args->shape;
+    const Workspace w = workspace_layout(args);
+    dim3 grid(ceil_div(s->seqlen, QUANT_ROWS), s->batch * s->heads, 3);
+    quantize_kernel<HEAD_DIM><<<grid, QUANT_THREADS, 0, stream>>>(args->q, args->k, args->v, w.amax, w.q8, w.k8,
+                                                                  w.vt8, s->seqlen, w.seqlen_padded);
+    return cudaGetLastError();
+}
+
+// The chapter's prepare step: per-(b, h) amax of Q, K, V, then their e4m3 copies.
 static cudaError_t prepare(const AttnArgs *args, cudaStream_t stream) {
     const AttnShape *s = &args->shape;
     const Workspace w = workspace_layout(args);
@@ -622,17 +633,9 @@ static cudaError_t prepare(const AttnArgs *args, cudaStream_t stream) {
     const size_t head_elems = (size_t)s->seqlen * s->headdim;
     RETURN_IF_ERROR(cudaMemsetAsync(w.amax, 0, 3 * heads * sizeof(float), stream));
     const int chunks = (int)((head_elems / 8 + QUANT_THREADS * 8 - 1) / (QUANT_THREADS * 8));  // ~8 loads a thread
-    dim3 amax_grid(chunks, heads, 3);
-    amax_kernel<<<amax_grid, QUANT_THREADS, 0, stream>>>(args->q, args->k, args->v, head_elems, w.amax);
+    amax_kernel<<<dim3(chunks, heads, 3), QUANT_THREADS, 0, stream>>>(args->q, args->k, args->v, head_elems, w.amax);
     RETURN_IF_ERROR(cudaGetLastError());
-    dim3 grid(ceil_div(s->seqlen, QUANT_ROWS), heads, 3);
-    if (s->headdim == 128)
-        quantize_kernel<128><<<grid, QUANT_THREADS, 0, stream>>>(args->q, args->k, args->v, w.amax, w.q8, w.k8, w.vt8,
-                                                                 s->seqlen, w.seqlen_padded);
-    else
-        quantize_kernel<64><<<grid, QUANT_THREADS, 0, stream>>>(args->q, args->k, args->v, w.amax, w.q8, w.k8, w.vt8,
-                                                                s->seqlen, w.seqlen_padded);
-    return cudaGetLastError();
+    return launch_for_head_dim(args, stream, quantize<64>, quantize<128>);
 }
 
 // cuTensorMapEncodeTiled from the driver, found at run time (the program links no libcuda).
@@ -689,11 +692,7 @@ static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
 }
 
 static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
-    switch (args->shape.headdim) {
-    case 64: return launch<64>(args, stream);
-    case 128: return launch<128>(args, stream);
-    default: return cudaErrorInvalidValue;
-    }
+    return launch_for_head_dim(args, stream, launch<64>, launch<128>);
 }
 
 const Chapter chapter = {

@@ -39,6 +39,7 @@ typedef struct {
     int min_sm, max_sm; // compute capabilities it runs on, e.g. 80 for sm_80; max_sm 0: no upper
                         // bound (08 runs on sm_90 only: its sm_90a code runs on no other GPU)
     // Device scratch the forward needs (the harness allocates it; chapters never allocate).
+    // NULL: none.
     size_t (*workspace_bytes)(const AttnShape *shape);
     // Optional (NULL: none): work on the inputs that `forward` needs done first, such as 08's
     // quantisation to FP8. Part of every timed forward, and also timed on its own.
@@ -48,6 +49,19 @@ typedef struct {
 } Chapter;
 
 extern const Chapter chapter;
+
+// A chapter's launcher instantiated for each head dimension (kernels that take it as a
+// template parameter): call the one for this shape. The harness has refused any other D.
+typedef cudaError_t (*Launcher)(const AttnArgs *args, cudaStream_t stream);
+
+static inline cudaError_t launch_for_head_dim(const AttnArgs *args, cudaStream_t stream, Launcher for_64,
+                                              Launcher for_128) {
+    switch (args->shape.headdim) {
+    case 64: return for_64(args, stream);
+    case 128: return for_128(args, stream);
+    default: return cudaErrorInvalidValue;
+    }
+}
 
 // Return the error of a CUDA call from the enclosing function if it failed.
 #define RETURN_IF_ERROR(call)                        \
