@@ -30,13 +30,15 @@ endif
 # Chapters built on Hopper's arch-specific features (wgmma) target sm_90a alone, whatever ARCH says:
 # sm_90a code runs on sm_90 only, and the chapter says so (exit 77) on any other GPU.
 SM90A_CHAPTERS := 08_fp8
-$(addprefix $(BUILD)/,$(SM90A_CHAPTERS)): GENCODE := -gencode=arch=compute_90a,code=sm_90a
+$(addprefix $(BUILD)/,$(SM90A_CHAPTERS)): private GENCODE := -gencode=arch=compute_90a,code=sm_90a
 
 EXTRA_NVFLAGS ?=   # e.g. -DBLOCK_KV_D128=64 to try another tile size in 07
 NVFLAGS := -O3 -std=c++17 -lineinfo -Xcompiler -Wall,-Wextra -Xptxas -v $(EXTRA_NVFLAGS) \
            -DFA_ROOT='"$(CURDIR)"' -DFA_PYTHON='"$(PYTHON)"'
-COMMON  := common/harness.cu common/npy.c
 HEADERS := common/harness.h common/npy.h
+# The harness, compiled once per build folder (it has no kernels: it links with any chapter).
+COMMON_OBJ := $(BUILD)/common/harness.o $(BUILD)/common/npy.o
+.SECONDARY: $(COMMON_OBJ)
 
 .PHONY: all run test bench compare sanitize diff profile sass help clean FORCE
 .DEFAULT_GOAL := all
@@ -48,11 +50,25 @@ $(BUILD)/.flags: FORCE
 	@mkdir -p $(BUILD)
 	@echo '$(NVCC) $(NVFLAGS) $(GENCODE)' | cmp -s - $@ || echo '$(NVCC) $(NVFLAGS) $(GENCODE)' > $@
 
-# One executable per chapter; ptxas' register/spill report goes to build/<chapter>.log.
-$(BUILD)/%: %/attention.cu $(COMMON) $(HEADERS) $(BUILD)/.flags
-	@echo "nvcc  $< -> $@ ($(ARCH))"
-	@$(NVCC) $(NVFLAGS) $(GENCODE) -o $@ $< $(COMMON) > $@.log 2>&1 || { cat $@.log; exit 1; }
-	@! grep -i 'warning' $@.log || { echo "$@: compiler warnings above"; exit 1; }
+# Compile, keep the compiler's output in <target>.log (ptxas' register/spill report for the
+# chapters), and fail on any warning.
+compile = $(NVCC) $(NVFLAGS) $(GENCODE) $(1) > $@.log 2>&1 || { cat $@.log; exit 1; }; \
+          ! grep -i 'warning' $@.log || { echo "$@: compiler warnings above"; exit 1; }
+
+$(BUILD)/common/%.o: common/%.cu $(HEADERS) $(BUILD)/.flags
+	@mkdir -p $(dir $@)
+	@echo "nvcc  $< -> $@"
+	@$(call compile,-c -o $@ $<)
+
+$(BUILD)/common/%.o: common/%.c $(HEADERS) $(BUILD)/.flags
+	@mkdir -p $(dir $@)
+	@echo "nvcc  $< -> $@"
+	@$(call compile,-c -o $@ $<)
+
+# One executable per chapter.
+$(BUILD)/%: %/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)/.flags
+	@echo "nvcc  $< -> $@ ($(if $(filter $*,$(SM90A_CHAPTERS)),sm_90a,$(ARCH)))"
+	@$(call compile,-o $@ $< $(COMMON_OBJ))
 
 .venv/.ready: requirements.txt
 	@echo "setting up .venv with NumPy (the system Python lacks it)"

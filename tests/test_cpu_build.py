@@ -39,3 +39,20 @@ def cases(ctx):
 def test_chapters_found(ctx):
     assert ctx.chapters, "no chapter directories NN_name/attention.cu found"
     assert ctx.chapters[0].startswith("01_"), f"the first chapter is {ctx.chapters[0]}, expected 01_naive"
+
+
+def test_harness_compiled_once(ctx):
+    """harness.cu and npy.c are compiled once per build folder and linked into every chapter:
+    a chapter whose source changed is rebuilt alone (make -n -W: nothing is touched)."""
+    import shlex
+    objects = [ctx.multiarch / "common" / f"{name}.o" for name in ("harness", "npy")]
+    missing = [ctx.rel(o) for o in objects if not o.is_file()]
+    assert not missing, f"{missing} missing: the Makefile should compile the harness once into BUILD/common"
+    chapter = ctx.chapters[0]
+    proc = ctx.run(shlex.split(ctx.make) + ["-n", f"BUILD={ctx.rel(ctx.multiarch)}", "ARCH=multi",
+                                            "-W", f"{chapter}/attention.cu", f"{ctx.rel(ctx.multiarch)}/{chapter}"])
+    assert proc.returncode == 0, f"make -n failed: {proc.stderr.strip()}"
+    commands = proc.stdout
+    assert "common/harness.cu" not in commands and "common/npy.c" not in commands, (
+        f"rebuilding {chapter} recompiles the harness:\n{commands}")
+    assert "common/harness.o" in commands, f"rebuilding {chapter} does not link common/harness.o:\n{commands}"
