@@ -192,7 +192,7 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
 
 const Chapter chapter = {
     "04_fused",
-    "FlashAttention: one kernel, Q/K/V tiles in SRAM, online softmax, S never in device memory",
+    "FlashAttention: one kernel, Q/K/V tiles in shared memory, online softmax, S never in device memory, LSE out",
     PRECISION_FP32,
     80, 0,  // oldest and newest GPU it runs on (0: no newest)
     NULL,   // no workspace: S and P stay on chip

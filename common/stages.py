@@ -32,6 +32,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
+from chapters import CHAPTERS_BEGIN, CHAPTERS_END, chapters_markdown, read_chapters  # noqa: E402
 from results import (ANCHORS, CSV_FIELDS, INT_FIELDS, forward_tflops, make_row,  # noqa: E402
                      shape_label, work)
 
@@ -494,6 +495,7 @@ def regenerate_tables(csv_path, readme_path):
     if write_if_changed(md_path, results_markdown(rows, env, os.path.basename(csv_path))):
         say(f"{md_path}: written")
     readme_dir = os.path.dirname(os.path.abspath(readme_path))
+    update_file(readme_path, CHAPTERS_BEGIN, CHAPTERS_END, chapters_markdown(read_chapters(readme_dir)))
     update_file(readme_path, STAGE_BEGIN, STAGE_END,
                 stage_table_markdown(rows, os.path.relpath(csv_path, readme_dir), gpu))
     chapter_dirs = sorted(os.path.basename(os.path.dirname(p))

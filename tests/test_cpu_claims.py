@@ -20,32 +20,26 @@ import unittest
 import zipfile
 from pathlib import Path
 
+from chapters import read_chapter
+
 PARALLEL = 2
 
 MMA_PTX = r"\bw?mma\."                 # any warp-level matrix instruction (wmma.* or mma.*)
 PLAIN_MMA_PTX = r"(?<![\w.])mma\.sync"  # mma.sync itself, not wmma.mma.sync
 CLAIMS = {
-    1: dict(adds="textbook attention, no shared memory",
-            ptx_lacks=[r"\.shared\b", MMA_PTX], sass_has=["FFMA"], sass_lacks=["HMMA", "LDS", "STS"]),
-    2: dict(adds="shared-memory tiling, fp32 CUDA cores",
-            ptx_has=[r"\bld\.shared", r"\bst\.shared"], ptx_lacks=[MMA_PTX],
+    1: dict(ptx_lacks=[r"\.shared\b", MMA_PTX], sass_has=["FFMA"], sass_lacks=["HMMA", "LDS", "STS"]),
+    2: dict(ptx_has=[r"\bld\.shared", r"\bst\.shared"], ptx_lacks=[MMA_PTX],
             sass_has=["FFMA", "LDS"], sass_lacks=["HMMA"]),
-    3: dict(adds="an online-softmax kernel, tiling kept",
-            ptx_has=[r"\bld\.shared", r"\bst\.shared"], ptx_lacks=[MMA_PTX],
+    3: dict(ptx_has=[r"\bld\.shared", r"\bst\.shared"], ptx_lacks=[MMA_PTX],
             sass_has=["FFMA", "LDS"], sass_lacks=["HMMA"], kernel_named="online"),
-    4: dict(adds="one fused kernel, shared-memory tiles, exp2 softmax, fp32 CUDA cores",
-            kernels=1, launches=1, ptx_has=[r"\bld\.shared", r"\bex2\.approx"], ptx_lacks=[MMA_PTX],
+    4: dict(kernels=1, launches=1, ptx_has=[r"\bld\.shared", r"\bex2\.approx"], ptx_lacks=[MMA_PTX],
             sass_has=["FFMA"], sass_lacks=["HMMA"]),
-    5: dict(adds="the fused kernel with causal tile skipping",
-            kernels=1, launches=1, ptx_has=[r"\bld\.shared", r"\bex2\.approx"], ptx_lacks=[MMA_PTX],
+    5: dict(kernels=1, launches=1, ptx_has=[r"\bld\.shared", r"\bex2\.approx"], ptx_lacks=[MMA_PTX],
             sass_has=["FFMA"], sass_lacks=["HMMA"]),
-    6: dict(adds="QK^T and PV on tensor cores through WMMA",
-            ptx_has=[r"\bwmma\.mma\.sync"], sass_has=["HMMA"], no_spills=True),
-    7: dict(adds="cp.async ring for K/V, ldmatrix + mma.sync",
-            launches=1, ptx_has=[r"\bcp\.async", r"\bldmatrix", PLAIN_MMA_PTX],
+    6: dict(ptx_has=[r"\bwmma\.mma\.sync"], sass_has=["HMMA"], no_spills=True),
+    7: dict(launches=1, ptx_has=[r"\bcp\.async", r"\bldmatrix", PLAIN_MMA_PTX],
             sass_has=["LDGSTS", "LDSM", "HMMA"], no_spills=True),
-    8: dict(adds="FP8 e4m3 on wgmma fed by TMA, warp-specialised, P converted in registers",
-            kernels=3,  # amax, quantize, attention
+    8: dict(kernels=3,  # amax, quantize, attention
             ptx_has=[r"\bwgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3",
                      r"\bcp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes",
                      r"\bmbarrier\.try_wait\.parity", r"\bmbarrier\.arrive\.expect_tx",
@@ -221,8 +215,8 @@ def lines_with(pattern, text):
 
 
 # --- the cases -----------------------------------------------------------------------------------
-def claim_cases(chapter, number):
-    claims = dict(CLAIMS.get(number, {}), **EVERY_CHAPTER)
+def claim_cases(chapter, number, adds):
+    claims = dict(CLAIMS.get(number, {}), **EVERY_CHAPTER, adds=adds)  # adds: the chapter's own words
     cases = []
 
     def add(name, fn):
@@ -311,7 +305,8 @@ def claim_cases(chapter, number):
 def cases(ctx):
     out = []
     for chapter in ctx.chapters:
-        out.extend(claim_cases(chapter, ctx.chapter_number(chapter)))
+        adds = read_chapter(str(ctx.root / chapter / "attention.cu"))["adds"]
+        out.extend(claim_cases(chapter, ctx.chapter_number(chapter), adds))
     return out
 
 

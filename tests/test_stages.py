@@ -379,3 +379,17 @@ def main():
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def test_readme_chapter_table_is_the_chapters_own_words(ctx):
+    """The README's chapter table is generated from each chapter's `Chapter` initializer
+    (`stages.py table`), so that what a chapter adds is written once, in its code."""
+    from chapters import CHAPTERS_BEGIN, CHAPTERS_END, chapters_markdown, read_chapters
+    chapters = read_chapters(str(ctx.root))
+    assert [c["name"] for c in chapters] == ctx.chapters, f"parsed {[c['name'] for c in chapters]}"
+    for c in chapters:
+        assert c["adds"] and c["math"] != c["precision"], f"{c['name']}: incomplete {c}"
+    text = (ctx.root / "README.md").read_text()
+    block = text.split(CHAPTERS_BEGIN)[1].split(CHAPTERS_END)[0].strip()
+    assert block == chapters_markdown(chapters).strip(), (
+        "README.md's chapter table differs from the chapters' own words: run common/stages.py table")
