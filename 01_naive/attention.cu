@@ -8,13 +8,13 @@
 // Math is fp32 on CUDA cores; inputs and output are fp16.
 #include "../common/harness.h"
 
-#define SCORE_BLOCK 16     // scores_kernel: 16 x 16 threads, one per element of S
-#define SOFTMAX_WARPS 4    // softmax_kernel: rows handled per 128-thread block
+#define SCORE_BLOCK 16   // scores_kernel: 16 x 16 threads, one per element of S
+#define SOFTMAX_WARPS 4  // softmax_kernel: rows handled per 128-thread block
 #define WARP_SIZE 32
 
 // --- S = Q K^T * scale (causal: -inf above the diagonal) -------------------------------
-__global__ void scores_kernel(const __half *q, const __half *k, float *scores, int seqlen,
-                              int head_dim, float scale, int causal) {
+__global__ void scores_kernel(const __half *q, const __half *k, float *scores, int seqlen, int head_dim, float scale,
+                              int causal) {
     int key = blockIdx.x * SCORE_BLOCK + threadIdx.x;
     int query = blockIdx.y * SCORE_BLOCK + threadIdx.y;
     size_t head = blockIdx.z;
@@ -23,20 +23,17 @@ __global__ void scores_kernel(const __half *q, const __half *k, float *scores, i
     const __half *k_row = k + (head * seqlen + key) * head_dim;
     float dot = 0.0f;
     for (int d = 0; d < head_dim; d++) dot += __half2float(q_row[d]) * __half2float(k_row[d]);
-    scores[(head * seqlen + query) * seqlen + key] =
-        (causal && key > query) ? -INFINITY : dot * scale;
+    scores[(head * seqlen + query) * seqlen + key] = (causal && key > query) ? -INFINITY : dot * scale;
 }
 
 // --- P = softmax(S), row by row, in place; LSE = max + log(sum) ------------------------------
 __device__ float warp_max(float x) {
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2)
-        x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
+    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
     return x;
 }
 
 __device__ float warp_sum(float x) {
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2)
-        x += __shfl_xor_sync(0xffffffff, x, offset);
+    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffff, x, offset);
     return x;
 }
 
@@ -50,7 +47,7 @@ __global__ void softmax_kernel(float *scores, float *lse, int seqlen, long long 
     for (int j = lane; j < seqlen; j += WARP_SIZE) row_max = fmaxf(row_max, s_row[j]);
     row_max = warp_max(row_max);
 
-    float row_sum = 0.0f;       // pass 2: the normaliser
+    float row_sum = 0.0f;  // pass 2: the normaliser
     for (int j = lane; j < seqlen; j += WARP_SIZE) row_sum += expf(s_row[j] - row_max);
     row_sum = warp_sum(row_sum);
 
@@ -61,8 +58,7 @@ __global__ void softmax_kernel(float *scores, float *lse, int seqlen, long long 
 }
 
 // --- O = P V ---------------------------------------------------------------------------------
-__global__ void pv_kernel(const float *probs, const __half *v, __half *o, int seqlen,
-                          int head_dim) {
+__global__ void pv_kernel(const float *probs, const __half *v, __half *o, int seqlen, int head_dim) {
     int d = threadIdx.x;  // blockDim.x == head_dim
     int query = blockIdx.x;
     size_t head = blockIdx.y;
@@ -84,13 +80,13 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
     float *scores = (float *)args->workspace;
 
     dim3 score_grid(ceil_div(n, SCORE_BLOCK), ceil_div(n, SCORE_BLOCK), heads);
-    scores_kernel<<<score_grid, dim3(SCORE_BLOCK, SCORE_BLOCK), 0, stream>>>(
-        args->q, args->k, scores, n, s->headdim, s->scale, s->causal);
+    scores_kernel<<<score_grid, dim3(SCORE_BLOCK, SCORE_BLOCK), 0, stream>>>(args->q, args->k, scores, n, s->headdim,
+                                                                             s->scale, s->causal);
     RETURN_IF_ERROR(cudaGetLastError());
 
     long long rows = (long long)heads * n;
-    softmax_kernel<<<(unsigned)((rows + SOFTMAX_WARPS - 1) / SOFTMAX_WARPS), SOFTMAX_WARPS * WARP_SIZE, 0,
-                     stream>>>(scores, args->lse, n, rows);
+    softmax_kernel<<<(unsigned)((rows + SOFTMAX_WARPS - 1) / SOFTMAX_WARPS), SOFTMAX_WARPS * WARP_SIZE, 0, stream>>>(
+        scores, args->lse, n, rows);
     RETURN_IF_ERROR(cudaGetLastError());
 
     pv_kernel<<<dim3(n, heads), s->headdim, 0, stream>>>(scores, args->v, args->o, n, s->headdim);
@@ -101,8 +97,9 @@ const Chapter chapter = {
     "01_naive",
     "textbook attention: S = QK^T, softmax, PV as separate kernels, S and P in device memory",
     PRECISION_FP32,
-    75, 0,  // oldest and newest GPU it runs on (0: no newest)
+    75,
+    0,  // oldest and newest GPU it runs on (0: no newest)
     workspace_bytes,
-    NULL,   // nothing to prepare before the forward
+    NULL,  // nothing to prepare before the forward
     forward,
 };

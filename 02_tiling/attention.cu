@@ -9,12 +9,12 @@
 // S and P still live in device memory (B*H*N*N floats). Math is fp32 on CUDA cores.
 #include "../common/harness.h"
 
-#define TILE 64            // output tile edge: 64 x 64 elements per block
-#define TILE_K 32          // reduction slice staged per step (head dims for S, keys for O)
-#define THREADS 256        // 16 x 16 threads, each a 4 x 4 patch of the tile
-#define PATCH 4            // TILE / 16
-#define PAD 4              // floats of padding per shared row: fewer bank conflicts, float4-aligned
-#define SOFTMAX_WARPS 4    // softmax_kernel: rows handled per 128-thread block
+#define TILE 64          // output tile edge: 64 x 64 elements per block
+#define TILE_K 32        // reduction slice staged per step (head dims for S, keys for O)
+#define THREADS 256      // 16 x 16 threads, each a 4 x 4 patch of the tile
+#define PATCH 4          // TILE / 16
+#define PAD 4            // floats of padding per shared row: fewer bank conflicts, float4-aligned
+#define SOFTMAX_WARPS 4  // softmax_kernel: rows handled per 128-thread block
 #define WARP_SIZE 32
 
 // Outer product of a 4-vector slice of A and of B, accumulated into the thread's patch.
@@ -25,9 +25,8 @@ __device__ void patch_fma(float acc[PATCH][PATCH], float4 a, float4 b) {
 }
 
 // --- S = Q K^T * scale (causal: -inf above the diagonal) -------------------------------
-__global__ void __launch_bounds__(THREADS) scores_kernel(const __half *q, const __half *k,
-                                                        float *scores, int seqlen, int head_dim,
-                                                        float scale, int causal) {
+__global__ void __launch_bounds__(THREADS)
+    scores_kernel(const __half *q, const __half *k, float *scores, int seqlen, int head_dim, float scale, int causal) {
     __shared__ __align__(16) float q_tile[TILE_K][TILE + PAD];  // [dim][query]: transposed
     __shared__ __align__(16) float k_tile[TILE_K][TILE + PAD];  // [dim][key]
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
@@ -40,10 +39,10 @@ __global__ void __launch_bounds__(THREADS) scores_kernel(const __half *q, const 
         // Stage a 64 x 32 slice of Q and of K; consecutive threads read consecutive dims.
         for (int e = threadIdx.x; e < TILE * TILE_K; e += THREADS) {
             int row = e / TILE_K, d = e % TILE_K;
-            q_tile[d][row] = query0 + row < seqlen
-                                 ? __half2float(q_head[(size_t)(query0 + row) * head_dim + d0 + d]) : 0.0f;
-            k_tile[d][row] = key0 + row < seqlen
-                                 ? __half2float(k_head[(size_t)(key0 + row) * head_dim + d0 + d]) : 0.0f;
+            q_tile[d][row] =
+                query0 + row < seqlen ? __half2float(q_head[(size_t)(query0 + row) * head_dim + d0 + d]) : 0.0f;
+            k_tile[d][row] =
+                key0 + row < seqlen ? __half2float(k_head[(size_t)(key0 + row) * head_dim + d0 + d]) : 0.0f;
         }
         __syncthreads();
         // Each staged value now feeds 4 multiply-adds of this thread (and 64 of the block).
@@ -65,14 +64,12 @@ __global__ void __launch_bounds__(THREADS) scores_kernel(const __half *q, const 
 
 // --- P = softmax(S), row by row, in place; LSE = max + log(sum) ------------------------------
 __device__ float warp_max(float x) {
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2)
-        x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
+    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
     return x;
 }
 
 __device__ float warp_sum(float x) {
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2)
-        x += __shfl_xor_sync(0xffffffff, x, offset);
+    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffff, x, offset);
     return x;
 }
 
@@ -86,7 +83,7 @@ __global__ void softmax_kernel(float *scores, float *lse, int seqlen, long long 
     for (int j = lane; j < seqlen; j += WARP_SIZE) row_max = fmaxf(row_max, s_row[j]);
     row_max = warp_max(row_max);
 
-    float row_sum = 0.0f;       // pass 2: the normaliser
+    float row_sum = 0.0f;  // pass 2: the normaliser
     for (int j = lane; j < seqlen; j += WARP_SIZE) row_sum += expf(s_row[j] - row_max);
     row_sum = warp_sum(row_sum);
 
@@ -97,8 +94,8 @@ __global__ void softmax_kernel(float *scores, float *lse, int seqlen, long long 
 }
 
 // --- O = P V ---------------------------------------------------------------------------------
-__global__ void __launch_bounds__(THREADS) pv_kernel(const float *probs, const __half *v, __half *o,
-                                                    int seqlen, int head_dim) {
+__global__ void __launch_bounds__(THREADS)
+    pv_kernel(const float *probs, const __half *v, __half *o, int seqlen, int head_dim) {
     __shared__ __align__(16) float p_tile[TILE_K][TILE + PAD];  // [key][query]: transposed
     __shared__ __align__(16) float v_tile[TILE_K][TILE + PAD];  // [key][dim]
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
@@ -113,10 +110,11 @@ __global__ void __launch_bounds__(THREADS) pv_kernel(const float *probs, const _
         for (int e = threadIdx.x; e < TILE * TILE_K; e += THREADS) {
             int row = e / TILE_K, key = e % TILE_K;
             p_tile[key][row] = query0 + row < seqlen && key0 + key < seqlen
-                                   ? p_head[(size_t)(query0 + row) * seqlen + key0 + key] : 0.0f;
+                                   ? p_head[(size_t)(query0 + row) * seqlen + key0 + key]
+                                   : 0.0f;
             int vkey = e / TILE, d = e % TILE;
-            v_tile[vkey][d] = key0 + vkey < seqlen
-                                  ? __half2float(v_head[(size_t)(key0 + vkey) * head_dim + dim0 + d]) : 0.0f;
+            v_tile[vkey][d] =
+                key0 + vkey < seqlen ? __half2float(v_head[(size_t)(key0 + vkey) * head_dim + dim0 + d]) : 0.0f;
         }
         __syncthreads();
         for (int key = 0; key < TILE_K; key++)
@@ -142,17 +140,16 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
     float *scores = (float *)args->workspace;
 
     dim3 score_grid(ceil_div(n, TILE), ceil_div(n, TILE), heads);
-    scores_kernel<<<score_grid, THREADS, 0, stream>>>(args->q, args->k, scores, n, s->headdim,
-                                                      s->scale, s->causal);
+    scores_kernel<<<score_grid, THREADS, 0, stream>>>(args->q, args->k, scores, n, s->headdim, s->scale, s->causal);
     RETURN_IF_ERROR(cudaGetLastError());
 
     long long rows = (long long)heads * n;
-    softmax_kernel<<<(unsigned)((rows + SOFTMAX_WARPS - 1) / SOFTMAX_WARPS), SOFTMAX_WARPS * WARP_SIZE, 0,
-                     stream>>>(scores, args->lse, n, rows);
+    softmax_kernel<<<(unsigned)((rows + SOFTMAX_WARPS - 1) / SOFTMAX_WARPS), SOFTMAX_WARPS * WARP_SIZE, 0, stream>>>(
+        scores, args->lse, n, rows);
     RETURN_IF_ERROR(cudaGetLastError());
 
-    pv_kernel<<<dim3(ceil_div(n, TILE), s->headdim / TILE, heads), THREADS, 0, stream>>>(
-        scores, args->v, args->o, n, s->headdim);
+    pv_kernel<<<dim3(ceil_div(n, TILE), s->headdim / TILE, heads), THREADS, 0, stream>>>(scores, args->v, args->o, n,
+                                                                                         s->headdim);
     return cudaGetLastError();
 }
 
@@ -160,8 +157,9 @@ const Chapter chapter = {
     "02_tiling",
     "shared-memory tiling of both matmuls (data reuse through SRAM); S still in device memory",
     PRECISION_FP32,
-    75, 0,  // oldest and newest GPU it runs on (0: no newest)
+    75,
+    0,  // oldest and newest GPU it runs on (0: no newest)
     workspace_bytes,
-    NULL,   // nothing to prepare before the forward
+    NULL,  // nothing to prepare before the forward
     forward,
 };

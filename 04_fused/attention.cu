@@ -8,11 +8,11 @@
 // and HEAD_DIM/16 output columns. Math is fp32 on CUDA cores.
 #include "../common/harness.h"
 
-#define BLOCK_Q 64           // query rows per block
-#define BLOCK_KV 64          // keys per streamed tile
-#define THREADS 128          // 8 x 16 threads
-#define ROWS 8               // query rows per thread: BLOCK_Q / 8
-#define KEYS 4               // keys per thread in a score tile: BLOCK_KV / 16
+#define BLOCK_Q 64              // query rows per block
+#define BLOCK_KV 64             // keys per streamed tile
+#define THREADS 128             // 8 x 16 threads
+#define ROWS 8                  // query rows per thread: BLOCK_Q / 8
+#define KEYS 4                  // keys per thread in a score tile: BLOCK_KV / 16
 #define P_STRIDE (BLOCK_Q + 4)  // row stride of the P tile: float4-aligned, spreads banks
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -45,8 +45,8 @@ __device__ void load_rows(float *tile, const __half *src, int row0, int seqlen) 
     const int chunks = HEAD_DIM / 8;  // 16-byte chunks per row
     for (int c = threadIdx.x; c < 64 * chunks; c += THREADS) {
         int row = c / chunks, d0 = c % chunks * 8;
-        uint4 raw = row0 + row < seqlen ? *(const uint4 *)(src + (size_t)(row0 + row) * HEAD_DIM + d0)
-                                        : make_uint4(0, 0, 0, 0);
+        uint4 raw =
+            row0 + row < seqlen ? *(const uint4 *)(src + (size_t)(row0 + row) * HEAD_DIM + d0) : make_uint4(0, 0, 0, 0);
         const __half2 *pairs = (const __half2 *)&raw;
         float2 a = __half22float2(pairs[0]), b = __half22float2(pairs[1]);
         float2 c2 = __half22float2(pairs[2]), d = __half22float2(pairs[3]);
@@ -68,13 +68,13 @@ __device__ float row_group_sum(float x) {
 
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(THREADS, 2)
-flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse,
-                       int seqlen, float scale_log2, int causal) {
+    flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse, int seqlen,
+                           float scale_log2, int causal) {
     constexpr int COLS = HEAD_DIM / 16;  // output columns per thread, in float4 groups of 4
     extern __shared__ __align__(16) float smem[];
-    float *q_t = smem;                         // [HEAD_DIM][BLOCK_Q]: the Q tile, transposed
-    float *kv = q_t + HEAD_DIM * BLOCK_Q;      // K as [HEAD_DIM][BLOCK_KV], then V as [BLOCK_KV][HEAD_DIM]
-    float *p_t = kv + BLOCK_KV * HEAD_DIM;     // [BLOCK_KV][P_STRIDE]: probabilities, transposed
+    float *q_t = smem;                      // [HEAD_DIM][BLOCK_Q]: the Q tile, transposed
+    float *kv = q_t + HEAD_DIM * BLOCK_Q;   // K as [HEAD_DIM][BLOCK_KV], then V as [BLOCK_KV][HEAD_DIM]
+    float *p_t = kv + BLOCK_KV * HEAD_DIM;  // [BLOCK_KV][P_STRIDE]: probabilities, transposed
 
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int query0 = blockIdx.x * BLOCK_Q;
@@ -178,11 +178,11 @@ template <int HEAD_DIM>
 static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
     const AttnShape *s = &args->shape;
     size_t smem = (HEAD_DIM * BLOCK_Q + BLOCK_KV * HEAD_DIM + BLOCK_KV * P_STRIDE) * sizeof(float);
-    RETURN_IF_ERROR(cudaFuncSetAttribute(flash_attention_kernel<HEAD_DIM>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    RETURN_IF_ERROR(
+        cudaFuncSetAttribute(flash_attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     dim3 grid(ceil_div(s->seqlen, BLOCK_Q), s->batch * s->heads);
-    flash_attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(
-        args->q, args->k, args->v, args->o, args->lse, s->seqlen, s->scale * LOG2E, s->causal);
+    flash_attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(args->q, args->k, args->v, args->o, args->lse,
+                                                                      s->seqlen, s->scale * LOG2E, s->causal);
     return cudaGetLastError();
 }
 
@@ -194,8 +194,9 @@ const Chapter chapter = {
     "04_fused",
     "FlashAttention: one kernel, Q/K/V tiles in shared memory, online softmax, S never in device memory, LSE out",
     PRECISION_FP32,
-    80, 0,  // oldest and newest GPU it runs on (0: no newest)
-    NULL,   // no workspace: S and P stay on chip
-    NULL,   // nothing to prepare before the forward
+    80,
+    0,     // oldest and newest GPU it runs on (0: no newest)
+    NULL,  // no workspace: S and P stay on chip
+    NULL,  // nothing to prepare before the forward
     forward,
 };

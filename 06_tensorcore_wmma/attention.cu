@@ -14,18 +14,19 @@
 
 using namespace nvcuda;
 
-#define BLOCK_Q 64                       // query rows per block: 4 warps x 16
-#define BLOCK_KV 64                      // keys per streamed tile
+#define BLOCK_Q 64   // query rows per block: 4 warps x 16
+#define BLOCK_KV 64  // keys per streamed tile
 #define WARPS 4
 #define THREADS (WARPS * 32)
-#define FRAG 16                          // WMMA shape: 16 x 16 x 16, fp16 in, fp32 accumulate
-#define BLOCKS_PER_SM 3                  // 168 registers per thread at most, 75 KiB of shared memory
-#define PAD 8                            // halves of padding per fp16 row: 32-byte aligned rows for
-                                         // WMMA, and 8 consecutive rows start in 8 different banks
-#define S_STRIDE (BLOCK_KV + 8)          // floats per row of the S tile: 8 rows start in 8 different
-                                         // bank quads, so fragment stores and float4 reads of S are
-                                         // conflict-free (+4 was not: 2-way conflicts, 5% slower)
-#define P_STRIDE (BLOCK_KV + PAD)        // halves per row of P, packed over the warp's S rows
+#define FRAG 16          // WMMA shape: 16 x 16 x 16, fp16 in, fp32 accumulate
+#define BLOCKS_PER_SM 3  // 168 registers per thread at most, 75 KiB of shared memory
+// Halves of padding per fp16 row: rows stay 16-byte aligned and every 16th row (where a WMMA
+// fragment starts) 32-byte aligned, and 8 consecutive rows start in 8 different banks.
+#define PAD 8
+// Floats per row of the S tile: 8 rows start in 8 different bank quads, so fragment stores and
+// float4 reads of S are conflict-free (+4 was not: 2-way conflicts, 5% slower).
+#define S_STRIDE (BLOCK_KV + 8)
+#define P_STRIDE (BLOCK_KV + PAD)  // halves per row of P, packed over the warp's S rows
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
@@ -67,9 +68,9 @@ __device__ void load_tile(__half *tile, const __half *src, int row0, int seqlen)
     } else {
 #pragma unroll
         for (int i = 0; i < PASSES; i++)
-            *(uint4 *)(to + i * ROWS_PER_PASS * STRIDE) =
-                row0 + row + i * ROWS_PER_PASS < seqlen ? *(const uint4 *)(from + i * ROWS_PER_PASS * HEAD_DIM)
-                                                        : make_uint4(0, 0, 0, 0);
+            *(uint4 *)(to + i * ROWS_PER_PASS * STRIDE) = row0 + row + i * ROWS_PER_PASS < seqlen
+                                                              ? *(const uint4 *)(from + i * ROWS_PER_PASS * HEAD_DIM)
+                                                              : make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -100,16 +101,16 @@ __device__ float masked_score(float score, int key, int query, int seqlen, int c
 
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
-flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse,
-                       int seqlen, float scale_log2, int causal) {
+    flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse, int seqlen,
+                           float scale_log2, int causal) {
     typedef Smem<HEAD_DIM> L;
     constexpr int STRIDE = L::STRIDE, DFRAGS = HEAD_DIM / FRAG;
     extern __shared__ __align__(128) unsigned char smem[];
-    __half *q_tile = (__half *)smem;                        // [BLOCK_Q][STRIDE]
-    float *s_tile = (float *)(smem + L::Q_BYTES);           // [BLOCK_Q][S_STRIDE], P over it
+    __half *q_tile = (__half *)smem;                              // [BLOCK_Q][STRIDE]
+    float *s_tile = (float *)(smem + L::Q_BYTES);                 // [BLOCK_Q][S_STRIDE], P over it
     __half *k_tile = (__half *)(smem + L::Q_BYTES + L::S_BYTES);  // [BLOCK_KV][STRIDE]
-    __half *v_tile = k_tile + BLOCK_KV * STRIDE;            // [BLOCK_KV][STRIDE]
-    float *row_factor = (float *)(v_tile + BLOCK_KV * STRIDE);  // [BLOCK_Q]
+    __half *v_tile = k_tile + BLOCK_KV * STRIDE;                  // [BLOCK_KV][STRIDE]
+    float *row_factor = (float *)(v_tile + BLOCK_KV * STRIDE);    // [BLOCK_Q]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Causal work grows with the query tile, so the causal grid is (b*h, tiles) and hands out
@@ -121,9 +122,9 @@ flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half
     const __half *q_head = q + head * seqlen * HEAD_DIM;
     const __half *k_head = k + head * seqlen * HEAD_DIM;
     const __half *v_head = v + head * seqlen * HEAD_DIM;
-    const int warp_row0 = warp * FRAG;                      // this warp's first row in the tile
+    const int warp_row0 = warp * FRAG;  // this warp's first row in the tile
     float *s_warp = s_tile + warp_row0 * S_STRIDE;
-    __half *p_warp = (__half *)s_warp;                      // [16][P_STRIDE]
+    __half *p_warp = (__half *)s_warp;  // [16][P_STRIDE]
     float *factor_warp = row_factor + warp_row0;
 
     load_tile<HEAD_DIM, BLOCK_Q>(q_tile, q_head, query0, seqlen);
@@ -254,12 +255,12 @@ template <int HEAD_DIM>
 static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
     const AttnShape *s = &args->shape;
     int smem = Smem<HEAD_DIM>::TOTAL;
-    RETURN_IF_ERROR(cudaFuncSetAttribute(flash_attention_kernel<HEAD_DIM>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    RETURN_IF_ERROR(
+        cudaFuncSetAttribute(flash_attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     int heads = s->batch * s->heads, tiles = ceil_div(s->seqlen, BLOCK_Q);
     dim3 grid = s->causal ? dim3(heads, tiles) : dim3(tiles, heads);
-    flash_attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(
-        args->q, args->k, args->v, args->o, args->lse, s->seqlen, s->scale * LOG2E, s->causal);
+    flash_attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(args->q, args->k, args->v, args->o, args->lse,
+                                                                      s->seqlen, s->scale * LOG2E, s->causal);
     return cudaGetLastError();
 }
 
@@ -271,8 +272,9 @@ const Chapter chapter = {
     "06_tensorcore_wmma",
     "QK^T and PV on tensor cores through WMMA (fp16 in, fp32 accumulate)",
     PRECISION_FP16_TC,
-    80, 0,  // oldest and newest GPU it runs on (0: no newest)
-    NULL,   // no workspace: S and P stay on chip
-    NULL,   // nothing to prepare before the forward
+    80,
+    0,     // oldest and newest GPU it runs on (0: no newest)
+    NULL,  // no workspace: S and P stay on chip
+    NULL,  // nothing to prepare before the forward
     forward,
 };

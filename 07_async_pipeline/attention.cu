@@ -14,7 +14,7 @@
 
 #include "../common/harness.h"
 
-#define BLOCK_Q 128                 // query rows per block: 4 warps x 32
+#define BLOCK_Q 128  // query rows per block: 4 warps x 32
 // Keys per streamed tile and (K, V) tiles in the ring, per head dim (-D to experiment).
 #ifndef BLOCK_KV_D64
 #define BLOCK_KV_D64 64
@@ -30,9 +30,10 @@
 #endif
 #define WARPS 4
 #define THREADS (WARPS * 32)
-#define WARP_Q 32                   // query rows per warp: two m16 tiles
-#define PAD 8                       // halves of padding per row: 8 consecutive rows start in
-                                    // 8 different banks, so ldmatrix is conflict-free
+#define WARP_Q 32  // query rows per warp: two m16 tiles
+// Halves of padding per row: 8 consecutive rows start in 8 different banks, so ldmatrix is
+// conflict-free.
+#define PAD 8
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
@@ -60,14 +61,16 @@ __device__ int tile_offset(int row, int chunk) {
 __device__ void ldmatrix_x4(unsigned frag[4], const __half *row_address) {
     unsigned addr = (unsigned)__cvta_generic_to_shared(row_address);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3]) : "r"(addr));
+                 : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3])
+                 : "r"(addr));
 }
 
 // The same, each matrix transposed on the way (V is stored [key][dim], the MMA wants [dim][key]).
 __device__ void ldmatrix_x4_trans(unsigned frag[4], const __half *row_address) {
     unsigned addr = (unsigned)__cvta_generic_to_shared(row_address);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3]) : "r"(addr));
+                 : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3])
+                 : "r"(addr));
 }
 
 // acc (16x8, fp32) += a (16x16, fp16, row-major) * b (16x8, fp16, column-major).
@@ -99,7 +102,8 @@ __device__ void load_k_step(unsigned frag[KEY_TILES / 2][4], const __half *k_til
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int np = 0; np < KEY_TILES / 2; np++)
-        ldmatrix_x4(frag[np], k_tile + tile_offset<HEAD_DIM>(np * 16 + lane % 8 + lane / 16 * 8, ks * 2 + lane / 8 % 2));
+        ldmatrix_x4(frag[np],
+                    k_tile + tile_offset<HEAD_DIM>(np * 16 + lane % 8 + lane / 16 * 8, ks * 2 + lane / 8 % 2));
 }
 
 // --- The pipeline: rows of a tile copied to shared memory asynchronously (cp.async) ---------
@@ -167,19 +171,19 @@ __device__ float quad_sum(float x) {
 
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(THREADS, 2)
-flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse,
-                       int seqlen, float scale_log2, int causal) {
+    flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse, int seqlen,
+                           float scale_log2, int causal) {
     typedef Config<HEAD_DIM> L;
     constexpr int BLOCK_KV = L::BLOCK_KV, STAGES = L::STAGES;
-    constexpr int KEY_TILES = BLOCK_KV / 8;    // n8 tiles of scores per m16 tile
-    constexpr int DIM_TILES = HEAD_DIM / 8;    // n8 tiles of output per m16 tile
+    constexpr int KEY_TILES = BLOCK_KV / 8;  // n8 tiles of scores per m16 tile
+    constexpr int DIM_TILES = HEAD_DIM / 8;  // n8 tiles of output per m16 tile
     extern __shared__ __align__(128) unsigned char smem[];
-    __half *q_tile = (__half *)smem;                       // [BLOCK_Q][STRIDE]
-    __half *k_ring = q_tile + L::Q_HALVES;                 // [STAGES][BLOCK_KV][STRIDE]
-    __half *v_ring = k_ring + STAGES * L::KV_HALVES;       // [STAGES][BLOCK_KV][STRIDE]
+    __half *q_tile = (__half *)smem;                  // [BLOCK_Q][STRIDE]
+    __half *k_ring = q_tile + L::Q_HALVES;            // [STAGES][BLOCK_KV][STRIDE]
+    __half *v_ring = k_ring + STAGES * L::KV_HALVES;  // [STAGES][BLOCK_KV][STRIDE]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int group = lane / 4, quad_lane = lane % 4;     // accumulator row and column pair
+    const int group = lane / 4, quad_lane = lane % 4;  // accumulator row and column pair
     // Causal work grows with the query tile, so the causal grid is (b*h, tiles) and hands out
     // the last (heaviest) tiles first: light ones fill the gaps at the end instead of a heavy one
     // running alone. Non-causal keeps 04's (tiles, b*h): neighbours share K and V in L2.
@@ -244,7 +248,7 @@ flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half
                 if constexpr (!L::Q_IN_REGISTERS) load_q_step<HEAD_DIM>(q_frag[nxt], q_tile, warp_row0, ks + 1);
                 load_k_step<HEAD_DIM, KEY_TILES>(k_frag[nxt], k_tile, ks + 1);
             }
-            unsigned (*q_step)[4];  // this step's Q fragments, [m16 tile]
+            unsigned(*q_step)[4];  // this step's Q fragments, [m16 tile]
             if constexpr (L::Q_IN_REGISTERS) q_step = q_regs[ks];
             else q_step = q_frag[cur];
 #pragma unroll
@@ -279,7 +283,8 @@ flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half
                 // multiplies cost less than the vote (measured), so they are always done.
                 if (HEAD_DIM == 64 || __any_sync(0xffffffff, rescale != 1.0f))
 #pragma unroll
-                    for (int nt = 0; nt < DIM_TILES; nt++) o_acc[mt][nt][2 * r] *= rescale, o_acc[mt][nt][2 * r + 1] *= rescale;
+                    for (int nt = 0; nt < DIM_TILES; nt++)
+                        o_acc[mt][nt][2 * r] *= rescale, o_acc[mt][nt][2 * r + 1] *= rescale;
 #pragma unroll
                 for (int nt = 0; nt < KEY_TILES; nt++)
 #pragma unroll
@@ -305,7 +310,8 @@ flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half
 #pragma unroll
             for (int dp = 0; dp < DIM_TILES / 2; dp++) {  // two n8 tiles (16 dims) per ldmatrix
                 unsigned v_frag[4];
-                ldmatrix_x4_trans(v_frag, v_tile + tile_offset<HEAD_DIM>(kk * 16 + lane % 8 + lane / 8 % 2 * 8, dp * 2 + lane / 16));
+                ldmatrix_x4_trans(
+                    v_frag, v_tile + tile_offset<HEAD_DIM>(kk * 16 + lane % 8 + lane / 8 % 2 * 8, dp * 2 + lane / 16));
 #pragma unroll
                 for (int mt = 0; mt < 2; mt++) {
                     mma_16x8x16(o_acc[mt][2 * dp], p_frag[mt][kk], v_frag[0], v_frag[1]);
@@ -339,12 +345,12 @@ template <int HEAD_DIM>
 static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
     const AttnShape *s = &args->shape;
     int smem = Config<HEAD_DIM>::SMEM_BYTES;
-    RETURN_IF_ERROR(cudaFuncSetAttribute(flash_attention_kernel<HEAD_DIM>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    RETURN_IF_ERROR(
+        cudaFuncSetAttribute(flash_attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     int heads = s->batch * s->heads, tiles = ceil_div(s->seqlen, BLOCK_Q);
     dim3 grid = s->causal ? dim3(heads, tiles) : dim3(tiles, heads);
-    flash_attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(
-        args->q, args->k, args->v, args->o, args->lse, s->seqlen, s->scale * LOG2E, s->causal);
+    flash_attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(args->q, args->k, args->v, args->o, args->lse,
+                                                                      s->seqlen, s->scale * LOG2E, s->causal);
     return cudaGetLastError();
 }
 
@@ -356,8 +362,9 @@ const Chapter chapter = {
     "07_async_pipeline",
     "loads overlapped with compute (cp.async ring), mma.sync + ldmatrix with P kept in registers",
     PRECISION_FP16_TC,
-    80, 0,  // oldest and newest GPU it runs on (0: no newest)
-    NULL,   // no workspace: S and P stay on chip
-    NULL,   // nothing to prepare before the forward
+    80,
+    0,     // oldest and newest GPU it runs on (0: no newest)
+    NULL,  // no workspace: S and P stay on chip
+    NULL,  // nothing to prepare before the forward
     forward,
 };

@@ -19,9 +19,9 @@
 
 #include "../common/harness.h"
 
-#define BLOCK_Q 128        // query rows per block: 2 warpgroups x 64 (wgmma's M)
-#define BLOCK_KV 128       // keys per tile: wgmma's N for QK^T; 128 e4m3 bytes = one swizzled row of Vt
-#define CONSUMERS 2        // consumer warpgroups, each 64 query rows
+#define BLOCK_Q 128   // query rows per block: 2 warpgroups x 64 (wgmma's M)
+#define BLOCK_KV 128  // keys per tile: wgmma's N for QK^T; 128 e4m3 bytes = one swizzled row of Vt
+#define CONSUMERS 2   // consumer warpgroups, each 64 query rows
 #define WARPGROUP_THREADS 128
 #define WARPGROUP_ROWS (BLOCK_Q / CONSUMERS)
 #define CONSUMER_WARPS (CONSUMERS * WARPGROUP_THREADS / 32)
@@ -29,13 +29,13 @@
 // The steps that overlap copies, softmax and matrix products, each a compile-time switch so
 // that what it is worth can be measured (-DPINGPONG=0 ...).
 #ifndef WARP_SPECIALISED
-#define WARP_SPECIALISED 1 // a producer warpgroup only copies; the two consumer warpgroups only compute
+#define WARP_SPECIALISED 1  // a producer warpgroup only copies; the two consumer warpgroups only compute
 #endif
 #ifndef PINGPONG
-#define PINGPONG 1         // the consumers take turns issuing their products (named barriers)
+#define PINGPONG 1  // the consumers take turns issuing their products (named barriers)
 #endif
 #ifndef INTRA_OVERLAP
-#define INTRA_OVERLAP 1    // P V of tile j-1 runs while the softmax of tile j does
+#define INTRA_OVERLAP 1  // P V of tile j-1 runs while the softmax of tile j does
 #endif
 #define THREADS ((CONSUMERS + WARP_SPECIALISED) * WARPGROUP_THREADS)
 #define PRODUCER_REGISTERS 24   // setmaxnreg: the producer keeps few registers...
@@ -51,10 +51,10 @@ static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * CONS
 template <int HEAD_DIM>
 struct Config {
     static constexpr int STAGES = HEAD_DIM == 128 ? 3 : 4;  // (K, Vt) tile pairs in flight
-    static constexpr int Q_BYTES = BLOCK_Q * HEAD_DIM;       // e4m3: one byte per element
+    static constexpr int Q_BYTES = BLOCK_Q * HEAD_DIM;      // e4m3: one byte per element
     static constexpr int K_BYTES = BLOCK_KV * HEAD_DIM;
     static constexpr int V_BYTES = HEAD_DIM * BLOCK_KV;
-    static constexpr int BARRIERS = 1 + 2 * STAGES;          // Q full, K/V full and empty
+    static constexpr int BARRIERS = 1 + 2 * STAGES;  // Q full, K/V full and empty
     static constexpr int SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_BYTES + V_BYTES) + BARRIERS * 8;
     static_assert(HEAD_DIM % MMA_K == 0 && BLOCK_KV % MMA_K == 0, "whole wgmma k-steps");
     static_assert(Q_BYTES % 1024 == 0 && K_BYTES % 1024 == 0 && V_BYTES % 1024 == 0,
@@ -63,7 +63,7 @@ struct Config {
 
 // --- Quantisation: e4m3 copies with one scale per (b, h) and tensor --------------------------
 #define QUANT_THREADS 256
-#define QUANT_ROWS 64      // rows (keys) per quantize_kernel block: four 16-key groups of V
+#define QUANT_ROWS 64  // rows (keys) per quantize_kernel block: four 16-key groups of V
 
 // x * scale maps |x| <= amax onto e4m3's range [-448, 448]; the descale undoes it.
 __host__ __device__ float e4m3_scale(float amax) { return amax > 0 ? E4M3_MAX / amax : 1.0f; }
@@ -72,7 +72,7 @@ __host__ __device__ float e4m3_descale(float amax) { return amax > 0 ? amax / E4
 // Max |x| over each (b, h) slab of Q, K and V (blockIdx.z), into amax[tensor][b*h] (zeroed
 // first). Non-negative floats order like their bits, so atomicMax on the bits is a float max.
 __global__ void __launch_bounds__(QUANT_THREADS)
-amax_kernel(const __half *q, const __half *k, const __half *v, size_t head_elems, float *amax) {
+    amax_kernel(const __half *q, const __half *k, const __half *v, size_t head_elems, float *amax) {
     const size_t head = blockIdx.y;
     const __half *src = (blockIdx.z == 0 ? q : blockIdx.z == 1 ? k : v) + head * head_elems;
     const uint4 *vectors = (const uint4 *)src;  // 8 halves each
@@ -118,8 +118,8 @@ __device__ int key_slot(int key) {
 // to [b*h][HEAD_DIM][seqlen_padded], keys fastest and permuted, zeros past seqlen).
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(QUANT_THREADS)
-quantize_kernel(const __half *q, const __half *k, const __half *v, const float *amax, unsigned char *q8,
-                unsigned char *k8, unsigned char *vt8, int seqlen, int seqlen_padded) {
+    quantize_kernel(const __half *q, const __half *k, const __half *v, const float *amax, unsigned char *q8,
+                    unsigned char *k8, unsigned char *vt8, int seqlen, int seqlen_padded) {
     constexpr int VECTORS_PER_ROW = HEAD_DIM / 8;
     const int tensor = blockIdx.z, row0 = blockIdx.x * QUANT_ROWS, rows = min(QUANT_ROWS, seqlen - row0);
     const size_t head = blockIdx.y;
@@ -170,18 +170,22 @@ __device__ void mbarrier_arrive(uint64_t *barrier) {
 __device__ void mbarrier_wait(uint64_t *barrier, int phase) {
     unsigned done;
     do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(smem_address(barrier)), "r"(phase) : "memory");
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(smem_address(barrier)), "r"(phase)
+            : "memory");
     } while (!done);
 }
 
 // TMA: copy the box at (x, y, z) of a tensor map into shared memory; its bytes count towards
 // the barrier's transaction. Rows outside the tensor arrive as zeros.
 __device__ void tma_load(void *dst, const CUtensorMap *map, uint64_t *barrier, int x, int y, int z) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
-                 "[%0], [%1, {%3, %4, %5}], [%2];\n"
-                 ::"r"(smem_address(dst)), "l"(map), "r"(smem_address(barrier)), "r"(x), "r"(y), "r"(z)
-                 : "memory");
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(smem_address(dst)),
+        "l"(map), "r"(smem_address(barrier)), "r"(x), "r"(y), "r"(z)
+        : "memory");
 }
 
 // A wgmma operand in shared memory: a K-major tile whose rows are row_bytes (64 or 128) long,
@@ -197,7 +201,9 @@ __device__ uint64_t smem_descriptor(const void *tile, int row_bytes) {
 __device__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int PENDING>  // wait until at most PENDING committed groups are still running
-__device__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
+__device__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
+}
 
 // Keeps the compiler from moving reads or writes of wgmma operands across the async region.
 template <int COUNT>
@@ -226,32 +232,39 @@ __device__ void setmaxnreg_inc() {
     if (WARP_SPECIALISED) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
 }
 
-#define ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
-                   "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define ACC8(d, i)                                                                                              \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+        "+f"(d[i + 7])
 #define ACC32(d, i) ACC8(d, i), ACC8(d, i + 8), ACC8(d, i + 16), ACC8(d, i + 24)
-#define REGS32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define REGS64 REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
-               "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define REGS32                                                               \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define REGS64                                                                      \
+    REGS32                                                                          \
+    ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
+    "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 
 // d (64 x 128 fp32) = A (64 x 32, shared) * B (32 x 128, shared) [+ d if accumulate]; e4m3.
 // Thread t of the warpgroup holds d rows 16 (t/32) + t%32/4 (+8), columns 8c + 2 (t%4) (+1).
 __device__ void wgmma_64x128x32_shared_a(float (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-    asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" REGS64 "}, %64, %65, acc, 1, 1;\n}\n"
-                 : ACC32(d, 0), ACC32(d, 32)
-                 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" REGS64 "}, %64, %65, acc, 1, 1;\n}\n"
+        : ACC32(d, 0), ACC32(d, 32)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
 
 // d (64 x N fp32) += A (64 x 32, e4m3 in registers: 4 x 4 bytes per thread) * B (32 x N, shared).
 __device__ void wgmma_64x128x32_register_a(float (&d)[64], const unsigned (&a)[4], uint64_t b_desc) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" REGS64 "}, {%64, %65, %66, %67}, %68, 1, 1, 1;\n"
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" REGS64
+                 "}, {%64, %65, %66, %67}, %68, 1, 1, 1;\n"
                  : ACC32(d, 0), ACC32(d, 32)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
 }
 
 __device__ void wgmma_64x64x32_register_a(float (&d)[32], const unsigned (&a)[4], uint64_t b_desc) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" REGS32 "}, {%32, %33, %34, %35}, %36, 1, 1, 1;\n"
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" REGS32
+                 "}, {%32, %33, %34, %35}, %36, 1, 1, 1;\n"
                  : ACC32(d, 0)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
 }
@@ -431,8 +444,8 @@ __device__ void pack_p(const float (&score)[BLOCK_KV / 2], unsigned (&p_frag)[BL
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int c = 4 * kk + 2 * (i / 2), r = i % 2;  // n8 chunks c, c + 1; row g + 8r
-            p_frag[kk][i] = pack_e4m3x4(score[4 * c + 2 * r], score[4 * c + 2 * r + 1],
-                                        score[4 * c + 4 + 2 * r], score[4 * c + 4 + 2 * r + 1]);
+            p_frag[kk][i] = pack_e4m3x4(score[4 * c + 2 * r], score[4 * c + 2 * r + 1], score[4 * c + 4 + 2 * r],
+                                        score[4 * c + 4 + 2 * r + 1]);
         }
 }
 
@@ -450,11 +463,11 @@ __device__ void pass_turn(int group) {
 // What a consumer warpgroup keeps on chip; thread t holds rows row0 and row0 + 8 of each.
 template <int HEAD_DIM>
 struct Consumer {
-    float o_acc[HEAD_DIM / 2];        // O, unnormalised, in V's e4m3 units
-    float score[BLOCK_KV / 2];        // S of the current tile, then its 2^8 p
+    float o_acc[HEAD_DIM / 2];             // O, unnormalised, in V's e4m3 units
+    float score[BLOCK_KV / 2];             // S of the current tile, then its 2^8 p
     unsigned p_frag[BLOCK_KV / MMA_K][4];  // P in e4m3, the A operand of P V
     float row_max[2], row_sum[2], rescale[2];
-    const unsigned char *q_rows;      // the warpgroup's 64 rows of the Q tile
+    const unsigned char *q_rows;  // the warpgroup's 64 rows of the Q tile
     int group, group_query0, row0;
     float scale_log2;
 };
@@ -481,7 +494,8 @@ __device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const W
 // O += P V for the tile whose P is in registers, waited for, then its stage released.
 template <int HEAD_DIM>
 __device__ void finish_pv(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile, bool issue) {
-    if (issue) issue_pv<HEAD_DIM>(c.o_acc, c.p_frag, s.v_ring + tile % Config<HEAD_DIM>::STAGES * Config<HEAD_DIM>::V_BYTES);
+    if (issue)
+        issue_pv<HEAD_DIM>(c.o_acc, c.p_frag, s.v_ring + tile % Config<HEAD_DIM>::STAGES * Config<HEAD_DIM>::V_BYTES);
     wgmma_wait<0>();
     hold_registers(c.o_acc);
     hold_registers(c.p_frag);
@@ -535,7 +549,8 @@ __device__ void consume(const Smem &s, const Work &w, int group, float scale_log
         __half *o_row = o + ((size_t)w.head * w.seqlen + query) * HEAD_DIM + 2 * (lane % 4);
 #pragma unroll
         for (int j = 0; j < HEAD_DIM / 8; j++)
-            *(unsigned *)&o_row[8 * j] = pack_half2(c.o_acc[4 * j + 2 * r] * scale_out, c.o_acc[4 * j + 2 * r + 1] * scale_out);
+            *(unsigned *)&o_row[8 * j] =
+                pack_half2(c.o_acc[4 * j + 2 * r] * scale_out, c.o_acc[4 * j + 2 * r + 1] * scale_out);
         if (lane % 4 == 0) lse[(size_t)w.head * w.seqlen + query] = (c.row_max[r] + log2f(sum) - P_SCALE_LOG2) * LN2;
     }
 }
@@ -543,9 +558,9 @@ __device__ void consume(const Smem &s, const Work &w, int group, float scale_log
 // --- The kernel ----------------------------------------------------------------------------
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(THREADS, 1)
-attention_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
-                 const __grid_constant__ CUtensorMap vt_map, const float *amax, __half *o, float *lse,
-                 int seqlen, int heads, float scale_log2e, int causal) {
+    attention_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                     const __grid_constant__ CUtensorMap vt_map, const float *amax, __half *o, float *lse, int seqlen,
+                     int heads, float scale_log2e, int causal) {
     typedef Config<HEAD_DIM> C;
     extern __shared__ unsigned char smem_raw[];
     const Smem s = smem_layout<HEAD_DIM>(smem_raw);
@@ -565,7 +580,8 @@ attention_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constan
 
     if (threadIdx.x == 0) {
         mbarrier_init(s.q_full, 1);
-        for (int i = 0; i < C::STAGES; i++) mbarrier_init(&s.kv_full[i], 1), mbarrier_init(&s.kv_empty[i], CONSUMER_WARPS);
+        for (int i = 0; i < C::STAGES; i++)
+            mbarrier_init(&s.kv_full[i], 1), mbarrier_init(&s.kv_empty[i], CONSUMER_WARPS);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         mbarrier_arrive_expect_bytes(s.q_full, C::Q_BYTES);
         tma_load(s.q_tile, &q_map, s.q_full, 0, w.query0, w.head);
@@ -620,8 +636,8 @@ static cudaError_t quantize(const AttnArgs *args, cudaStream_t stream) {
     const AttnShape *s = &args->shape;
     const Workspace w = workspace_layout(args);
     dim3 grid(ceil_div(s->seqlen, QUANT_ROWS), s->batch * s->heads, 3);
-    quantize_kernel<HEAD_DIM><<<grid, QUANT_THREADS, 0, stream>>>(args->q, args->k, args->v, w.amax, w.q8, w.k8,
-                                                                  w.vt8, s->seqlen, w.seqlen_padded);
+    quantize_kernel<HEAD_DIM><<<grid, QUANT_THREADS, 0, stream>>>(args->q, args->k, args->v, w.amax, w.q8, w.k8, w.vt8,
+                                                                  s->seqlen, w.seqlen_padded);
     return cudaGetLastError();
 }
 
@@ -645,7 +661,8 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
         void *found = NULL;
         cudaDriverEntryPointQueryResult status;
         if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &found, 12000, cudaEnableDefault, &status) ==
-                cudaSuccess && status == cudaDriverEntryPointSuccess)
+                cudaSuccess &&
+            status == cudaDriverEntryPointSuccess)
             encode = (PFN_cuTensorMapEncodeTiled_v12000)found;
     }
     return encode;
@@ -663,10 +680,10 @@ static cudaError_t make_tensor_map(CUtensorMap *map, void *base, int row_bytes, 
     cuuint64_t dims[3] = {(cuuint64_t)row_bytes, (cuuint64_t)rows, (cuuint64_t)heads};
     cuuint64_t strides[2] = {(cuuint64_t)row_bytes, (cuuint64_t)row_bytes * rows};  // of dims 1, 2 in bytes
     cuuint32_t box[3] = {(cuuint32_t)box_bytes, (cuuint32_t)box_rows, 1}, element_strides[3] = {1, 1, 1};
-    CUresult result = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, base, dims, strides, box, element_strides,
-                             CU_TENSOR_MAP_INTERLEAVE_NONE,
-                             box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUresult result =
+        encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, base, dims, strides, box, element_strides,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (result != CUDA_SUCCESS) {
         fprintf(stderr, "08_fp8: cuTensorMapEncodeTiled failed (CUresult %d)\n", (int)result);
         return cudaErrorInvalidValue;
@@ -684,7 +701,8 @@ static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
     RETURN_IF_ERROR(make_tensor_map(&k_map, w.k8, HEAD_DIM, s->seqlen, heads, HEAD_DIM, BLOCK_KV));
     RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt8, w.seqlen_padded, HEAD_DIM, heads, BLOCK_KV, HEAD_DIM));
     const int smem = Config<HEAD_DIM>::SMEM_BYTES;
-    RETURN_IF_ERROR(cudaFuncSetAttribute(attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    RETURN_IF_ERROR(
+        cudaFuncSetAttribute(attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     dim3 grid = s->causal ? dim3(heads, tiles) : dim3(tiles, heads);
     attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(q_map, k_map, vt_map, w.amax, args->o, args->lse,
                                                                 s->seqlen, heads, s->scale * LOG2E, s->causal);
@@ -699,7 +717,8 @@ const Chapter chapter = {
     "08_fp8",
     "FP8 e4m3 with dynamic scales on Hopper's wgmma fed by TMA: warp-specialised, softmax overlapped with the MMAs",
     PRECISION_FP8_TC,
-    90, 90,  // sm_90 only: wgmma is an sm_90a feature, and sm_90a code runs on no other GPU
+    90,
+    90,  // sm_90 only: wgmma is an sm_90a feature, and sm_90a code runs on no other GPU
     workspace_bytes,
     prepare,  // quantise Q, K, V to e4m3 (timed with the forward and on its own)
     forward,

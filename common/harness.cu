@@ -37,11 +37,11 @@ enum { EXIT_PASS = 0, EXIT_FAILED = 1, EXIT_USAGE = 2, EXIT_SKIP = 77 };
 // them): no FP8 kernel can beat that, so its tolerance is relative to it. The slack is what an
 // fp16 tensor-core chapter may lose on top (fp16 output rounding, fp32 accumulation order).
 typedef struct {
-    const char *math;      // how the chapter computes, for the report
-    const char *dtype;     // the CSV's dtype column: the tensor cores' operand type
+    const char *math;   // how the chapter computes, for the report
+    const char *dtype;  // the CSV's dtype column: the tensor cores' operand type
     double rel_l2_tol, lse_tol;
-    double floor_factor;   // 0: no input-quantisation floor
-    double randn_cap;      // on the generated N(0, 1) inputs at the default scale, rel L2 at most this (0: none)
+    double floor_factor;  // 0: no input-quantisation floor
+    double randn_cap;     // on the generated N(0, 1) inputs at the default scale, rel L2 at most this (0: none)
 } PrecisionRule;
 
 static const PrecisionRule FP32_RULE = {"fp32 CUDA cores", "fp16", 1e-3, 1e-3, 0, 0};
@@ -74,12 +74,11 @@ static void die(int code, const char *fmt, ...) {
     exit(code);
 }
 
-#define CUDA_CHECK(call)                                                                   \
-    do {                                                                                   \
-        cudaError_t err_ = (call);                                                         \
-        if (err_ != cudaSuccess)                                                           \
-            die(EXIT_FAILED, "CUDA error in %s (%s:%d): %s", #call, __FILE__, __LINE__,    \
-                cudaGetErrorString(err_));                                                 \
+#define CUDA_CHECK(call)                                                                                           \
+    do {                                                                                                           \
+        cudaError_t err_ = (call);                                                                                 \
+        if (err_ != cudaSuccess)                                                                                   \
+            die(EXIT_FAILED, "CUDA error in %s (%s:%d): %s", #call, __FILE__, __LINE__, cudaGetErrorString(err_)); \
     } while (0)
 
 // ---------------------------------------------------------------------------
@@ -134,8 +133,7 @@ static long long parse_int(const char *flag, const char *text, long long lo, lon
     char *end;
     errno = 0;
     long long v = well_formed ? strtoll(text, &end, 10) : 0;
-    if (!well_formed || *end || errno)
-        die(EXIT_USAGE, "%s expects a whole number, got '%s'", flag, text);
+    if (!well_formed || *end || errno) die(EXIT_USAGE, "%s expects a whole number, got '%s'", flag, text);
     if (v < lo || v > hi) die(EXIT_USAGE, "%s must be between %lld and %lld (got %lld)", flag, lo, hi, v);
     return v;
 }
@@ -158,9 +156,8 @@ static Options parse_args(int argc, char **argv) {
         if (flag_len >= sizeof flag) die(EXIT_USAGE, "unknown option '%s' (see --help)", arg);
         memcpy(flag, arg, flag_len);
         flag[flag_len] = 0;
-        static const char *const with_value[] = {"--batch", "--heads", "--seqlen", "--headdim",
-                                                 "--scale", "--seed", "--warmup", "--iters",
-                                                 "--input", "--output"};
+        static const char *const with_value[] = {"--batch", "--heads",  "--seqlen", "--headdim", "--scale",
+                                                 "--seed",  "--warmup", "--iters",  "--input",   "--output"};
         int takes_value = 0;
         for (size_t k = 0; k < sizeof with_value / sizeof *with_value; k++)
             takes_value |= strcmp(flag, with_value[k]) == 0;
@@ -174,9 +171,12 @@ static Options parse_args(int argc, char **argv) {
         }
         const long long MAX_INT = 2147483647;
         if (!strcmp(flag, "--batch")) o.shape.batch = (int)parse_int(flag, value, 1, MAX_INT), o.shape_given[0] = 1;
-        else if (!strcmp(flag, "--heads")) o.shape.heads = (int)parse_int(flag, value, 1, MAX_INT), o.shape_given[1] = 1;
-        else if (!strcmp(flag, "--seqlen")) o.shape.seqlen = (int)parse_int(flag, value, 1, MAX_INT), o.shape_given[2] = 1;
-        else if (!strcmp(flag, "--headdim")) o.shape.headdim = (int)parse_int(flag, value, 1, MAX_INT), o.shape_given[3] = 1;
+        else if (!strcmp(flag, "--heads"))
+            o.shape.heads = (int)parse_int(flag, value, 1, MAX_INT), o.shape_given[1] = 1;
+        else if (!strcmp(flag, "--seqlen"))
+            o.shape.seqlen = (int)parse_int(flag, value, 1, MAX_INT), o.shape_given[2] = 1;
+        else if (!strcmp(flag, "--headdim"))
+            o.shape.headdim = (int)parse_int(flag, value, 1, MAX_INT), o.shape_given[3] = 1;
         else if (!strcmp(flag, "--seed")) o.seed = (unsigned long long)parse_int(flag, value, 0, 4294967295LL);
         else if (!strcmp(flag, "--warmup")) o.warmup = (int)parse_int(flag, value, 0, 100000);
         else if (!strcmp(flag, "--iters")) o.iters = (int)parse_int(flag, value, 1, 100000);
@@ -203,9 +203,7 @@ static Options parse_args(int argc, char **argv) {
 // Shapes and sizes
 // ---------------------------------------------------------------------------
 
-static size_t elems_qkv(const AttnShape *s) {
-    return (size_t)s->batch * s->heads * s->seqlen * s->headdim;
-}
+static size_t elems_qkv(const AttnShape *s) { return (size_t)s->batch * s->heads * s->seqlen * s->headdim; }
 static size_t elems_lse(const AttnShape *s) { return (size_t)s->batch * s->heads * s->seqlen; }
 
 // Forward FLOPs, the FlashAttention papers' convention: 4·B·H·N²·D, halved when causal.
@@ -229,13 +227,10 @@ static const char *human_bytes(double bytes, char *buf, size_t len) {
 
 static void validate_shape(const AttnShape *s) {
     if (s->headdim != 64 && s->headdim != 128)
-        die(EXIT_USAGE, "head dimension %d is not supported: the kernels are written for D = 64 or 128",
-            s->headdim);
-    if (s->seqlen > (1 << 22))
-        die(EXIT_USAGE, "N = %d: at most 4194304 (2^22) is supported (grid limits)", s->seqlen);
+        die(EXIT_USAGE, "head dimension %d is not supported: the kernels are written for D = 64 or 128", s->headdim);
+    if (s->seqlen > (1 << 22)) die(EXIT_USAGE, "N = %d: at most 4194304 (2^22) is supported (grid limits)", s->seqlen);
     if ((double)s->batch * s->heads > 65535)
-        die(EXIT_USAGE, "B*H = %.0f: at most 65535 (batch, head) pairs are supported",
-            (double)s->batch * s->heads);
+        die(EXIT_USAGE, "B*H = %.0f: at most 65535 (batch, head) pairs are supported", (double)s->batch * s->heads);
     if ((double)s->batch * s->heads * s->seqlen * s->headdim >= 2147483648.0)
         die(EXIT_USAGE, "B*H*N*D = %.0f elements per tensor: at most 2^31 - 1 are supported",
             (double)s->batch * s->heads * s->seqlen * s->headdim);
@@ -279,9 +274,11 @@ static void shape_from_input(Options *o) {
             if (h[i].shape[d] < 1 || h[i].shape[d] > 2147483647)
                 die(EXIT_USAGE, "%s: dimension %d is %lld, expected 1 .. 2^31-1", path, d, h[i].shape[d]);
             if (h[i].shape[d] != h[0].shape[d])
-                die(EXIT_USAGE, "%s has shape (%lld, %lld, %lld, %lld) but q.npy has (%lld, %lld, %lld, %lld): "
-                    "q, k, v must share one [B, H, N, D] shape", path, h[i].shape[0], h[i].shape[1],
-                    h[i].shape[2], h[i].shape[3], h[0].shape[0], h[0].shape[1], h[0].shape[2], h[0].shape[3]);
+                die(EXIT_USAGE,
+                    "%s has shape (%lld, %lld, %lld, %lld) but q.npy has (%lld, %lld, %lld, %lld): "
+                    "q, k, v must share one [B, H, N, D] shape",
+                    path, h[i].shape[0], h[i].shape[1], h[i].shape[2], h[i].shape[3], h[0].shape[0], h[0].shape[1],
+                    h[0].shape[2], h[0].shape[3]);
         }
     }
     int dims[4] = {(int)h[0].shape[0], (int)h[0].shape[1], (int)h[0].shape[2], (int)h[0].shape[3]};
@@ -330,8 +327,8 @@ static DataPaths data_paths(const Options *o) {
         format_path(p.data_dir, sizeof p.data_dir, "%s", o->input_dir);
         format_path(p.ref_dir, sizeof p.ref_dir, "%s/input_%016llx", cache, (unsigned long long)h);
     } else {
-        format_path(p.data_dir, sizeof p.data_dir, "%s/b%d_h%d_n%d_d%d_seed%llu", cache, s->batch,
-                    s->heads, s->seqlen, s->headdim, o->seed);
+        format_path(p.data_dir, sizeof p.data_dir, "%s/b%d_h%d_n%d_d%d_seed%llu", cache, s->batch, s->heads, s->seqlen,
+                    s->headdim, o->seed);
         format_path(p.ref_dir, sizeof p.ref_dir, "%s", p.data_dir);
     }
     snprintf(p.ref_tag, sizeof p.ref_tag, "c%d_s%.9g", s->causal, s->scale);
@@ -392,14 +389,15 @@ static void prepare_data(const Options *o, const DataPaths *p) {
     int status = 0;
     if (rc == 0 && waitpid(pid, &status, 0) < 0) rc = errno;
     if (rc != 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
-        die(EXIT_USAGE, "could not prepare inputs with '%s %s' (%s); run 'make' to set up Python with NumPy, "
-            "or set FA_PYTHON", python, script,
-            rc ? strerror(rc) : "it failed, see above");
+        die(EXIT_USAGE,
+            "could not prepare inputs with '%s %s' (%s); run 'make' to set up Python with NumPy, "
+            "or set FA_PYTHON",
+            python, script, rc ? strerror(rc) : "it failed, see above");
 }
 
 // Load dir/file, refusing another dtype or shape (a negative dimension matches any).
-static void *load_array(const char *dir, const char *file, NpyDtype dtype, int ndim,
-                        const long long *shape, NpyHeader *header) {
+static void *load_array(const char *dir, const char *file, NpyDtype dtype, int ndim, const long long *shape,
+                        NpyHeader *header) {
     char path[4096], err[1024];
     NpyHeader h;
     void *data;
@@ -418,15 +416,14 @@ static void *load_array(const char *dir, const char *file, NpyDtype dtype, int n
 
 typedef struct {
     double rel_l2, max_abs, lse_err;
-    double floor, lse_floor;        // the input-quantisation error (FP8), else 0
-    double rel_l2_tol, lse_tol;     // what this run had to meet
-    size_t unwritten;        // NaN/Inf elements left in O or LSE (poisoned with NaN)
-    long long rows_checked;  // query rows per (b, h) the reference covers
+    double floor, lse_floor;     // the input-quantisation error (FP8), else 0
+    double rel_l2_tol, lse_tol;  // what this run had to meet
+    size_t unwritten;            // NaN/Inf elements left in O or LSE (poisoned with NaN)
+    long long rows_checked;      // query rows per (b, h) the reference covers
     int passed;
 } CheckResult;
 
-static CheckResult check_outputs(const Options *o, const DataPaths *p, const __half *out,
-                                 const float *lse) {
+static CheckResult check_outputs(const Options *o, const DataPaths *p, const __half *out, const float *lse) {
     const AttnShape *s = &o->shape;
     char file[256];
     CheckResult r;
@@ -441,8 +438,8 @@ static CheckResult check_outputs(const Options *o, const DataPaths *p, const __h
     long long nrows = h.shape[0];
     for (long long i = 0; i < nrows; i++)
         if (rows[i] < 0 || rows[i] >= s->seqlen)
-            die(EXIT_USAGE, "%s/%s: row %lld out of range (stale cache? delete it and rerun)", p->ref_dir,
-                file, (long long)rows[i]);
+            die(EXIT_USAGE, "%s/%s: row %lld out of range (stale cache? delete it and rerun)", p->ref_dir, file,
+                (long long)rows[i]);
     long long o_shape[4] = {s->batch, s->heads, nrows, s->headdim};
     snprintf(file, sizeof file, "ref_%s_o.npy", p->ref_tag);
     double *ref_o = (double *)load_array(p->ref_dir, file, NPY_F64, 4, o_shape, NULL);
@@ -515,8 +512,8 @@ static void require_gpu(cudaDeviceProp *prop) {
             printf("%s: skipped: needs sm_%d to sm_%d, this GPU (%s) is sm_%d\n", chapter.name, chapter.min_sm,
                    chapter.max_sm, prop->name, sm);
         else
-            printf("%s: skipped: needs sm_%d or newer, this GPU (%s) is sm_%d\n", chapter.name,
-                   chapter.min_sm, prop->name, sm);
+            printf("%s: skipped: needs sm_%d or newer, this GPU (%s) is sm_%d\n", chapter.name, chapter.min_sm,
+                   prop->name, sm);
         exit(EXIT_SKIP);
     }
 }
@@ -528,8 +525,10 @@ static void require_memory(const AttnShape *s, size_t workspace) {
     double margin = 256.0 * 1024 * 1024;
     if (need + margin > (double)free_bytes) {
         char a[32], b[32], c[32];
-        die(EXIT_USAGE, "this shape needs %s of device memory (%s of it scratch), the GPU has %s free: "
-            "lower B, H or N%s", human_bytes(need, a, sizeof a), human_bytes((double)workspace, b, sizeof b),
+        die(EXIT_USAGE,
+            "this shape needs %s of device memory (%s of it scratch), the GPU has %s free: "
+            "lower B, H or N%s",
+            human_bytes(need, a, sizeof a), human_bytes((double)workspace, b, sizeof b),
             human_bytes((double)free_bytes, c, sizeof c),
             workspace ? " (the fused chapters, 04 on, need no N^2 scratch)" : "");
     }
@@ -613,7 +612,8 @@ static void check_output_dir(const char *dir) {
     struct stat st;
     if (stat(dir, &st) == 0) {
         if (!S_ISDIR(st.st_mode)) die(EXIT_USAGE, "--output %s exists and is not a folder: give a folder", dir);
-        if (access(dir, W_OK | X_OK) != 0) die(EXIT_USAGE, "--output %s: cannot write into it: %s", dir, strerror(errno));
+        if (access(dir, W_OK | X_OK) != 0)
+            die(EXIT_USAGE, "--output %s: cannot write into it: %s", dir, strerror(errno));
         return;
     }
     if (errno != ENOENT) die(EXIT_USAGE, "--output %s: %s", dir, strerror(errno));
@@ -647,7 +647,8 @@ static void check_inputs_finite(const Options *o) {
             size_t d = first % s->headdim, n = first / s->headdim % s->seqlen;
             size_t h = first / ((size_t)s->headdim * s->seqlen) % s->heads;
             size_t b = first / ((size_t)s->headdim * s->seqlen * s->heads);
-            die(EXIT_USAGE, "%s/%s holds %zu NaN or Inf value%s, the first at [%zu, %zu, %zu, %zu]: attention "
+            die(EXIT_USAGE,
+                "%s/%s holds %zu NaN or Inf value%s, the first at [%zu, %zu, %zu, %zu]: attention "
                 "is undefined on them; replace them (np.nan_to_num) or find where they came from",
                 o->input_dir, names[i], bad, bad == 1 ? "" : "s", b, h, n, d);
         }
@@ -672,9 +673,8 @@ static void print_plan(const Options *o, size_t workspace) {
     const AttnShape *s = &o->shape;
     char a[32], b[32];
     printf("%s: %s\n", chapter.name, chapter.adds);
-    printf("  shape     B=%d H=%d N=%d D=%d %s, scale %.6g, fp16 in/out, %s math\n", s->batch, s->heads,
-           s->seqlen, s->headdim, s->causal ? "causal" : "non-causal", s->scale,
-           precision_rule(chapter.precision)->math);
+    printf("  shape     B=%d H=%d N=%d D=%d %s, scale %.6g, fp16 in/out, %s math\n", s->batch, s->heads, s->seqlen,
+           s->headdim, s->causal ? "causal" : "non-causal", s->scale, precision_rule(chapter.precision)->math);
     printf("  work      %.3g GFLOP, at least %s moved\n", forward_flops(s) / 1e9,
            human_bytes(min_bytes(s), a, sizeof a));
     printf("  memory    inputs+outputs %s, workspace %s\n", human_bytes(min_bytes(s), a, sizeof a),
@@ -747,8 +747,8 @@ int main(int argc, char **argv) {
     const PrecisionRule *rule = precision_rule(chapter.precision);
 
     if (o.csv) {
-        printf("%s,%d,%d,%d,%d,%d,%s,%.4f,%.2f,", chapter.name, s->batch, s->heads, s->seqlen,
-               s->headdim, s->causal, rule->dtype, ms, tflops);
+        printf("%s,%d,%d,%d,%d,%d,%s,%.4f,%.2f,", chapter.name, s->batch, s->heads, s->seqlen, s->headdim, s->causal,
+               rule->dtype, ms, tflops);
         if (o.check) printf("%.3e,%s,%.3e,%.3e,", check.rel_l2, status, check.max_abs, check.lse_err);
         else printf(",%s,,,", status);
         printf("%d,%zu,", kernels, workspace);
@@ -758,21 +758,23 @@ int main(int argc, char **argv) {
         else printf("\n");
     } else {
         print_plan(&o, workspace);
-        printf("  gpu       %s (sm_%d%d), %d kernel%s per forward\n", prop.name, prop.major, prop.minor,
-               kernels, kernels == 1 ? "" : "s");
+        printf("  gpu       %s (sm_%d%d), %d kernel%s per forward\n", prop.name, prop.major, prop.minor, kernels,
+               kernels == 1 ? "" : "s");
         if (o.check && rule->floor_factor > 0)
-            printf("  check     rel_l2 %.2e = %.2fx the e4m3 input floor %.2e (tol %.2e)  max_abs %.2e  "
-                   "lse_max_abs %.2e (floor %.2e, tol %.2e)  rows %lld of %d per head%s  %s\n",
-                   check.rel_l2, check.floor > 0 ? check.rel_l2 / check.floor : 0.0, check.floor,
-                   check.rel_l2_tol, check.max_abs, check.lse_err, check.lse_floor, check.lse_tol,
-                   check.rows_checked, s->seqlen, check.unwritten ? "  UNWRITTEN OUTPUTS" : "", status);
+            printf(
+                "  check     rel_l2 %.2e = %.2fx the e4m3 input floor %.2e (tol %.2e)  max_abs %.2e  "
+                "lse_max_abs %.2e (floor %.2e, tol %.2e)  rows %lld of %d per head%s  %s\n",
+                check.rel_l2, check.floor > 0 ? check.rel_l2 / check.floor : 0.0, check.floor, check.rel_l2_tol,
+                check.max_abs, check.lse_err, check.lse_floor, check.lse_tol, check.rows_checked, s->seqlen,
+                check.unwritten ? "  UNWRITTEN OUTPUTS" : "", status);
         else if (o.check)
-            printf("  check     rel_l2 %.2e (tol %.0e)  max_abs %.2e  lse_max_abs %.2e (tol %.0e)  "
-                   "rows %lld of %d per head%s  %s\n", check.rel_l2, check.rel_l2_tol,
-                   check.max_abs, check.lse_err, check.lse_tol, check.rows_checked,
-                   s->seqlen, check.unwritten ? "  UNWRITTEN OUTPUTS" : "", status);
-        printf("  time      %.4f ms (median of %d, %d warm-up)  %.2f TFLOP/s  %.0f GB/s of the minimum traffic\n",
-               ms, o.iters, o.warmup, tflops, min_bytes(s) / (ms * 1e-3) / 1e9);
+            printf(
+                "  check     rel_l2 %.2e (tol %.0e)  max_abs %.2e  lse_max_abs %.2e (tol %.0e)  "
+                "rows %lld of %d per head%s  %s\n",
+                check.rel_l2, check.rel_l2_tol, check.max_abs, check.lse_err, check.lse_tol, check.rows_checked,
+                s->seqlen, check.unwritten ? "  UNWRITTEN OUTPUTS" : "", status);
+        printf("  time      %.4f ms (median of %d, %d warm-up)  %.2f TFLOP/s  %.0f GB/s of the minimum traffic\n", ms,
+               o.iters, o.warmup, tflops, min_bytes(s) / (ms * 1e-3) / 1e9);
         if (chapter.prepare)
             printf("  parts     prepare %.4f ms (%.0f%% of the forward), attention alone %.4f ms = %.2f TFLOP/s\n",
                    prepare_ms, 100.0 * prepare_ms / ms, attend_ms, forward_flops(s) / (attend_ms * 1e-3) / 1e12);

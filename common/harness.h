@@ -12,12 +12,12 @@
 #include <stddef.h>
 
 typedef struct {
-    int batch;     // B
-    int heads;     // H
-    int seqlen;    // N (queries = keys: self-attention)
-    int headdim;   // D
-    int causal;    // 1: query i attends keys j <= i
-    float scale;   // softmax scale, 1/sqrt(D) unless given
+    int batch;    // B
+    int heads;    // H
+    int seqlen;   // N (queries = keys: self-attention)
+    int headdim;  // D
+    int causal;   // 1: query i attends keys j <= i
+    float scale;  // softmax scale, 1/sqrt(D) unless given
 } AttnShape;
 
 typedef struct {
@@ -33,11 +33,11 @@ typedef struct {
 typedef enum { PRECISION_FP32 = 0, PRECISION_FP16_TC = 1, PRECISION_FP8_TC = 2 } Precision;
 
 typedef struct {
-    const char *name;   // the chapter directory, e.g. "04_fused"
-    const char *adds;   // one line: the idea this chapter adds
+    const char *name;  // the chapter directory, e.g. "04_fused"
+    const char *adds;  // one line: the idea this chapter adds
     Precision precision;
-    int min_sm, max_sm; // compute capabilities it runs on, e.g. 80 for sm_80; max_sm 0: no upper
-                        // bound (08 runs on sm_90 only: its sm_90a code runs on no other GPU)
+    int min_sm, max_sm;  // compute capabilities it runs on, e.g. 80 for sm_80; max_sm 0: no upper
+                         // bound (08 runs on sm_90 only: its sm_90a code runs on no other GPU)
     // Device scratch the forward needs (the harness allocates it; chapters never allocate).
     // NULL: none.
     size_t (*workspace_bytes)(const AttnShape *shape);
@@ -64,10 +64,10 @@ static inline cudaError_t launch_for_head_dim(const AttnArgs *args, cudaStream_t
 }
 
 // Return the error of a CUDA call from the enclosing function if it failed.
-#define RETURN_IF_ERROR(call)                        \
-    do {                                             \
-        cudaError_t err_ = (call);                   \
-        if (err_ != cudaSuccess) return err_;        \
+#define RETURN_IF_ERROR(call)                 \
+    do {                                      \
+        cudaError_t err_ = (call);            \
+        if (err_ != cudaSuccess) return err_; \
     } while (0)
 
 static inline __host__ __device__ int ceil_div(int a, int b) { return (a + b - 1) / b; }

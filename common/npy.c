@@ -55,7 +55,8 @@ static int parse_descr(const char **p, NpyDtype *dtype, const char *path, char *
     }
     return fail(err, err_len,
                 "%s: unsupported dtype '%s' (this reader takes little-endian float16, "
-                "float32, float64, int64)", path, descr);
+                "float32, float64, int64)",
+                path, descr);
 }
 
 static int parse_order(const char **p, const char *path, char *err, size_t err_len) {
@@ -80,10 +81,8 @@ static int parse_shape(const char **p, NpyHeader *h, const char *path, char *err
         char *end;
         errno = 0;
         long long dim = strtoll(*p, &end, 10);
-        if (end == *p || errno || dim < 0)
-            return fail(err, err_len, "%s: malformed shape in the .npy header", path);
-        if (h->ndim == NPY_MAX_DIMS)
-            return fail(err, err_len, "%s: more than %d dimensions", path, NPY_MAX_DIMS);
+        if (end == *p || errno || dim < 0) return fail(err, err_len, "%s: malformed shape in the .npy header", path);
+        if (h->ndim == NPY_MAX_DIMS) return fail(err, err_len, "%s: more than %d dimensions", path, NPY_MAX_DIMS);
         if (dim > 0 && h->count > SIZE_MAX / 8 / (size_t)dim)
             return fail(err, err_len, "%s: the shape in its header has more elements than any memory holds", path);
         h->shape[h->ndim++] = dim;
@@ -116,7 +115,7 @@ static int parse_dict(const char *dict, NpyHeader *h, const char *path, char *er
         while (k < 3 && strcmp(key, KEYS[k]) != 0) k++;
         if (k == 3) return fail(err, err_len, "%s: unexpected key '%s' in the .npy header", path, key);
         if (seen[k]++) return fail(err, err_len, "%s: key '%s' twice in the .npy header", path, key);
-        int rc = k == 0 ? parse_descr(&p, &h->dtype, path, err, err_len)
+        int rc = k == 0   ? parse_descr(&p, &h->dtype, path, err, err_len)
                  : k == 1 ? parse_order(&p, path, err, err_len)
                           : parse_shape(&p, h, path, err, err_len);
         if (rc) return rc;
@@ -176,8 +175,8 @@ int npy_read_header(const char *path, NpyHeader *h, char *err, size_t err_len) {
     long file_size = ftell(f);
     size_t want = h->data_offset + h->count * SIZE[h->dtype];
     if (file_size < 0 || (size_t)file_size != want) {
-        fail(err, err_len, "%s: file is %ld bytes, its header promises %zu (%s%s)", path, file_size,
-             want, NAME[h->dtype], (size_t)file_size < want ? ", truncated" : ", trailing bytes");
+        fail(err, err_len, "%s: file is %ld bytes, its header promises %zu (%s%s)", path, file_size, want,
+             NAME[h->dtype], (size_t)file_size < want ? ", truncated" : ", trailing bytes");
         goto done;
     }
     rc = 0;
@@ -190,8 +189,7 @@ done:
 int npy_load(const char *path, NpyDtype want, NpyHeader *h, void **data, char *err, size_t err_len) {
     *data = NULL;
     if (npy_read_header(path, h, err, err_len)) return -1;
-    if (h->dtype != want)
-        return fail(err, err_len, "%s: dtype is %s, expected %s", path, NAME[h->dtype], NAME[want]);
+    if (h->dtype != want) return fail(err, err_len, "%s: dtype is %s, expected %s", path, NAME[h->dtype], NAME[want]);
     size_t bytes = h->count * SIZE[want];
     void *buf = malloc(bytes ? bytes : 1);
     FILE *f = fopen(path, "rb");
@@ -210,11 +208,10 @@ int npy_load(const char *path, NpyDtype want, NpyHeader *h, void **data, char *e
     return 0;
 }
 
-int npy_save(const char *path, NpyDtype dtype, int ndim, const long long *shape, const void *data,
-             char *err, size_t err_len) {
+int npy_save(const char *path, NpyDtype dtype, int ndim, const long long *shape, const void *data, char *err,
+             size_t err_len) {
     char dict[256];
-    int len = snprintf(dict, sizeof dict, "{'descr': '%s', 'fortran_order': False, 'shape': (",
-                       DESCR[dtype]);
+    int len = snprintf(dict, sizeof dict, "{'descr': '%s', 'fortran_order': False, 'shape': (", DESCR[dtype]);
     size_t count = 1;
     for (int i = 0; i < ndim; i++) {
         len += snprintf(dict + len, sizeof dict - len, "%lld,%s", shape[i], i + 1 < ndim ? " " : "");
@@ -225,8 +222,8 @@ int npy_save(const char *path, NpyDtype dtype, int ndim, const long long *shape,
     size_t total = 10 + (size_t)len + 1;
     size_t padded = (total + 63) / 64 * 64;
     size_t header_len = padded - 10;
-    unsigned char pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(header_len & 0xff),
-                             (unsigned char)(header_len >> 8)};
+    unsigned char pre[10] = {
+        0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(header_len & 0xff), (unsigned char)(header_len >> 8)};
     FILE *f = fopen(path, "wb");
     if (!f) return fail(err, err_len, "cannot create %s: %s", path, strerror(errno));
     int ok = fwrite(pre, 1, 10, f) == 10 && fwrite(dict, 1, (size_t)len, f) == (size_t)len;

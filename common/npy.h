@@ -30,12 +30,11 @@ size_t npy_dtype_size(NpyDtype dtype);       // bytes per element
 int npy_read_header(const char *path, NpyHeader *header, char *err, size_t err_len);
 
 // Load a whole array of dtype `want` into a malloc'd buffer (*data).
-int npy_load(const char *path, NpyDtype want, NpyHeader *header, void **data,
-             char *err, size_t err_len);
+int npy_load(const char *path, NpyDtype want, NpyHeader *header, void **data, char *err, size_t err_len);
 
 // Write a C-order little-endian array as a version 1.0 .npy file.
-int npy_save(const char *path, NpyDtype dtype, int ndim, const long long *shape,
-             const void *data, char *err, size_t err_len);
+int npy_save(const char *path, NpyDtype dtype, int ndim, const long long *shape, const void *data, char *err,
+             size_t err_len);
 
 #ifdef __cplusplus
 }

@@ -17,8 +17,7 @@
 #include <string.h>
 
 static int usage(void) {
-    fprintf(stderr,
-            "usage: npy_tool info FILE | dump FILE | write FILE DTYPE DIM... | roundtrip IN OUT\n");
+    fprintf(stderr, "usage: npy_tool info FILE | dump FILE | write FILE DTYPE DIM... | roundtrip IN OUT\n");
     return 3;
 }
 
