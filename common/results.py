@@ -1,11 +1,47 @@
-"""The result row shared by common/stages.py (chapters) and common/anchors.py (PyTorch):
-its CSV columns, its constructor, and the FLOP convention of the TFLOP/s column."""
+"""What a result is and where results live: the benchmark's shapes, the result row shared by
+common/stages.py (chapters) and common/anchors.py (PyTorch), the FLOP convention of its TFLOP/s,
+the results CSV with its notes, and the .env that records the machine a run was made on."""
+import csv
+import datetime
+import os
+import re
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CSV_FIELDS = ("impl", "batch", "heads", "seqlen", "headdim", "causal", "dtype",
               "ms", "tflops", "rel_l2", "status")
 INT_FIELDS = ("batch", "heads", "seqlen", "headdim", "causal")
+FLOAT_FIELDS = ("ms", "tflops", "rel_l2")
+KEY_FIELDS = ("impl", "batch", "heads", "seqlen", "headdim", "causal")
+NOTE_FIELDS = KEY_FIELDS + ("note",)
+TIMED = ("PASS", "unchecked")   # statuses whose timing is shown
 ANCHORS = ("torch_flash", "torch_cudnn", "torch_efficient", "torch_eager")
+FA2, CUDNN = "torch_flash", "torch_cudnn"
 
+# --- The benchmark's shapes (docs/design.md) ----------------------------------------------
+BENCH_DS = (128, 64)
+BENCH_NS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK_NS = (1024, 4096)
+TOTAL_TOKENS = 16384    # B = TOTAL_TOKENS / N
+HIDDEN = 2048           # H = HIDDEN / D
+HEADLINE_D, HEADLINE_N = 128, 4096
+BENCH_WARMUP, BENCH_ITERS = 3, 10
+
+
+def bench_shape(headdim, seqlen, causal):
+    """The benchmark shape for D and N: 16k tokens, hidden 2048."""
+    return {"batch": TOTAL_TOKENS // seqlen, "heads": HIDDEN // headdim, "seqlen": seqlen,
+            "headdim": headdim, "causal": causal}
+
+
+def bench_shapes(quick=False):
+    """Every bench shape, N ascending within each (D, causal), as the skip rule needs."""
+    ns = QUICK_NS if quick else BENCH_NS
+    return [bench_shape(d, n, c) for d in BENCH_DS for c in (0, 1) for n in ns]
+
+
+# --- Result rows ---------------------------------------------------------------------------
 
 def work(shape):
     """B·H·N²·D: what a forward's time grows with (the bench keeps B·N fixed, so ~N)."""
@@ -31,3 +67,185 @@ def make_row(impl, shape, status, ms=None, tflops=None, rel_l2=None, note=None, 
     if note:
         row["note"] = note
     return row
+
+
+def row_key(row):
+    """What identifies a row: impl and shape."""
+    return tuple(row[k] for k in KEY_FIELDS)
+
+
+def find_row(rows, impl, headdim, seqlen, causal):
+    """The row of impl at (D, N, causal), or None."""
+    for row in rows:
+        if (row["impl"], row["headdim"], row["seqlen"], row["causal"]) == (impl, headdim, seqlen, causal):
+            return row
+    return None
+
+
+def timed(row, field):
+    """row[field] when the row is a trustworthy timing (PASS or unchecked), else None."""
+    return row[field] if row is not None and row["status"] in TIMED else None
+
+
+def is_anchor(impl):
+    """True for the PyTorch rows."""
+    return impl.startswith("torch_")
+
+
+def chapter_impls(rows):
+    """The chapters present in rows, in order."""
+    return sorted({row["impl"] for row in rows if not is_anchor(row["impl"])})
+
+
+def anchor_impls(rows):
+    """The anchors present in rows, in ANCHORS order."""
+    present = {row["impl"] for row in rows}
+    return [a for a in ANCHORS if a in present]
+
+
+# --- Files: the results CSV and its notes, the .env ----------------------------------------
+
+def gpu_slug(name):
+    """A file name for a GPU: the first line, spaces to '_'; 'unknown_gpu' if empty."""
+    lines = (name or "").strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", first).strip("_")
+    return slug or "unknown_gpu"
+
+
+def format_value(value):
+    """A CSV cell: '' for None, the shortest exact text for a float."""
+    if value is None:
+        return ""
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+def parse_value(field, text):
+    """A CSV cell back to its type."""
+    text = (text or "").strip()
+    if field in INT_FIELDS:
+        return int(text)
+    if field in FLOAT_FIELDS:
+        return float(text) if text else None
+    return text
+
+
+def notes_path(csv_path):
+    """Where the skip/fail notes of a results CSV live: <gpu>.notes.csv."""
+    return os.path.splitext(csv_path)[0] + ".notes.csv"
+
+
+def write_results(path, rows):
+    """Write rows to path (exact CSV_FIELDS header) and their notes to the .notes.csv beside it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(CSV_FIELDS)
+        for row in rows:
+            writer.writerow([format_value(row.get(k)) for k in CSV_FIELDS])
+    with open(notes_path(path), "w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(NOTE_FIELDS)
+        for row in rows:
+            if row.get("note"):
+                writer.writerow([format_value(row.get(k)) for k in NOTE_FIELDS])
+
+
+def read_results(path):
+    """Rows of a results CSV, with the notes of its .notes.csv (if any) attached."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [k for k in CSV_FIELDS if k not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path}: not a results CSV (missing columns {', '.join(missing)})")
+        rows = [{k: parse_value(k, line[k]) for k in CSV_FIELDS} for line in reader]
+    notes = {}
+    if os.path.exists(notes_path(path)):
+        with open(notes_path(path), newline="") as f:
+            for line in csv.DictReader(f):
+                key = tuple(parse_value(k, line[k]) for k in KEY_FIELDS)
+                notes[key] = line["note"]
+    for row in rows:
+        if row_key(row) in notes:
+            row["note"] = notes[row_key(row)]
+    return rows
+
+
+def env_path(csv_path):
+    """The <gpu>.env beside a results CSV."""
+    return os.path.splitext(csv_path)[0] + ".env"
+
+
+def read_env(path):
+    """key: value lines to a dict ({} when the file is missing)."""
+    env = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep:
+                    env[key.strip()] = value.strip()
+    return env
+
+
+def write_env(path, env):
+    """A dict to key: value lines."""
+    with open(path, "w") as f:
+        f.writelines(f"{key}: {value}\n" for key, value in env.items())
+
+
+def write_if_changed(path, text):
+    """Write text to path unless it already holds it; True when written."""
+    if os.path.exists(path):
+        with open(path) as f:
+            if f.read() == text:
+                return False
+    with open(path, "w") as f:
+        f.write(text)
+    return True
+
+
+# --- The machine, for the .env -----------------------------------------------------------
+
+def command_output(argv, cwd=None):
+    """stdout of a command, '' when it fails or is missing."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=cwd)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def gpu_name():
+    """The first GPU's name from nvidia-smi ('' when it fails)."""
+    out = command_output(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
+    return out.strip().splitlines()[0].strip() if out.strip() else ""
+
+
+def git_commit():
+    """Short HEAD, with -dirty when tracked files changed."""
+    commit = command_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT).strip() or "unknown"
+    dirty = command_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT).strip()
+    return commit + ("-dirty" if dirty else "")
+
+
+def collect_env(command):
+    """What the .env records: GPU, driver, CUDA, clocks, date, commit, command."""
+    env = {"gpu": gpu_name() or "unknown (nvidia-smi failed)"}
+    query = "driver_version,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem,power.limit"
+    out = command_output(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"])
+    fields = [f.strip() for f in out.splitlines()[0].split(",")] if out.strip() else []
+    if len(fields) == 6:
+        env["driver"] = fields[0]
+        env["sm_clock"] = f"{fields[1]} now, {fields[2]} max"
+        env["mem_clock"] = f"{fields[3]} now, {fields[4]} max"
+        env["power_limit"] = fields[5]
+    found = re.search(r"CUDA Version:\s*([\d.]+)", command_output(["nvidia-smi"]))
+    env["cuda_driver"] = found.group(1) if found else "unknown"
+    nvcc = command_output([os.environ.get("NVCC", "nvcc"), "--version"])
+    found = re.search(r"release ([\d.]+), V([\d.]+)", nvcc)
+    env["nvcc"] = found.group(2) if found else "unknown"
+    env["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    env["commit"] = git_commit()
+    env["command"] = command
+    return env

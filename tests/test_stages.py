@@ -18,6 +18,8 @@ ROOT = os.path.dirname(HERE)
 FIXTURES = os.path.join(HERE, "fixtures")
 sys.path.insert(0, os.path.join(ROOT, "common"))
 
+import report  # noqa: E402
+import results  # noqa: E402
 import stages  # noqa: E402
 
 FIXTURE_CSV = os.path.join(FIXTURES, "FAKE_GPU.csv")
@@ -32,7 +34,7 @@ def read(path):
 
 def fixture_rows():
     """The made-up results of tests/fixtures/FAKE_GPU.csv (with its notes)."""
-    return stages.read_results(FIXTURE_CSV)
+    return results.read_results(FIXTURE_CSV)
 
 
 def quiet(function, *args):
@@ -46,17 +48,17 @@ def quiet(function, *args):
 # --- Results files ---------------------------------------------------------------------
 
 def test_csv_round_trip():
-    shape = stages.bench_shape(128, 4096, 1)
-    rows = [stages.make_row("04_fused", shape, "PASS", 18.3301, 29.99, 3.012e-4),
-            stages.make_row("01_naive", stages.bench_shape(64, 16384, 0), "SKIP",
+    shape = results.bench_shape(128, 4096, 1)
+    rows = [results.make_row("04_fused", shape, "PASS", 18.3301, 29.99, 3.012e-4),
+            results.make_row("01_naive", results.bench_shape(64, 16384, 0), "SKIP",
                             note="this shape needs 33.0 GiB of device memory, lower B, H or N"),
-            stages.make_row("torch_flash", shape, "FAIL", 0.9194, 298.98, 0.0123, note="odd, but kept")]
+            results.make_row("torch_flash", shape, "FAIL", 0.9194, 298.98, 0.0123, note="odd, but kept")]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "NVIDIA_H200.csv")
-        stages.write_results(path, rows)
+        results.write_results(path, rows)
         assert read(path).splitlines()[0] == "impl,batch,heads,seqlen,headdim,causal,dtype,ms,tflops,rel_l2,status"
         assert read(path).splitlines()[2] == "01_naive,1,32,16384,64,0,fp16,,,,SKIP"
-        back = stages.read_results(path)
+        back = results.read_results(path)
     assert back == rows, back
     assert back[0]["ms"] == 18.3301 and back[0]["batch"] == 4 and back[0]["causal"] == 1
     assert "note" not in back[0] and back[1]["note"].startswith("this shape needs")
@@ -68,7 +70,7 @@ def test_read_results_refuses_other_csv():
         with open(path, "w") as f:
             f.write("impl,ms\n01_naive,1.0\n")
         try:
-            stages.read_results(path)
+            results.read_results(path)
         except ValueError as exc:
             assert "missing columns" in str(exc)
         else:
@@ -79,30 +81,30 @@ def test_env_round_trip():
     env = {"gpu": "NVIDIA H200", "command": "python3 common/stages.py bench --build build 01_naive"}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "x.env")
-        stages.write_env(path, env)
+        results.write_env(path, env)
         assert read(path) == ("gpu: NVIDIA H200\n"
                               "command: python3 common/stages.py bench --build build 01_naive\n")
-        assert stages.read_env(path) == env
-        assert stages.read_env(os.path.join(tmp, "missing.env")) == {}
+        assert results.read_env(path) == env
+        assert results.read_env(os.path.join(tmp, "missing.env")) == {}
 
 
 # --- Markdown -------------------------------------------------------------------------
 
 def test_stage_table_matches_golden():
-    got = stages.stage_table_markdown(fixture_rows(), "docs/results/FAKE_GPU.csv", FIXTURE_GPU)
+    got = report.stage_table_markdown(fixture_rows(), "docs/results/FAKE_GPU.csv", FIXTURE_GPU)
     want = read(os.path.join(FIXTURES, "stage_table.md"))
     assert got == want, "stage table differs from tests/fixtures/stage_table.md:\n" + got
 
 
 def test_results_page_matches_golden():
-    env = stages.read_env(os.path.join(FIXTURES, "FAKE_GPU.env"))
-    got = stages.results_markdown(fixture_rows(), env, "FAKE_GPU.csv")
+    env = results.read_env(os.path.join(FIXTURES, "FAKE_GPU.env"))
+    got = report.results_markdown(fixture_rows(), env, "FAKE_GPU.csv")
     want = read(os.path.join(FIXTURES, "FAKE_GPU.md"))
     assert got == want, "results page differs from tests/fixtures/FAKE_GPU.md:\n" + got
 
 
 def test_chapter_table_matches_golden():
-    got = stages.chapter_table_markdown(fixture_rows(), "04_fused", "03_online_softmax",
+    got = report.chapter_table_markdown(fixture_rows(), "04_fused", "03_online_softmax",
                                         "../docs/results/FAKE_GPU.csv", FIXTURE_GPU)
     want = read(os.path.join(FIXTURES, "chapter_04_fused.md"))
     assert got == want, "chapter table differs from tests/fixtures/chapter_04_fused.md:\n" + got
@@ -111,44 +113,44 @@ def test_chapter_table_matches_golden():
 def test_stage_cells_hand_computed():
     rows = fixture_rows()
     # 02 at 27.49 ms, 20.0 TFLOP/s; 01 at 68.72 ms; FA2 331.98, cuDNN 582.99 TFLOP/s.
-    cells = stages.stage_cells(rows, "02_tiling", "01_naive", "01_naive", 0)
+    cells = report.stage_cells(rows, "02_tiling", "01_naive", "01_naive", 0)
     assert cells == ["27.5", "20.0", "2.50x", "2.50x", "6%", "3%"], cells
     # 07 causal: 70.1 / 1.2 = 58.4x vs 01; its previous chapter (06) FAILed there: no ratio.
-    cells = stages.stage_cells(rows, "07_async_pipeline", "01_naive", "06_tensorcore_wmma", 1)
+    cells = report.stage_cells(rows, "07_async_pipeline", "01_naive", "06_tensorcore_wmma", 1)
     assert cells == ["1.20", "229.1", "58.4x", "-", "77%", "45%"], cells
-    assert stages.stage_cells(rows, "06_tensorcore_wmma", "01_naive", "05_causal", 1) == ["FAIL"] + ["-"] * 5
-    assert stages.stage_cells(rows, "torch_efficient", "01_naive", None, 1) == ["skip"] + ["-"] * 5
-    assert stages.stage_cells(rows, "04_fused", "01_naive", "03_online_softmax", 0, 64) == ["-"] * 6
+    assert report.stage_cells(rows, "06_tensorcore_wmma", "01_naive", "05_causal", 1) == ["FAIL"] + ["-"] * 5
+    assert report.stage_cells(rows, "torch_efficient", "01_naive", None, 1) == ["skip"] + ["-"] * 5
+    assert report.stage_cells(rows, "04_fused", "01_naive", "03_online_softmax", 0, 64) == ["-"] * 6
     # An anchor has no previous chapter: its "x vs prev" cell is empty.
-    assert stages.stage_cells(rows, "torch_cudnn", "01_naive", None, 0)[2:4] == ["72.9x", ""]
+    assert report.stage_cells(rows, "torch_cudnn", "01_naive", None, 0)[2:4] == ["72.9x", ""]
 
 
 def test_marker_replacement():
-    begin, end = stages.STAGE_BEGIN, stages.STAGE_END
+    begin, end = report.STAGE_BEGIN, report.STAGE_END
     text = f"# Title\n\nbefore\n{begin}\nold table\nmore old\n{end}\nafter\n"
-    new = stages.replace_between(text, begin, end, "| a |\n|--|\n")
+    new = report.replace_between(text, begin, end, "| a |\n|--|\n")
     assert new == f"# Title\n\nbefore\n{begin}\n\n| a |\n|--|\n\n{end}\nafter\n", new
-    assert stages.replace_between(new, begin, end, "| a |\n|--|\n") == new  # idempotent
+    assert report.replace_between(new, begin, end, "| a |\n|--|\n") == new  # idempotent
     for broken in ("no markers at all\n", f"only {begin}\nx\n", f"{end}\nonly the end\n",
                    f"{end}\nwrong order\n{begin}\n"):
-        assert stages.replace_between(broken, begin, end, "table") == broken, broken
+        assert report.replace_between(broken, begin, end, "table") == broken, broken
 
 
 def test_regenerate_tables_on_a_tree():
     with tempfile.TemporaryDirectory() as tmp:
         csv_path = os.path.join(tmp, "results", "FAKE_GPU.csv")
-        stages.write_results(csv_path, fixture_rows())
+        results.write_results(csv_path, fixture_rows())
         readme = os.path.join(tmp, "README.md")
         with open(readme, "w") as f:
-            f.write(f"intro\n{stages.STAGE_BEGIN}\nstale\n{stages.STAGE_END}\nend\n")
+            f.write(f"intro\n{report.STAGE_BEGIN}\nstale\n{report.STAGE_END}\nend\n")
         for chapter, text in (("03_online_softmax", "# 03, no markers\n"),
-                              ("04_fused", f"# 04\n{stages.MEASURED_BEGIN}\n{stages.MEASURED_END}\n")):
+                              ("04_fused", f"# 04\n{report.MEASURED_BEGIN}\n{report.MEASURED_END}\n")):
             os.mkdir(os.path.join(tmp, chapter))
             with open(os.path.join(tmp, chapter, "README.md"), "w") as f:
                 f.write(text)
-        quiet(stages.regenerate_tables, csv_path, readme)
+        quiet(report.regenerate_tables, csv_path, readme)
         top = read(readme)
-        assert top.startswith("intro\n") and top.endswith(f"{stages.STAGE_END}\nend\n") and "stale" not in top
+        assert top.startswith("intro\n") and top.endswith(f"{report.STAGE_END}\nend\n") and "stale" not in top
         assert "| 07_async_pipeline | 2.12 | 259.9 | 32.5x |" in top
         assert "`results/FAKE_GPU.csv`" in top
         assert read(os.path.join(tmp, "03_online_softmax", "README.md")) == "# 03, no markers\n"
@@ -161,24 +163,24 @@ def test_regenerate_tables_on_a_tree():
 # --- Math, formats, the skip rule --------------------------------------------------------
 
 def test_speedup_and_percent():
-    assert stages.speedup(100.0, 8.0) == 12.5
-    assert stages.fmt_speedup(stages.speedup(68.72, 2.115)) == "32.5x"
-    assert stages.fmt_speedup(stages.speedup(25.8, 24.9)) == "1.04x"   # below 10x: two decimals
-    assert stages.speedup(None, 1.0) is None and stages.speedup(1.0, None) is None
-    assert abs(stages.percent_of(150.0, 332.0) - 45.1807) < 1e-3
-    assert stages.fmt_percent(stages.percent_of(150.0, 332.0)) == "45%"
-    assert stages.percent_of(150.0, None) is None and stages.fmt_percent(None) == "-"
-    shape = stages.bench_shape(128, 4096, 0)  # 4*4*16*4096^2*128 = 5.4976e11 FLOPs
-    assert abs(stages.forward_tflops(shape, 1.0) - 549.7558) < 1e-3
-    assert abs(stages.forward_tflops(dict(shape, causal=1), 1.0) - 274.8779) < 1e-3
+    assert report.speedup(100.0, 8.0) == 12.5
+    assert report.fmt_speedup(report.speedup(68.72, 2.115)) == "32.5x"
+    assert report.fmt_speedup(report.speedup(25.8, 24.9)) == "1.04x"   # below 10x: two decimals
+    assert report.speedup(None, 1.0) is None and report.speedup(1.0, None) is None
+    assert abs(report.percent_of(150.0, 332.0) - 45.1807) < 1e-3
+    assert report.fmt_percent(report.percent_of(150.0, 332.0)) == "45%"
+    assert report.percent_of(150.0, None) is None and report.fmt_percent(None) == "-"
+    shape = results.bench_shape(128, 4096, 0)  # 4*4*16*4096^2*128 = 5.4976e11 FLOPs
+    assert abs(results.forward_tflops(shape, 1.0) - 549.7558) < 1e-3
+    assert abs(results.forward_tflops(dict(shape, causal=1), 1.0) - 274.8779) < 1e-3
 
 
 def test_number_formats():
-    assert [stages.fmt_ms(x) for x in (0.0123, 0.943, 3.665, 18.33, 68.72, 123.4, 4567.8)] == \
+    assert [report.fmt_ms(x) for x in (0.0123, 0.943, 3.665, 18.33, 68.72, 123.4, 4567.8)] == \
         ["0.012", "0.943", "3.67", "18.3", "68.7", "123", "4568"]
-    assert stages.fmt_tflops(259.93) == "259.9" and stages.fmt_tflops(8) == "8.0"
-    assert stages.fmt_rel(2.9e-4) == "2.9e-04" and stages.fmt_ms(None) == "-"
-    assert [stages.n_label(n) for n in (512, 1024, 16384, 1000)] == ["512", "1k", "16k", "1000"]
+    assert report.fmt_tflops(259.93) == "259.9" and report.fmt_tflops(8) == "8.0"
+    assert report.fmt_rel(2.9e-4) == "2.9e-04" and report.fmt_ms(None) == "-"
+    assert [report.n_label(n) for n in (512, 1024, 16384, 1000)] == ["512", "1k", "16k", "1000"]
 
 
 def test_skip_projection():
@@ -186,17 +188,17 @@ def test_skip_projection():
     assert abs(stages.projected_seconds(10, 100.0, 40) - 5.6) < 1e-9
     assert stages.RUNS_PER_SHAPE == 14
     assert stages.BUDGET_S == 15
-    at = lambda n: stages.bench_shape(128, n, 0)
-    assert stages.work(at(8192)) == 2 * stages.work(at(4096))      # B·N fixed: work grows as N
+    at = lambda n: results.bench_shape(128, n, 0)
+    assert results.work(at(8192)) == 2 * results.work(at(4096))      # B·N fixed: work grows as N
     assert stages.too_slow(None, at(512)) is None
-    assert stages.too_slow((stages.work(at(4096)), 354.0), at(8192)) is None  # 9.9 s: runs
-    assert stages.too_slow((stages.work(at(8192)), 708.0), at(16384)) == "projected 20 s"  # 19.8 s
-    assert stages.too_slow((stages.work(at(1024)), 260.0), at(4096)) is None  # 14.56 s: runs
-    assert stages.too_slow((stages.work(at(1024)), 270.0), at(4096)) == "projected 16 s"  # 15.12 s
+    assert stages.too_slow((results.work(at(4096)), 354.0), at(8192)) is None  # 9.9 s: runs
+    assert stages.too_slow((results.work(at(8192)), 708.0), at(16384)) == "projected 20 s"  # 19.8 s
+    assert stages.too_slow((results.work(at(1024)), 260.0), at(4096)) is None  # 14.56 s: runs
+    assert stages.too_slow((results.work(at(1024)), 270.0), at(4096)) == "projected 16 s"  # 15.12 s
 
 
 def test_bench_shapes():
-    shapes = stages.bench_shapes()
+    shapes = results.bench_shapes()
     assert len(shapes) == 24
     assert all(s["batch"] * s["seqlen"] == 16384 and s["heads"] * s["headdim"] == 2048 for s in shapes)
     assert shapes[0] == {"batch": 32, "heads": 16, "seqlen": 512, "headdim": 128, "causal": 0}
@@ -204,15 +206,15 @@ def test_bench_shapes():
         for c in (0, 1):
             ns = [s["seqlen"] for s in shapes if (s["headdim"], s["causal"]) == (d, c)]
             assert ns == [512, 1024, 2048, 4096, 8192, 16384], ns
-    assert sorted({s["seqlen"] for s in stages.bench_shapes(quick=True)}) == [1024, 4096]
+    assert sorted({s["seqlen"] for s in results.bench_shapes(quick=True)}) == [1024, 4096]
 
 
 def test_gpu_slug():
-    assert stages.gpu_slug("NVIDIA H200") == "NVIDIA_H200"
-    assert stages.gpu_slug("NVIDIA GeForce RTX 4090\nNVIDIA GeForce RTX 4090\n") == "NVIDIA_GeForce_RTX_4090"
-    assert stages.gpu_slug("NVIDIA A100-SXM4-80GB") == "NVIDIA_A100-SXM4-80GB"
-    assert stages.gpu_slug("") == "unknown_gpu" and stages.gpu_slug(None) == "unknown_gpu"
-    assert stages.gpu_slug("a/b c") == "a_b_c"
+    assert results.gpu_slug("NVIDIA H200") == "NVIDIA_H200"
+    assert results.gpu_slug("NVIDIA GeForce RTX 4090\nNVIDIA GeForce RTX 4090\n") == "NVIDIA_GeForce_RTX_4090"
+    assert results.gpu_slug("NVIDIA A100-SXM4-80GB") == "NVIDIA_A100-SXM4-80GB"
+    assert results.gpu_slug("") == "unknown_gpu" and results.gpu_slug(None) == "unknown_gpu"
+    assert results.gpu_slug("a/b c") == "a_b_c"
 
 
 def test_classify_exit_codes():
@@ -285,7 +287,7 @@ def test_bench_on_fake_binaries():
         out = os.path.join(tmp, "results")
         readme = os.path.join(tmp, "README.md")
         with open(readme, "w") as f:
-            f.write(f"{stages.STAGE_BEGIN}\n{stages.STAGE_END}\n")
+            f.write(f"{report.STAGE_BEGIN}\n{report.STAGE_END}\n")
         args = stages.parse_args(["bench", "--build", os.path.join(tmp, "build"), "--quick",
                                   "--out", out, "--readme", readme] + names)
         code, printed = without_torch(stages.command_bench, args)
@@ -293,10 +295,10 @@ def test_bench_on_fake_binaries():
         assert "PyTorch not found: anchor rows skipped" in printed
         csv_files = [p for p in os.listdir(out) if p.endswith(".csv") and not p.endswith(".notes.csv")]
         assert len(csv_files) == 1, os.listdir(out)
-        rows = stages.read_results(os.path.join(out, csv_files[0]))
+        rows = results.read_results(os.path.join(out, csv_files[0]))
         assert len(rows) == 8 * len(names)
         def at(impl, n, d=128, c=0):
-            return stages.find_row(rows, impl, d, n, c)
+            return results.find_row(rows, impl, d, n, c)
         assert at("01_slow", 1024)["status"] == "PASS"
         assert at("01_slow", 4096)["status"] == "SKIP" and at("01_slow", 4096)["note"] == "projected 17 s"  # 300 ms x 4 x 14
         assert at("01_slow", 4096)["ms"] is None
