@@ -1,0 +1,47 @@
+"""The documentation stays true to the code it quotes: every code line a chapter README quotes
+(```c blocks) is in that chapter's attention.cu (whitespace aside; a line with '...' is an
+elision), READMEs point at code by name rather than by line number, and nothing cites design
+sections or issue numbers that a reader does not have."""
+import re
+
+CITATION = re.compile(r"DESIGN §|DESIGN\.md|\b[Ii]ssue \d+\b")
+LINE_REF = re.compile(r"\b[Ll]ines? \d+\b")
+
+
+def squeeze(text):
+    return re.sub(r"\s+", "", text)
+
+
+def cases(ctx):
+    out = []
+    for chapter in ctx.chapters:
+        def quoted(ctx, chapter=chapter):
+            readme = (ctx.root / chapter / "README.md").read_text()
+            source = squeeze((ctx.root / chapter / "attention.cu").read_text())
+            missing, checked = [], 0
+            for block in re.findall(r"```c\n(.*?)```", readme, re.S):
+                for line in block.splitlines():
+                    code = line.split("//")[0].strip()
+                    if not code or "..." in line:
+                        continue
+                    checked += 1
+                    if squeeze(code) not in source:
+                        missing.append(line.strip())
+            assert not missing, f"{chapter}/README.md quotes code that is not in its attention.cu: {missing[:5]}"
+            return f"{checked} quoted lines found"
+        out.append((f"quoted_code[{chapter}]", quoted))
+
+        def by_name(ctx, chapter=chapter):
+            hits = LINE_REF.findall((ctx.root / chapter / "README.md").read_text())
+            assert not hits, f"{chapter}/README.md points at code by line number ({hits[:3]}): name the symbol"
+        out.append((f"no_line_numbers[{chapter}]", by_name))
+    return out
+
+
+def test_no_citations_readers_cannot_follow(ctx):
+    files = [p for pattern in ("*.md", "[0-9][0-9]_*/*.md", "docs/*.md", "[0-9][0-9]_*/*.cu", "common/*",
+                               "tests/*.py", "Makefile")
+             for p in ctx.root.glob(pattern) if p.is_file() and p.name != "test_cpu_docs.py"]
+    hits = [f"{p.relative_to(ctx.root)}: {m.group(0)}" for p in files
+            for m in CITATION.finditer(p.read_text(errors="replace"))]
+    assert not hits, f"citations of the design document or of issues, which readers do not have: {hits[:8]}"
