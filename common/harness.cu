@@ -20,6 +20,8 @@ extern char **environ;
 
 enum { EXIT_PASS = 0, EXIT_FAILED = 1, EXIT_USAGE = 2, EXIT_SKIP = 77 };
 
+static const char *const INPUT_NAMES[3] = {"q.npy", "k.npy", "v.npy"};  // in an --input folder or the cache
+
 #ifndef FA_ROOT
 #define FA_ROOT "."
 #endif
@@ -260,11 +262,10 @@ static int file_exists(const char *path) {
 
 // Read the headers of DIR/q.npy, k.npy, v.npy and take the shape from them.
 static void shape_from_input(Options *o) {
-    const char *names[3] = {"q.npy", "k.npy", "v.npy"};
     NpyHeader h[3];
     char path[4096], err[1024];
     for (int i = 0; i < 3; i++) {
-        join(path, sizeof path, o->input_dir, names[i]);
+        join(path, sizeof path, o->input_dir, INPUT_NAMES[i]);
         if (npy_read_header(path, &h[i], err, sizeof err)) die(EXIT_USAGE, "%s", err);
         if (h[i].dtype != NPY_F16)
             die(EXIT_USAGE, "%s: dtype is %s, expected float16 (cast with .astype(np.float16))", path,
@@ -322,8 +323,7 @@ static DataPaths data_paths(const Options *o) {
     if (o->input_dir) {
         char path[4096];
         uint64_t h = 1469598103934665603ULL;
-        const char *names[3] = {"q.npy", "k.npy", "v.npy"};
-        for (int i = 0; i < 3; i++) join(path, sizeof path, o->input_dir, names[i]), h = hash_file(path, h);
+        for (int i = 0; i < 3; i++) join(path, sizeof path, o->input_dir, INPUT_NAMES[i]), h = hash_file(path, h);
         format_path(p.data_dir, sizeof p.data_dir, "%s", o->input_dir);
         format_path(p.ref_dir, sizeof p.ref_dir, "%s/input_%016llx", cache, (unsigned long long)h);
     } else {
@@ -338,9 +338,8 @@ static DataPaths data_paths(const Options *o) {
 // Run common/reference.py to create whatever inputs and reference files are missing.
 static void prepare_data(const Options *o, const DataPaths *p) {
     char path[4096];
-    const char *want[] = {"q.npy", "k.npy", "v.npy"};
     int missing = 0;
-    for (int i = 0; i < 3; i++) join(path, sizeof path, p->data_dir, want[i]), missing |= !file_exists(path);
+    for (int i = 0; i < 3; i++) join(path, sizeof path, p->data_dir, INPUT_NAMES[i]), missing |= !file_exists(path);
     const int floors = precision_rule(chapter.precision)->floor_factor > 0;
     if (o->check) {
         const char *parts[] = {"rows", "o", "lse", "fp8floor"};
@@ -630,19 +629,20 @@ static void check_output_dir(const char *dir) {
         die(EXIT_USAGE, "--output %s cannot be created in %s: %s", dir, parent, strerror(errno));
 }
 
-// NaN or Inf in an input makes the whole output row undefined: refuse it, saying where.
-static void check_inputs_finite(const Options *o) {
-    const char *names[3] = {"q.npy", "k.npy", "v.npy"};
-    const AttnShape *s = &o->shape;
+// Q, K, V from dir into host memory, in the validated shape.
+static void load_inputs(const char *dir, const AttnShape *s, __half *host_in[3]) {
     long long shape[4] = {s->batch, s->heads, s->seqlen, s->headdim};
+    for (int i = 0; i < 3; i++) host_in[i] = (__half *)load_array(dir, INPUT_NAMES[i], NPY_F16, 4, shape, NULL);
+}
+
+// NaN or Inf in an input makes the whole output row undefined: refuse it, saying where.
+static void check_finite(const char *dir, const AttnShape *s, __half *const host_in[3]) {
     for (int i = 0; i < 3; i++) {
-        __half *x = (__half *)load_array(o->input_dir, names[i], NPY_F16, 4, shape, NULL);
         size_t bad = 0, first = 0;
         for (size_t e = 0; e < elems_qkv(s); e++) {
-            unsigned short bits = *(const unsigned short *)&x[e];
+            unsigned short bits = *(const unsigned short *)&host_in[i][e];
             if ((bits & 0x7C00) == 0x7C00 && !bad++) first = e;  // exponent all ones: Inf or NaN
         }
-        free(x);
         if (bad) {
             size_t d = first % s->headdim, n = first / s->headdim % s->seqlen;
             size_t h = first / ((size_t)s->headdim * s->seqlen) % s->heads;
@@ -650,7 +650,7 @@ static void check_inputs_finite(const Options *o) {
             die(EXIT_USAGE,
                 "%s/%s holds %zu NaN or Inf value%s, the first at [%zu, %zu, %zu, %zu]: attention "
                 "is undefined on them; replace them (np.nan_to_num) or find where they came from",
-                o->input_dir, names[i], bad, bad == 1 ? "" : "s", b, h, n, d);
+                dir, INPUT_NAMES[i], bad, bad == 1 ? "" : "s", b, h, n, d);
         }
     }
 }
@@ -686,12 +686,18 @@ int main(int argc, char **argv) {
     if (o.output_dir) check_output_dir(o.output_dir);
     if (o.input_dir) shape_from_input(&o);
     validate_shape(&o.shape);
-    if (o.input_dir) check_inputs_finite(&o);
     if (!o.scale_given) o.shape.scale = 1.0f / sqrtf((float)o.shape.headdim);
     const AttnShape *s = &o.shape;
+    // --input files are read once, here, and checked before any GPU work.
+    __half *host_in[3] = {NULL, NULL, NULL};
+    if (o.input_dir) {
+        load_inputs(o.input_dir, s, host_in);
+        check_finite(o.input_dir, s, host_in);
+    }
     size_t workspace = chapter.workspace_bytes ? chapter.workspace_bytes(s) : 0;
     if (o.dry_run) {
         print_plan(&o, workspace);
+        for (int i = 0; i < 3; i++) free(host_in[i]);
         return EXIT_PASS;
     }
 
@@ -701,13 +707,11 @@ int main(int argc, char **argv) {
     DataPaths paths = data_paths(&o);
     prepare_data(&o, &paths);
 
-    // Host inputs, then device buffers (the harness owns every allocation).
-    long long qkv_shape[4] = {s->batch, s->heads, s->seqlen, s->headdim};
-    const char *names[3] = {"q.npy", "k.npy", "v.npy"};
-    __half *host_in[3], *dev_in[3];
+    // Host inputs (generated ones are read now), then device buffers (the harness owns every allocation).
+    if (!o.input_dir) load_inputs(paths.data_dir, s, host_in);
+    __half *dev_in[3];
     size_t in_bytes = elems_qkv(s) * sizeof(__half), lse_bytes = elems_lse(s) * sizeof(float);
     for (int i = 0; i < 3; i++) {
-        host_in[i] = (__half *)load_array(paths.data_dir, names[i], NPY_F16, 4, qkv_shape, NULL);
         CUDA_CHECK(cudaMalloc(&dev_in[i], in_bytes));
         CUDA_CHECK(cudaMemcpy(dev_in[i], host_in[i], in_bytes, cudaMemcpyHostToDevice));
         free(host_in[i]);

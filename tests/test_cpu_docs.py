@@ -4,7 +4,7 @@ elision), READMEs point at code by name rather than by line number, and nothing 
 sections or issue numbers that a reader does not have."""
 import re
 
-CITATION = re.compile(r"DESIGN §|DESIGN\.md|\b[Ii]ssue \d+\b")
+CITATION = re.compile(r"DESIGN\s?§|DESIGN\.md|\b[Ii]ssue \d+\b")  # (written so as not to match itself)
 LINE_REF = re.compile(r"\b[Ll]ines? \d+\b")
 
 
