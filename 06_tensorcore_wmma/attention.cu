@@ -45,18 +45,18 @@ struct Smem {
     static constexpr int TOTAL = Q_BYTES + S_BYTES + 2 * KV_BYTES + BLOCK_Q * 4;
 };
 
-// ROWS rows of HEAD_DIM halves into a padded shared tile (zero rows past seqlen). Thread t
+// TILE_ROWS rows of HEAD_DIM halves into a padded shared tile (zero rows past seqlen). Thread t
 // moves 16-byte chunk t % CHUNKS of rows t / CHUNKS, + ROWS_PER_PASS, ...: a fixed number of
 // copies at constant offsets, four loads in flight before their four stores.
-template <int HEAD_DIM, int ROWS>
+template <int HEAD_DIM, int TILE_ROWS>
 __device__ void load_tile(__half *tile, const __half *src, int row0, int seqlen) {
-    constexpr int CHUNKS = HEAD_DIM / 8, ROWS_PER_PASS = THREADS / CHUNKS, PASSES = ROWS / ROWS_PER_PASS;
+    constexpr int CHUNKS = HEAD_DIM / 8, ROWS_PER_PASS = THREADS / CHUNKS, PASSES = TILE_ROWS / ROWS_PER_PASS;
     constexpr int STRIDE = Smem<HEAD_DIM>::STRIDE;
     static_assert(PASSES % 4 == 0, "every thread moves a multiple of four chunks");
     const int row = threadIdx.x / CHUNKS, d0 = threadIdx.x % CHUNKS * 8;
     const __half *from = src + (size_t)(row0 + row) * HEAD_DIM + d0;
     __half *to = tile + row * STRIDE + d0;
-    if (row0 + ROWS <= seqlen) {  // a whole tile (all but the last): no checks
+    if (row0 + TILE_ROWS <= seqlen) {  // a whole tile (all but the last): no checks
 #pragma unroll
         for (int i0 = 0; i0 < PASSES; i0 += 4) {
             uint4 raw[4];
@@ -103,14 +103,14 @@ template <int HEAD_DIM>
 __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
     flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse, int seqlen,
                            float scale_log2, int causal) {
-    typedef Smem<HEAD_DIM> L;
-    constexpr int STRIDE = L::STRIDE, DFRAGS = HEAD_DIM / FRAG;
+    constexpr int STRIDE = Smem<HEAD_DIM>::STRIDE, DFRAGS = HEAD_DIM / FRAG;
+    constexpr int Q_BYTES = Smem<HEAD_DIM>::Q_BYTES, S_BYTES = Smem<HEAD_DIM>::S_BYTES;
     extern __shared__ __align__(128) unsigned char smem[];
-    __half *q_tile = (__half *)smem;                              // [BLOCK_Q][STRIDE]
-    float *s_tile = (float *)(smem + L::Q_BYTES);                 // [BLOCK_Q][S_STRIDE], P over it
-    __half *k_tile = (__half *)(smem + L::Q_BYTES + L::S_BYTES);  // [BLOCK_KV][STRIDE]
-    __half *v_tile = k_tile + BLOCK_KV * STRIDE;                  // [BLOCK_KV][STRIDE]
-    float *row_factor = (float *)(v_tile + BLOCK_KV * STRIDE);    // [BLOCK_Q]
+    __half *q_tile = (__half *)smem;                            // [BLOCK_Q][STRIDE]
+    float *s_tile = (float *)(smem + Q_BYTES);                  // [BLOCK_Q][S_STRIDE], P over it
+    __half *k_tile = (__half *)(smem + Q_BYTES + S_BYTES);      // [BLOCK_KV][STRIDE]
+    __half *v_tile = k_tile + BLOCK_KV * STRIDE;                // [BLOCK_KV][STRIDE]
+    float *row_factor = (float *)(v_tile + BLOCK_KV * STRIDE);  // [BLOCK_Q]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Causal work grows with the query tile, so the causal grid is (b*h, tiles) and hands out
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
     // lanes per row: lane 2r and 2r+1 hold row r's running max (log2 units) and partial sum.
     FragAcc o_acc[DFRAGS];
     for (int c = 0; c < DFRAGS; c++) wmma::fill_fragment(o_acc[c], 0.0f);
-    const int row = lane / 2, half = lane % 2;
+    const int row = lane / 2, pair_lane = lane % 2;
     const int query = query0 + warp_row0 + row;
     float row_max = -INFINITY, row_sum = 0.0f;
 
@@ -169,13 +169,13 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
         // Only the tile on the diagonal (and a ragged last tile) needs the mask.
         const bool needs_mask = key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0);
 
-        // Online softmax on this warp's S rows. Lane `half` reads the float4 columns 4*(2i + half)
-        // (the two lanes of a row read different banks) into registers, once.
+        // Online softmax on this warp's S rows. Each of the two lanes of a row (`pair_lane` 0, 1) reads
+        // the float4 columns 4*(2i + pair_lane) (the two read different banks) into registers, once.
         const float *s_row = s_warp + row * S_STRIDE;
         float score[BLOCK_KV / 2];
         float tile_max = -INFINITY;
         for (int i = 0; i < BLOCK_KV / 8; i++) {
-            int col = 4 * (2 * i + half);
+            int col = 4 * (2 * i + pair_lane);
             float4 x = *(const float4 *)&s_row[col];
             float xs[4] = {x.x, x.y, x.z, x.w};
             for (int j = 0; j < 4; j++) {
@@ -198,9 +198,9 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
         for (int i = 0; i < BLOCK_KV / 8; i++) {
             __half2 lo = __floats2half2_rn(score[4 * i], score[4 * i + 1]);
             __half2 hi = __floats2half2_rn(score[4 * i + 2], score[4 * i + 3]);
-            *(uint2 *)&p_row[4 * (2 * i + half)] = make_uint2(*(unsigned *)&lo, *(unsigned *)&hi);
+            *(uint2 *)&p_row[4 * (2 * i + pair_lane)] = make_uint2(*(unsigned *)&lo, *(unsigned *)&hi);
         }
-        if (half == 0) factor_warp[row] = rescale;
+        if (pair_lane == 0) factor_warp[row] = rescale;
         __syncwarp();
 
         // Rescale O in registers: element e of every accumulator fragment sits in row frag_row[e].
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
     // O = accumulator / sum, LSE = ln(sum) + max, each written once.
     float sum = row_sum + __shfl_xor_sync(0xffffffff, row_sum, 1);
     __syncwarp();  // every lane has read the last tile's factors
-    if (half == 0) {
+    if (pair_lane == 0) {
         factor_warp[row] = 1.0f / sum;
         if (query < seqlen) lse[head * seqlen + query] = (row_max + log2f(sum)) * LN2;
     }
@@ -241,10 +241,10 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
         wmma::store_matrix_sync(s_warp, o_acc[c], S_STRIDE, wmma::mem_row_major);
         __syncwarp();
         if (query < seqlen) {
-            const float *src = s_warp + row * S_STRIDE + half * 8;
+            const float *src = s_warp + row * S_STRIDE + pair_lane * 8;
             __half2 h[4];
             for (int j = 0; j < 4; j++) h[j] = __floats2half2_rn(src[2 * j], src[2 * j + 1]);
-            *(uint4 *)&o[(head * seqlen + query) * HEAD_DIM + c * FRAG + half * 8] = *(uint4 *)h;
+            *(uint4 *)&o[(head * seqlen + query) * HEAD_DIM + c * FRAG + pair_lane * 8] = *(uint4 *)h;
         }
         __syncwarp();
     }
