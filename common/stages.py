@@ -307,3 +307,7 @@ def main(argv=None):
     commands = {"run": command_run, "bench": command_bench, "compare": command_compare,
                 "table": command_table}
     return commands[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

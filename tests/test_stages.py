@@ -8,6 +8,7 @@ import contextlib
 import io
 import os
 import stat
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -16,6 +17,7 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FIXTURES = os.path.join(HERE, "fixtures")
+COMMON = os.path.join(ROOT, "common")
 sys.path.insert(0, os.path.join(ROOT, "common"))
 
 import report  # noqa: E402
@@ -357,6 +359,18 @@ def test_table_command_without_csv():
         with contextlib.redirect_stderr(err):
             assert stages.command_table(args) == 2
         assert "no results CSV" in err.getvalue()
+
+
+def test_scripts_run_as_programs():
+    """make run/bench/compare call common/stages.py as a program: it must act, not just import."""
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, os.path.join(COMMON, "stages.py"), "table", "--csv",
+                               os.path.join(tmp, "none.csv")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no results CSV" in proc.stderr, \
+        f"stages.py table as a program: exit {proc.returncode}, stderr {proc.stderr!r}"
+    for script in ("stages.py", "anchors.py", "reference.py"):
+        source = open(os.path.join(COMMON, script)).read()
+        assert 'if __name__ == "__main__":' in source, f"common/{script} has no main guard: running it does nothing"
 
 
 def main():
