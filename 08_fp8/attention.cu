@@ -1,17 +1,17 @@
 // 08_fp8: 07's algorithm on Hopper's own datapath, in FP8. Q, K and V are quantised to e4m3
-// with scales found on the device (per (batch, head)), both matrix products run on warpgroup
+// with scales found on the device (one per 128-row tile), both matrix products run on warpgroup
 // MMA (wgmma: e4m3 in, fp32 accumulate), their tiles arrive through the bulk tensor copy
 // engine (TMA) completing on mbarriers, and P is converted to e4m3 in registers and fed back
 // as the A operand of the second product.
 //
-// Three kernels per forward. amax_kernel: max |x| of Q, K and V per (b, h). quantize_kernel:
-// e4m3 copies of Q and K, and of V transposed (keys fastest). attention_kernel: one block per
-// (128-query tile, b*h), heaviest causal tiles first (as 05); 3 warpgroups: a producer that only
-// issues the copies, and 2 consumers of 64 query rows each that only compute, taking turns on the
-// tensor cores, each overlapping one tile's softmax with the previous tile's P V. Shared memory:
-// the Q tile and a ring of STAGES (K, Vt) tile pairs, in the swizzled layout TMA writes and
-// wgmma reads. Registers: per consumer the 64 x 128 scores, the 64 x HEAD_DIM output
-// accumulator, P in e4m3, and each row's running max and sum.
+// Two kernels per forward. quantize_kernel: e4m3 copies of Q and K, and of V transposed (keys
+// fastest), each 128-row tile with its own scale, in one pass over the inputs. attention_kernel:
+// one block per (128-query tile, b*h), heaviest causal tiles first (as 05); 3 warpgroups: a
+// producer that only issues the copies, and 2 consumers of 64 query rows each that only compute,
+// taking turns on the tensor cores, each overlapping one tile's softmax with the previous tile's
+// P V. Shared memory: the Q tile and a ring of STAGES (K, Vt) tile pairs, in the swizzled layout
+// TMA writes and wgmma reads. Registers: per consumer the 64 x 128 scores, the 64 x HEAD_DIM
+// output accumulator, P in e4m3, and each row's running max and sum.
 #include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)
 #include <cudaTypedefs.h>
 #include <cuda_fp8.h>
@@ -37,6 +37,15 @@
 #ifndef INTRA_OVERLAP
 #define INTRA_OVERLAP 1  // P V of tile j-1 runs while the softmax of tile j does
 #endif
+#ifndef EXP2_FMA_EVERY
+#define EXP2_FMA_EVERY 0  // every Nth 8-key chunk's exponentials on the FMA units (0: all on MUFU)
+#endif
+#ifndef STAGES_D128
+#define STAGES_D128 3  // (K, Vt) tile pairs in flight, by head dim: chosen by a sweep
+#endif
+#ifndef STAGES_D64
+#define STAGES_D64 4
+#endif
 #define THREADS ((CONSUMERS + WARP_SPECIALISED) * WARPGROUP_THREADS)
 #define PRODUCER_REGISTERS 24   // setmaxnreg: the producer keeps few registers...
 #define CONSUMER_REGISTERS 240  // ...and the consumers get the rest of the 64K
@@ -50,8 +59,8 @@ static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * CONS
 
 template <int HEAD_DIM>
 struct Config {
-    static constexpr int STAGES = HEAD_DIM == 128 ? 3 : 4;  // (K, Vt) tile pairs in flight
-    static constexpr int Q_BYTES = BLOCK_Q * HEAD_DIM;      // e4m3: one byte per element
+    static constexpr int STAGES = HEAD_DIM == 128 ? STAGES_D128 : STAGES_D64;
+    static constexpr int Q_BYTES = BLOCK_Q * HEAD_DIM;  // e4m3: one byte per element
     static constexpr int K_BYTES = BLOCK_KV * HEAD_DIM;
     static constexpr int V_BYTES = HEAD_DIM * BLOCK_KV;
     static constexpr int BARRIERS = 1 + 2 * STAGES;  // Q full, K/V full and empty
@@ -61,92 +70,119 @@ struct Config {
                   "every tile starts 1024-byte aligned, as the 128-byte swizzle needs");
 };
 
-// --- Quantisation: e4m3 copies with one scale per (b, h) and tensor --------------------------
-#define QUANT_THREADS 256
-#define QUANT_ROWS 64  // rows (keys) per quantize_kernel block: four 16-key groups of V
+// --- Quantisation: e4m3 copies, one scale per 128-row tile of each (b, h) and tensor --------
+// A scale per tile rather than per (b, h) makes the quantisation one pass: a block reads its
+// tile once, finds its max |x|, and writes the e4m3 copy and the descale. It is also finer: one
+// outlier costs the resolution of its tile, not of the whole head. Q's tile is a block's query
+// tile, K's and V's the key tile of one iteration: the kernel applies each descale once per tile.
+#define SCALE_ROWS 128  // rows per scale: the query tile and the key tile
+static_assert(SCALE_ROWS == BLOCK_Q && SCALE_ROWS == BLOCK_KV, "one descale per query tile and per key tile");
+#define KEY_GROUP 16  // V's keys are permuted within groups of 16 (key_slot)
 
 // x * scale maps |x| <= amax onto e4m3's range [-448, 448]; the descale undoes it.
 __host__ __device__ float e4m3_scale(float amax) { return amax > 0 ? E4M3_MAX / amax : 1.0f; }
 __host__ __device__ float e4m3_descale(float amax) { return amax > 0 ? amax / E4M3_MAX : 1.0f; }
 
-// Max |x| over each (b, h) slab of Q, K and V (blockIdx.z), into amax[tensor][b*h] (zeroed
-// first). Non-negative floats order like their bits, so atomicMax on the bits is a float max.
-__global__ void __launch_bounds__(QUANT_THREADS)
-    amax_kernel(const __half *q, const __half *k, const __half *v, size_t head_elems, float *amax) {
-    const size_t head = blockIdx.y;
-    const __half *src = (blockIdx.z == 0 ? q : blockIdx.z == 1 ? k : v) + head * head_elems;
-    const uint4 *vectors = (const uint4 *)src;  // 8 halves each
-    __half2 largest = __float2half2_rn(0.0f);
-    for (size_t i = (size_t)blockIdx.x * QUANT_THREADS + threadIdx.x; i < head_elems / 8;
-         i += (size_t)gridDim.x * QUANT_THREADS) {
-        uint4 x = vectors[i];
-        const __half2 *pairs = (const __half2 *)&x;
-        for (int j = 0; j < 4; j++) largest = __hmax2(largest, __habs2(pairs[j]));
-    }
-    float m = fmaxf(__low2float(largest), __high2float(largest));
-    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, offset));
-    __shared__ float warp_max[QUANT_THREADS / 32];
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < QUANT_THREADS / 32; w++) m = fmaxf(m, warp_max[w]);
-        atomicMax((unsigned *)&amax[blockIdx.z * gridDim.y + head], __float_as_uint(m));
-    }
+// Two floats, times scale, to two e4m3 bytes (cvt.rn.satfinite: round to nearest even, clamp at 448).
+__device__ unsigned to_e4m3x2(float a, float b, float scale) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a * scale, b * scale), __NV_SATFINITE, __NV_E4M3);
 }
 
-// 8 halves, times scale, to 8 e4m3 bytes (cvt.rn.satfinite: round to nearest even, clamp at 448).
+// 8 halves to 8 e4m3 bytes.
 __device__ uint2 to_e4m3x8(uint4 halves, float scale) {
     const __half2 *pairs = (const __half2 *)&halves;
     unsigned packed[4];
     for (int j = 0; j < 4; j++) {
         float2 f = __half22float2(pairs[j]);
-        packed[j] = __nv_cvt_float2_to_fp8x2(make_float2(f.x * scale, f.y * scale), __NV_SATFINITE, __NV_E4M3);
+        packed[j] = to_e4m3x2(f.x, f.y, scale);
     }
     return make_uint2(packed[0] | packed[1] << 16, packed[2] | packed[3] << 16);
+}
+
+__device__ float half_at(const uint4 &halves, int i) { return __half2float(((const __half *)&halves)[i]); }
+
+// Max |x| over the block's tile, which its threads hold in registers as 8-half vectors.
+template <int BLOCK_THREADS, int VECTORS>
+__device__ float tile_amax(const uint4 (&tile)[VECTORS]) {
+    __shared__ float warp_max[BLOCK_THREADS / 32];
+    __half2 largest = __float2half2_rn(0.0f);
+    for (int i = 0; i < VECTORS; i++)
+        for (int j = 0; j < 4; j++) largest = __hmax2(largest, __habs2(((const __half2 *)&tile[i])[j]));
+    float m = fmaxf(__low2float(largest), __high2float(largest));
+    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, offset));
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+    __syncthreads();
+    m = warp_max[0];
+    for (int w = 1; w < BLOCK_THREADS / 32; w++) m = fmaxf(m, warp_max[w]);
+    return m;
 }
 
 // Where key k of a 16-key group goes in Vt. The QK^T accumulator gives a thread, of each row,
 // keys {2t, 2t+1, 2t+8, 2t+9} of every 16 (t = lane % 4); the A operand of PV wants it to hold
 // positions {4t..4t+3}. Storing key 8h + 2t + e at position 4t + 2h + e makes the two agree:
 // the permutation is folded into V once, and P never moves between registers.
-__device__ int key_slot(int key) {
-    const int k = key % 16, half_of_16 = k / 8, pair = k / 2 % 4, odd = k % 2;
+__host__ __device__ constexpr int key_slot(int key) {
+    const int k = key % KEY_GROUP, half_of_16 = k / 8, pair = k / 2 % 4, odd = k % 2;
     return key - k + 4 * pair + 2 * half_of_16 + odd;
 }
 
-// Rows [64 x, 64 x + 64) of Q, K (blockIdx.z 0, 1: the same layout, in e4m3) or V (2: transposed
-// to [b*h][HEAD_DIM][seqlen_padded], keys fastest and permuted, zeros past seqlen).
-template <int HEAD_DIM>
-__global__ void __launch_bounds__(QUANT_THREADS)
-    quantize_kernel(const __half *q, const __half *k, const __half *v, const float *amax, unsigned char *q8,
-                    unsigned char *k8, unsigned char *vt8, int seqlen, int seqlen_padded) {
+// Q or K: the tile's rows in the same layout, in e4m3. Thread t holds vectors t, t + threads, ...
+template <int HEAD_DIM, int VECTORS>
+__device__ void quantize_rows(const uint4 *src, uint2 *dst, int rows, uint4 (&tile)[VECTORS], float *descale) {
     constexpr int VECTORS_PER_ROW = HEAD_DIM / 8;
-    const int tensor = blockIdx.z, row0 = blockIdx.x * QUANT_ROWS, rows = min(QUANT_ROWS, seqlen - row0);
-    const size_t head = blockIdx.y;
-    const float scale = e4m3_scale(amax[tensor * gridDim.y + head]);
-    const size_t first = (head * seqlen + row0) * HEAD_DIM;  // element offset of the block's first row
-    if (tensor < 2) {
-        const uint4 *src = (const uint4 *)((tensor ? k : q) + first);
-        uint2 *dst = (uint2 *)((tensor ? k8 : q8) + first);
-        for (int i = threadIdx.x; i < rows * VECTORS_PER_ROW; i += QUANT_THREADS) dst[i] = to_e4m3x8(src[i], scale);
-        return;
+    for (int i = 0; i < VECTORS; i++) {
+        const int vector = threadIdx.x + i * HEAD_DIM;
+        tile[i] = vector < rows * VECTORS_PER_ROW ? src[vector] : make_uint4(0, 0, 0, 0);
     }
-    // V: wgmma's 8-bit B operand must be K-major (the reduced dimension, keys, fastest).
-    __shared__ __align__(16) unsigned char vt_tile[HEAD_DIM][QUANT_ROWS];
-    const uint4 *src = (const uint4 *)(v + first);
-    for (int i = threadIdx.x; i < QUANT_ROWS * VECTORS_PER_ROW; i += QUANT_THREADS) {
-        const int key = i / VECTORS_PER_ROW, dim0 = i % VECTORS_PER_ROW * 8;
-        uint2 packed = key < rows ? to_e4m3x8(src[i], scale) : make_uint2(0, 0);
-        const unsigned char *bytes = (const unsigned char *)&packed;
-        for (int e = 0; e < 8; e++) vt_tile[dim0 + e][key_slot(key)] = bytes[e];
+    const float amax = tile_amax<HEAD_DIM>(tile), scale = e4m3_scale(amax);
+    if (threadIdx.x == 0) *descale = e4m3_descale(amax);
+    for (int i = 0; i < VECTORS; i++) {
+        const int vector = threadIdx.x + i * HEAD_DIM;
+        if (vector < rows * VECTORS_PER_ROW) dst[vector] = to_e4m3x8(tile[i], scale);
     }
-    __syncthreads();
-    constexpr int CHUNKS = QUANT_ROWS / 16;  // 16-byte stores per row of the tile
-    for (int i = threadIdx.x; i < HEAD_DIM * CHUNKS; i += QUANT_THREADS) {
-        const int dim = i / CHUNKS, key = row0 + i % CHUNKS * 16;
-        if (key < seqlen_padded)
-            *(uint4 *)(vt8 + (head * HEAD_DIM + dim) * seqlen_padded + key) = *(const uint4 *)&vt_tile[dim][key - row0];
+}
+
+// V, transposed: wgmma's 8-bit B operand must be K-major (keys fastest). Thread t takes one
+// 16-key group (t % 8) of 8 dimensions (t / 8): 16 row loads in, 8 rows of 16 keys out, each
+// one 16-byte store with the keys in key_slot order: the transpose happens in registers.
+template <int HEAD_DIM, int VECTORS>
+__device__ void quantize_transposed(const uint4 *src, unsigned char *vt_tile, int rows, int keys_padded,
+                                    int seqlen_padded, uint4 (&tile)[VECTORS], float *descale) {
+    constexpr int VECTORS_PER_ROW = HEAD_DIM / 8, GROUPS = SCALE_ROWS / KEY_GROUP;
+    static_assert(VECTORS == KEY_GROUP && GROUPS * VECTORS_PER_ROW == HEAD_DIM, "one (group, 8 dims) a thread");
+    const int group = threadIdx.x % GROUPS, dim0 = threadIdx.x / GROUPS * 8, key0 = group * KEY_GROUP;
+    for (int i = 0; i < KEY_GROUP; i++)
+        tile[i] = key0 + i < rows ? src[(key0 + i) * VECTORS_PER_ROW + dim0 / 8] : make_uint4(0, 0, 0, 0);
+    const float amax = tile_amax<HEAD_DIM>(tile), scale = e4m3_scale(amax);
+    if (threadIdx.x == 0) *descale = e4m3_descale(amax);
+    if (key0 >= keys_padded) return;  // Vt's row ends before this group
+#pragma unroll
+    for (int d = 0; d < 8; d++) {
+        __align__(16) unsigned short pairs[KEY_GROUP / 2];  // keys 2p, 2p+1 land side by side in key_slot order
+#pragma unroll
+        for (int p = 0; p < KEY_GROUP / 2; p++)
+            pairs[key_slot(2 * p) / 2] = to_e4m3x2(half_at(tile[2 * p], d), half_at(tile[2 * p + 1], d), scale);
+        *(uint4 *)(vt_tile + (size_t)(dim0 + d) * seqlen_padded + key0) = *(const uint4 *)pairs;
     }
+}
+
+// One 128-row tile of Q, K (blockIdx.z 0, 1) or V (2: transposed to [b*h][HEAD_DIM][seqlen_padded],
+// zeros past seqlen), read once, and its descale into descales[tensor][b*h][tile]. HEAD_DIM threads.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(HEAD_DIM)
+    quantize_kernel(const __half *q, const __half *k, const __half *v, float *descales, unsigned char *q8,
+                    unsigned char *k8, unsigned char *vt8, int seqlen, int seqlen_padded) {
+    constexpr int VECTORS = SCALE_ROWS * (HEAD_DIM / 8) / HEAD_DIM;  // 16-byte vectors a thread holds
+    const int tensor = blockIdx.z, row0 = blockIdx.x * SCALE_ROWS, rows = min(SCALE_ROWS, seqlen - row0);
+    const size_t head = blockIdx.y, first = (head * seqlen + row0) * HEAD_DIM;  // the tile's first element
+    float *descale = &descales[(tensor * gridDim.y + head) * gridDim.x + blockIdx.x];
+    uint4 tile[VECTORS];
+    if (tensor < 2)
+        quantize_rows<HEAD_DIM>((const uint4 *)((tensor ? k : q) + first), (uint2 *)((tensor ? k8 : q8) + first), rows,
+                                tile, descale);
+    else
+        quantize_transposed<HEAD_DIM>((const uint4 *)(v + first), vt8 + head * HEAD_DIM * seqlen_padded + row0, rows,
+                                      seqlen_padded - row0, seqlen_padded, tile, descale);
 }
 
 // --- Hopper's asynchronous machinery, as the PTX ISA documents it --------------------------
@@ -212,10 +248,10 @@ __device__ void hold_registers(float (&acc)[COUNT]) {
     for (int i = 0; i < COUNT; i++) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
-template <int ROWS>
-__device__ void hold_registers(unsigned (&frag)[ROWS][4]) {
+template <int FRAGS>
+__device__ void hold_registers(unsigned (&frag)[FRAGS][4]) {
 #pragma unroll
-    for (int i = 0; i < ROWS; i++)
+    for (int i = 0; i < FRAGS; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++) asm volatile("" : "+r"(frag[i][j])::"memory");
 }
@@ -294,6 +330,23 @@ __device__ float exp2_approx(float x) {
     return y;
 }
 
+// 2^x on the FMA units, for when the MUFU pipe (16 ex2 a cycle per SM) is the limit: x = j + f
+// with j an integer and |f| <= 1/2, 2^f by a cubic (relative error 7.5e-5: P becomes e4m3,
+// whose steps are 2^-4), 2^j added into the exponent bits. Adding 1.5 * 2^23 rounds x to the
+// integer j in the low mantissa bits, from where a shift by 23 moves it into the exponent.
+__device__ float exp2_fma(float x) {
+    const float rounder = 12582912.0f;  // 1.5 * 2^23
+    x = fmaxf(x, -126.0f);              // 2^-126 and below are 0 to P anyway
+    const float shifted = x + rounder, f = x - (shifted - rounder);
+    float p = fmaf(fmaf(fmaf(0.0551716425f, f, 0.242611170f), f, 0.693260968f), f, 0.999928057f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
+}
+
+// Whether the exponentials of 8-key chunk c go to the FMA units (EXP2_FMA_EVERY).
+__device__ constexpr bool exp2_on_fma(int c) {
+    return EXP2_FMA_EVERY > 0 && (c + 1) % (EXP2_FMA_EVERY > 0 ? EXP2_FMA_EVERY : 1) == 0;
+}
+
 __device__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
@@ -342,6 +395,7 @@ __device__ Smem smem_layout(unsigned char *raw) {
 // What a block works on, and where its copies come from.
 struct Work {
     const CUtensorMap *k_map, *vt_map;
+    const float *k_descales, *v_descales;  // one per key tile of this (b, h)
     int head, query0, kv_tiles, seqlen, causal;
 };
 
@@ -408,32 +462,38 @@ __device__ void softmax_tile(float (&score)[BLOCK_KV / 2], float (&row_max)[2], 
                              float (&rescale)[2], float scale_log2) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        float tile_max = -INFINITY;
+        // Two running maxima and two running sums per row, not one: shorter dependency chains.
+        float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int c = 0; c < BLOCK_KV / 8; c++)
-            tile_max = fmaxf(tile_max, fmaxf(score[4 * c + 2 * r], score[4 * c + 2 * r + 1]));
-        const float new_max = fmaxf(row_max[r], quad_max(tile_max) * scale_log2);
+#pragma unroll
+            for (int e = 0; e < 2; e++) tile_max[e] = fmaxf(tile_max[e], score[4 * c + 2 * r + e]);
+        const float new_max = fmaxf(row_max[r], quad_max(fmaxf(tile_max[0], tile_max[1])) * scale_log2);
         const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key yet stays empty
         rescale[r] = exp2_approx(row_max[r] - base);
         row_max[r] = new_max;
-        row_sum[r] *= rescale[r];
+        float tile_sum[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int c = 0; c < BLOCK_KV / 8; c++)
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 float *x = &score[4 * c + 2 * r + e];
-                *x = exp2_approx(fmaf(*x, scale_log2, P_SCALE_LOG2 - base));
-                row_sum[r] += *x;
+                const float power = fmaf(*x, scale_log2, P_SCALE_LOG2 - base);
+                *x = exp2_on_fma(c) ? exp2_fma(power) : exp2_approx(power);
+                tile_sum[e] += *x;
             }
+        row_sum[r] = row_sum[r] * rescale[r] + (tile_sum[0] + tile_sum[1]);
     }
 }
 
+// O times each row's rescale and the change of V's units (see next_v_units).
 template <int HEAD_DIM>
-__device__ void rescale_output(float (&o_acc)[HEAD_DIM / 2], const float (&rescale)[2]) {
+__device__ void rescale_output(float (&o_acc)[HEAD_DIM / 2], const float (&rescale)[2], float v_units) {
+    const float factor[2] = {rescale[0] * v_units, rescale[1] * v_units};
 #pragma unroll
     for (int c = 0; c < HEAD_DIM / 8; c++)
 #pragma unroll
-        for (int j = 0; j < 4; j++) o_acc[4 * c + j] *= rescale[j / 2];
+        for (int j = 0; j < 4; j++) o_acc[4 * c + j] *= factor[j / 2];
 }
 
 // P to e4m3, in the A-operand layout: per 32 keys, rows g and g+8 of keys 2t, 2t+1, 2t+8, 2t+9
@@ -469,8 +529,17 @@ struct Consumer {
     float row_max[2], row_sum[2], rescale[2];
     const unsigned char *q_rows;  // the warpgroup's 64 rows of the Q tile
     int group, group_query0, row0;
-    float scale_log2;
+    float q_scale_log2;  // the softmax scale in log2 units times Q's descale: K's is per tile
+    float v_descale;     // O is kept in the units of the last V tile it accumulated
 };
+
+// Each V tile has its own scale: before P V of `tile` adds in that tile's units, O moves to them.
+template <int HEAD_DIM>
+__device__ float next_v_units(Consumer<HEAD_DIM> &c, const Work &w, int tile) {
+    const float v_descale = __ldg(&w.v_descales[tile]), ratio = c.v_descale / v_descale;
+    c.v_descale = v_descale;
+    return ratio;
+}
 
 // Tile `tile` up to its probabilities: wait for its copy and for our turn, issue Q K^T (and, with
 // PV_IN_FLIGHT, P V of the previous tile right behind it), pass the turn, mask, softmax.
@@ -478,6 +547,7 @@ template <int HEAD_DIM, bool PV_IN_FLIGHT>
 __device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
     typedef Config<HEAD_DIM> C;
     const int key0 = tile * BLOCK_KV;
+    const float k_descale = __ldg(&w.k_descales[tile]);
     mbarrier_wait(&s.kv_full[tile % C::STAGES], tile / C::STAGES % 2);
     wait_turn(c.group);
     issue_qk<HEAD_DIM>(c.score, c.q_rows, s.k_ring + tile % C::STAGES * C::K_BYTES);
@@ -488,7 +558,7 @@ __device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const W
     hold_registers(c.score);
     if (key0 + BLOCK_KV > w.seqlen || (w.causal && key0 + BLOCK_KV - 1 > c.group_query0))
         mask_scores(c.score, c.row0, key0 + 2 * (threadIdx.x % 4), w.seqlen, w.causal);
-    softmax_tile(c.score, c.row_max, c.row_sum, c.rescale, c.scale_log2);
+    softmax_tile(c.score, c.row_max, c.row_sum, c.rescale, c.q_scale_log2 * k_descale);
 }
 
 // O += P V for the tile whose P is in registers, waited for, then its stage released.
@@ -504,15 +574,15 @@ __device__ void finish_pv(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, i
 
 // A consumer warpgroup: its 64 query rows against every key tile, then O and LSE.
 template <int HEAD_DIM>
-__device__ void consume(const Smem &s, const Work &w, int group, float scale_log2, float v_descale, __half *o,
-                        float *lse) {
+__device__ void consume(const Smem &s, const Work &w, int group, float q_scale_log2, __half *o, float *lse) {
     const int lane = threadIdx.x % 32;
     Consumer<HEAD_DIM> c;
     c.group = group;
     c.group_query0 = w.query0 + group * WARPGROUP_ROWS;
     c.row0 = c.group_query0 + threadIdx.x / 32 % 4 * 16 + lane / 4;
     c.q_rows = s.q_tile + group * WARPGROUP_ROWS * HEAD_DIM;
-    c.scale_log2 = scale_log2;
+    c.q_scale_log2 = q_scale_log2;
+    c.v_descale = __ldg(&w.v_descales[0]);
     for (int i = 0; i < HEAD_DIM / 2; i++) c.o_acc[i] = 0.0f;
     for (int r = 0; r < 2; r++) c.row_max[r] = -INFINITY, c.row_sum[r] = 0.0f;
     mbarrier_wait(s.q_full, 0);
@@ -522,29 +592,29 @@ __device__ void consume(const Smem &s, const Work &w, int group, float scale_log
         // P V of tile j-1 is issued right after Q K^T of tile j and runs during tile j's softmax;
         // O is rescaled once it is done, before the next P V.
         scores_and_softmax<HEAD_DIM, false>(c, s, w, 0);
-        rescale_output<HEAD_DIM>(c.o_acc, c.rescale);
+        rescale_output<HEAD_DIM>(c.o_acc, c.rescale, 1.0f);
         pack_p(c.score, c.p_frag);
         for (int tile = 1; tile < w.kv_tiles; tile++) {
             scores_and_softmax<HEAD_DIM, true>(c, s, w, tile);
             finish_pv<HEAD_DIM>(c, s, w, tile - 1, false);
-            rescale_output<HEAD_DIM>(c.o_acc, c.rescale);
+            rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c, w, tile));
             pack_p(c.score, c.p_frag);
         }
         finish_pv<HEAD_DIM>(c, s, w, w.kv_tiles - 1, true);
     } else {
         for (int tile = 0; tile < w.kv_tiles; tile++) {
             scores_and_softmax<HEAD_DIM, false>(c, s, w, tile);
-            rescale_output<HEAD_DIM>(c.o_acc, c.rescale);
+            rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c, w, tile));
             pack_p(c.score, c.p_frag);
             finish_pv<HEAD_DIM>(c, s, w, tile, true);
         }
     }
 
-    // O = accumulator * v_descale / sum, LSE = ln(sum) + max (p was scaled by 2^8), once each.
+    // O = accumulator * V's descale / sum, LSE = ln(sum) + max (p was scaled by 2^8), once each.
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int query = c.row0 + 8 * r;
-        const float sum = quad_sum(c.row_sum[r]), scale_out = v_descale / sum;
+        const float sum = quad_sum(c.row_sum[r]), scale_out = c.v_descale / sum;
         if (query >= w.seqlen) continue;
         __half *o_row = o + ((size_t)w.head * w.seqlen + query) * HEAD_DIM + 2 * (lane % 4);
 #pragma unroll
@@ -559,8 +629,8 @@ __device__ void consume(const Smem &s, const Work &w, int group, float scale_log
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(THREADS, 1)
     attention_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
-                     const __grid_constant__ CUtensorMap vt_map, const float *amax, __half *o, float *lse, int seqlen,
-                     int heads, float scale_log2e, int causal) {
+                     const __grid_constant__ CUtensorMap vt_map, const float *descales, __half *o, float *lse,
+                     int seqlen, int heads, float scale_log2e, int causal) {
     typedef Config<HEAD_DIM> C;
     extern __shared__ unsigned char smem_raw[];
     const Smem s = smem_layout<HEAD_DIM>(smem_raw);
@@ -574,9 +644,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     w.causal = causal;
     w.kv_tiles = ceil_div(causal ? min(seqlen, w.query0 + BLOCK_Q) : seqlen, BLOCK_KV);  // causal: up to the diagonal
 
-    // The descales fold into the softmax scale (Q and K) and the final normalisation (V).
-    const float scale_log2 = scale_log2e * e4m3_descale(amax[w.head]) * e4m3_descale(amax[heads + w.head]);
-    const float v_descale = e4m3_descale(amax[2 * heads + w.head]);
+    // The descales, [Q, K, V][b*h][tile], fold into the softmax scale (Q, and K per tile) and
+    // into O (V per tile).
+    const int tiles = ceil_div(seqlen, SCALE_ROWS);
+    const float q_scale_log2 = scale_log2e * descales[w.head * tiles + query_tile];
+    w.k_descales = descales + (heads + w.head) * tiles;
+    w.v_descales = descales + (2 * heads + w.head) * tiles;
 
     if (threadIdx.x == 0) {
         mbarrier_init(s.q_full, 1);
@@ -598,28 +671,30 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (threadIdx.x == 0) produce<HEAD_DIM>(s, w);
     } else {
         setmaxnreg_inc<CONSUMER_REGISTERS>();
-        consume<HEAD_DIM>(s, w, warpgroup - WARP_SPECIALISED, scale_log2, v_descale, o, lse);
+        consume<HEAD_DIM>(s, w, warpgroup - WARP_SPECIALISED, q_scale_log2, o, lse);
     }
 }
 
 // --- Launchers -------------------------------------------------------------------------------
-// The workspace: amax[3][b*h], then Q and K in e4m3 ([b*h][N][D]), then Vt ([b*h][D][N_padded]).
+// The workspace: the descales [3][b*h][tiles], then Q and K in e4m3 ([b*h][N][D]), then Vt
+// ([b*h][D][N_padded]).
 typedef struct {
-    float *amax;
+    float *descales;
     unsigned char *q8, *k8, *vt8;
     int seqlen_padded;  // Vt's rows are padded to 16 keys: TMA needs row strides of 16 bytes
 } Workspace;
 
-static size_t amax_bytes(const AttnShape *s) {
-    return ((size_t)3 * s->batch * s->heads * sizeof(float) + 255) / 256 * 256;
+static size_t descale_bytes(const AttnShape *s) {
+    const size_t count = (size_t)3 * s->batch * s->heads * ceil_div(s->seqlen, SCALE_ROWS);
+    return (count * sizeof(float) + 255) / 256 * 256;  // the e4m3 copies start 256-byte aligned
 }
 
 static Workspace workspace_layout(const AttnArgs *args) {
     const AttnShape *s = &args->shape;
     const size_t qk_bytes = (size_t)s->batch * s->heads * s->seqlen * s->headdim;
     Workspace w;
-    w.amax = (float *)args->workspace;
-    w.q8 = (unsigned char *)args->workspace + amax_bytes(s);
+    w.descales = (float *)args->workspace;
+    w.q8 = (unsigned char *)args->workspace + descale_bytes(s);
     w.k8 = w.q8 + qk_bytes;
     w.vt8 = w.k8 + qk_bytes;
     w.seqlen_padded = ceil_div(s->seqlen, 16) * 16;
@@ -628,29 +703,21 @@ static Workspace workspace_layout(const AttnArgs *args) {
 
 static size_t workspace_bytes(const AttnShape *s) {
     const size_t heads = (size_t)s->batch * s->heads;
-    return amax_bytes(s) + 2 * heads * s->seqlen * s->headdim + heads * s->headdim * (ceil_div(s->seqlen, 16) * 16);
+    return descale_bytes(s) + 2 * heads * s->seqlen * s->headdim + heads * s->headdim * (ceil_div(s->seqlen, 16) * 16);
 }
 
 template <int HEAD_DIM>
 static cudaError_t quantize(const AttnArgs *args, cudaStream_t stream) {
     const AttnShape *s = &args->shape;
     const Workspace w = workspace_layout(args);
-    dim3 grid(ceil_div(s->seqlen, QUANT_ROWS), s->batch * s->heads, 3);
-    quantize_kernel<HEAD_DIM><<<grid, QUANT_THREADS, 0, stream>>>(args->q, args->k, args->v, w.amax, w.q8, w.k8, w.vt8,
-                                                                  s->seqlen, w.seqlen_padded);
+    dim3 grid(ceil_div(s->seqlen, SCALE_ROWS), s->batch * s->heads, 3);
+    quantize_kernel<HEAD_DIM><<<grid, HEAD_DIM, 0, stream>>>(args->q, args->k, args->v, w.descales, w.q8, w.k8, w.vt8,
+                                                             s->seqlen, w.seqlen_padded);
     return cudaGetLastError();
 }
 
-// The chapter's prepare step: per-(b, h) amax of Q, K, V, then their e4m3 copies.
+// The chapter's prepare step: the e4m3 copies of Q, K, V and their descales, in one kernel.
 static cudaError_t prepare(const AttnArgs *args, cudaStream_t stream) {
-    const AttnShape *s = &args->shape;
-    const Workspace w = workspace_layout(args);
-    const int heads = s->batch * s->heads;
-    const size_t head_elems = (size_t)s->seqlen * s->headdim;
-    RETURN_IF_ERROR(cudaMemsetAsync(w.amax, 0, 3 * heads * sizeof(float), stream));
-    const int chunks = (int)((head_elems / 8 + QUANT_THREADS * 8 - 1) / (QUANT_THREADS * 8));  // ~8 loads a thread
-    amax_kernel<<<dim3(chunks, heads, 3), QUANT_THREADS, 0, stream>>>(args->q, args->k, args->v, head_elems, w.amax);
-    RETURN_IF_ERROR(cudaGetLastError());
     return launch_for_head_dim(args, stream, quantize<64>, quantize<128>);
 }
 
@@ -704,7 +771,7 @@ static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
     RETURN_IF_ERROR(
         cudaFuncSetAttribute(attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     dim3 grid = s->causal ? dim3(heads, tiles) : dim3(tiles, heads);
-    attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(q_map, k_map, vt_map, w.amax, args->o, args->lse,
+    attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(q_map, k_map, vt_map, w.descales, args->o, args->lse,
                                                                 s->seqlen, heads, s->scale * LOG2E, s->causal);
     return cudaGetLastError();
 }

@@ -342,7 +342,7 @@ static void prepare_data(const Options *o, const DataPaths *p) {
     for (int i = 0; i < 3; i++) join(path, sizeof path, p->data_dir, INPUT_NAMES[i]), missing |= !file_exists(path);
     const int floors = precision_rule(chapter.precision)->floor_factor > 0;
     if (o->check) {
-        const char *parts[] = {"rows", "o", "lse", "fp8floor"};
+        const char *parts[] = {"rows", "o", "lse", "fp8floor128"};
         for (int i = 0; i < 3 + floors; i++) {
             char file[256];
             snprintf(file, sizeof file, "ref_%s_%s.npy", p->ref_tag, parts[i]);
@@ -468,7 +468,7 @@ static CheckResult check_outputs(const Options *o, const DataPaths *p, const __h
     const PrecisionRule *rule = precision_rule(chapter.precision);
     if (rule->floor_factor > 0) {
         long long two = 2;
-        snprintf(file, sizeof file, "ref_%s_fp8floor.npy", p->ref_tag);
+        snprintf(file, sizeof file, "ref_%s_fp8floor128.npy", p->ref_tag);
         double *floors = (double *)load_array(p->ref_dir, file, NPY_F64, 1, &two, NULL);
         r.floor = floors[0];
         r.lse_floor = floors[1];

@@ -10,9 +10,9 @@ computed in float64 from the very fp16 inputs the chapters get. Only NumPy is us
       Write DIR/q.npy, k.npy, v.npy (generated inputs, unless --input gives them), then
       DIR/ref_<tag>_rows.npy, _o.npy, _lse.npy with tag = c<causal>_s<F>. Files that already
       exist are kept (the cache), new ones are written atomically.
-      --fp8-floor also writes DIR/ref_<tag>_fp8floor.npy: [rel L2 of O, max abs error of LSE]
-      that quantising Q, K, V to e4m3 alone causes (per (b, h) scales), what FP8 chapters
-      are measured against.
+      --fp8-floor also writes DIR/ref_<tag>_fp8floor128.npy: [rel L2 of O, max abs error of
+      LSE] that quantising Q, K, V to e4m3 alone causes, with one scale per FP8_SCALE_ROWS rows
+      of each (b, h) as the FP8 chapter quantises: what it is measured against.
   reference.py inputs --out DIR --batch B --heads H --seqlen N --headdim D --seed S [--qk-std X]
                       [--outliers F]
       Only write inputs; --qk-std scales Q and K so that logits grow like X^2; --outliers
@@ -34,6 +34,7 @@ import numpy as np
 FULL_PAIRS = 1 << 26      # B*H*N*N up to this: every query row is checked
 MIN_SAMPLED_ROWS = 8      # rows per (b, h) at the least when sampling
 CHUNK_BYTES = 256 << 20   # float64 scores held at once while computing the reference
+FP8_SCALE_ROWS = 128      # the FP8 chapter's scale granularity: one per 128-row tile of a (b, h)
 
 
 def make_inputs(batch, heads, seqlen, headdim, seed, qk_std=1.0, outliers=0.0):
@@ -184,7 +185,7 @@ def load_inputs(folder):
 
 def ref_paths(folder, causal, scale_text):
     tag = f"c{int(causal)}_s{scale_text}"
-    return {part: os.path.join(folder, f"ref_{tag}_{part}.npy") for part in ("rows", "o", "lse", "fp8floor")}
+    return {part: os.path.join(folder, f"ref_{tag}_{part}.npy") for part in ("rows", "o", "lse", "fp8floor128")}
 
 
 def write_inputs(folder, args, qk_std=1.0, outliers=0.0):
@@ -204,7 +205,7 @@ def prepare(args):
         return
     paths = ref_paths(args.out, args.causal, args.scale)
     have_ref = all(os.path.exists(paths[p]) for p in ("rows", "o", "lse"))
-    if have_ref and (not args.fp8_floor or os.path.exists(paths["fp8floor"])):
+    if have_ref and (not args.fp8_floor or os.path.exists(paths["fp8floor128"])):
         return
     q, k, v = load_inputs(args.input or args.out)
     if have_ref:
@@ -213,7 +214,8 @@ def prepare(args):
         rows = sample_rows(*q.shape[:3])
         o, lse = attention_reference(q, k, v, rows, args.causal, float(args.scale))
     if args.fp8_floor:
-        save_atomic(paths["fp8floor"], fp8_floor(q, k, v, rows, args.causal, float(args.scale), o, lse))
+        floor = fp8_floor(q, k, v, rows, args.causal, float(args.scale), o, lse, FP8_SCALE_ROWS)
+        save_atomic(paths["fp8floor128"], floor)
     if not have_ref:
         save_atomic(paths["o"], o)
         save_atomic(paths["lse"], lse)
@@ -263,7 +265,7 @@ def parse_args(argv):
     floor.add_argument("--input", required=True)
     floor.add_argument("--causal", action="store_true")
     floor.add_argument("--scale", help="softmax scale (default 1/sqrt(D))")
-    floor.add_argument("--block-rows", type=positive_int, default=128)
+    floor.add_argument("--block-rows", type=positive_int, default=FP8_SCALE_ROWS)
     args = parser.parse_args(argv)
     if args.command == "floor":
         return args

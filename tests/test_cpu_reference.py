@@ -347,6 +347,19 @@ def test_quantize_e4m3_scales_per_head():
     blocked = reference.quantize_e4m3(x, block_rows=16)
     assert blocked.shape == x.shape and np.linalg.norm(blocked - x) <= np.linalg.norm(got - x) * 1.05, \
         "per-block scales should be no worse than per-head ones"
+    # Blocks are independent: a block 1e5 times smaller than the rest of its head falls into
+    # e4m3's subnormals with the head's scale, and keeps 3 mantissa bits with its own.
+    two_ranges = rng.standard_normal((1, 1, 32, 64))
+    two_ranges[:, :, :16] *= 1e-5
+    two_ranges = two_ranges.astype(np.float16)
+    small = two_ranges[:, :, :16].astype(np.float64)
+    per_block = reference.quantize_e4m3(two_ranges, block_rows=16)[:, :, :16]
+    per_head = reference.quantize_e4m3(two_ranges)[:, :, :16]
+    assert np.array_equal(per_block, reference.quantize_e4m3(two_ranges[:, :, :16])), \
+        "rows [0, 16) with block_rows=16 should be quantised as a tensor of their own"
+    rel_block, rel_head = (np.linalg.norm(got - small) / np.linalg.norm(small) for got in (per_block, per_head))
+    assert rel_block < 0.05 < rel_head, \
+        f"the small block's error: {rel_block:.3e} with its own scale (want < 5e-2), {rel_head:.3e} with its head's"
 
 
 def test_fp8_floor(ctx):
@@ -366,10 +379,10 @@ def test_fp8_floor(ctx):
     out = ctx.tmpdir() / "data"
     proc = prepare(ctx, out, *SHAPE_ARGS, "--scale", "0.125", "--causal", "--fp8-floor")
     assert proc.returncode == 0, f"prepare --fp8-floor failed: {proc.stderr}"
-    floors = np.load(out / "ref_c1_s0.125_fp8floor.npy")
+    floors = np.load(out / "ref_c1_s0.125_fp8floor128.npy")
     q, k, v = (np.load(out / f"{n}.npy") for n in "qkv")
     o, lse = np.load(out / REF_FILES[1]), np.load(out / REF_FILES[2])
-    want = reference.fp8_floor(q, k, v, np.arange(33), True, 0.125, o, lse)
+    want = reference.fp8_floor(q, k, v, np.arange(33), True, 0.125, o, lse, reference.FP8_SCALE_ROWS)
     assert floors.dtype == np.float64 and np.allclose(floors, want, rtol=1e-12), f"fp8floor.npy {floors}, expected {want}"
 
 
