@@ -7,12 +7,18 @@
   torch_eager      plain fp16 PyTorch: scores = q @ kᵀ * scale in fp16, causal mask by
                    masked_fill(-inf) with a mask built once per shape, softmax computed in
                    fp32 (softmax(dim=-1, dtype=float32)) and cast back to fp16, then @ v
+  cudnn_fp8        cuDNN's FP8 attention (cuDNN frontend, graph.sdpa_fp8): Q, K, V in e4m3
+                   with one scale per tensor, quantised once before the timed calls (as when
+                   the previous layer writes FP8), O in e4m3 (all Hopper allows), its scale
+                   from the amax of a first call (delayed scaling). Optional: skipped with a
+                   one-line note when `import cudnn` (pip install nvidia-cudnn-frontend) fails.
 
 Inputs and references come from the binaries' cache (<cache>/b{B}_h{H}_n{N}_d{D}_seed0),
 created with common/reference.py when missing. Timing: CUDA events around each of `iters`
 runs after `warmup` runs, median ms. A backend that is missing, has no kernel for the
 shape or runs out of memory gives a SKIP row with its reason. Status is PASS when rel_l2
-is within the fp16 tensor-core tolerance (3e-3, docs/design.md), else FAIL.
+is within the fp16 tensor-core tolerance (3e-3, docs/design.md), else FAIL; for cudnn_fp8
+within FP8_REL_L2_TOL (e4m3 inputs and an e4m3 output: ~6e-2 on N(0, 1) inputs).
 
   anchors.py [--batch B --heads H --seqlen N --headdim D] [--causal] [--warmup W] [--iters K]
              [--cache DIR]      prints the anchor rows as CSV (default: the headline shape)
@@ -36,6 +42,8 @@ from results import ANCHORS, CSV_FIELDS, forward_tflops, make_row, shape_label  
 BACKENDS = {"torch_flash": "FLASH_ATTENTION", "torch_cudnn": "CUDNN_ATTENTION",
             "torch_efficient": "EFFICIENT_ATTENTION"}
 REL_L2_TOL = 3e-3
+FP8_REL_L2_TOL = 8e-2  # the e4m3 input floor (~4.7e-2 at D=128) plus O rounded to e4m3 (~2.6e-2)
+E4M3_MAX = 448.0
 SEED = 0
 
 
@@ -84,9 +92,74 @@ def sdpa_forward(torch, q, k, v, causal, scale):
     return lambda: sdpa(q, k, v, is_causal=bool(causal), scale=scale)
 
 
+def cudnn_frontend(torch):
+    """The cuDNN frontend module, made to load the libcudnn PyTorch already loaded (it looks in
+    LD_LIBRARY_PATH first), or ImportError with what is missing."""
+    torch.backends.cudnn.version()  # loads PyTorch's libcudnn
+    with open("/proc/self/maps") as maps:
+        loaded = [line.split()[-1] for line in maps if "/libcudnn.so" in line]
+    if loaded:
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([os.path.dirname(loaded[0]), os.environ.get("LD_LIBRARY_PATH", "")])
+    try:
+        import cudnn
+    except ImportError as exc:
+        raise ImportError(f"cuDNN frontend not importable ({exc}): pip install nvidia-cudnn-frontend") from None
+    return cudnn
+
+
+def to_e4m3(torch, x):
+    """x in e4m3 with one scale for the tensor, 448 / amax, and the descale amax / 448."""
+    amax = float(x.abs().max())
+    scale = E4M3_MAX / amax if amax > 0 else 1.0
+    return (x.float() * scale).to(torch.float8_e4m3fn), 1.0 / scale
+
+
+def cudnn_fp8_forward(torch, q, k, v, causal, scale):
+    """cuDNN's FP8 attention on e4m3 copies of q, k, v; returns (forward, decode): forward runs
+    the graph alone, decode turns its e4m3 O into float."""
+    cudnn = cudnn_frontend(torch)
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)
+    e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=fp32, compute_data_type=fp32, handle=handle)
+    inputs = [to_e4m3(torch, x) for x in (q, k, v)]
+    q_node, k_node, v_node = (graph.tensor(name=name, dim=list(x.shape), stride=list(x.stride()), data_type=e4m3)
+                              for name, (x, _) in zip("QKV", inputs))
+    names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+    scalars = {name: graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=fp32) for name in names}
+    o_node, _, amax_s_node, amax_o_node = graph.sdpa_fp8(
+        q=q_node, k=k_node, v=v_node, **scalars, attn_scale=scale, use_causal_mask=bool(causal),
+        generate_stats=False, name="sdpa_fp8")
+    o = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+    o_node.set_output(True).set_dim(list(o.shape)).set_stride(list(o.stride())).set_data_type(e4m3)
+    amax_s, amax_o = (torch.zeros(1, 1, 1, 1, dtype=torch.float32, device=q.device) for _ in range(2))
+    for node in (amax_s_node, amax_o_node):
+        node.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    # P (in [0, 1]) is stored as 448 p; O's scale starts at 1 and is set from a first call's amax.
+    values = dict(zip(names, (inputs[0][1], inputs[1][1], inputs[2][1], 1 / E4M3_MAX, E4M3_MAX, 1.0)))
+    buffers = {name: torch.full((1, 1, 1, 1), value, dtype=torch.float32, device=q.device)
+               for name, value in values.items()}
+    pack = {q_node: inputs[0][0], k_node: inputs[1][0], v_node: inputs[2][0], o_node: o, amax_s_node: amax_s,
+            amax_o_node: amax_o, **{scalars[name]: buffers[name] for name in names}}
+    workspace = torch.empty(max(graph.get_workspace_size(), 1), dtype=torch.uint8, device=q.device)
+
+    def forward():
+        graph.execute(pack, workspace, handle=handle)
+        return o
+    forward()
+    amax = float(amax_o)
+    buffers["scale_o"].fill_(E4M3_MAX / amax if amax > 0 else 1.0)
+    return forward, lambda out: out.float() / buffers["scale_o"]
+
+
 def backend_context(impl):
-    """The sdpa_kernel context that forces impl's backend (a no-op for eager)."""
-    if impl == "torch_eager":
+    """The sdpa_kernel context that forces impl's backend (a no-op for eager and cuDNN FP8)."""
+    if impl in ("torch_eager", "cudnn_fp8"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = getattr(SDPBackend, BACKENDS[impl], None)
@@ -126,7 +199,8 @@ def measure(torch, impl, shape, tensors, ref, warmup, iters):
     """One anchor at one shape: a PASS/FAIL row, or a SKIP row when it cannot run."""
     q, k, v = tensors
     scale = float(scale_of(shape["headdim"]))
-    make = eager_forward if impl == "torch_eager" else sdpa_forward
+    make = {"torch_eager": eager_forward, "cudnn_fp8": cudnn_fp8_forward}.get(impl, sdpa_forward)
+    fp8 = impl == "cudnn_fp8"
     out_of_memory = getattr(torch.cuda, "OutOfMemoryError", MemoryError)
     reason, caught = None, []
     try:
@@ -134,18 +208,21 @@ def measure(torch, impl, shape, tensors, ref, warmup, iters):
             warnings.simplefilter("always")
             with backend_context(impl):
                 forward = make(torch, q, k, v, shape["causal"], scale)
-                rel = rel_l2_of(torch, forward(), *ref)
+                forward, decode = forward if fp8 else (forward, lambda out: out)
+                rel = rel_l2_of(torch, decode(forward()), *ref)
                 ms = median_ms(torch, forward, warmup, iters)
     except out_of_memory as exc:
         reason = "out of memory: " + first_line(exc)
-    except (RuntimeError, ImportError) as exc:
+    except Exception as exc:  # the cuDNN frontend raises its own types; elsewhere only these mean "cannot run"
+        if not fp8 and not isinstance(exc, (RuntimeError, ImportError)):
+            raise
         reason = first_line(exc, caught)
     if reason:  # outside the except block, so the traceback no longer holds tensors
         torch.cuda.empty_cache()
         return make_row(impl, shape, "SKIP", note=reason)
-    status = "PASS" if rel <= REL_L2_TOL else "FAIL"
+    status = "PASS" if rel <= (FP8_REL_L2_TOL if fp8 else REL_L2_TOL) else "FAIL"
     return make_row(impl, shape, status, round(ms, 4), round(forward_tflops(shape, ms), 2),
-               float(f"{rel:.3e}"))
+                    float(f"{rel:.3e}"), dtype="fp8" if fp8 else "fp16")
 
 
 def load_shape(torch, cache_dir, shape):

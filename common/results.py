@@ -16,7 +16,7 @@ FLOAT_FIELDS = ("ms", "tflops", "rel_l2")
 KEY_FIELDS = ("impl", "batch", "heads", "seqlen", "headdim", "causal")
 NOTE_FIELDS = KEY_FIELDS + ("note",)
 TIMED = ("PASS", "unchecked")   # statuses whose timing is shown
-ANCHORS = ("torch_flash", "torch_cudnn", "torch_efficient", "torch_eager")
+ANCHORS = ("torch_flash", "torch_cudnn", "torch_efficient", "torch_eager", "cudnn_fp8")
 FA2, CUDNN = "torch_flash", "torch_cudnn"
 
 # --- The benchmark's shapes (docs/design.md) ----------------------------------------------
@@ -88,8 +88,8 @@ def timed(row, field):
 
 
 def is_anchor(impl):
-    """True for the PyTorch rows."""
-    return impl.startswith("torch_")
+    """True for the rows of other libraries (PyTorch's SDPA and eager, cuDNN's FP8)."""
+    return impl in ANCHORS or impl.startswith("torch_")
 
 
 def chapter_impls(rows):
