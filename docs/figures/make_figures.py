@@ -1,0 +1,1201 @@
+#!/usr/bin/env python3
+"""Make the tutorial's figures: docs/figures/*.svg.
+
+Every number drawn comes from the repository itself:
+  - the chapters' constants, parsed from `#define NAME value` and `static constexpr int NAME = ...`
+    lines of NN_name/attention.cu (tile sizes, thread counts, padding, pipeline stages), plus a few
+    expressions read from the sources (07's ldmatrix addresses and P repacking, 05's block order);
+  - the headline shape, from common/results.py (HEADLINE_D, HEADLINE_N);
+  - the measured times, from docs/results/NVIDIA_H200.csv (csv module) and the SM clock from
+    docs/results/NVIDIA_H200.env.
+Only documented hardware facts of the H200 are constants here (HARDWARE, below).
+
+    python3 docs/figures/make_figures.py          # rewrites docs/figures/*.svg
+    python3 docs/figures/make_figures.py --png DIR   # also writes a PNG copy of each, to look at
+
+matplotlib (and NumPy) are optional for the project: without them this prints one line and exits 0.
+The output is deterministic: the same inputs give byte-identical SVGs.
+"""
+import argparse
+import ast
+import csv
+import heapq
+import io
+import math
+import os
+import re
+import sys
+
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.patches import FancyBboxPatch, Patch, PathPatch, Polygon, Rectangle
+    from matplotlib.path import Path
+except ImportError:
+    plt = None
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+RESULTS = os.path.join(ROOT, "docs", "results", "NVIDIA_H200")
+
+# NVIDIA H200 (Hopper GH100, SXM), from NVIDIA's H200 product brief and the Hopper tuning guide.
+HARDWARE = {
+    "gpu": "NVIDIA H200",
+    "sms": 132,                    # streaming multiprocessors
+    "registers_per_sm": 64 * 1024,  # 32-bit registers
+    "smem_per_sm_kib": 228,        # shared memory per SM at most (carved out of 256 KiB L1/shared)
+    "l1_smem_per_sm_kib": 256,     # combined L1 data cache and shared memory per SM
+    "l2_mb": 50,
+    "hbm_gb": 141,                 # HBM3e
+    "hbm_tb_s": 4.8,
+    "banks": 32,                   # shared memory: 32 banks...
+    "bank_bytes": 4,               # ...of 4 bytes, one access per bank per clock
+}
+
+COLORS = {"q": "#9ecae1", "k": "#fdae6b", "s": "#bcbddc", "hi": "#e6550d", "hbm": "#fee6ce", "smem": "#deebf7",
+          "reg": "#e5f5e0", "l2": "#efedf5"}
+QUAD = ["#6baed6", "#fd8d3c", "#74c476", "#9e9ac8"]  # a0a1, a2a3, a4a5, a6a7 / ldmatrix matrices 0..3
+
+
+# --- Reading the sources ------------------------------------------------------------------------
+
+def source_text(chapter):
+    """The text of NN_name/attention.cu."""
+    with open(os.path.join(ROOT, chapter, "attention.cu")) as f:
+        return f.read()
+
+
+def split_top_level(text):
+    """Split `A = x, B = f(y, z)` at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "(<[":
+            depth += 1
+        elif ch in ")>]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
+def chapter_constants(chapter):
+    """NAME -> expression text of the chapter's #defines and `static constexpr int`s (first wins)."""
+    text, consts = source_text(chapter), {}
+    for name, value in re.findall(r"^\s*#define\s+([A-Z_][A-Z0-9_]*)[ \t]+([^\n]*?)\s*(?://[^\n]*)?$", text, re.M):
+        consts.setdefault(name, value)
+    for decl in re.findall(r"static\s+constexpr\s+int\s+([^;]+);", text):
+        for part in split_top_level(decl):
+            name, _, value = part.partition("=")
+            consts.setdefault(name.strip(), value.strip())
+    return consts
+
+
+def c_to_python(expr):
+    """A C integer expression as Python: sizeof of the two types used, no casts, ternaries, integer division."""
+    expr = re.sub(r"\(int\)\s*sizeof\(__half\)|sizeof\(__half\)", "2", expr)
+    expr = re.sub(r"\(int\)\s*sizeof\(float\)|sizeof\(float\)", "4", expr)
+    expr = re.sub(r"\((?:int|unsigned)\)", "", expr)
+    expr = re.sub(r"(\d+\.\d*)f\b", r"\1", expr)
+    ternary = re.match(r"^(.*?)\?(.*?):(.*)$", expr, re.S)
+    if ternary:
+        cond, yes, no = ternary.groups()
+        expr = f"({yes}) if ({cond}) else ({no})"
+    return " ".join(expr.replace("/", "//").split())
+
+
+SAFE_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Compare, ast.IfExp, ast.Constant, ast.Name, ast.Load,
+              ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.USub, ast.Eq, ast.NotEq, ast.Lt, ast.Gt,
+              ast.LtE, ast.GtE)
+
+
+def const_expr(consts, expr, **env):
+    """Evaluate a C integer expression, resolving the names in it from env, then from consts."""
+    tree = ast.parse(c_to_python(expr), mode="eval")
+    bad = [type(node).__name__ for node in ast.walk(tree) if not isinstance(node, SAFE_NODES)]
+    if bad:
+        raise ValueError(f"cannot evaluate {expr!r}: {bad}")
+    names = dict(env)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id not in names:
+            names[node.id] = const(consts, node.id, **env)
+    return eval(compile(tree, "<constant>", "eval"), {"__builtins__": {}}, names)
+
+
+def const(consts, name, **env):
+    """The integer value of constant `name` (env: template parameters such as HEAD_DIM)."""
+    if name not in consts:
+        raise KeyError(f"constant {name} not found in the chapter source: the figure script needs updating")
+    return const_expr(consts, consts[name], **env)
+
+
+def find(pattern, text, what, flags=0):
+    """re.search that says what it could not find in which source."""
+    match = re.search(pattern, text, flags)
+    if not match:
+        raise LookupError(f"{what} not found: the figure script needs updating")
+    return match
+
+
+def launch_bound_blocks(chapter):
+    """Blocks per SM the kernel asks for: the second argument of __launch_bounds__."""
+    match = find(r"__launch_bounds__\(\s*THREADS\s*,\s*(\w+)\s*\)", source_text(chapter),
+                 f"{chapter}'s __launch_bounds__(THREADS, blocks)")
+    return const_expr(chapter_constants(chapter), match.group(1))
+
+
+def precision_of(chapter):
+    """fp32 / fp16 tensor cores / fp8 tensor cores, from the Chapter struct's PRECISION_ field."""
+    kind = find(r"\bPRECISION_(\w+),", source_text(chapter), f"{chapter}'s precision").group(1)
+    return {"FP32": "fp32 CUDA cores", "FP16_TC": "fp16 tensor cores", "FP8_TC": "fp8 tensor cores"}.get(kind, kind)
+
+
+def heaviest_first(chapter):
+    """Check that the causal grid hands out the last query tile first (query_tile = gridDim.y - 1 - blockIdx.y)."""
+    find(r"query_tile\s*=\s*causal\s*\?\s*gridDim\.y\s*-\s*1\s*-\s*blockIdx\.y", source_text(chapter),
+         f"{chapter}'s heaviest-first causal order")
+    return True
+
+
+def ldmatrix_q_address(lane):
+    """(row, 8-half chunk) whose address lane `lane` gives in 07's load_q_step (first m16 tile, k-step 0)."""
+    match = find(r"ldmatrix_x4\(frag\[mt\],\s*q_tile\s*\+\s*tile_offset<HEAD_DIM>\((.+?),\s*(.+?)\)\);",
+                 source_text("07_async_pipeline"), "07's ldmatrix of Q in load_q_step", re.S)
+    consts, env = chapter_constants("07_async_pipeline"), {"warp_row0": 0, "mt": 0, "ks": 0, "lane": lane}
+    return const_expr(consts, match.group(1), **env), const_expr(consts, match.group(2), **env)
+
+
+def p_repack_lines():
+    """07's lines that pack two n8 score accumulators into one A fragment of P, and their map:
+    A register i <- (which of the two n8 tiles, accumulator elements)."""
+    text, consts = source_text("07_async_pipeline"), chapter_constants("07_async_pipeline")
+    lines = re.findall(r"(p_frag\[mt\]\[kk\]\[\w+\]\s*=\s*pack_half2\(.*?\);)", text, re.S)
+    mapping = {}
+    for line in lines:
+        reg = const_expr(consts, re.search(r"p_frag\[mt\]\[kk\]\[(\w+)\]", line).group(1))
+        tiles = re.findall(r"score\[mt\]\[2\s*\*\s*kk(\s*\+\s*1)?\]\[([^\]]+)\]", line)
+        mapping[reg] = (1 if tiles[0][0] else 0, [const_expr(consts, e) for _, e in tiles])
+    if sorted(mapping) != [0, 1, 2, 3]:
+        raise LookupError("07's p_frag = pack_half2(...) lines not found: the figure script needs updating")
+    return [" ".join(line.split()) for line in lines], mapping
+
+
+# --- Reading the results ------------------------------------------------------------------------
+
+def read_results():
+    """The rows of docs/results/NVIDIA_H200.csv, numbers parsed (empty cells: None)."""
+    with open(RESULTS + ".csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for key in ("batch", "heads", "seqlen", "headdim", "causal"):
+            row[key] = int(row[key])
+        for key in ("ms", "tflops"):
+            row[key] = float(row[key]) if row[key] else None
+    return rows
+
+
+def read_env():
+    """key -> value of docs/results/NVIDIA_H200.env."""
+    with open(RESULTS + ".env") as f:
+        return dict(line.rstrip("\n").split(": ", 1) for line in f if ": " in line)
+
+
+def sm_clock_ghz(env):
+    """The SM clock the results were measured at (its maximum), in GHz."""
+    return int(re.search(r"(\d+) MHz max", env["sm_clock"]).group(1)) / 1000
+
+
+def headline_shape():
+    """(D, N) of the headline shape: common/results.py, else the root README's stage-table caption."""
+    with open(os.path.join(ROOT, "common", "results.py")) as f:
+        match = re.search(r"HEADLINE_D,\s*HEADLINE_N\s*=\s*(\d+),\s*(\d+)", f.read())
+    if not match:
+        with open(os.path.join(ROOT, "README.md")) as f:
+            match = find(r"D=(\d+), N=(\d+) \(B=\d+, H=\d+\)", f.read(), "the headline shape")
+    return int(match.group(1)), int(match.group(2))
+
+
+def headline_rows(rows, causal=0):
+    """impl -> timed row at the headline shape."""
+    headdim, seqlen = headline_shape()
+    return {r["impl"]: r for r in rows if (r["headdim"], r["seqlen"], r["causal"]) == (headdim, seqlen, causal)
+            and r["status"] in ("PASS", "unchecked") and r["tflops"]}
+
+
+def is_chapter(impl):
+    """A chapter's row (01_naive, ...) rather than an anchor's (torch_flash, ...)."""
+    return re.match(r"^\d\d_", impl) is not None
+
+
+# --- Drawing helpers ----------------------------------------------------------------------------
+
+def setup_matplotlib():
+    """Deterministic, readable SVG output."""
+    matplotlib.rcParams.update({
+        "svg.hashsalt": "flashattention-tutorial-figures",
+        "svg.fonttype": "none",  # text as <text>: small files; the font stack below falls back to any sans
+        "font.family": "sans-serif",
+        "font.sans-serif": ["DejaVu Sans", "Arial", "Helvetica"],
+        "font.monospace": ["DejaVu Sans Mono", "Consolas", "Menlo"],
+        "font.size": 10,
+        "axes.titlesize": 11,
+        "path.simplify": True,
+        "figure.dpi": 100,
+    })
+
+
+def blank_axes(ax, xlim, ylim):
+    """An axes with no frame, equal aspect, y growing downwards (as matrix rows do)."""
+    ax.set_xlim(*xlim)
+    ax.set_ylim(ylim[1], ylim[0])
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def rect(ax, x, y, w, h, color, edge="#404040", lw=0.6, **kw):
+    """One rectangle, top-left corner (x, y) on a y-down axes."""
+    ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor=edge, linewidth=lw, **kw))
+
+
+def merge_boxes(boxes):
+    """Fewer rectangles covering the same cells: runs along rows, then equal runs stacked down."""
+    rows = {}
+    for x, y, w, h in sorted(boxes, key=lambda b: (round(b[1], 6), round(b[0], 6))):
+        runs = rows.setdefault((round(y, 6), round(h, 6)), [])
+        if runs and abs(runs[-1][0] + runs[-1][2] - x) < 1e-9:
+            runs[-1][2] += w
+        else:
+            runs.append([x, y, w, h])
+    merged = {}
+    for (y, h), runs in sorted(rows.items()):
+        for x, _, w, _ in runs:
+            key = (round(x, 6), round(w, 6))
+            stack = merged.setdefault(key, [])
+            if stack and abs(stack[-1][1] + stack[-1][3] - y) < 1e-9:
+                stack[-1][3] += h
+            else:
+                stack.append([x, y, w, h])
+    return [tuple(b) for key in sorted(merged) for b in merged[key]]
+
+
+def rect_group(ax, boxes, color, edge="none", lw=0.6):
+    """Rectangles (x, y, w, h) of one colour, merged, as a single path: one SVG element, not one per cell."""
+    vertices, codes = [], []
+    for x, y, w, h in merge_boxes(boxes):
+        vertices += [(x, y), (x + w, y), (x + w, y + h), (x, y + h), (x, y)]
+        codes += [Path.MOVETO, Path.LINETO, Path.LINETO, Path.LINETO, Path.CLOSEPOLY]
+    if vertices:
+        ax.add_patch(PathPatch(Path(vertices, codes), facecolor=color, edgecolor=edge, linewidth=lw))
+
+
+def line_group(ax, segments, color="#808080", lw=0.3, zorder=2):
+    """Line segments ((x0, y0), (x1, y1)) as a single path."""
+    vertices = [p for segment in segments for p in segment]
+    codes = [Path.MOVETO, Path.LINETO] * len(segments)
+    if vertices:
+        ax.add_patch(PathPatch(Path(vertices, codes), facecolor="none", edgecolor=color, linewidth=lw,
+                               zorder=zorder))
+
+
+def box(ax, x, y, w, h, text, color, size=9, **kw):
+    """A rounded box with centred text."""
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.12", facecolor=color,
+                                edgecolor="#404040", linewidth=0.8))
+    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", size=size, **kw)
+
+
+def arrow(ax, start, end, color="#404040", text=None, size=9, lw=1.2, offset=(0, 0)):
+    """An arrow from start to end, with optional text at its middle (moved by offset)."""
+    ax.annotate("", xy=end, xytext=start, arrowprops=dict(arrowstyle="-|>", color=color, lw=lw, shrinkA=0,
+                                                          shrinkB=0))
+    if text:
+        x = (start[0] + end[0]) / 2 + offset[0]
+        y = (start[1] + end[1]) / 2 + offset[1]
+        ax.text(x, y, text, ha="center", va="center", size=size, color=color,
+                bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none"))
+
+
+def grid_lines(ax, x, y, w, h, nx, ny, color="#808080", lw=0.3):
+    """Lines dividing the rectangle into nx x ny cells, as one path."""
+    segments = [((x + w * i / nx, y), (x + w * i / nx, y + h)) for i in range(1, nx)]
+    segments += [((x, y + h * j / ny), (x + w, y + h * j / ny)) for j in range(1, ny)]
+    line_group(ax, segments, color, lw)
+
+
+FONT_STYLE = re.compile(r"font-family: ([^;\"]+)")
+
+
+def compact_svg(svg):
+    """Smaller, same picture: one CSS font-family rule for the sans-serif texts instead of one per text,
+    no no-op rotations, no group around each single text."""
+    sans = sorted({f for f in FONT_STYLE.findall(svg) if f.endswith("sans-serif")})
+    if len(sans) == 1:
+        svg = svg.replace(f"font-family: {sans[0]}; ", "").replace(f"; font-family: {sans[0]}\"", "\"")
+        svg = svg.replace("<style type=\"text/css\">", f"<style type=\"text/css\">text{{font-family: {sans[0]}}}\n", 1)
+    svg = re.sub(r' transform="rotate\(-0 [-\d.]+ [-\d.]+\)"', "", svg)
+    return re.sub(r'<g id="text_\d+">\s*(<text [^>]*>[^<]*</text>)\s*</g>', r"\1", svg)
+
+
+def save(fig, name, png_dir):
+    """Write docs/figures/<name>.svg (deterministic, compacted) and, when asked, a PNG copy."""
+    path = os.path.join(HERE, name + ".svg")
+    buffer = io.StringIO()
+    fig.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None}, bbox_inches="tight", pad_inches=0.1)
+    with open(path, "w") as f:
+        f.write(compact_svg(buffer.getvalue()))
+    if png_dir:
+        fig.savefig(os.path.join(png_dir, name + ".png"), format="png", dpi=100, bbox_inches="tight",
+                    pad_inches=0.1, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
+# --- 1. Memory hierarchy ------------------------------------------------------------------------
+
+def memory_levels(clock_ghz):
+    """Per level: name, capacity lines, bandwidth lines, what the tutorial keeps there."""
+    hw = HARDWARE
+    reg_kib = hw["registers_per_sm"] * 4 // 1024
+    smem_bytes_per_clock = hw["banks"] * hw["bank_bytes"]
+    smem_tb_s = hw["sms"] * smem_bytes_per_clock * clock_ghz * 1e9 / 1e12
+    return [
+        ("Registers", f"{hw['registers_per_sm'] // 1024}K × 32-bit = {reg_kib} KiB per SM\n"
+                      f"× {hw['sms']} SMs = {hw['sms'] * reg_kib / 1024:.0f} MiB",
+         "operands of every instruction,\nevery clock; private to a thread",
+         "04-06: O accumulator, running max and sum\n07: also S and P, as mma.sync fragments"),
+        ("Shared memory / L1", f"up to {hw['smem_per_sm_kib']} KiB per SM (of {hw['l1_smem_per_sm_kib']} KiB L1)\n"
+                               f"× {hw['sms']} SMs = {hw['sms'] * hw['smem_per_sm_kib'] / 1024:.1f} MiB",
+         f"{hw['banks']} banks × {hw['bank_bytes']} B = {smem_bytes_per_clock} B/clk per SM\n"
+         f"= {smem_tb_s:.1f} TB/s at {clock_ghz:.2f} GHz, {hw['sms']} SMs",
+         "02-07: Q, K, V tiles (07: a ring of K/V tiles)\n06: the S tile, P written over it"),
+        ("L2 cache", f"{hw['l2_mb']} MB, shared by all SMs",
+         "between those of shared memory\nand HBM (NVIDIA publishes none)",
+         "K and V of one head, re-read by every\nquery tile of it: mostly L2 hits (04-08)"),
+        ("HBM3e (device memory)", f"{hw['hbm_gb']} GB",
+         f"{hw['hbm_tb_s']} TB/s peak",
+         "Q, K, V in; O and LSE out\n01-03: also S and P, B·H·N² floats each"),
+    ]
+
+
+PYRAMID_X, BANDWIDTH_X, USE_X = 2.7, 5.6, 9.3
+
+
+def draw_level(ax, index, level, color):
+    """One level of the pyramid (a trapezoid) and its three text columns."""
+    name, size, bandwidth, use = level
+    top, height = index * 1.25, 1.05
+    half_top, half_bottom = 1.45 + index * 0.3, 1.45 + (index + 1) * 0.3 - 0.05
+    cx = PYRAMID_X
+    ax.add_patch(Polygon([(cx - half_top, top), (cx + half_top, top), (cx + half_bottom, top + height),
+                          (cx - half_bottom, top + height)], closed=True, facecolor=color, edgecolor="#404040"))
+    ax.text(cx, top + height * 0.28, name, ha="center", va="center", size=10.5, weight="bold")
+    ax.text(cx, top + height * 0.68, size, ha="center", va="center", size=8.5)
+    ax.text(BANDWIDTH_X, top + height / 2, bandwidth, ha="left", va="center", size=9)
+    ax.text(USE_X, top + height / 2, use, ha="left", va="center", size=9)
+
+
+def memory_hierarchy(ctx):
+    """Figure 1: the H200's registers, shared memory, L2 and HBM (HARDWARE; the SM clock from the .env)."""
+    levels = memory_levels(ctx["clock_ghz"])
+    fig, ax = plt.subplots(figsize=(11.5, 5.4))
+    blank_axes(ax, (-0.3, 13.5), (-0.7, len(levels) * 1.25))
+    ax.set_aspect("auto")
+    for i, (level, color) in enumerate(zip(levels, [COLORS["reg"], COLORS["smem"], COLORS["l2"], COLORS["hbm"]])):
+        draw_level(ax, i, level, color)
+    for x, head in ((PYRAMID_X, "capacity"), (BANDWIDTH_X, "bandwidth"), (USE_X, "what this tutorial keeps there")):
+        ax.text(x, -0.3, head, ha="center" if x == PYRAMID_X else "left", va="center", size=10, style="italic")
+    ax.annotate("", xy=(0.05, 4.9), xytext=(0.05, 0.05), arrowprops=dict(arrowstyle="-|>", color="#808080", lw=1.2))
+    ax.text(-0.12, 2.5, "larger, slower", rotation=90, va="center", ha="center", size=8.5, color="#606060")
+    ax.set_title(f"The {HARDWARE['gpu']}'s memory hierarchy: every level a FlashAttention kernel uses", size=12)
+    return fig
+
+
+# --- 2. Chapter 02's tiles ----------------------------------------------------------------------
+
+def tiling_constants():
+    """02's tile sizes, and the threads per row of its block (tx = threadIdx.x % side)."""
+    c = chapter_constants("02_tiling")
+    tile, tile_k, threads, patch, pad = (const(c, n) for n in ("TILE", "TILE_K", "THREADS", "PATCH", "PAD"))
+    side = find(r"tx\s*=\s*threadIdx\.x\s*%\s*(\d+)", source_text("02_tiling"), "02's thread layout").group(1)
+    return {"tile": tile, "tile_k": tile_k, "threads": threads, "patch": patch, "pad": pad, "side": int(side)}
+
+
+def draw_global_view(ax, t, headdim, tiles, block, slice_index, unit):
+    """Q (N x D), K^T (D x N) and S (N x N) with the block's tile, its Q rows and K columns."""
+    n, d, tile, tile_k = tiles * t["tile"], headdim, t["tile"], t["tile_k"]
+    by, bx = block
+    s_x, s_y = d * unit + 1.2, d * unit + 1.2          # S's top-left corner
+    rect(ax, 0, s_y, d * unit, n * unit, "white")    # Q
+    rect(ax, 0, s_y + by * tile * unit, d * unit, tile * unit, COLORS["q"])
+    rect(ax, slice_index * tile_k * unit, s_y + by * tile * unit, tile_k * unit, tile * unit, "#3182bd")
+    grid_lines(ax, 0, s_y, d * unit, n * unit, d // tile_k, tiles)
+    rect(ax, s_x, 0, n * unit, d * unit, "white")    # K^T
+    rect(ax, s_x + bx * tile * unit, 0, tile * unit, d * unit, COLORS["k"])
+    rect(ax, s_x + bx * tile * unit, slice_index * tile_k * unit, tile * unit, tile_k * unit, "#e6550d")
+    grid_lines(ax, s_x, 0, n * unit, d * unit, tiles, d // tile_k)
+    rect(ax, s_x, s_y, n * unit, n * unit, "white")  # S
+    grid_lines(ax, s_x, s_y, n * unit, n * unit, tiles, tiles)
+    rect(ax, s_x + bx * tile * unit, s_y + by * tile * unit, tile * unit, tile * unit, COLORS["s"], lw=1.5)
+    ax.text(d * unit / 2, s_y + n * unit + 0.9, f"Q  [N x D]\n(D = {d})", ha="center", va="top", size=9)
+    ax.text(s_x - 0.3, d * unit / 2, "K^T  [D x N]", ha="right", va="center", size=9)
+    ax.text(s_x + n * unit / 2, s_y + n * unit + 0.9, f"S = Q K^T  [N x N], a grid of {tile} x {tile} tiles\n"
+            f"(drawn for N = {tiles} x {tile}; one block per tile)", ha="center", va="top", size=9)
+    ax.text(d * unit / 2, s_y + by * tile * unit - 0.25, f"{tile_k}-dim\nslice", ha="center", va="bottom", size=7.5)
+    return s_x + bx * tile * unit, s_y + by * tile * unit, tile * unit
+
+
+def draw_block_zoom(ax, t, origin, size, thread):
+    """The block's 64 x 64 tile: a grid of 16 x 16 threads, each a 4 x 4 patch; one thread's patch."""
+    x0, y0 = origin
+    side, patch, tile = t["side"], t["patch"], t["tile"]
+    cell, strip = size / tile, 1.1
+    ty, tx = thread
+    rect(ax, x0, y0, size, size, COLORS["s"], lw=1.5)
+    grid_lines(ax, x0, y0, size, size, side, side, color="#6a6a9a", lw=0.35)
+    rect(ax, x0 + tx * patch * cell, y0 + ty * patch * cell, patch * cell, patch * cell, COLORS["hi"], lw=1.0)
+    # q_tile[d][.] as a column on the left, k_tile[d][.] as a row on top: one float4 each.
+    rect(ax, x0 - 2.4, y0, strip, size, COLORS["q"])
+    rect(ax, x0 - 2.4, y0 + ty * patch * cell, strip, patch * cell, "#3182bd")
+    rect(ax, x0, y0 - 2.4, size, strip, COLORS["k"])
+    rect(ax, x0 + tx * patch * cell, y0 - 2.4, patch * cell, strip, "#e6550d")
+    ax.text(x0 - 3.0, y0 + size / 2, f"q_tile[d][{patch}ty .. {patch}ty+{patch - 1}]: one float4", rotation=90,
+            ha="center", va="center", size=8.5, bbox=dict(facecolor="white", edgecolor="none", pad=1))
+    ax.text(x0 + size / 2, y0 - 2.9, f"k_tile[d][{patch}tx .. {patch}tx+{patch - 1}]: one float4",
+            ha="center", va="bottom", size=8.5)
+    ax.text(x0 + size / 2, y0 + size + 0.8,
+            f"one block: {t['threads']} threads as {side} x {side}, each owning\na {patch} x {patch} patch of the "
+            f"{tile} x {tile} tile; thread (ty, tx) = ({ty}, {tx}):\nrows {patch * ty}..{patch * ty + patch - 1}, "
+            f"columns {patch * tx}..{patch * tx + patch - 1}. Per d: {patch} x {patch} = {patch * patch} FMAs\n"
+            f"from two float4 reads of shared memory (an outer product)", ha="center", va="top", size=9)
+
+
+def tiling_02(ctx):
+    """Figure 2: 02's scores_kernel tiles and one thread's patch (02's TILE, TILE_K, THREADS, PATCH, PAD)."""
+    t = tiling_constants()
+    headdim, _ = headline_shape()
+    unit = 1 / 16
+    fig, ax = plt.subplots(figsize=(11, 7.0))
+    tile_x, tile_y, tile_size = draw_global_view(ax, t, headdim, tiles=8, block=(2, 5), slice_index=1, unit=unit)
+    zoom_x, zoom_y, zoom = 51, 12, 27
+    blank_axes(ax, (-0.5, zoom_x + zoom + 0.5), (-0.5, 50.5))
+    draw_block_zoom(ax, t, (zoom_x, zoom_y), zoom, thread=(5, 9))
+    for (ax_, ay), (bx_, by_) in (((tile_x + tile_size, tile_y), (zoom_x, zoom_y)),
+                                  ((tile_x + tile_size, tile_y + tile_size), (zoom_x, zoom_y + zoom))):
+        ax.plot([ax_, bx_], [ay, by_], color="#9e9ac8", lw=0.8, ls="--")
+    ax.text(-0.3, 47.3,
+            f"Shared memory per block: q_tile and k_tile, each [{t['tile_k']}][{t['tile']} + {t['pad']}] floats, "
+            f"stored [dim][row] (transposed, padded by PAD = {t['pad']}). The block loops over D in "
+            f"{t['tile_k']}-dim slices:\nstage one slice of Q and of K, __syncthreads, {t['tile_k']} outer-product "
+            f"steps, repeat. Each staged value feeds {t['patch']} FMAs of a thread and {t['tile']} of the block.",
+            ha="left", va="top", size=9)
+    ax.set_title(f"02_tiling, scores_kernel: S = Q K^T, one block per {t['tile']} x {t['tile']} tile of S "
+                 f"(pv_kernel tiles O = P V the same way)", size=11.5)
+    return fig
+
+
+# --- 3. The online softmax, worked ----------------------------------------------------------------
+
+EXAMPLE_SCORES = [2.0, 4.0, 1.0, 3.0, 5.0, 0.0, 6.0, 2.0]  # a row of 8 scores, processed as 2 tiles of 4
+
+
+def online_softmax_steps(scores, tile):
+    """The running (max, sum) after each tile, the rescale factors, and the one-pass result."""
+    x = np.array(scores, dtype=np.float64)
+    steps, m, l = [], -np.inf, 0.0
+    for start in range(0, len(x), tile):
+        part = x[start:start + tile]
+        m_new = max(m, part.max())
+        rescale = math.exp(m - m_new) if m > -np.inf else 0.0
+        terms = np.exp(part - m_new)
+        l = l * rescale + terms.sum()
+        steps.append({"start": start, "tile_max": part.max(), "m_old": m, "m": m_new, "rescale": rescale,
+                      "terms": terms, "l": l})
+        m = m_new
+    one_pass_m = x.max()
+    one_pass_terms = np.exp(x - one_pass_m)
+    return steps, {"m": one_pass_m, "terms": one_pass_terms, "l": one_pass_terms.sum()}
+
+
+def table_cell(ax, col, row, text, color="white", bold=False, size=9.5):
+    """One cell of a table drawn in data units."""
+    rect(ax, col, row, 1, 1, color, edge="#a0a0a0", lw=0.5)
+    ax.text(col + 0.5, row + 0.5, text, ha="center", va="center", size=size, weight="bold" if bold else "normal")
+
+
+def online_softmax_rows(scores, tile, first, second, one):
+    """The table: (row name, cell texts, cell colour per column, note at the row's end)."""
+    blank = [""] * tile
+    in_first = lambda j: COLORS["q"] if j < tile else "white"  # noqa: E731
+    return [
+        ("score x", [f"{v:g}" for v in scores], lambda j: [COLORS["q"], COLORS["k"]][j // tile], ""),
+        (f"tile 1: exp(x - {first['m']:g})", [f"{v:.3f}" for v in first["terms"]] + blank, in_first,
+         f"m1 = {first['m']:g},  l1 = {first['l']:.4f}"),
+        (f"tile 1 x r = exp(x - {second['m']:g})", [f"{v * second['rescale']:.3f}" for v in first["terms"]] + blank,
+         in_first, f"r = exp(m1 - m2) = {second['rescale']:.4f}\nl1 · r = {first['l'] * second['rescale']:.4f}"),
+        (f"tile 2: exp(x - {second['m']:g})", blank + [f"{v:.3f}" for v in second["terms"]],
+         lambda j: COLORS["k"] if j >= tile else "white",
+         f"m2 = {second['m']:g},  l2 = l1 · r + {second['terms'].sum():.4f}\n     = {second['l']:.4f}"),
+        (f"one pass: exp(x - {one['m']:g})", [f"{v:.3f}" for v in one["terms"]], lambda j: COLORS["s"],
+         f"m = {one['m']:g},  l = {one['l']:.4f}"),
+        ("p = exp(x - m) / l", [f"{v / one['l']:.3f}" for v in one["terms"]], lambda j: COLORS["s"],
+         f"sum of p = {sum(one['terms'] / one['l']):.4f}"),
+    ]
+
+
+def online_softmax(ctx):
+    """Figure 3: the online softmax worked on EXAMPLE_SCORES, against the one-pass softmax."""
+    scores, tile = EXAMPLE_SCORES, 4
+    steps, one = online_softmax_steps(scores, tile)
+    first, second = steps
+    fig, ax = plt.subplots(figsize=(11, 6.0))
+    blank_axes(ax, (-4.6, 12.4), (-1.0, 8.4))
+    ax.set_aspect("auto")
+    for r, (name, cells, color, note) in enumerate(online_softmax_rows(scores, tile, first, second, one)):
+        ax.text(-0.15, r + 0.5, name, ha="right", va="center", size=9.5)
+        for j, text in enumerate(cells):
+            table_cell(ax, j, r, text, color(j) if text else "white", bold=(r == 0))
+        ax.text(8.2, r + 0.5, note, ha="left", va="center", size=9.5)
+    tile_1 = ", ".join(f"{v:g}" for v in scores[:tile])
+    notes = (f"tile 1:  m1 = max({tile_1}) = {first['m']:g};   l1 = sum of exp(x - m1) = {first['l']:.4f}\n"
+             f"tile 2:  its max {second['tile_max']:g} > m1, so m2 = {second['m']:g};   rescale r = exp(m1 - m2) = "
+             f"exp({first['m']:g} - {second['m']:g}) = {second['rescale']:.4f};   l2 = l1 · r + sum of exp(x - m2) = "
+             f"{second['l']:.4f}\none pass (the max first, then the sum):  m = {one['m']:g},  l = {one['l']:.4f}:  "
+             f"the same m and l; the rescaled tile-1 terms are the one-pass terms.\n"
+             f"The kernels rescale the output accumulator O by the same r, so O / l after the last tile is exact.")
+    ax.text(-4.5, 6.3, notes, ha="left", va="top", size=9.5, linespacing=1.5)
+    ax.text(2.0, -0.35, f"tile 1 (keys 0-{tile - 1})", ha="center", size=9.5, color="#3182bd", weight="bold")
+    ax.text(6.0, -0.35, f"tile 2 (keys {tile}-{2 * tile - 1})", ha="center", size=9.5, color="#e6550d", weight="bold")
+    ax.set_title(f"The online softmax on one row of {len(scores)} scores, in 2 tiles of {tile}: a running max and "
+                 f"a rescaled running sum", size=11.5)
+    return fig
+
+
+# --- 4. Loop order: FlashAttention-1 vs -2 --------------------------------------------------------
+
+def loop_panel(ax, x0, tiles, fa2, title, outer, inner):
+    """A query-tile x key-tile grid at x0, numbered in the order the work happens, with its two loops."""
+    for i in range(tiles):
+        for j in range(tiles):
+            color = QUAD[i % 4] if fa2 else plt.cm.Greys(0.12 + 0.5 * j / tiles)
+            rect(ax, x0 + j, i, 1, 1, color, edge="white", lw=1.5, alpha=0.8 if fa2 else 1)
+            label = f"block {i}\nstep {j + 1}" if fa2 else f"step {j * tiles + i + 1}"
+            ax.text(x0 + j + 0.5, i + 0.5, label, ha="center", va="center", size=8.5)
+    for k in range(tiles):
+        ax.text(x0 - 0.1, k + 0.5, f"Q{k}", ha="right", va="center", size=9.5)
+        ax.text(x0 + k + 0.5, -0.1, f"K{k}, V{k}", ha="center", va="bottom", size=9)
+    ax.annotate("", xy=(x0 + tiles, -0.65), xytext=(x0, -0.65), arrowprops=dict(arrowstyle="-|>", color="#505050"))
+    ax.text(x0 + tiles / 2, -0.78, outer, ha="center", va="bottom", size=9, color="#303030")
+    ax.annotate("", xy=(x0 - 0.75, tiles), xytext=(x0 - 0.75, 0), arrowprops=dict(arrowstyle="-|>", color="#505050"))
+    ax.text(x0 - 0.9, tiles / 2, inner, rotation=90, ha="center", va="center", size=9, color="#303030")
+    ax.text(x0 + tiles / 2, -1.55, title, ha="center", va="bottom", size=10.5, weight="bold")
+
+
+def loop_order(ctx):
+    """Figure 4: FlashAttention-1's and -2's loop orders (04's BLOCK_Q, BLOCK_KV; its headline row)."""
+    c = chapter_constants("04_fused")
+    block_q, block_kv = const(c, "BLOCK_Q"), const(c, "BLOCK_KV")
+    _, seqlen = headline_shape()
+    row = headline_rows(ctx["rows"])["04_fused"]
+    heads, tiles, shown = row["batch"] * row["heads"], seqlen // block_q, 4
+    fig, ax = plt.subplots(figsize=(11, 5.6))
+    gap = 4.4
+    blank_axes(ax, (-1.9, 2 * shown + gap + 0.9), (-2.3, shown + 1.7))
+    loop_panel(ax, 0, shown, False, "FlashAttention-1", "outer loop: K/V tiles", "inner loop: query tiles")
+    loop_panel(ax, shown + gap, shown, True, "FlashAttention-2 (chapters 04-08)", "the block's loop: K/V tiles",
+               "one block per query tile, in parallel")
+    ax.text(shown / 2, shown + 0.2,
+            f"one block per head (B·H = {heads} in parallel)\nwalks all the pairs; every step reads and\n"
+            f"writes O_i, m_i, l_i in device memory:\n"
+            f"2 N / BLOCK_KV = {2 * seqlen // block_kv} passes over O at N = {seqlen}",
+            ha="center", va="top", size=9)
+    ax.text(1.5 * shown + gap, shown + 0.2,
+            f"N / BLOCK_Q × B·H = {tiles} × {heads} = {tiles * heads} blocks\n"
+            f"at N = {seqlen}; O, m, l stay in registers;\n"
+            f"O is written once, divided by l once;\nno block talks to another", ha="center", va="top", size=9)
+    ax.set_title(f"Which loop is outside: {shown} × {shown} (query tile, K/V tile) pairs; tiles of {block_q} queries "
+                 f"and {block_kv} keys (04_fused's BLOCK_Q, BLOCK_KV)", size=11.5)
+    return fig
+
+
+# --- 5. Causal tiles and the heaviest-first order ------------------------------------------------
+
+def greedy_makespan(works, slots):
+    """Finish time when blocks start, in the given order, on whichever of `slots` frees first;
+    and the schedule, (slot, start, work) per block."""
+    free = [(0.0, slot) for slot in range(slots)]
+    schedule = []
+    for work in works:
+        start, slot = heapq.heappop(free)
+        heapq.heappush(free, (start + work, slot))
+        schedule.append((slot, start, work))
+    return max(t for t, _ in free), schedule
+
+
+def causal_triangle(ax, tiles):
+    """Query tile i x key tile j: computed, diagonal (masked per element), skipped; work per row."""
+    for i in range(tiles):
+        for j in range(tiles):
+            if j < i:
+                rect(ax, j, i, 1, 1, COLORS["q"], edge="white", lw=1.2)
+            elif j == i:
+                rect(ax, j, i, 1, 1, "white", edge="white", lw=1.2)
+                ax.add_patch(Polygon([(j, i), (j, i + 1), (j + 1, i + 1)], facecolor="#3182bd", edgecolor="none"))
+            else:
+                rect(ax, j, i, 1, 1, "#f3f3f3", edge="white", lw=1.2)
+        rect(ax, tiles + 0.4, i + 0.15, (i + 1) * 0.35, 0.7, COLORS["hi"], edge="none")
+        ax.text(tiles + 0.5 + (i + 1) * 0.35, i + 0.5, f"{i + 1}", va="center", size=9)
+        ax.text(-0.15, i + 0.5, f"{i}", ha="right", va="center", size=9)
+        ax.text(i + 0.5, -0.15, f"{i}", ha="center", va="bottom", size=9)
+    ax.text(tiles / 2, -0.9, "key tile j", ha="center", size=10)
+    ax.text(-0.9, tiles / 2, "query tile i", rotation=90, va="center", ha="center", size=10)
+    ax.text(tiles + 0.4, -0.15, "tiles of work", va="bottom", size=9)
+    ax.text(0, tiles + 0.35, "computed, no mask", color="#3182bd", size=9, va="top")
+    ax.text(0, tiles + 0.95, "diagonal: masked per element", color="#08519c", size=9, va="top")
+    ax.text(0, tiles + 1.55, "above: skipped (never loaded)", color="#909090", size=9, va="top")
+
+
+def gantt(ax, y0, schedule, slots, label, makespan, most):
+    """Blocks on `slots` block slots over time; each bar is labelled with its query tile."""
+    for slot, start, work in schedule:
+        rect(ax, start, y0 + slot * 0.8, work, 0.7, plt.cm.Oranges(0.2 + 0.6 * work / most), edge="white", lw=1)
+        ax.text(start + work / 2, y0 + slot * 0.8 + 0.35, f"{work - 1}", ha="center", va="center", size=8.5)
+    ax.text(-0.3, y0 + slots * 0.4 - 0.05, label, ha="right", va="center", size=9)
+    ax.plot([makespan, makespan], [y0 - 0.1, y0 + slots * 0.8], color="#a50f15", lw=1.2)
+    ax.text(makespan + 0.2, y0 + slots * 0.4, f"done at {makespan:g}", va="center", size=9, color="#a50f15")
+
+
+def causal_tiles(ctx):
+    """Figure 5: the causal tile triangle and 05's heaviest-first order (05's constants and grid)."""
+    c = chapter_constants("05_causal")
+    block_q, block_kv = const(c, "BLOCK_Q"), const(c, "BLOCK_KV")
+    tiles, slots = 8, 3
+    fig = plt.figure(figsize=(11, 4.7))
+    left = fig.add_axes([0.0, 0.0, 0.42, 0.9])
+    right = fig.add_axes([0.47, 0.0, 0.53, 0.9])
+    blank_axes(left, (-1.3, tiles + 3.8), (-1.2, tiles + 1.7))
+    causal_triangle(left, tiles)
+    works = [i + 1 for i in range(tiles)]
+    heaviest_first("05_causal")  # stops the script if 05 no longer orders its blocks so
+    order = works[::-1]
+    blank_axes(right, (-5.0, 18.5), (-1.2, 8.6))
+    right.set_aspect("auto")
+    for y0, seq, label in ((0.0, works, "query tiles in\nindex order"),
+                           (3.6, order, "05's order:\nheaviest first")):
+        span, schedule = greedy_makespan(seq, slots)
+        gantt(right, y0, schedule, slots, label, span, tiles)
+    right.text(6.4, -0.45, f"one head's {tiles} query tiles on {slots} block slots (schematic); "
+               f"bar = query tile, length = its work", ha="center", va="bottom", size=9)
+    right.text(6.4, 6.4, headline_causal_note(ctx, block_q), ha="center", va="top", size=9)
+    fig.suptitle(f"05_causal: causal attention on N = {tiles} tiles of {block_q} queries x {block_kv} keys: "
+                 f"{tiles * (tiles + 1) // 2} of {tiles * tiles} tile products, heaviest query tiles launched first",
+                 size=11.5, y=1.0)
+    return fig
+
+
+def headline_causal_note(ctx, block_q):
+    """The same greedy model at the headline shape: index order vs heaviest first."""
+    _, seqlen = headline_shape()
+    row = headline_rows(ctx["rows"], causal=1)["05_causal"]
+    heads, tiles = row["batch"] * row["heads"], seqlen // block_q
+    slots = HARDWARE["sms"] * launch_bound_blocks("05_causal")
+    light = [t + 1 for t in range(tiles) for _ in range(heads)]
+    light_span, _ = greedy_makespan(light, slots)
+    heavy_span, _ = greedy_makespan(light[::-1], slots)
+    ideal = sum(light) / slots
+    return (f"the same model at the headline N = {seqlen}: {tiles} query tiles x {heads} heads on "
+            f"{HARDWARE['sms']} SMs x {launch_bound_blocks('05_causal')} blocks = {slots} slots\n"
+            f"index order done at {light_span:g} tile-times, heaviest first at {heavy_span:g} "
+            f"(perfect balance: {ideal:.1f})\ngrid (B*H, tiles): blockIdx.x = head runs fastest, "
+            f"query_tile = gridDim.y - 1 - blockIdx.y")
+
+
+# --- 6. Chapter 06's round trip through shared memory --------------------------------------------
+
+def wmma_sizes(headdim):
+    """06's tile shapes and shared-memory bytes at HEAD_DIM = headdim, from its constants and Smem<>."""
+    c = chapter_constants("06_tensorcore_wmma")
+    env = {"HEAD_DIM": headdim}
+    names = ("BLOCK_Q", "BLOCK_KV", "STRIDE", "S_STRIDE", "P_STRIDE", "Q_BYTES", "S_BYTES", "KV_BYTES", "TOTAL",
+             "FRAG", "WARPS", "BLOCKS_PER_SM")
+    return {n: const(c, n, **env) for n in names}
+
+
+LANES = {"hbm": (0.0, 1.5, "device memory", COLORS["hbm"]), "smem": (1.7, 2.4, "shared memory", COLORS["smem"]),
+         "reg": (4.3, 2.0, "registers", COLORS["reg"])}
+PITCH, BOX_W = 1.75, 1.45
+
+
+def wmma_items(z, headdim):
+    """name -> (column, lane, y offset in the lane, height, text): 06's data, step by step, where it lives."""
+    bq, bkv, frag = z["BLOCK_Q"], z["BLOCK_KV"], z["FRAG"]
+    return {
+        "qkv": (0, "hbm", 0.2, 1.1, "Q, K, V\nfp16"),
+        "tiles": (1, "smem", 0.2, 2.0, f"q_tile\nk_tile\nv_tile\n[{bq}][{z['STRIDE']}]\nfp16"),
+        "qk_frag": (2, "reg", 0.2, 1.6, f"q_frag\nk_frag\nWMMA\n{frag}×{frag}×{frag}"),
+        "s_frag": (3, "reg", 0.2, 1.6, f"s_frag[{bkv // frag}]\n{frag}×{bkv}\nfp32"),
+        "s_tile": (4, "smem", 0.2, 2.0, f"s_tile\n[{bq}][{z['S_STRIDE']}]\nfp32"),
+        "score": (5, "reg", 0.2, 1.6, f"score[{bkv // 2}]\nper lane:\nmax, exp2,\nsum"),
+        "p_tile": (6, "smem", 0.2, 1.15, f"P over S\n[{frag}][{z['P_STRIDE']}]\nfp16"),
+        "factor": (6, "smem", 1.5, 0.75, f"row_factor\n[{bq}] fp32"),
+        "rescale": (7, "reg", 0.2, 1.6, f"o_acc[{headdim // frag}]\n*= row\nfactor"),
+        "v_tile": (8, "smem", 0.2, 2.0, "v_tile\n(from 1)"),
+        "pv_frag": (8, "reg", 0.2, 1.6, "p_frag\nv_frag\nWMMA"),
+        "o_acc": (9, "reg", 0.2, 1.6, f"o_acc[{headdim // frag}]\n{frag}×{headdim}\nfp32"),
+        "out": (9, "hbm", 0.2, 1.1, "O fp16\nLSE fp32"),
+    }
+
+
+# (from, to, step, where it leaves and where it arrives, as fractions (x, y) of each box)
+WMMA_ARROWS = [("qkv", "tiles", "1", (0.8, 1), (0.2, 0)), ("tiles", "qk_frag", "2", (0.8, 1), (0.2, 0)),
+               ("qk_frag", "s_frag", "3", (1, 0.5), (0, 0.5)), ("s_frag", "s_tile", "4", (0.8, 0), (0.2, 1)),
+               ("s_tile", "score", "5", (0.8, 1), (0.2, 0)), ("score", "p_tile", "6", (0.85, 0), (0, 0.5)),
+               ("score", "factor", "6", (1, 0.25), (0, 0.5)), ("factor", "rescale", "7", (1, 0.5), (0.25, 0)),
+               ("p_tile", "pv_frag", "8", (1, 0.5), (0.2, 0)), ("v_tile", "pv_frag", "8", (0.5, 1), (0.5, 0)),
+               ("pv_frag", "o_acc", "9", (1, 0.5), (0, 0.5)), ("o_acc", "out", "10", (0.5, 0), (0.5, 1))]
+
+WMMA_STEPS = ["1  load_tile: 16-byte copies into padded rows (Q once; K and V every key tile)",
+              "2  wmma::load_matrix_sync: the Q and K fragments",
+              "3  wmma::mma_sync: S = Q K^T, fp16 in, fp32 accumulate",
+              "4  store_matrix_sync: the fragment layout is opaque, so S goes to shared memory",
+              "5  each pair of lanes reads its row as float4: mask, tile max, exp2, row sum",
+              "6  P written over the warp's S rows as fp16; each row's rescale factor to row_factor",
+              "7  o_acc.x[e] *= row_factor[frag_row[e]] (each element's row found once, at the start)",
+              "8  load_matrix_sync: the P and V fragments",
+              "9  mma_sync: O += P V",
+              "10 after the last key tile: O / l, through the warp's S rows, as 16-byte fp16 stores"]
+
+
+def wmma_item_box(item):
+    """(x, y, w, h) of an item: its column along x, its lane along y."""
+    column, lane, dy, height, _ = item
+    return column * PITCH, LANES[lane][0] + dy, BOX_W, height
+
+
+def anchor(box_xywh, fraction):
+    """The point at fractions (fx, fy) of a box (x, y, w, h)."""
+    x, y, w, h = box_xywh
+    return x + fraction[0] * w, y + fraction[1] * h
+
+
+def wmma_lanes(ax, z, headdim, right):
+    """The three horizontal lanes: device memory, shared memory, registers."""
+    for key, (y, height, name, color) in LANES.items():
+        rect(ax, -2.8, y, right + 2.8, height, color, edge="none", alpha=0.4)
+        ax.text(-2.7, y + 0.15, name, ha="left", va="top", size=10, weight="bold")
+    ax.text(-2.7, 2.3, f"one block:\n{z['TOTAL']:,} B\nat D = {headdim}", ha="left", va="top", size=8.5)
+    ax.text(-2.7, 4.9, f"one warp:\n{z['FRAG']} query rows", ha="left", va="top", size=8.5)
+
+
+def wmma_roundtrip_06(ctx):
+    """Figure 6: 06's per-tile data flow through shared memory and registers (06's Smem<> sizes)."""
+    headdim, _ = headline_shape()
+    z = wmma_sizes(headdim)
+    items = wmma_items(z, headdim)
+    boxes = {name: wmma_item_box(item) for name, item in items.items()}
+    right = 10 * PITCH
+    fig, ax = plt.subplots(figsize=(12, 7.4))
+    blank_axes(ax, (-2.9, right + 0.1), (-0.1, 10.5))
+    ax.set_aspect("auto")
+    wmma_lanes(ax, z, headdim, right)
+    for name, (x, y, w, h) in boxes.items():
+        box(ax, x, y, w, h, items[name][4], LANES[items[name][1]][3], size=8.5)
+    for src, dst, label, leaves, arrives in WMMA_ARROWS:
+        start, end = anchor(boxes[src], leaves), anchor(boxes[dst], arrives)
+        same_lane = abs(start[1] - end[1]) < 1e-9
+        arrow(ax, start, end, text=label, size=8.5, lw=1.0, offset=(0, -0.3) if same_lane else (0, 0))
+    rescale, total = boxes["rescale"], boxes["o_acc"]
+    ax.annotate("", xy=(total[0] + 0.3, total[1] + total[3]), xytext=(rescale[0] + 0.8, rescale[1] + rescale[3]),
+                arrowprops=dict(arrowstyle="-|>", color="#404040", lw=1.0, connectionstyle="arc3,rad=0.35"))
+    ax.text(-2.8, 7.0, "\n".join(WMMA_STEPS), ha="left", va="top", size=9, linespacing=1.55)
+    ax.text(right, 7.0, f"{z['WARPS']} warps per block; warp w owns\nquery rows {z['FRAG']}w .. {z['FRAG']}w + "
+            f"{z['FRAG'] - 1}.\n{z['BLOCKS_PER_SM']} blocks per SM: {z['BLOCKS_PER_SM']} × {z['TOTAL']:,} B\n"
+            f"of the {HARDWARE['smem_per_sm_kib']} KiB of shared memory.\nSteps 1-9 repeat for every key tile.",
+            ha="right", va="top", size=9)
+    ax.set_title(f"06_tensorcore_wmma, one key tile: S and P make a round trip through shared memory "
+                 f"(D = {headdim})", size=11.5)
+    return fig
+
+
+# --- 7. mma.sync m16n8k16 fragments -------------------------------------------------------------
+
+def a_fragment(lane):
+    """(row, first column) of each of the four b32 registers (two halves each) of the A operand of one lane."""
+    group, tid = lane // 4, lane % 4
+    return [(group, 2 * tid), (group + 8, 2 * tid), (group, 2 * tid + 8), (group + 8, 2 * tid + 8)]
+
+
+def b_fragment(lane):
+    """(first k row, column) of the two b32 registers (b0b1, b2b3) of the B operand of one lane."""
+    group, tid = lane // 4, lane % 4
+    return [(2 * tid, group), (2 * tid + 8, group)]
+
+
+def c_fragment(lane):
+    """(row, first column) of the two float pairs (c0c1, c2c3) of the accumulator of one lane."""
+    group, tid = lane // 4, lane % 4
+    return [(group, 2 * tid), (group + 8, 2 * tid)]
+
+
+def draw_pairs(ax, x0, y0, cells, cell_w, cell_h, horizontal=True, colors=QUAD, highlight=None):
+    """One labelled box per register pair: cells = [(row, col, lane, reg)] in element units."""
+    w, h = (2 * cell_w, cell_h) if horizontal else (cell_w, 2 * cell_h)
+    by_color = {}
+    for row, col, lane, reg in cells:
+        x, y = x0 + col * cell_w, y0 + row * cell_h
+        by_color.setdefault(colors[reg], []).append((x, y, w, h))
+        ax.text(x + w / 2, y + h / 2, f"{lane}", ha="center", va="center", size=7.5)
+        if lane == highlight:
+            rect(ax, x, y, w, h, "none", edge="#000000", lw=1.6, zorder=3)
+    for color in sorted(by_color):
+        rect_group(ax, by_color[color], color)
+    xs = sorted({round(b[0], 6) for boxes in by_color.values() for b in boxes})
+    ys = sorted({round(b[1], 6) for boxes in by_color.values() for b in boxes})
+    right, bottom = xs[-1] + w, ys[-1] + h
+    line_group(ax, [((x, ys[0]), (x, bottom)) for x in xs[1:]] + [((xs[0], y), (right, y)) for y in ys[1:]],
+               color="white", lw=0.8)
+
+
+def matrix_frame(ax, x0, y0, rows, cols, cell_w, cell_h, title, row_label, col_label):
+    """A matrix's outline, title, a few row and column numbers, and axis names."""
+    rect(ax, x0, y0, cols * cell_w, rows * cell_h, "none", edge="#202020", lw=1.0)
+    ax.text(x0 + cols * cell_w / 2, y0 - 0.55, title, ha="center", va="bottom", size=9.5, weight="bold")
+    for r in (0, rows // 2, rows - 1):
+        ax.text(x0 - 0.12, y0 + (r + 0.5) * cell_h, f"{r}", ha="right", va="center", size=7)
+    for c in (0, cols // 2, cols - 1):
+        ax.text(x0 + (c + 0.5) * cell_w, y0 - 0.08, f"{c}", ha="center", va="bottom", size=7)
+    ax.text(x0 - 0.55, y0 + rows * cell_h / 2, row_label, rotation=90, ha="center", va="center", size=8.5)
+    ax.text(x0 + cols * cell_w / 2, y0 + rows * cell_h + 0.12, col_label, ha="center", va="top", size=8.5)
+
+
+def a_cells():
+    """(row, column, lane, register) of every pair of the A operand."""
+    return [(row, col, lane, reg) for lane in range(32) for reg, (row, col) in enumerate(a_fragment(lane))]
+
+
+def c_cells():
+    """(row, column, lane, register pair) of every pair of the accumulator."""
+    return [(row, col, lane, reg) for lane in range(32)
+            for reg, (row, col) in enumerate(c_fragment(lane))]
+
+
+def draw_operands(ax, highlight):
+    """A (16x16), B (16x8) and C (16x8) with the lane that holds every element pair."""
+    cw, ch = 0.62, 0.36
+    draw_pairs(ax, 0, 0, a_cells(), cw, ch, highlight=highlight)
+    matrix_frame(ax, 0, 0, 16, 16, cw, ch, "A: 16 × 16 fp16, row-major (a0..a7)", "row (query)", "column (k)")
+    b_cells = [(row, col, lane, reg) for lane in range(32) for reg, (row, col) in enumerate(b_fragment(lane))]
+    draw_pairs(ax, 11.8, 0, b_cells, cw, ch, horizontal=False, colors=[QUAD[0], QUAD[1]], highlight=highlight)
+    matrix_frame(ax, 11.8, 0, 16, 8, cw, ch, "B: 16 × 8 fp16, column-major (b0..b3)", "row (k)", "column (n)")
+    draw_pairs(ax, 18.6, 0, c_cells(), cw, ch, colors=[QUAD[0], QUAD[1]], highlight=highlight)
+    matrix_frame(ax, 18.6, 0, 16, 8, cw, ch, "C: 16 × 8 fp32 (c0..c3)", "row", "column (n)")
+
+
+def register_legend(ax, x, y, entries):
+    """Colour swatches in a row, each with its text."""
+    for color, text, width in entries:
+        rect(ax, x, y, 0.4, 0.32, color, edge="none")
+        ax.text(x + 0.55, y + 0.16, text, va="center", size=8.5)
+        x += width
+
+
+def draw_ldmatrix(ax, x0, y0):
+    """32 lanes in 4 address groups; each group's 8 row addresses = one 8x8 matrix of A."""
+    cw = 0.7
+    for lane in range(32):
+        row, chunk = ldmatrix_q_address(lane)
+        matrix = lane // 8
+        rect(ax, x0 + lane * cw, y0, cw, 0.5, QUAD[matrix], edge="white", lw=0.5)
+        ax.text(x0 + (lane + 0.5) * cw, y0 + 0.25, f"{lane}", ha="center", va="center", size=7.5)
+        if lane % 8 == 0:
+            ax.text(x0 + (lane + 4) * cw, y0 + 0.65, f"lanes {lane}-{lane + 7}: matrix {matrix}\nrows {row}-{row + 7}, "
+                    f"columns {8 * chunk}-{8 * chunk + 7}\n-> register {matrix}", ha="center", va="top", size=8.5)
+    ax.text(x0, y0 - 0.2, "ldmatrix.x4 in 07's load_q_step: lane l gives the address of one 16-byte row; "
+            "lanes 8i..8i+7 make matrix i, which lands in register i (the colours of A above)",
+            va="bottom", size=9, weight="bold")
+
+
+def draw_repack(ax, x0, y0, highlight):
+    """Two n8 score accumulators (fp32) -> one k16 A fragment of P (fp16): the same lanes."""
+    lines, mapping = p_repack_lines()
+    cw, ch = 0.42, 0.3
+    for tile in (0, 1):
+        draw_pairs(ax, x0 + tile * 4.3, y0, c_cells(), cw, ch, colors=[QUAD[2 * tile], QUAD[2 * tile + 1]],
+                   highlight=highlight)
+        matrix_frame(ax, x0 + tile * 4.3, y0, 16, 8, cw, ch, f"score[mt][{'2kk+1' if tile else '2kk'}]",
+                     "", "keys")
+    colors = [None] * 4
+    for reg, (tile, elements) in mapping.items():
+        colors[reg] = QUAD[2 * tile + elements[0] // 2]
+    draw_pairs(ax, x0 + 10.4, y0, a_cells(), cw, ch, colors=colors, highlight=highlight)
+    matrix_frame(ax, x0 + 10.4, y0, 16, 16, cw, ch, "p_frag[mt][kk]: the A operand of O += P V", "",
+                 "keys (one k16 step)")
+    arrow(ax, (x0 + 8.0, y0 + 2.4), (x0 + 10.0, y0 + 2.4), text="pack_half2", size=8.5, offset=(0, -0.45))
+    ax.text(x0 + 17.9, y0 + 0.3, "Every value stays in the lane that\ncomputed it: no shuffle, no shared\n"
+            "memory. The lane numbers in the\nthree pictures are the same; fp32\npairs become fp16 pairs.",
+            ha="left", va="top", size=9)
+    ax.text(x0, y0 + 5.6, "\n".join(lines), ha="left", va="top", size=8.5, family="monospace")
+
+
+def mma_fragments(ctx):
+    """Figure 7: m16n8k16 fragment layouts, ldmatrix address groups, 07's C-to-A repacking of P."""
+    highlight = 5
+    fig, ax = plt.subplots(figsize=(11.5, 9.6))
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.95)
+    blank_axes(ax, (-1.2, 23.8), (-1.3, 19.6))
+    draw_operands(ax, highlight)
+    register_legend(ax, 0, 6.75, [(QUAD[0], "a0,a1   b0,b1   c0,c1", 4.6), (QUAD[1], "a2,a3   b2,b3   c2,c3", 4.6),
+                                  (QUAD[2], "a4,a5", 2.2), (QUAD[3], "a6,a7", 2.2)])
+    ax.text(0, 7.35, f"Each box: two elements held by one lane (its number). groupID = lane / 4, threadID_in_group = "
+            f"lane % 4; outlined: lane {highlight} (groupID {highlight // 4}, thread {highlight % 4}).",
+            va="top", size=9)
+    draw_ldmatrix(ax, 0, 9.3)
+    ax.text(0, 11.75, "S = Q K^T leaves mma.sync as fp32 C fragments, two n8 tiles per 16 keys; 07 packs them into "
+            "the fp16 A fragment of P V in registers:", va="bottom", size=9, weight="bold")
+    draw_repack(ax, 0, 13.1, highlight)
+    ax.set_title("mma.sync.m16n8k16 (fp16 in, fp32 accumulate): which lane holds which elements "
+                 "(PTX ISA fragment layouts)", size=11.5)
+    return fig
+
+
+# --- 8. 07's cp.async ring ----------------------------------------------------------------------
+
+COPY_LATENCY = 1.5  # schematic: a tile's copy takes 1.5x its compute time (for the drawing only)
+
+
+def ring_schedule(stages, tiles, latency=COPY_LATENCY):
+    """Start/end of every tile's copy and compute under 07's loop: the prologue issues tiles 0..STAGES-2;
+    iteration j waits for tile j, issues tile j+STAGES-1 into the slot tile j-1 used, computes tile j."""
+    arrive = {t: latency for t in range(min(stages - 1, tiles))}
+    issued = {t: 0.0 for t in arrive}
+    compute, end = {}, 0.0
+    for j in range(tiles):
+        start = max(end, arrive[j])
+        nxt = j + stages - 1
+        if nxt < tiles:
+            issued[nxt], arrive[nxt] = start, start + latency
+        compute[j] = (start, start + 1.0)
+        end = start + 1.0
+    return issued, arrive, compute
+
+
+def ring_panel(ax, stages, tiles, title):
+    """One ring as lanes over time: the warps' compute, then one lane per slot (copy in flight, tile in use)."""
+    issued, arrive, compute = ring_schedule(stages, tiles)
+    for t in range(tiles):
+        slot = t % stages
+        y = 1 + slot
+        rect(ax, issued[t], y + 0.1, arrive[t] - issued[t], 0.8, COLORS["k"], edge="white", lw=1, hatch="///")
+        what = f"cp.async\nQ + tile {t}" if t == 0 else f"cp.async\ntile {t}"
+        ax.text((issued[t] + arrive[t]) / 2, y + 0.5, what, ha="center", va="center", size=7.5,
+                bbox=dict(facecolor=COLORS["k"], edgecolor="none", pad=0.5))
+        start, stop = compute[t]
+        rect(ax, start, y + 0.1, stop - start, 0.8, COLORS["q"], edge="white", lw=1)
+        ax.text((start + stop) / 2, y + 0.5, f"use {t}", ha="center", va="center", size=7.5)
+        rect(ax, start, 0.1, stop - start, 0.8, "#3182bd", edge="white", lw=1)
+        ax.text((start + stop) / 2, 0.5, f"tile {t}", ha="center", va="center", size=8, color="white")
+    for t in range(1, tiles):
+        gap = compute[t][0] - compute[t - 1][1]
+        if gap > 1e-9:
+            rect(ax, compute[t - 1][1], 0.1, gap, 0.8, "#fcbba1", edge="white", lw=1)
+            ax.text(compute[t - 1][1] + gap / 2, 0.5, "wait", ha="center", va="center", size=7.5)
+    first_wait = compute[0][0]
+    rect(ax, 0, 0.1, first_wait, 0.8, "#fcbba1", edge="white", lw=1)
+    ax.text(first_wait / 2, 0.5, "wait", ha="center", va="center", size=8)
+    ax.text(-0.15, 0.5, "warps compute", ha="right", va="center", size=9)
+    for s in range(stages):
+        ax.text(-0.15, 1.5 + s, f"ring slot {s}", ha="right", va="center", size=9)
+    ax.set_title(title, size=10, loc="left")
+    return compute[tiles - 1][1]
+
+
+def ring_smem(c, headdim, stages):
+    """Shared memory of one 07 block at HEAD_DIM = headdim with `stages` (K, V) pairs."""
+    env = {"HEAD_DIM": headdim}
+    q_halves, kv_halves = const(c, "Q_HALVES", **env), const(c, "KV_HALVES", **env)
+    return (q_halves + 2 * stages * kv_halves) * 2
+
+
+def cp_async_ring(ctx):
+    """Figure 8: 07's cp.async ring over time for each head dim (07's STAGES_D*, Config<> sizes)."""
+    c = chapter_constants("07_async_pipeline")
+    tiles = 6
+    panels = [(d, const(c, "STAGES", HEAD_DIM=d)) for d in (128, 64)]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 6.8), gridspec_kw={"height_ratios": [s + 1 for _, s in
+                                                                                                  panels]})
+    horizon = max(ring_schedule(s, tiles)[2][tiles - 1][1] for _, s in panels) + 0.3
+    for ax, (d, stages) in zip(axes, panels):
+        smem, blocks = ring_smem(c, d, stages), launch_bound_blocks("07_async_pipeline")
+        more = ring_smem(c, d, stages + 1)
+        fit = HARDWARE["smem_per_sm_kib"] * 1024 // more
+        title = (f"D = {d}: STAGES = {stages} (STAGES_D{d}); one block: {smem // 1024} KiB of shared memory, "
+                 f"{blocks} blocks = {blocks * smem // 1024} of the SM's {HARDWARE['smem_per_sm_kib']} KiB; "
+                 f"{stages + 1} stages would take {more // 1024} KiB: {fit} block{'s' if fit > 1 else ''} per SM")
+        done = ring_panel(ax, stages, tiles, title)
+        ax.set_xlim(-2.6, horizon)
+        ax.set_ylim(stages + 1.05, -0.05)
+        ax.set_yticks([])
+        for side in ("top", "right", "left"):
+            ax.spines[side].set_visible(False)
+        ax.set_xlabel(f"time, in tile computes (schematic: a copy takes {COPY_LATENCY}x a compute); "
+                      f"{tiles} tiles done at {done:g}", size=9)
+        ax.set_xticks(range(0, int(horizon) + 1))
+    fig.suptitle("07_async_pipeline: the cp.async ring. Iteration j waits for tile j (__pipeline_wait_prior"
+                 "(STAGES - 2)),\nissues the copy of tile j + STAGES - 1 into the slot tile j - 1 freed, then computes "
+                 "tile j", size=11)
+    fig.tight_layout()
+    return fig
+
+
+# --- 9. Shared-memory bank maps -------------------------------------------------------------------
+
+def chunk_banks(stride_halves, rows=8):
+    """Banks of the first 16-byte chunk of each of `rows` consecutive rows of `stride_halves` halves."""
+    hw = HARDWARE
+    words = 16 // hw["bank_bytes"]
+    return [[(r * stride_halves * 2 // hw["bank_bytes"] + w) % hw["banks"] for w in range(words)]
+            for r in range(rows)]
+
+
+def conflict_degree(stride_halves, rows=8):
+    """Wavefronts a 16-byte access of those rows' first chunks needs: the most distinct words in one bank."""
+    per_bank = {}
+    for r, banks in enumerate(chunk_banks(stride_halves, rows)):
+        for w, bank in enumerate(banks):
+            per_bank.setdefault(bank, set()).add((r, w))
+    return max(len(v) for v in per_bank.values())
+
+
+def bank_panel(ax, stride_halves, title):
+    """8 rows x 32 banks: the banks chunk 0 of each row covers, and how many rows meet in each bank."""
+    banks = HARDWARE["banks"]
+    hits = np.zeros((8, banks), dtype=int)
+    for r, row_banks in enumerate(chunk_banks(stride_halves)):
+        for b in row_banks:
+            hits[r, b] = 1
+    load = hits.sum(axis=0)
+    for r in range(8):
+        for b in range(banks):
+            if hits[r, b]:
+                rect(ax, b, r, 1, 1, plt.cm.tab10(r % 10), edge="white", lw=0.8)
+        ax.text(-0.3, r + 0.5, f"row {r}", ha="right", va="center", size=8.5)
+    rect(ax, 0, 0, banks, 8, "none", edge="#404040", lw=0.8)
+    grid_lines(ax, 0, 0, banks, 8, banks, 8, color="#d0d0d0", lw=0.4)
+    for b in range(banks):
+        color = "#a50f15" if load[b] > 1 else "#404040"
+        ax.text(b + 0.5, 8.55, f"{load[b]}" if load[b] else "", ha="center", va="center", size=8, color=color)
+        if b % 4 == 0:
+            ax.text(b + 0.5, -0.3, f"{b}", ha="center", va="bottom", size=7.5)
+    ax.text(banks + 0.3, 8.55, "rows per bank", va="center", size=8)
+    ax.text(banks + 0.3, -0.3, "bank", va="bottom", size=8)
+    ax.set_title(title, size=10, loc="left")
+
+
+def bank_maps(ctx):
+    """Figure 9: shared-memory banks of 8 rows' first chunks for 3 paddings (06's and 07's PAD)."""
+    c6, c7 = chapter_constants("06_tensorcore_wmma"), chapter_constants("07_async_pipeline")
+    pad6, pad7 = const(c6, "PAD"), const(c7, "PAD")
+    row_halves = 64
+    pads = [0, pad7 // 2, pad7]
+    fig, axes = plt.subplots(len(pads), 1, figsize=(11, 9.6))
+    for ax, pad in zip(axes, pads):
+        stride = row_halves + pad
+        degree = conflict_degree(stride)
+        who = f" (PAD in 06 and 07: {pad6}, {pad7})" if pad == pad7 else " (for comparison)" if pad else ""
+        verdict = "conflict-free" if degree == 1 else f"{degree}-way conflict: {degree} wavefronts instead of 1"
+        bank_panel(ax, stride, f"rows of {row_halves} + {pad} halves = {stride * 2} bytes{who}: "
+                               f"first 16-byte chunks of 8 rows -> {verdict}")
+        blank_axes(ax, (-2.6, HARDWARE["banks"] + 4.5), (-0.9, 9.0))
+    d128 = [conflict_degree(128 + p) for p in pads]
+    fig.suptitle(f"Shared memory has {HARDWARE['banks']} banks of {HARDWARE['bank_bytes']} bytes. ldmatrix (and a "
+                 f"16-byte load by 8 lanes) reads one 16-byte chunk from each of 8 rows in one go.\n"
+                 f"Which banks chunk 0 of rows 0-7 lands in; same degrees for 128-half rows (D = 128): "
+                 f"{', '.join(f'PAD {p}: {d}' for p, d in zip(pads, d128))}", size=10.5)
+    fig.tight_layout()
+    return fig
+
+
+# --- 10. The staircase ----------------------------------------------------------------------------
+
+ANCHOR_LABELS = {"torch_flash": "FlashAttention-2 (PyTorch SDPA flash)", "torch_cudnn": "cuDNN (PyTorch SDPA)",
+                 "torch_efficient": "memory-efficient (PyTorch SDPA)", "torch_eager": "PyTorch eager"}
+PRECISION_COLORS = {"fp32 CUDA cores": "#9ecae1", "fp16 tensor cores": "#fd8d3c", "fp8 tensor cores": "#756bb1"}
+
+
+def chapter_tick(chapter):
+    """01_naive -> '01\\nnaive'; long names broken at their underscores."""
+    number, name = chapter.split("_", 1)
+    return number + "\n" + (name.replace("_", "\n") if len(name) > 10 else name)
+
+
+def staircase(ctx):
+    """Figure 10: TFLOP/s per chapter at the headline shape with the anchors as lines (the CSV)."""
+    rows = headline_rows(ctx["rows"])
+    chapters = sorted(impl for impl in rows if is_chapter(impl))
+    anchors = sorted((impl for impl in rows if not is_chapter(impl)), key=lambda i: -rows[i]["tflops"])
+    headdim, seqlen = headline_shape()
+    sample = rows[chapters[0]]
+    fig, ax = plt.subplots(figsize=(11, 6.2))
+    kinds = [precision_of(ch) for ch in chapters]
+    values = [rows[ch]["tflops"] for ch in chapters]
+    ax.bar(range(len(chapters)), values, color=[PRECISION_COLORS.get(k, "#bdbdbd") for k in kinds],
+           edgecolor="#404040", linewidth=0.6, width=0.7, zorder=2)
+    for i, ch in enumerate(chapters):
+        ax.text(i, values[i] * 1.07, f"{values[i]:.1f}\n{rows[ch]['ms']:.3g} ms", ha="center", va="bottom", size=8.5,
+                zorder=3, bbox=dict(facecolor="white", edgecolor="none", pad=0.6, alpha=0.85))
+    styles = ["-", "--", "-.", ":"]
+    for k, impl in enumerate(anchors):
+        y = rows[impl]["tflops"]
+        ax.axhline(y, color="#505050", lw=1.0, ls=styles[k % len(styles)], zorder=1)
+        label = f" {ANCHOR_LABELS.get(impl, impl)}\n {y:.1f} TFLOP/s, {rows[impl]['ms']:.3g} ms"
+        ax.text(len(chapters) - 0.5, y, label,
+                ha="left", va="center", size=8.5, color="#303030")
+    ax.set_yscale("log")
+    ax.set_xlim(-0.6, len(chapters) + 1.9)
+    ax.set_ylim(min(values) / 1.6, max(values + [rows[a]["tflops"] for a in anchors]) * 2.4)
+    ax.set_xticks(range(len(chapters)))
+    ax.set_xticklabels([chapter_tick(ch) for ch in chapters], size=9)
+    ax.set_ylabel("TFLOP/s (log scale; 4·B·H·N²·D FLOPs)")
+    ax.legend(handles=[Patch(facecolor=PRECISION_COLORS[k], edgecolor="#404040", linewidth=0.6, label=k)
+                       for k in PRECISION_COLORS if k in kinds], loc="lower right", fontsize=9, frameon=False)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(f"{ctx['env'].get('gpu', HARDWARE['gpu'])}, B={sample['batch']} H={sample['heads']} N={seqlen} "
+                 f"D={headdim}, non-causal, {sample['dtype']}: TFLOP/s and median time of each chapter;\n"
+                 f"lines: PyTorch's attention on the same inputs, same run (docs/results/NVIDIA_H200.csv)", size=11)
+    return fig
+
+
+# --- Main -------------------------------------------------------------------------------------------
+
+FIGURES = [("memory_hierarchy", memory_hierarchy), ("tiling_02", tiling_02), ("online_softmax", online_softmax),
+           ("loop_order", loop_order), ("causal_tiles", causal_tiles), ("wmma_roundtrip_06", wmma_roundtrip_06),
+           ("mma_fragments", mma_fragments), ("cp_async_ring", cp_async_ring), ("bank_maps", bank_maps),
+           ("staircase", staircase)]
+
+
+def main():
+    """Make the figures named on the command line, or all of them."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--png", metavar="DIR", help="also write a PNG copy of every figure into DIR")
+    parser.add_argument("names", nargs="*", help="only these figures (default: all)")
+    args = parser.parse_args()
+    if plt is None:
+        print("matplotlib not installed: figures not regenerated")
+        return 0
+    setup_matplotlib()
+    if args.png:
+        os.makedirs(args.png, exist_ok=True)
+    env = read_env()
+    ctx = {"rows": read_results(), "env": env, "clock_ghz": sm_clock_ghz(env)}
+    for name, make in FIGURES:
+        if args.names and name not in args.names:
+            continue
+        path = save(make(ctx), name, args.png)
+        print(f"{os.path.relpath(path, ROOT)}: {os.path.getsize(path) / 1024:.1f} KiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
