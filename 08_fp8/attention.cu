@@ -20,7 +20,7 @@
 #include "../common/harness.h"
 
 #define BLOCK_Q 128   // query rows per block: 2 warpgroups x 64 (wgmma's M)
-#define BLOCK_KV 128  // keys per tile: wgmma's N for QK^T; 128 e4m3 bytes = one swizzled row of Vt
+#define BLOCK_KV 128  // keys per tile: wgmma's N for QK^T
 #define CONSUMERS 2   // consumer warpgroups, each 64 query rows
 #define WARPGROUP_THREADS 128
 #define WARPGROUP_ROWS (BLOCK_Q / CONSUMERS)
@@ -40,8 +40,11 @@
 #ifndef EXP2_FMA_EVERY
 #define EXP2_FMA_EVERY 0  // every Nth 8-key chunk's exponentials on the FMA units (0: all on MUFU)
 #endif
+#ifndef FP16_OPERANDS
+#define FP16_OPERANDS 0  // 1: the same kernel on fp16 operands (no quantisation): what wgmma buys without FP8
+#endif
 #ifndef STAGES_D128
-#define STAGES_D128 3  // (K, Vt) tile pairs in flight, by head dim: chosen by a sweep
+#define STAGES_D128 (FP16_OPERANDS ? 2 : 3)  // (K, Vt) tile pairs in flight, by head dim: chosen by a sweep
 #endif
 #ifndef STAGES_D64
 #define STAGES_D64 4
@@ -51,18 +54,26 @@
 #define CONSUMER_REGISTERS 240  // ...and the consumers get the rest of the 64K
 static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * CONSUMERS * WARPGROUP_THREADS <= 65536,
               "the register file holds both roles");
-#define MMA_K 32           // e4m3 wgmma: 32 elements (bytes) of the reduced dimension per instruction
-#define E4M3_MAX 448.0f    // the largest finite e4m3 value
-#define P_SCALE_LOG2 8.0f  // P is stored as 256 p: [0, 256] keeps p >= 2^-14 in e4m3's normal range
+#define ELEMENT_BYTES (FP16_OPERANDS ? 2 : 1)  // of an operand: e4m3 or fp16
+#define KSTEP_BYTES 32                         // of the reduced dimension per wgmma, for every type
+#define MMA_K (KSTEP_BYTES / ELEMENT_BYTES)    // elements of it: 32 e4m3 or 16 fp16
+#define SLICE_BYTES 128                        // the widest swizzle: longer rows are stored as 128-byte slices
+#define E4M3_MAX 448.0f                        // the largest finite e4m3 value
+#define P_SCALE_LOG2 8.0f                      // P is stored as 256 p: [0, 256] keeps p >= 2^-14 in e4m3's normal range
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
 template <int HEAD_DIM>
 struct Config {
     static constexpr int STAGES = HEAD_DIM == 128 ? STAGES_D128 : STAGES_D64;
-    static constexpr int Q_BYTES = BLOCK_Q * HEAD_DIM;  // e4m3: one byte per element
-    static constexpr int K_BYTES = BLOCK_KV * HEAD_DIM;
-    static constexpr int V_BYTES = HEAD_DIM * BLOCK_KV;
+    static constexpr int Q_BYTES = BLOCK_Q * HEAD_DIM * ELEMENT_BYTES;
+    static constexpr int K_BYTES = BLOCK_KV * HEAD_DIM * ELEMENT_BYTES;
+    static constexpr int V_BYTES = HEAD_DIM * BLOCK_KV * ELEMENT_BYTES;
+    // Rows of Q and K (HEAD_DIM elements) and of Vt (BLOCK_KV keys) are stored in slices of at
+    // most 128 bytes, each slice a [rows][slice] tile in its swizzle: one TMA box each.
+    static constexpr int QK_SLICE = HEAD_DIM * ELEMENT_BYTES < SLICE_BYTES ? HEAD_DIM * ELEMENT_BYTES : SLICE_BYTES;
+    static constexpr int V_SLICE = BLOCK_KV * ELEMENT_BYTES < SLICE_BYTES ? BLOCK_KV * ELEMENT_BYTES : SLICE_BYTES;
+    static constexpr int QK_SLICES = HEAD_DIM * ELEMENT_BYTES / QK_SLICE, V_SLICES = BLOCK_KV * ELEMENT_BYTES / V_SLICE;
     static constexpr int BARRIERS = 1 + 2 * STAGES;  // Q full, K/V full and empty
     static constexpr int SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_BYTES + V_BYTES) + BARRIERS * 8;
     static_assert(HEAD_DIM % MMA_K == 0 && BLOCK_KV % MMA_K == 0, "whole wgmma k-steps");
@@ -185,6 +196,39 @@ __global__ void __launch_bounds__(HEAD_DIM)
                                       seqlen_padded - row0, seqlen_padded, tile, descale);
 }
 
+// 32-bit word i (two halves) of a vector.
+__device__ unsigned word_at(const uint4 &v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// With fp16 operands (FP16_OPERANDS) there is nothing to quantise: Q and K are read where they
+// are, and only V is transposed, in key order (the 16-bit A operand of P V is the accumulator's
+// own layout), to [b*h][HEAD_DIM][seqlen_padded]. Thread t: 16-key group t % 8 of 8 dimensions.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(HEAD_DIM)
+    transpose_kernel(const __half *v, __half *vt, int seqlen, int seqlen_padded) {
+    constexpr int VECTORS_PER_ROW = HEAD_DIM / 8, GROUPS = SCALE_ROWS / KEY_GROUP;
+    const int row0 = blockIdx.x * SCALE_ROWS, rows = min(SCALE_ROWS, seqlen - row0);
+    const int group = threadIdx.x % GROUPS, dim0 = threadIdx.x / GROUPS * 8, key0 = row0 + group * KEY_GROUP;
+    if (key0 >= seqlen_padded) return;
+    const size_t head = blockIdx.y;
+    const uint4 *src = (const uint4 *)(v + (head * seqlen + row0) * HEAD_DIM);
+    uint4 tile[KEY_GROUP];
+    for (int i = 0; i < KEY_GROUP; i++) {
+        const int row = group * KEY_GROUP + i;
+        tile[i] = row < rows ? src[row * VECTORS_PER_ROW + dim0 / 8] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int d = 0; d < 8; d++) {
+        unsigned pairs[KEY_GROUP / 2];  // keys 2p and 2p + 1 of dimension dim0 + d
+#pragma unroll
+        for (int p = 0; p < KEY_GROUP / 2; p++)
+            pairs[p] =
+                __byte_perm(word_at(tile[2 * p], d / 2), word_at(tile[2 * p + 1], d / 2), d % 2 ? 0x7632 : 0x5410);
+        uint4 *dst = (uint4 *)(vt + (head * HEAD_DIM + dim0 + d) * seqlen_padded + key0);
+        dst[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+        dst[1] = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
+    }
+}
+
 // --- Hopper's asynchronous machinery, as the PTX ISA documents it --------------------------
 __device__ unsigned smem_address(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 
@@ -280,35 +324,48 @@ __device__ void setmaxnreg_inc() {
     ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
     "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 
-// d (64 x 128 fp32) = A (64 x 32, shared) * B (32 x 128, shared) [+ d if accumulate]; e4m3.
+// The instruction's k and types, and its trailing immediates: scale-a and scale-b (1: no
+// negation), and for 16-bit types whether A (shared A only) and B are transposed (0: K-major).
+#if FP16_OPERANDS
+#define WGMMA_K_TYPES "k16.f32.f16.f16"
+#define WGMMA_SHARED_A_IMM "1, 1, 0, 0"
+#define WGMMA_REGISTER_A_IMM "1, 1, 1, 0"
+#else
+#define WGMMA_K_TYPES "k32.f32.e4m3.e4m3"
+#define WGMMA_SHARED_A_IMM "1, 1"
+#define WGMMA_REGISTER_A_IMM "1, 1, 1"
+#endif
+
+// d (64 x 128 fp32) = A (64 x MMA_K, shared) * B (MMA_K x 128, shared) [+ d if accumulate].
 // Thread t of the warpgroup holds d rows 16 (t/32) + t%32/4 (+8), columns 8c + 2 (t%4) (+1).
-__device__ void wgmma_64x128x32_shared_a(float (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+__device__ void wgmma_64x128_shared_a(float (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
     asm volatile(
         "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" REGS64 "}, %64, %65, acc, 1, 1;\n}\n"
+        "wgmma.mma_async.sync.aligned.m64n128" WGMMA_K_TYPES " {" REGS64 "}, %64, %65, acc, " WGMMA_SHARED_A_IMM
+        ";\n}\n"
         : ACC32(d, 0), ACC32(d, 32)
         : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
 
-// d (64 x N fp32) += A (64 x 32, e4m3 in registers: 4 x 4 bytes per thread) * B (32 x N, shared).
-__device__ void wgmma_64x128x32_register_a(float (&d)[64], const unsigned (&a)[4], uint64_t b_desc) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" REGS64
-                 "}, {%64, %65, %66, %67}, %68, 1, 1, 1;\n"
+// d (64 x N fp32) += A (64 x MMA_K in registers: 4 x 4 bytes per thread) * B (MMA_K x N, shared).
+__device__ void wgmma_64x128_register_a(float (&d)[64], const unsigned (&a)[4], uint64_t b_desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128" WGMMA_K_TYPES " {" REGS64
+                 "}, {%64, %65, %66, %67}, %68, " WGMMA_REGISTER_A_IMM ";\n"
                  : ACC32(d, 0), ACC32(d, 32)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
 }
 
-__device__ void wgmma_64x64x32_register_a(float (&d)[32], const unsigned (&a)[4], uint64_t b_desc) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" REGS32
-                 "}, {%32, %33, %34, %35}, %36, 1, 1, 1;\n"
+__device__ void wgmma_64x64_register_a(float (&d)[32], const unsigned (&a)[4], uint64_t b_desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64" WGMMA_K_TYPES " {" REGS32
+                 "}, {%32, %33, %34, %35}, %36, " WGMMA_REGISTER_A_IMM ";\n"
                  : ACC32(d, 0)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
 }
 
 template <int HEAD_DIM>
 __device__ void wgmma_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p)[4], uint64_t v_desc) {
-    if constexpr (HEAD_DIM == 128) wgmma_64x128x32_register_a(o_acc, p, v_desc);
-    else wgmma_64x64x32_register_a(o_acc, p, v_desc);
+    if constexpr (HEAD_DIM == 128) wgmma_64x128_register_a(o_acc, p, v_desc);
+    else wgmma_64x64_register_a(o_acc, p, v_desc);
 }
 
 // Four fp32 values to four e4m3 bytes, the first in the lowest byte.
@@ -392,6 +449,9 @@ __device__ Smem smem_layout(unsigned char *raw) {
     return s;
 }
 
+// A tile's descale; fp16 operands have none.
+__device__ float descale_at(const float *descales, int tile) { return FP16_OPERANDS ? 1.0f : __ldg(&descales[tile]); }
+
 // What a block works on, and where its copies come from.
 struct Work {
     const CUtensorMap *k_map, *vt_map;
@@ -406,8 +466,12 @@ __device__ void load_kv_tile(const Smem &s, const Work &w, int tile) {
     typedef Config<HEAD_DIM> C;
     const int stage = tile % C::STAGES;
     mbarrier_arrive_expect_bytes(&s.kv_full[stage], C::K_BYTES + C::V_BYTES);
-    tma_load(s.k_ring + stage * C::K_BYTES, w.k_map, &s.kv_full[stage], 0, tile * BLOCK_KV, w.head);
-    tma_load(s.v_ring + stage * C::V_BYTES, w.vt_map, &s.kv_full[stage], tile * BLOCK_KV, 0, w.head);
+    for (int slice = 0; slice < C::QK_SLICES; slice++)
+        tma_load(s.k_ring + stage * C::K_BYTES + slice * BLOCK_KV * C::QK_SLICE, w.k_map, &s.kv_full[stage],
+                 slice * C::QK_SLICE, tile * BLOCK_KV, w.head);
+    for (int slice = 0; slice < C::V_SLICES; slice++)
+        tma_load(s.v_ring + stage * C::V_BYTES + slice * HEAD_DIM * C::V_SLICE, w.vt_map, &s.kv_full[stage],
+                 tile * BLOCK_KV * ELEMENT_BYTES + slice * C::V_SLICE, 0, w.head);
 }
 
 // The producer warpgroup's one thread: every (K, Vt) tile, each into a stage once it is empty.
@@ -434,14 +498,22 @@ __device__ void release_stage(const Smem &s, const Work &w, int tile) {
     __syncwarp();
 }
 
-// S = Q K^T for the warpgroup's 64 rows: HEAD_DIM / 32 wgmmas, issued, not waited for.
+// Where k-step ks (32 bytes of every row) of a tile starts: in slice ks * 32 / slice_bytes,
+// each slice being slice_stride bytes (all the tile's rows) long.
+__device__ const unsigned char *kstep(const unsigned char *tile, int slice_stride, int slice_bytes, int ks) {
+    return tile + ks * KSTEP_BYTES / slice_bytes * slice_stride + ks * KSTEP_BYTES % slice_bytes;
+}
+
+// S = Q K^T for the warpgroup's 64 rows: HEAD_DIM / MMA_K wgmmas, issued, not waited for.
 template <int HEAD_DIM>
 __device__ void issue_qk(float (&score)[BLOCK_KV / 2], const unsigned char *q_rows, const unsigned char *k_tile) {
+    typedef Config<HEAD_DIM> C;
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++)
-        wgmma_64x128x32_shared_a(score, smem_descriptor(q_rows + ks * MMA_K, HEAD_DIM),
-                                 smem_descriptor(k_tile + ks * MMA_K, HEAD_DIM), ks > 0);
+        wgmma_64x128_shared_a(
+            score, smem_descriptor(kstep(q_rows, BLOCK_Q * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE),
+            smem_descriptor(kstep(k_tile, BLOCK_KV * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE), ks > 0);
     wgmma_commit();
 }
 
@@ -449,10 +521,12 @@ __device__ void issue_qk(float (&score)[BLOCK_KV / 2], const unsigned char *q_ro
 template <int HEAD_DIM>
 __device__ void issue_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p_frag)[BLOCK_KV / MMA_K][4],
                          const unsigned char *v_tile) {
+    typedef Config<HEAD_DIM> C;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
-        wgmma_pv<HEAD_DIM>(o_acc, p_frag[kk], smem_descriptor(v_tile + kk * MMA_K, BLOCK_KV));
+        wgmma_pv<HEAD_DIM>(o_acc, p_frag[kk],
+                           smem_descriptor(kstep(v_tile, HEAD_DIM * C::V_SLICE, C::V_SLICE, kk), C::V_SLICE));
     wgmma_commit();
 }
 
@@ -496,6 +570,19 @@ __device__ void rescale_output(float (&o_acc)[HEAD_DIM / 2], const float (&resca
         for (int j = 0; j < 4; j++) o_acc[4 * c + j] *= factor[j / 2];
 }
 
+#if FP16_OPERANDS
+// P to fp16, in the A-operand layout, which for 16-bit types is the accumulator's own: per 16
+// keys (n8 chunks c, c + 1), rows g and g + 8 of keys 2t, 2t+1 of each chunk. Vt keeps key order.
+__device__ void pack_p(const float (&score)[BLOCK_KV / 2], unsigned (&p_frag)[BLOCK_KV / MMA_K][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = 2 * kk + i / 2, r = i % 2;  // n8 chunk c, row g + 8r
+            p_frag[kk][i] = pack_half2(score[4 * c + 2 * r], score[4 * c + 2 * r + 1]);
+        }
+}
+#else
 // P to e4m3, in the A-operand layout: per 32 keys, rows g and g+8 of keys 2t, 2t+1, 2t+8, 2t+9
 // of each 16, which Vt's key_slot order turns into positions 4t..4t+3.
 __device__ void pack_p(const float (&score)[BLOCK_KV / 2], unsigned (&p_frag)[BLOCK_KV / MMA_K][4]) {
@@ -508,6 +595,7 @@ __device__ void pack_p(const float (&score)[BLOCK_KV / 2], unsigned (&p_frag)[BL
                                         score[4 * c + 4 + 2 * r + 1]);
         }
 }
+#endif
 
 // Ping-pong: consumer warpgroup g issues its matrix products only after the other one has issued
 // its own (named barrier 1 + g: g's 128 threads wait, the other's 128 arrive), so that one
@@ -536,7 +624,7 @@ struct Consumer {
 // Each V tile has its own scale: before P V of `tile` adds in that tile's units, O moves to them.
 template <int HEAD_DIM>
 __device__ float next_v_units(Consumer<HEAD_DIM> &c, const Work &w, int tile) {
-    const float v_descale = __ldg(&w.v_descales[tile]), ratio = c.v_descale / v_descale;
+    const float v_descale = descale_at(w.v_descales, tile), ratio = c.v_descale / v_descale;
     c.v_descale = v_descale;
     return ratio;
 }
@@ -547,7 +635,7 @@ template <int HEAD_DIM, bool PV_IN_FLIGHT>
 __device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
     typedef Config<HEAD_DIM> C;
     const int key0 = tile * BLOCK_KV;
-    const float k_descale = __ldg(&w.k_descales[tile]);
+    const float k_descale = descale_at(w.k_descales, tile);
     mbarrier_wait(&s.kv_full[tile % C::STAGES], tile / C::STAGES % 2);
     wait_turn(c.group);
     issue_qk<HEAD_DIM>(c.score, c.q_rows, s.k_ring + tile % C::STAGES * C::K_BYTES);
@@ -580,9 +668,9 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
     c.group = group;
     c.group_query0 = w.query0 + group * WARPGROUP_ROWS;
     c.row0 = c.group_query0 + threadIdx.x / 32 % 4 * 16 + lane / 4;
-    c.q_rows = s.q_tile + group * WARPGROUP_ROWS * HEAD_DIM;
+    c.q_rows = s.q_tile + group * WARPGROUP_ROWS * Config<HEAD_DIM>::QK_SLICE;  // in every slice
     c.q_scale_log2 = q_scale_log2;
-    c.v_descale = __ldg(&w.v_descales[0]);
+    c.v_descale = descale_at(w.v_descales, 0);
     for (int i = 0; i < HEAD_DIM / 2; i++) c.o_acc[i] = 0.0f;
     for (int r = 0; r < 2; r++) c.row_max[r] = -INFINITY, c.row_sum[r] = 0.0f;
     mbarrier_wait(s.q_full, 0);
@@ -647,7 +735,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     // The descales, [Q, K, V][b*h][tile], fold into the softmax scale (Q, and K per tile) and
     // into O (V per tile).
     const int tiles = ceil_div(seqlen, SCALE_ROWS);
-    const float q_scale_log2 = scale_log2e * descales[w.head * tiles + query_tile];
+    const float q_scale_log2 = scale_log2e * (FP16_OPERANDS ? 1.0f : descales[w.head * tiles + query_tile]);
     w.k_descales = descales + (heads + w.head) * tiles;
     w.v_descales = descales + (2 * heads + w.head) * tiles;
 
@@ -657,7 +745,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             mbarrier_init(&s.kv_full[i], 1), mbarrier_init(&s.kv_empty[i], CONSUMER_WARPS);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         mbarrier_arrive_expect_bytes(s.q_full, C::Q_BYTES);
-        tma_load(s.q_tile, &q_map, s.q_full, 0, w.query0, w.head);
+        for (int slice = 0; slice < C::QK_SLICES; slice++)
+            tma_load(s.q_tile + slice * BLOCK_Q * C::QK_SLICE, &q_map, s.q_full, slice * C::QK_SLICE, w.query0, w.head);
         if (!WARP_SPECIALISED)  // the ring's first tiles; release_stage refills it
             for (int tile = 0; tile < min(C::STAGES, w.kv_tiles); tile++) load_kv_tile<HEAD_DIM>(s, w, tile);
     }
@@ -676,11 +765,12 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 // --- Launchers -------------------------------------------------------------------------------
-// The workspace: the descales [3][b*h][tiles], then Q and K in e4m3 ([b*h][N][D]), then Vt
-// ([b*h][D][N_padded]).
+// What the attention kernel reads. FP8: the workspace holds the descales [3][b*h][tiles], then
+// Q and K in e4m3 ([b*h][N][D]), then Vt ([b*h][D][N_padded]). fp16 operands: Q and K are the
+// inputs, and the workspace holds Vt alone.
 typedef struct {
     float *descales;
-    unsigned char *q8, *k8, *vt8;
+    unsigned char *q, *k, *vt;
     int seqlen_padded;  // Vt's rows are padded to 16 keys: TMA needs row strides of 16 bytes
 } Workspace;
 
@@ -693,30 +783,45 @@ static Workspace workspace_layout(const AttnArgs *args) {
     const AttnShape *s = &args->shape;
     const size_t qk_bytes = (size_t)s->batch * s->heads * s->seqlen * s->headdim;
     Workspace w;
-    w.descales = (float *)args->workspace;
-    w.q8 = (unsigned char *)args->workspace + descale_bytes(s);
-    w.k8 = w.q8 + qk_bytes;
-    w.vt8 = w.k8 + qk_bytes;
     w.seqlen_padded = ceil_div(s->seqlen, 16) * 16;
+    if (FP16_OPERANDS) {
+        w.descales = NULL;
+        w.q = (unsigned char *)args->q;
+        w.k = (unsigned char *)args->k;
+        w.vt = (unsigned char *)args->workspace;
+        return w;
+    }
+    w.descales = (float *)args->workspace;
+    w.q = (unsigned char *)args->workspace + descale_bytes(s);
+    w.k = w.q + qk_bytes;
+    w.vt = w.k + qk_bytes;
     return w;
 }
 
 static size_t workspace_bytes(const AttnShape *s) {
-    const size_t heads = (size_t)s->batch * s->heads;
-    return descale_bytes(s) + 2 * heads * s->seqlen * s->headdim + heads * s->headdim * (ceil_div(s->seqlen, 16) * 16);
+    const size_t heads = (size_t)s->batch * s->heads, vt_bytes = heads * s->headdim * (ceil_div(s->seqlen, 16) * 16);
+    if (FP16_OPERANDS) return vt_bytes * sizeof(__half);
+    return descale_bytes(s) + 2 * heads * s->seqlen * s->headdim + vt_bytes;
 }
 
 template <int HEAD_DIM>
 static cudaError_t quantize(const AttnArgs *args, cudaStream_t stream) {
     const AttnShape *s = &args->shape;
     const Workspace w = workspace_layout(args);
-    dim3 grid(ceil_div(s->seqlen, SCALE_ROWS), s->batch * s->heads, 3);
-    quantize_kernel<HEAD_DIM><<<grid, HEAD_DIM, 0, stream>>>(args->q, args->k, args->v, w.descales, w.q8, w.k8, w.vt8,
-                                                             s->seqlen, w.seqlen_padded);
-    return cudaGetLastError();
+    if constexpr (FP16_OPERANDS) {
+        dim3 grid(ceil_div(s->seqlen, SCALE_ROWS), s->batch * s->heads);
+        transpose_kernel<HEAD_DIM><<<grid, HEAD_DIM, 0, stream>>>(args->v, (__half *)w.vt, s->seqlen, w.seqlen_padded);
+        return cudaGetLastError();
+    } else {
+        dim3 grid(ceil_div(s->seqlen, SCALE_ROWS), s->batch * s->heads, 3);
+        quantize_kernel<HEAD_DIM><<<grid, HEAD_DIM, 0, stream>>>(args->q, args->k, args->v, w.descales, w.q, w.k, w.vt,
+                                                                 s->seqlen, w.seqlen_padded);
+        return cudaGetLastError();
+    }
 }
 
-// The chapter's prepare step: the e4m3 copies of Q, K, V and their descales, in one kernel.
+// The chapter's prepare step: the e4m3 copies of Q, K, V and their descales, in one kernel (with
+// fp16 operands: V transposed).
 static cudaError_t prepare(const AttnArgs *args, cudaStream_t stream) {
     return launch_for_head_dim(args, stream, quantize<64>, quantize<128>);
 }
@@ -735,7 +840,7 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
     return encode;
 }
 
-// A tensor map over e4m3 bytes [heads][rows][row_bytes] whose boxes are box_rows x box_bytes,
+// A tensor map over the bytes of [heads][rows][row_bytes] whose boxes are box_rows x box_bytes,
 // swizzled by the box row length (64 or 128 bytes), the layout wgmma's descriptors name.
 static cudaError_t make_tensor_map(CUtensorMap *map, void *base, int row_bytes, int rows, int heads, int box_bytes,
                                    int box_rows) {
@@ -764,9 +869,11 @@ static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
     const Workspace w = workspace_layout(args);
     const int heads = s->batch * s->heads, tiles = ceil_div(s->seqlen, BLOCK_Q);
     CUtensorMap q_map, k_map, vt_map;
-    RETURN_IF_ERROR(make_tensor_map(&q_map, w.q8, HEAD_DIM, s->seqlen, heads, HEAD_DIM, BLOCK_Q));
-    RETURN_IF_ERROR(make_tensor_map(&k_map, w.k8, HEAD_DIM, s->seqlen, heads, HEAD_DIM, BLOCK_KV));
-    RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt8, w.seqlen_padded, HEAD_DIM, heads, BLOCK_KV, HEAD_DIM));
+    typedef Config<HEAD_DIM> C;
+    const int row_bytes = HEAD_DIM * ELEMENT_BYTES, vt_row_bytes = w.seqlen_padded * ELEMENT_BYTES;
+    RETURN_IF_ERROR(make_tensor_map(&q_map, w.q, row_bytes, s->seqlen, heads, C::QK_SLICE, BLOCK_Q));
+    RETURN_IF_ERROR(make_tensor_map(&k_map, w.k, row_bytes, s->seqlen, heads, C::QK_SLICE, BLOCK_KV));
+    RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt, vt_row_bytes, HEAD_DIM, heads, C::V_SLICE, HEAD_DIM));
     const int smem = Config<HEAD_DIM>::SMEM_BYTES;
     RETURN_IF_ERROR(
         cudaFuncSetAttribute(attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -780,6 +887,7 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
     return launch_for_head_dim(args, stream, launch<64>, launch<128>);
 }
 
+#if !FP16_OPERANDS
 const Chapter chapter = {
     "08_fp8",
     "FP8 e4m3 with dynamic scales on Hopper's wgmma fed by TMA: warp-specialised, softmax overlapped with the MMAs",
@@ -790,3 +898,15 @@ const Chapter chapter = {
     prepare,  // quantise Q, K, V to e4m3 (timed with the forward and on its own)
     forward,
 };
+#else  // the same kernel on fp16 operands, checked as the fp16 tensor-core chapters are
+const Chapter chapter = {
+    "08_fp8",
+    "08's kernel on fp16 operands (FP16_OPERANDS=1): Hopper's wgmma and TMA without FP8",
+    PRECISION_FP16_TC,
+    90,
+    90,
+    workspace_bytes,
+    prepare,  // transpose V
+    forward,
+};
+#endif

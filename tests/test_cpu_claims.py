@@ -352,3 +352,26 @@ def test_mma_sync_e4m3_is_emulated_on_sm90(ctx):
     assert unpacks, f"sm_90: expected F2FP conversions from e4m3, got {ops['sm_90']}"
     return (f"sm_89: {names['sm_89']}; sm_90: {len(unpacks)} x {unpacks[0]} + "
             f"{sum(op == 'HMMA' for op, _ in ops['sm_90'])} x HMMA")
+
+
+def test_fp8_chapter_fp16_operand_build(ctx):
+    """08 with -DFP16_OPERANDS=1 is the same kernel on fp16 operands: HGMMA (k16) instead of
+    QGMMA in attention_kernel, the copies still on TMA, no e4m3 conversions, and no spills."""
+    cuobjdump, env = sass_tools(ctx)
+    cubin = ctx.tmpdir() / "08_fp16_operands.cubin"
+    proc = ctx.run([nvcc(), "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", "-DFP16_OPERANDS=1",
+                    "-gencode=arch=compute_90a,code=sm_90a", "-o", cubin, ctx.root / "08_fp8" / "attention.cu"],
+                   timeout=600)
+    assert proc.returncode == 0, f"nvcc -DFP16_OPERANDS=1 failed:\n{proc.stderr}"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
+    assert spills and all(s == ("0", "0") for s in spills), f"spills in the fp16-operand build: {spills}"
+    dump = ctx.run([cuobjdump, "--dump-sass", cubin], env=env, timeout=300)
+    assert dump.returncode == 0, f"cuobjdump failed on {cubin}:\n{dump.stderr}"
+    kernels = re.split(r"Function : ", dump.stdout)[1:]
+    attention = [k for k in kernels if kernel_base_name(k.split()[0]) == "attention_kernel"]
+    assert len(attention) == 2, f"expected attention_kernel for D=64 and 128, found {len(attention)}"
+    for text in attention:
+        ops = set(re.findall(r"\b(HGMMA|QGMMA|UTMALDG|F2FP\.SATFINITE\.E4M3)", text))
+        assert {"HGMMA", "UTMALDG"} <= ops and not ops & {"QGMMA", "F2FP.SATFINITE.E4M3"}, \
+            f"fp16-operand attention_kernel: expected HGMMA and UTMALDG, no QGMMA or e4m3 conversion, got {ops}"
+    return f"2 attention kernels on HGMMA + UTMALDG, no QGMMA, {len(spills)} functions without spills"
