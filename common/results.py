@@ -17,7 +17,7 @@ KEY_FIELDS = ("impl", "batch", "heads", "seqlen", "headdim", "causal")
 NOTE_FIELDS = KEY_FIELDS + ("note",)
 TIMED = ("PASS", "unchecked")   # statuses whose timing is shown
 ANCHORS = ("torch_flash", "torch_cudnn", "torch_efficient", "torch_eager", "cudnn_fp8")
-FA2, CUDNN = "torch_flash", "torch_cudnn"
+FA2, CUDNN, EAGER = "torch_flash", "torch_cudnn", "torch_eager"
 
 # --- The benchmark's shapes (docs/design.md) ----------------------------------------------
 BENCH_DS = (128, 64)

@@ -114,15 +114,16 @@ def test_chapter_table_matches_golden():
 
 def test_stage_cells_hand_computed():
     rows = fixture_rows()
-    # 02 at 27.49 ms, 20.0 TFLOP/s; 01 at 68.72 ms; FA2 331.98, cuDNN 582.99 TFLOP/s.
+    # 02 at 27.49 ms, 20.0 TFLOP/s; 01 at 68.72 ms; eager 10.0 ms; FA2 331.98, cuDNN 582.99 TFLOP/s.
     cells = report.stage_cells(rows, "02_tiling", "01_naive", "01_naive", 0)
-    assert cells == ["27.5", "20.0", "2.50x", "2.50x", "6%", "3%"], cells
-    # 07 causal: 70.1 / 1.2 = 58.4x vs 01; its previous chapter (06) FAILed there: no ratio.
+    assert cells == ["27.5", "20.0", "2.50x", "2.50x", "0.36x", "6%", "3%"], cells
+    # 07 causal: 70.1 / 1.2 = 58.4x vs 01, 14.47 / 1.2 = 12.1x vs eager; its previous chapter
+    # (06) FAILed there: no ratio.
     cells = report.stage_cells(rows, "07_async_pipeline", "01_naive", "06_tensorcore_wmma", 1)
-    assert cells == ["1.20", "229.1", "58.4x", "-", "77%", "45%"], cells
-    assert report.stage_cells(rows, "06_tensorcore_wmma", "01_naive", "05_causal", 1) == ["FAIL"] + ["-"] * 5
-    assert report.stage_cells(rows, "torch_efficient", "01_naive", None, 1) == ["skip"] + ["-"] * 5
-    assert report.stage_cells(rows, "04_fused", "01_naive", "03_online_softmax", 0, 64) == ["-"] * 6
+    assert cells == ["1.20", "229.1", "58.4x", "-", "12.1x", "77%", "45%"], cells
+    assert report.stage_cells(rows, "06_tensorcore_wmma", "01_naive", "05_causal", 1) == ["FAIL"] + ["-"] * 6
+    assert report.stage_cells(rows, "torch_efficient", "01_naive", None, 1) == ["skip"] + ["-"] * 6
+    assert report.stage_cells(rows, "04_fused", "01_naive", "03_online_softmax", 0, 64) == ["-"] * 7
     # An anchor has no previous chapter: its "x vs prev" cell is empty.
     assert report.stage_cells(rows, "torch_cudnn", "01_naive", None, 0)[2:4] == ["72.9x", ""]
 
