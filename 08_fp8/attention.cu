@@ -672,7 +672,10 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
     c.q_scale_log2 = q_scale_log2;
     c.v_descale = descale_at(w.v_descales, 0);
     for (int i = 0; i < HEAD_DIM / 2; i++) c.o_acc[i] = 0.0f;
-    for (int r = 0; r < 2; r++) c.row_max[r] = -INFINITY, c.row_sum[r] = 0.0f;
+    for (int r = 0; r < 2; r++) {
+        c.row_max[r] = -INFINITY;
+        c.row_sum[r] = 0.0f;
+    }
     mbarrier_wait(s.q_full, 0);
     if (group == 1) pass_turn(group);  // warpgroup 0 goes first
 
@@ -741,8 +744,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     if (threadIdx.x == 0) {
         mbarrier_init(s.q_full, 1);
-        for (int i = 0; i < C::STAGES; i++)
-            mbarrier_init(&s.kv_full[i], 1), mbarrier_init(&s.kv_empty[i], CONSUMER_WARPS);
+        for (int i = 0; i < C::STAGES; i++) {
+            mbarrier_init(&s.kv_full[i], 1);
+            mbarrier_init(&s.kv_empty[i], CONSUMER_WARPS);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         mbarrier_arrive_expect_bytes(s.q_full, C::Q_BYTES);
         for (int slice = 0; slice < C::QK_SLICES; slice++)
