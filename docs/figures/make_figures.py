@@ -4,10 +4,12 @@
 Every number drawn comes from the repository itself:
   - the chapters' constants, parsed from `#define NAME value` and `static constexpr int NAME = ...`
     lines of NN_name/attention.cu (tile sizes, thread counts, padding, pipeline stages), plus a few
-    expressions read from the sources (07's ldmatrix addresses and P repacking, 05's block order);
+    expressions read from the sources (07's ldmatrix addresses and P repacking, 05's block order, the
+    order of 08's producer and consumer steps, checked before its timeline is drawn);
   - the headline shape, from common/results.py (HEADLINE_D, HEADLINE_N);
   - the measured times, from docs/results/NVIDIA_H200.csv (csv module) and the SM clock from
-    docs/results/NVIDIA_H200.env.
+    docs/results/NVIDIA_H200.env; for the ping-pong figure, the tensor and XU pipe utilisation of 08's
+    attention kernel from docs/results/logs/ncu_08_final.txt (Nsight Compute).
 Only documented hardware facts of the H200 are constants here (HARDWARE, below).
 
     python3 docs/figures/make_figures.py          # rewrites docs/figures/*.svg
@@ -31,6 +33,7 @@ try:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.lines import Line2D
     from matplotlib.patches import FancyBboxPatch, Patch, PathPatch, Polygon, Rectangle
     from matplotlib.path import Path
 except ImportError:
@@ -52,6 +55,8 @@ HARDWARE = {
     "hbm_tb_s": 4.8,
     "banks": 32,                   # shared memory: 32 banks...
     "bank_bytes": 4,               # ...of 4 bytes, one access per bank per clock
+    "fp8_flop_per_clock_sm": 8192,  # dense e4m3 wgmma: 1979 TFLOP/s = 132 SMs x 1.83 GHz x 8192 (datasheet)
+    "ex2_per_clock_sm": 16,        # MUFU.EX2 results per clock per SM (CUDA Programming Guide, cc 9.0)
 }
 
 COLORS = {"q": "#9ecae1", "k": "#fdae6b", "s": "#bcbddc", "hi": "#e6550d", "hbm": "#fee6ce", "smem": "#deebf7",
@@ -99,6 +104,9 @@ def c_to_python(expr):
     expr = re.sub(r"\(int\)\s*sizeof\(float\)|sizeof\(float\)", "4", expr)
     expr = re.sub(r"\((?:int|unsigned)\)", "", expr)
     expr = re.sub(r"(\d+\.\d*)f\b", r"\1", expr)
+    inner = re.compile(r"\(([^()?:]*)\?([^()?:]*):([^()?:]*)\)")  # a bracketed ternary, innermost first
+    while inner.search(expr):
+        expr = inner.sub(lambda m: f"(({m.group(2)}) if ({m.group(1)}) else ({m.group(3)}))", expr)
     ternary = re.match(r"^(.*?)\?(.*?):(.*)$", expr, re.S)
     if ternary:
         cond, yes, no = ternary.groups()
@@ -1119,14 +1127,59 @@ def bank_maps(ctx):
 # --- 10. The staircase ----------------------------------------------------------------------------
 
 ANCHOR_LABELS = {"torch_flash": "FlashAttention-2 (PyTorch SDPA flash)", "torch_cudnn": "cuDNN (PyTorch SDPA)",
-                 "torch_efficient": "memory-efficient (PyTorch SDPA)", "torch_eager": "PyTorch eager"}
+                 "torch_efficient": "memory-efficient (PyTorch SDPA)", "torch_eager": "PyTorch eager",
+                 "cudnn_fp8": "cuDNN FP8 (kernel alone, e4m3 in/out)"}
 PRECISION_COLORS = {"fp32 CUDA cores": "#9ecae1", "fp16 tensor cores": "#fd8d3c", "fp8 tensor cores": "#756bb1"}
+ANCHOR_COLORS = {"fp8": "#54278f"}  # an anchor's line and label by its dtype; others grey
 
 
 def chapter_tick(chapter):
     """01_naive -> '01\\nnaive'; long names broken at their underscores."""
     number, name = chapter.split("_", 1)
     return number + "\n" + (name.replace("_", "\n") if len(name) > 10 else name)
+
+
+def spread(positions, gap, top):
+    """Positions (ascending) moved as little as possible (least squares) so that neighbours are at least
+    `gap` apart, then shifted down as a whole if the highest passes `top`: labels that do not overlap."""
+    shifted = [p - i * gap for i, p in enumerate(positions)]  # gaps >= `gap` <=> these non-decreasing
+    blocks = []  # pool adjacent violators: [mean, count]
+    for value in shifted:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            blocks[-1] = [(blocks[-1][0] * blocks[-1][1] + mean * count) / (blocks[-1][1] + count),
+                          blocks[-1][1] + count]
+    fitted = [mean for mean, count in blocks for _ in range(count)]
+    placed = [v + i * gap for i, v in enumerate(fitted)]
+    excess = max(0.0, placed[-1] - top) if placed else 0.0
+    return [p - excess for p in placed]
+
+
+def anchor_label_positions(ax, ys, lines_per_label, size):
+    """Data y of each anchor's label: the anchors' own y, spread in display space so that no two
+    labels (of `lines_per_label` lines of `size` points) overlap."""
+    order = sorted(range(len(ys)), key=lambda i: ys[i])
+    to_px, from_px = ax.transData.transform, ax.transData.inverted().transform
+    px = [to_px((0, ys[i]))[1] for i in order]
+    gap = lines_per_label * size * 1.3 * ax.figure.dpi / 72
+    top = ax.transAxes.transform((0, 1))[1] - gap / 2
+    placed = spread(px, gap, top)
+    out = [0.0] * len(ys)
+    for i, p in zip(order, placed):
+        out[i] = from_px((0, p))[1]
+    return out
+
+
+def measured_together(env, chapters):
+    """The chapters timed in the same run as the anchors: those outside the .env's rows_AA_to_BB note."""
+    for key in env:
+        match = re.match(r"rows_(\d\d)_to_(\d\d)$", key)
+        if match:
+            lo, hi = int(match.group(1)), int(match.group(2))
+            same = [ch[:2] for ch in chapters if not lo <= int(ch[:2]) <= hi]
+            return f"{same[0]}-{same[-1]}" if len(same) > 1 else (same[0] if same else "")
+    return f"{chapters[0][:2]}-{chapters[-1][:2]}"
 
 
 def staircase(ctx):
@@ -1144,16 +1197,21 @@ def staircase(ctx):
     for i, ch in enumerate(chapters):
         ax.text(i, values[i] * 1.07, f"{values[i]:.1f}\n{rows[ch]['ms']:.3g} ms", ha="center", va="bottom", size=8.5,
                 zorder=3, bbox=dict(facecolor="white", edgecolor="none", pad=0.6, alpha=0.85))
-    styles = ["-", "--", "-.", ":"]
-    for k, impl in enumerate(anchors):
-        y = rows[impl]["tflops"]
-        ax.axhline(y, color="#505050", lw=1.0, ls=styles[k % len(styles)], zorder=1)
-        label = f" {ANCHOR_LABELS.get(impl, impl)}\n {y:.1f} TFLOP/s, {rows[impl]['ms']:.3g} ms"
-        ax.text(len(chapters) - 0.5, y, label,
-                ha="left", va="center", size=8.5, color="#303030")
     ax.set_yscale("log")
     ax.set_xlim(-0.6, len(chapters) + 1.9)
     ax.set_ylim(min(values) / 1.6, max(values + [rows[a]["tflops"] for a in anchors]) * 2.4)
+    # Lines end right of the last bar; each label sits right of its line's end, nudged apart from its
+    # neighbours (in their order) with a short leader where it had to move.
+    line_end, text_x, size = len(chapters) - 0.45, len(chapters) - 0.2, 8.5
+    ys = [rows[impl]["tflops"] for impl in anchors]
+    label_ys = anchor_label_positions(ax, ys, 2, size)
+    styles = ["-", "--", "-.", ":"]
+    for k, impl in enumerate(anchors):
+        y, color = ys[k], ANCHOR_COLORS.get(rows[impl]["dtype"], "#505050")
+        ax.plot([-0.6, line_end], [y, y], color=color, lw=1.0, ls=styles[k % len(styles)], zorder=1)
+        ax.plot([line_end, text_x - 0.05], [y, label_ys[k]], color=color, lw=0.6, zorder=1)
+        label = f"{ANCHOR_LABELS.get(impl, impl)}\n{y:.1f} TFLOP/s, {rows[impl]['ms']:.3g} ms"
+        ax.text(text_x, label_ys[k], label, ha="left", va="center", size=size, color=color, linespacing=1.15)
     ax.set_xticks(range(len(chapters)))
     ax.set_xticklabels([chapter_tick(ch) for ch in chapters], size=9)
     ax.set_ylabel("TFLOP/s (log scale; 4·B·H·N²·D FLOPs)")
@@ -1161,9 +1219,256 @@ def staircase(ctx):
                        for k in PRECISION_COLORS if k in kinds], loc="lower right", fontsize=9, frameon=False)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
+    together = f"anchors timed in the same bench run as {measured_together(ctx['env'], chapters)}"
+    if any(rows[impl]["dtype"] == "fp8" for impl in anchors):
+        lines = ("lines: PyTorch SDPA's backends on the same fp16 inputs, and cuDNN's FP8 attention alone on inputs "
+                 f"already in e4m3\n(08's bar includes its quantisation); {together}")
+    else:
+        lines = f"lines: PyTorch SDPA's backends on the same fp16 inputs; {together}"
     ax.set_title(f"{ctx['env'].get('gpu', HARDWARE['gpu'])}, B={sample['batch']} H={sample['heads']} N={seqlen} "
-                 f"D={headdim}, non-causal, {sample['dtype']}: TFLOP/s and median time of each chapter;\n"
-                 f"lines: PyTorch's attention on the same inputs, same run (docs/results/NVIDIA_H200.csv)", size=11)
+                 f"D={headdim}, non-causal, fp16 in and out: TFLOP/s and median time per chapter (bars)\n"
+                 f"{lines} (docs/results/NVIDIA_H200.csv)", size=10.5)
+    return fig
+
+
+# --- 11. 08's warp-specialised ping-pong ------------------------------------------------------------
+
+NCU_08 = os.path.join(ROOT, "docs", "results", "logs", "ncu_08_final.txt")
+# The schematic's durations, in units of one warpgroup's two products of one key tile (QK^T + P V = 1):
+# the softmax block (mask, max, exp2, sums) plus the O rescale and the packing of P, also 1 in all,
+# since at the H200's peak rates the two take the same time at D = 128 (pingpong_rates); the copy
+# latency and the issue time are for the drawing only.
+PP = {"qk": 0.5, "pv": 0.5, "softmax": 0.7, "pack": 0.3, "issue": 0.12, "copy": 1.0, "q_copy": 1.0,
+      "tma_issue": 0.1, "epilogue": 0.5}
+
+
+def pingpong_source():
+    """08's constants at D = 128, after checking that its kernel still has the order the figure draws."""
+    text, c = source_text("08_fp8"), chapter_constants("08_fp8")
+    for switch in ("WARP_SPECIALISED", "PINGPONG", "INTRA_OVERLAP"):
+        if const(c, switch) != 1:
+            raise LookupError(f"08's {switch} is not 1: the ping-pong figure needs updating")
+    checks = [
+        (r"void produce\(.*?mbarrier_wait\(&s\.kv_empty\[tile % STAGES\].*?load_kv_tile<HEAD_DIM>\(s, w, tile\)",
+         "produce: wait for an empty stage, then load the tile"),
+        (r"void scores_and_softmax\(.*?mbarrier_wait\(&s\.kv_full.*?wait_turn\(c\.group\);.*?issue_qk<HEAD_DIM>.*?"
+         r"if \(PV_IN_FLIGHT\) issue_pv<HEAD_DIM>.*?pass_turn\(c\.group\);.*?wgmma_wait<1>\(\).*?softmax_tile\(",
+         "scores_and_softmax: wait full, wait turn, issue QK^T and P V, pass turn, wait for S, softmax"),
+        (r"void finish_pv\(.*?wgmma_wait<0>\(\);.*?release_stage<HEAD_DIM>", "finish_pv: wait for P V, release"),
+        (r"if \(group == 1\) pass_turn\(group\);", "consume: warpgroup 0 goes first"),
+        (r"scores_and_softmax<HEAD_DIM, true>\(c, s, w, tile\);\s*finish_pv<HEAD_DIM>\(c, s, w, tile - 1, false\);"
+         r"\s*rescale_output<HEAD_DIM>\(.*?\);\s*pack_p\(", "consume: softmax of j, finish P V of j-1, rescale, pack"),
+        (r"finish_pv<HEAD_DIM>\(c, s, w, w\.kv_tiles - 1, true\);", "consume: the last P V after the loop"),
+    ]
+    for pattern, what in checks:
+        find(pattern, text, f"08's {what}", re.S)
+    d = 128
+    out = {n.lower(): const(c, n, HEAD_DIM=d) for n in ("STAGES", "SMEM_BYTES")}
+    out.update({n.lower(): const(c, n) for n in ("BLOCK_Q", "BLOCK_KV", "CONSUMERS", "WARPGROUP_ROWS",
+                                                   "PRODUCER_REGISTERS", "CONSUMER_REGISTERS")})
+    out["head_dim"] = d
+    return out
+
+
+def ncu_attention_08():
+    """Tensor pipe and XU pipe (ex2, conversions) busy %, of 08's attention kernel under Nsight Compute."""
+    if not os.path.exists(NCU_08):
+        raise LookupError(f"{os.path.relpath(NCU_08, ROOT)} not found: the ping-pong figure quotes it")
+    with open(NCU_08) as f:
+        text = f.read()
+    section = text[find(r"void attention_kernel<128>", text, "08's attention kernel in ncu_08_final.txt").start():]
+
+    def percent(name):
+        return float(find(name + r"\s+%\s+([\d.]+)", section, f"'{name}' of 08's attention kernel in "
+                          f"ncu_08_final.txt").group(1))
+    return {"tensor": percent("SM: Pipe Tensor Cycles Active"), "xu": percent("SM: Inst Executed Pipe Xu")}
+
+
+def pingpong_rates(p):
+    """Clocks per warpgroup and key tile at D = 128: its two products at the dense e4m3 rate, and its
+    exponentials on the special-function units."""
+    flop = 2 * 2 * p["warpgroup_rows"] * p["block_kv"] * p["head_dim"]
+    exps = p["warpgroup_rows"] * p["block_kv"]
+    return flop, flop / HARDWARE["fp8_flop_per_clock_sm"], exps, exps / HARDWARE["ex2_per_clock_sm"]
+
+
+def pingpong_schedule(stages, tiles, d=PP):
+    """Every interval of one block's timeline under 08's code: lane -> [(start, end, kind, text)].
+    Producer: wait for stage t % STAGES to be empty (t >= STAGES), issue the TMA copy of tile t.
+    Consumer g, tile j: wait for tile j to land and for its turn, issue QK^T j (and P V j-1), pass the turn,
+    wait for S, softmax j, wait for P V j-1 and release its stage, rescale O, pack P; after the loop the
+    last P V. The tensor cores run the issued groups in issue order."""
+    lanes = {"producer": [], "tensor": [], "wg0": [], "wg1": []}
+    lanes.update({f"stage{s}": [] for s in range(stages)})
+    full, released, tensor_free = {}, {}, 0.0
+    lanes["producer"].append((0.0, d["tma_issue"], "issue", "Q"))
+    q_full = d["q_copy"]
+    producer_t = d["tma_issue"]
+
+    def load(t, start):
+        lanes["producer"].append((start, start + d["tma_issue"], "issue", f"{t}"))
+        full[t] = start + d["tma_issue"] + d["copy"]
+        lanes[f"stage{t % stages}"].append((start, full[t], "copy", f"TMA K, V tile {t}"))
+        return start + d["tma_issue"]
+
+    def mma(g, start, kind, length, text):
+        nonlocal tensor_free
+        begin = max(start, tensor_free)
+        tensor_free = begin + length
+        lanes["tensor"].append((begin, tensor_free, f"{kind}{g}", text))
+        return tensor_free
+
+    for t in range(min(stages, tiles)):
+        producer_t = load(t, producer_t)
+    now = {0: q_full, 1: q_full}
+    turn = {0: 0.0}  # when warpgroup g may issue its next products: the other's last pass_turn
+    next_load = stages
+    done_pv = {}
+    for j in range(tiles):
+        for g in (0, 1):
+            # The producer refills each stage once both consumers have released it (by now, or before tile j
+            # is needed: the release of tile j - STAGES is always known by then).
+            while next_load < tiles and (next_load - stages) in released and \
+                    (released[next_load - stages] <= now[g] or next_load <= j):
+                start = max(producer_t, released[next_load - stages])
+                if start > producer_t:
+                    lanes["producer"].append((producer_t, start, "wait", f"wait empty[{next_load % stages}]"))
+                producer_t = load(next_load, start)
+                next_load += 1
+            lane = lanes[f"wg{g}"]
+            ready = max(now[g], full[j])
+            if ready > now[g]:
+                lane.append((now[g], ready, "wait", "wait K, V"))
+            go = max(ready, turn[g])
+            if go > ready:
+                lane.append((ready, go, "wait", "wait turn"))
+            issued = go + d["issue"]
+            lane.append((go, issued, "issue", ""))
+            turn[1 - g] = issued  # pass_turn
+            s_ready = mma(g, issued, "qk", d["qk"], f"QK^T {j}")
+            if j > 0:
+                done_pv[(g, j - 1)] = mma(g, issued, "pv", d["pv"], f"PV {j - 1}")
+            if s_ready > issued:
+                lane.append((issued, s_ready, "wait", "wait S"))
+            soft_end = s_ready + d["softmax"]
+            lane.append((s_ready, soft_end, "softmax", f"softmax {j}"))
+            t = soft_end
+            if j > 0:
+                if done_pv[(g, j - 1)] > t:
+                    lane.append((t, done_pv[(g, j - 1)], "wait", "wait PV"))
+                    t = done_pv[(g, j - 1)]
+                released[j - 1] = max(released.get(j - 1, 0.0), t) if g == 1 else t
+            lane.append((t, t + d["pack"], "pack", ""))
+            now[g] = t + d["pack"]
+    for g in (0, 1):  # the last tile's P V, then O and LSE out
+        lane = lanes[f"wg{g}"]
+        issued = now[g] + d["issue"]
+        lane.append((now[g], issued, "issue", ""))
+        end = mma(g, issued, "pv", d["pv"], f"PV {tiles - 1}")
+        lane.append((issued, end, "wait", "wait PV"))
+        lane.append((end, end + d["epilogue"], "epilogue", "O, LSE"))
+        released[tiles - 1] = max(released.get(tiles - 1, 0.0), end)
+    for t in range(tiles):
+        lanes[f"stage{t % stages}"].append((full[t], released[t], "use", f"tile {t}"))
+    return lanes
+
+
+PP_COLORS = {"issue": "#252525", "wait": "#f4f4f4", "copy": COLORS["k"], "use": "#fdd0a2", "softmax0": "#9ecae1",
+             "softmax1": "#fdae6b", "pack": "#a1d99b", "qk0": "#2171b5", "pv0": "#6baed6", "qk1": "#d94801",
+             "pv1": "#fd8d3c", "epilogue": "#d9d9d9"}
+
+
+def points_per_unit(ax):
+    """Points per data unit along x: how much text fits in a box."""
+    lo, hi = ax.get_xlim()
+    return ax.get_window_extent().width * 72 / ax.figure.dpi / (hi - lo)
+
+
+def pingpong_lane(ax, y, height, intervals, group=None, size=7):
+    """One lane of the timeline: a box per interval, its text inside where it fits."""
+    scale = points_per_unit(ax)
+    for start, end, kind, text in intervals:
+        key = f"{kind}{group}" if kind == "softmax" else kind
+        color = PP_COLORS[key]
+        rect(ax, start, y, end - start, height, color, edge="#bdbdbd" if kind == "wait" else "white", lw=0.8,
+             hatch="///" if kind == "copy" else None)
+        if text and (end - start) * scale >= 0.55 * size * len(text) + 3:
+            dark = kind in ("qk0", "qk1", "issue")
+            ax.text((start + end) / 2, y + height / 2, text, ha="center", va="center", size=size,
+                    color="white" if dark else "#202020",
+                    bbox=dict(facecolor=color, edgecolor="none", pad=0.3) if kind == "copy" else None)
+
+
+def pingpong_08(ctx):
+    """Figure 11: one block of 08's attention kernel over time (schematic): the producer's TMA ring, the two
+    consumer warpgroups taking turns, and the tensor cores (08's constants; the order checked in its source)."""
+    p = pingpong_source()
+    ncu = ncu_attention_08()
+    flop, mma_clocks, exps, exp_clocks = pingpong_rates(p)
+    stages, tiles = p["stages"], p["stages"] + 2
+    lanes = pingpong_schedule(stages, tiles)
+    end = max(e for intervals in lanes.values() for _, e, _, _ in intervals)
+    rows = [("producer", "producer warpgroup\n(one thread issues TMA)", None, 0.0, 0.7)]
+    rows += [(f"stage{s}", f"ring stage {s}", None, 0.95 + 0.6 * s, 0.5) for s in range(stages)]
+    y = 0.95 + 0.6 * stages + 0.35
+    rows += [("wg0", f"consumer warpgroup 0\n(query rows 0-{p['warpgroup_rows'] - 1})", 0, y, 0.8),
+             ("wg1", f"consumer warpgroup 1\n(rows {p['warpgroup_rows']}-{2 * p['warpgroup_rows'] - 1})", 1,
+              y + 1.05, 0.8),
+             ("tensor", "tensor cores\n(wgmma groups,\nin issue order)", None, y + 2.1, 0.8)]
+    bottom = y + 2.9
+    fig, ax = plt.subplots(figsize=(12.5, 6.4))
+    fig.subplots_adjust(left=0.16, right=0.995)
+    ax.set_xlim(0, end + 0.1)
+    ax.set_ylim(bottom + 0.1, -0.1)
+    for key, name, group, top, height in rows:
+        pingpong_lane(ax, top, height, lanes[key], group, size=6.5 if key == "tensor" else 7)
+        ax.text(-0.15, top + height / 2, name, ha="right", va="center", size=9 if height > 0.6 else 8.5)
+    # The turn passing: each issue lets the other warpgroup issue next.
+    issues = sorted((start, end_, g) for g in (0, 1) for start, end_, kind, _ in lanes[f"wg{g}"] if kind == "issue")
+    lane_y = {0: (y, 0.8), 1: (y + 1.05, 0.8)}
+    for (s0, e0, g0), (s1, _, g1) in zip(issues, issues[1:]):
+        if g0 != g1 and s1 >= e0:
+            y0 = lane_y[g0][0] + (lane_y[g0][1] if g0 == 0 else 0)
+            y1 = lane_y[g1][0] + (0 if g1 == 1 else lane_y[g1][1])
+            ax.annotate("", xy=(s1, y1), xytext=(e0, y0),
+                        arrowprops=dict(arrowstyle="-|>", color="#636363", lw=0.7, shrinkA=0, shrinkB=0))
+    ax.set_yticks([])
+    ax.set_xticks([])
+    for side in ("top", "right", "left", "bottom"):
+        ax.spines[side].set_visible(False)
+    ax.annotate("", xy=(end + 0.1, bottom), xytext=(0, bottom),
+                arrowprops=dict(arrowstyle="-|>", color="#404040", lw=0.8))
+    ax.text(end + 0.1, bottom + 0.12, "time (schematic)", ha="right", va="top", size=8.5)
+    legend = [Patch(facecolor=PP_COLORS["qk0"], label="QK^T of tile j, warpgroup 0"),
+              Patch(facecolor=PP_COLORS["pv0"], label="P V of tile j-1, warpgroup 0"),
+              Patch(facecolor=PP_COLORS["softmax0"], label="mask, softmax of tile j, wg 0"),
+              Patch(facecolor=PP_COLORS["qk1"], label="QK^T of tile j, warpgroup 1"),
+              Patch(facecolor=PP_COLORS["pv1"], label="P V of tile j-1, warpgroup 1"),
+              Patch(facecolor=PP_COLORS["softmax1"], label="mask, softmax of tile j, wg 1"),
+              Patch(facecolor=PP_COLORS["pack"], label="rescale O, pack P to e4m3"),
+              Patch(facecolor=PP_COLORS["issue"], label="issue (wgmma or TMA)"),
+              Line2D([], [], color="#636363", lw=0.7, marker=">", markersize=4, label="pass_turn"),
+              Patch(facecolor=PP_COLORS["copy"], hatch="///", edgecolor="white", label="TMA copy in flight"),
+              Patch(facecolor=PP_COLORS["use"], label="tile held until both release it"),
+              Patch(facecolor=PP_COLORS["wait"], edgecolor="#bdbdbd", label="waiting")]
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(-0.16, -0.01), ncol=4, fontsize=8.5,
+              frameon=False, columnspacing=1.2, handlelength=1.6)
+    note = (f"At D = {p['head_dim']}, per warpgroup and key tile: QK^T + P V = {flop / 1e6:.2f} MFLOP, "
+            f"{mma_clocks:.0f} clocks at {HARDWARE['fp8_flop_per_clock_sm']:,} e4m3 FLOP per clock per SM; its "
+            f"{exps:,} exponentials, {exp_clocks:.0f} clocks at {HARDWARE['ex2_per_clock_sm']} ex2 per clock per SM:"
+            f"\nequal at peak rates, so drawn equal (the copy time is for the drawing only). Measured (Nsight "
+            f"Compute, headline shape, docs/results/logs/ncu_08_final.txt): tensor pipe {ncu['tensor']:.1f}% busy,"
+            f"\nXU pipe (ex2, conversions) {ncu['xu']:.1f}%: the real kernel has gaps this drawing does not. "
+            f"One block per SM: "
+            f"{p['smem_bytes']:,} bytes of shared memory (Q and {stages} stages of K, Vt); registers per thread: "
+            f"{p['producer_registers']} (producer), {p['consumer_registers']} (consumers).")
+    ax.text(-0.16, -0.22, note, ha="left", va="top", size=8.5, linespacing=1.45, transform=ax.transAxes)
+    ax.set_title(f"08_fp8's attention kernel, one block over time (schematic, {tiles} key tiles): a producer "
+                 f"warpgroup fills a ring of STAGES = {stages} (K, Vt) stages;\n{p['consumers']} consumer warpgroups "
+                 f"of {p['warpgroup_rows']} query rows take turns on the tensor cores (ping-pong), and each runs "
+                 f"P V of tile j-1 during its softmax of tile j\n(BLOCK_Q = {p['block_q']}, BLOCK_KV = "
+                 f"{p['block_kv']}, D = {p['head_dim']}: one warpgroup's softmax overlaps the other's products)",
+                 size=10.5)
     return fig
 
 
@@ -1172,7 +1477,7 @@ def staircase(ctx):
 FIGURES = [("memory_hierarchy", memory_hierarchy), ("tiling_02", tiling_02), ("online_softmax", online_softmax),
            ("loop_order", loop_order), ("causal_tiles", causal_tiles), ("wmma_roundtrip_06", wmma_roundtrip_06),
            ("mma_fragments", mma_fragments), ("cp_async_ring", cp_async_ring), ("bank_maps", bank_maps),
-           ("staircase", staircase)]
+           ("staircase", staircase), ("pingpong_08", pingpong_08)]
 
 
 def main():
