@@ -30,7 +30,8 @@ endif
 # Chapters built on Hopper's arch-specific features (wgmma) target sm_90a alone, whatever ARCH says:
 # sm_90a code runs on sm_90 only, and the chapter says so (exit 77) on any other GPU.
 SM90A_CHAPTERS := 08_fp8
-$(addprefix $(BUILD)/,$(SM90A_CHAPTERS)): private GENCODE := -gencode=arch=compute_90a,code=sm_90a
+$(addprefix $(BUILD)/,$(SM90A_CHAPTERS)) $(addprefix $(BUILD)/exercises/,$(SM90A_CHAPTERS)): \
+    private GENCODE := -gencode=arch=compute_90a,code=sm_90a
 
 EXTRA_NVFLAGS ?=   # e.g. -DBLOCK_KV_D128=64 to try another tile size in 07
 NVFLAGS := -O3 -std=c++17 -lineinfo -Xcompiler -Wall,-Wextra -Xptxas -v $(EXTRA_NVFLAGS) \
@@ -40,7 +41,7 @@ HEADERS := common/harness.h common/npy.h
 COMMON_OBJ := $(BUILD)/common/harness.o $(BUILD)/common/npy.o
 .SECONDARY: $(COMMON_OBJ)
 
-.PHONY: all run test bench compare sanitize diff profile sass help clean FORCE
+.PHONY: all run test bench compare sanitize diff profile sass exercise grade help clean FORCE
 .DEFAULT_GOAL := all
 
 all: $(addprefix $(BUILD)/,$(CHAPTERS)) $(PY_DEPS)
@@ -121,6 +122,18 @@ sass: all
 	@test -n "$(CUOBJDUMP)" || { echo "make sass: cuobjdump not found (CUDA toolkit); 'make test' fetches one into .cache/tools" >&2; exit 2; }
 	@PATH="$(dir $(CUOBJDUMP)):$$PATH" $(CUOBJDUMP) --dump-sass $(BUILD)/$(call chapter_dir,$(CH))
 
+# Graded exercises (common/exercises.py): a student copy of a chapter in exercises/ (EX= one
+# exercise, or a comma-separated list; FORCE=1 overwrites a copy you have edited), then its grade.
+# The copy builds with the rule above, as BUILD/exercises/NN_name, with this Makefile's flags.
+exercise: $(PY_DEPS)
+	@test -n "$(call chapter_dir,$(CH))" || $(call no_chapter,$(CH),CH)
+	@$(PYTHON) common/exercises.py make $(call chapter_dir,$(CH))$(if $(EX), --only $(EX))$(if $(filter-out 0,$(FORCE)), --force)
+
+grade: $(PY_DEPS)
+	@test -n "$(call chapter_dir,$(CH))" || $(call no_chapter,$(CH),CH)
+	@$(MAKE) --no-print-directory -s $(BUILD)/$(call chapter_dir,$(CH))
+	@$(PYTHON) common/exercises.py grade $(call chapter_dir,$(CH)) --build $(BUILD) --make '$(MAKE)'
+
 help:
 	@echo "make            build every chapter into $(BUILD)/ (ARCH=$(ARCH); ARCH=sm_90, sm_80, multi...)"
 	@echo "make run        run every chapter on the default shape and print the stage table"
@@ -130,6 +143,8 @@ help:
 	@echo "make sanitize   compute-sanitizer memcheck/racecheck/synccheck/initcheck, every chapter"
 	@echo "make diff A=04 B=05   the one idea chapter B adds over chapter A"
 	@echo "make profile CH=04    Nsight Compute on one chapter;  make sass CH=04   its SASS"
+	@echo "make exercise CH=04 [EX=name] [FORCE=1]   a student copy of the chapter's exercises -> exercises/"
+	@echo "make grade CH=04      build and grade exercises/NN_name/attention.cu (its GPU part needs a GPU)"
 	@echo "make clean      remove build/ and the input/reference cache"
 	@echo "chapters: $(CHAPTERS)"
 

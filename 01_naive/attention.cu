@@ -38,6 +38,7 @@ __device__ float warp_sum(float x) {
 }
 
 __global__ void softmax_kernel(float *scores, float *lse, int seqlen, long long rows) {
+    // EXERCISE 01.softmax BEGIN: one warp per row of S: P = softmax(S) in place, and the row's LSE
     long long row = (long long)blockIdx.x * SOFTMAX_WARPS + threadIdx.x / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
     if (row >= rows) return;
@@ -55,10 +56,12 @@ __global__ void softmax_kernel(float *scores, float *lse, int seqlen, long long 
     for (int j = lane; j < seqlen; j += WARP_SIZE)  // pass 3: the probabilities
         s_row[j] = expf(s_row[j] - row_max) * inv_sum;
     if (lane == 0) lse[row] = row_max + logf(row_sum);
+    // EXERCISE END
 }
 
 // --- O = P V ---------------------------------------------------------------------------------
 __global__ void pv_kernel(const float *probs, const __half *v, __half *o, int seqlen, int head_dim) {
+    // EXERCISE 01.pv_columns BEGIN: map threads to output elements so that a warp's loads coalesce
     int d = threadIdx.x;  // blockDim.x == head_dim
     int query = blockIdx.x;
     size_t head = blockIdx.y;
@@ -67,6 +70,18 @@ __global__ void pv_kernel(const float *probs, const __half *v, __half *o, int se
     float acc = 0.0f;
     for (int key = 0; key < seqlen; key++) acc += p_row[key] * __half2float(v_head[(size_t)key * head_dim + d]);
     o[(head * seqlen + query) * head_dim + d] = __float2half(acc);
+    // EXERCISE 01.pv_columns STUB
+    // // Lanes along the queries: element e = blockIdx.x * head_dim + threadIdx.x of the head's
+    // // outputs, taken column by column (query = e % seqlen, d = e / seqlen).
+    // int e = blockIdx.x * head_dim + threadIdx.x;
+    // int query = e % seqlen, d = e / seqlen;
+    // size_t head = blockIdx.y;
+    // const float *p_row = probs + (head * seqlen + query) * seqlen;
+    // const __half *v_head = v + head * seqlen * head_dim;
+    // float acc = 0.0f;
+    // for (int key = 0; key < seqlen; key++) acc += p_row[key] * __half2float(v_head[(size_t)key * head_dim + d]);
+    // o[(head * seqlen + query) * head_dim + d] = __float2half(acc);
+    // EXERCISE END
 }
 
 // --- Launcher --------------------------------------------------------------------------------

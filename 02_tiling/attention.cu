@@ -9,19 +9,25 @@
 // S and P still live in device memory (B*H*N*N floats). Math is fp32 on CUDA cores.
 #include "../common/harness.h"
 
-#define TILE 64          // output tile edge: 64 x 64 elements per block
-#define TILE_K 32        // reduction slice staged per step (head dims for S, keys for O)
-#define THREADS 256      // 16 x 16 threads, each a 4 x 4 patch of the tile
-#define PATCH 4          // TILE / 16
-#define PAD 4            // floats of padding per shared row: fewer bank conflicts, float4-aligned
+#define TILE 64      // output tile edge: 64 x 64 elements per block
+#define TILE_K 32    // reduction slice staged per step (head dims for S, keys for O)
+#define THREADS 256  // 16 x 16 threads, each a 4 x 4 patch of the tile
+#define PATCH 4      // TILE / 16
+// EXERCISE 02.pad BEGIN: pad the shared rows so that the staging stores of a warp spread over the banks
+#define PAD 4  // floats of padding per shared row: fewer bank conflicts, float4-aligned
+// EXERCISE 02.pad STUB
+// #define PAD 0  // floats of padding per shared row (a multiple of 4: rows stay float4-aligned)
+// EXERCISE END
 #define SOFTMAX_WARPS 4  // softmax_kernel: rows handled per 128-thread block
 #define WARP_SIZE 32
 
 // Outer product of a 4-vector slice of A and of B, accumulated into the thread's patch.
 __device__ void patch_fma(float acc[PATCH][PATCH], float4 a, float4 b) {
+    // EXERCISE 02.patch_fma BEGIN: the outer product of a and b added into the 4 x 4 patch: 16 FMAs from 8 floats
     float av[PATCH] = {a.x, a.y, a.z, a.w}, bv[PATCH] = {b.x, b.y, b.z, b.w};
     for (int i = 0; i < PATCH; i++)
         for (int j = 0; j < PATCH; j++) acc[i][j] += av[i] * bv[j];
+    // EXERCISE END
 }
 
 // --- S = Q K^T * scale (causal: -inf above the diagonal) -------------------------------

@@ -76,6 +76,7 @@ __device__ void merge_max_sum(float *row_max, float *row_sum, float other_max, f
 // independent, so they are all in flight at once.
 #define CHUNK 8
 __device__ void online_update(float *row_max, float *row_sum, const float *s_row, int j0, int seqlen) {
+    // EXERCISE 03.online_update BEGIN: absorb the lane's CHUNK scores j0, j0 + 32, ... into (row_max, row_sum)
     float x[CHUNK], chunk_max = -INFINITY;
     for (int c = 0; c < CHUNK; c++) {
         int j = j0 + c * WARP_SIZE;
@@ -88,6 +89,7 @@ __device__ void online_update(float *row_max, float *row_sum, const float *s_row
     for (int c = 0; c < CHUNK; c++) sum += expf(x[c] - new_max);
     *row_sum = sum;
     *row_max = new_max;
+    // EXERCISE END
 }
 
 __global__ void online_softmax_kernel(float *scores, float *lse, int seqlen, long long rows) {
@@ -96,6 +98,7 @@ __global__ void online_softmax_kernel(float *scores, float *lse, int seqlen, lon
     if (row >= rows) return;
     float *s_row = scores + row * seqlen;
 
+    // EXERCISE 03.one_pass BEGIN: the row's max and sum in one read of S: online updates, then merge the lanes
     // Pass 1: running max and sum together. A new max rescales the sum found so far.
     float row_max = -INFINITY, row_sum = 0.0f;
     for (int j0 = lane; j0 < seqlen; j0 += CHUNK * WARP_SIZE) online_update(&row_max, &row_sum, s_row, j0, seqlen);
@@ -104,6 +107,17 @@ __global__ void online_softmax_kernel(float *scores, float *lse, int seqlen, lon
         float other_sum = __shfl_xor_sync(0xffffffff, row_sum, offset);
         merge_max_sum(&row_max, &row_sum, other_max, other_sum);
     }
+    // EXERCISE 03.one_pass STUB
+    // // 02's passes 1 and 2: the maximum, then the sum of exponentials, two reads of S.
+    // float row_max = -INFINITY;
+    // for (int j = lane; j < seqlen; j += WARP_SIZE) row_max = fmaxf(row_max, s_row[j]);
+    // for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2)
+    //     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffff, row_max, offset));
+    // float row_sum = 0.0f;
+    // for (int j = lane; j < seqlen; j += WARP_SIZE) row_sum += expf(s_row[j] - row_max);
+    // for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2)
+    //     row_sum += __shfl_xor_sync(0xffffffff, row_sum, offset);
+    // EXERCISE END
 
     float inv_sum = 1.0f / row_sum;
     for (int j = lane; j < seqlen; j += WARP_SIZE)  // pass 2: the probabilities

@@ -22,7 +22,7 @@
 #define COL_STEP (THREAD_COLS * VEC)              // from a thread's float4 of output columns to its next: 64
 #define CHUNK_HALVES 8                            // halves per 16-byte load (a uint4)
 #define PAD 4                                     // floats of padding per row of the P tile
-#define P_STRIDE (BLOCK_Q + PAD)                  // row stride of the P tile: float4-aligned, spreads banks
+#define P_STRIDE (BLOCK_Q + PAD)                  // row stride of the P tile: float4-aligned; P stores 4-way conflicted
 #define WARP_SIZE 32
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -34,8 +34,8 @@ static_assert(WARP_SIZE % THREAD_COLS == 0, "the threads of a row are in one war
 static_assert(CHUNK_HALVES * sizeof(__half) == sizeof(uint4), "a 16-byte load holds CHUNK_HALVES halves");
 static_assert(PAD % VEC == 0, "rows of the P tile stay float4-aligned");
 
-// Row `i` of a thread: rows ty*4..ty*4+3 and 32+ty*4..32+ty*4+3, so that the float4 reads of
-// a warp's two thread rows land in different banks.
+// Row `i` of a thread: rows ty*4..ty*4+3 and 32+ty*4..32+ty*4+3, two float4 of rows: the layout
+// of q_t and p_t, which a row's 16 threads read as one broadcast float4 each.
 __device__ int row_of(int ty, int i) { return (i / VEC) * ROW_STEP + ty * VEC + i % VEC; }
 
 // TILE_ROWS rows of HEAD_DIM halves from device memory into shared memory as fp32, transposed to
@@ -113,6 +113,7 @@ __global__ void __launch_bounds__(THREADS, 2)
 
     for (int key0 = 0; key0 < seqlen; key0 += BLOCK_KV) {
         __syncthreads();  // the previous tile's V and P are consumed
+        // EXERCISE 04.k_layout BEGIN: stage K so that a thread's 4 keys at one dim are one conflict-free float4
         load_transposed<HEAD_DIM, BLOCK_KV>(kv, k_head, key0, seqlen);
         __syncthreads();
 
@@ -128,6 +129,23 @@ __global__ void __launch_bounds__(THREADS, 2)
             for (int i = 0; i < ROWS_PER_THREAD; i++)
                 for (int j = 0; j < KEYS_PER_THREAD; j++) score[i][j] += qv[i] * kvv[j];
         }
+        // EXERCISE 04.k_layout STUB
+        // load_rows<HEAD_DIM, BLOCK_KV>(kv, k_head, key0, seqlen);  // K as it lies in memory: [key][dim]
+        // __syncthreads();
+        //
+        // // S tile = Q K^T: each thread an 8 x 4 patch; its 4 keys at dim d are 4 reads HEAD_DIM floats apart.
+        // float score[ROWS_PER_THREAD][KEYS_PER_THREAD] = {};
+        // #pragma unroll 4
+        // for (int d = 0; d < HEAD_DIM; d++) {
+        //     float4 qa = *(const float4 *)&q_t[d * BLOCK_Q + ty * VEC];
+        //     float4 qb = *(const float4 *)&q_t[d * BLOCK_Q + ROW_STEP + ty * VEC];
+        //     float qv[ROWS_PER_THREAD] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+        //     for (int j = 0; j < KEYS_PER_THREAD; j++) {
+        //         float key = kv[(tx * KEYS_PER_THREAD + j) * HEAD_DIM + d];
+        //         for (int i = 0; i < ROWS_PER_THREAD; i++) score[i][j] += qv[i] * key;
+        //     }
+        // }
+        // EXERCISE END
 
         // The mask: keys past the end, and (causal) keys after the query.
         for (int i = 0; i < ROWS_PER_THREAD; i++)
@@ -137,6 +155,7 @@ __global__ void __launch_bounds__(THREADS, 2)
             }
 
         // Online softmax on the tile: new max, rescale what was accumulated, exponentiate.
+        // EXERCISE 04.online_softmax BEGIN: per row: log2 units, new max, rescale row_sum and o_acc, exponentiate
         for (int i = 0; i < ROWS_PER_THREAD; i++) {
             float tile_max = -INFINITY;
             for (int j = 0; j < KEYS_PER_THREAD; j++) {
@@ -154,6 +173,7 @@ __global__ void __launch_bounds__(THREADS, 2)
                 row_sum[i] += score[i][j];
             }
         }
+        // EXERCISE END
         // P to shared memory, transposed, so every thread can read the probabilities of its rows.
         for (int j = 0; j < KEYS_PER_THREAD; j++) {
             float *dst = &p_t[(tx * KEYS_PER_THREAD + j) * P_STRIDE + ty * VEC];

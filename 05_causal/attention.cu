@@ -23,7 +23,7 @@
 #define COL_STEP (THREAD_COLS * VEC)              // from a thread's float4 of output columns to its next: 64
 #define CHUNK_HALVES 8                            // halves per 16-byte load (a uint4)
 #define PAD 4                                     // floats of padding per row of the P tile
-#define P_STRIDE (BLOCK_Q + PAD)                  // row stride of the P tile: float4-aligned, spreads banks
+#define P_STRIDE (BLOCK_Q + PAD)                  // row stride of the P tile: float4-aligned; P stores 4-way conflicted
 #define WARP_SIZE 32
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -35,8 +35,8 @@ static_assert(WARP_SIZE % THREAD_COLS == 0, "the threads of a row are in one war
 static_assert(CHUNK_HALVES * sizeof(__half) == sizeof(uint4), "a 16-byte load holds CHUNK_HALVES halves");
 static_assert(PAD % VEC == 0, "rows of the P tile stay float4-aligned");
 
-// Row `i` of a thread: rows ty*4..ty*4+3 and 32+ty*4..32+ty*4+3, so that the float4 reads of
-// a warp's two thread rows land in different banks.
+// Row `i` of a thread: rows ty*4..ty*4+3 and 32+ty*4..32+ty*4+3, two float4 of rows: the layout
+// of q_t and p_t, which a row's 16 threads read as one broadcast float4 each.
 __device__ int row_of(int ty, int i) { return (i / VEC) * ROW_STEP + ty * VEC + i % VEC; }
 
 // TILE_ROWS rows of HEAD_DIM halves from device memory into shared memory as fp32, transposed to
@@ -117,7 +117,11 @@ __global__ void __launch_bounds__(THREADS, 2)
     }
 
     // Causal: keys past this tile's last query are masked for every row: skip those tiles.
+    // EXERCISE 05.key_end BEGIN: causal: end the key loop after the diagonal tile
     const int key_end = causal ? min(seqlen, query0 + BLOCK_Q) : seqlen;
+    // EXERCISE 05.key_end STUB
+    // const int key_end = seqlen;  // every key tile, as 04: the mask hides the keys after the query
+    // EXERCISE END
     for (int key0 = 0; key0 < key_end; key0 += BLOCK_KV) {
         __syncthreads();  // the previous tile's V and P are consumed
         load_transposed<HEAD_DIM, BLOCK_KV>(kv, k_head, key0, seqlen);
@@ -138,12 +142,14 @@ __global__ void __launch_bounds__(THREADS, 2)
 
         // The mask: keys past the end, and (causal) keys after the query. Only the tile on the
         // diagonal (and a ragged last tile) needs it.
+        // EXERCISE 05.diagonal_mask BEGIN: on the tiles that need it, -inf for keys past the end or after the query
         if (key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0))
             for (int i = 0; i < ROWS_PER_THREAD; i++)
                 for (int j = 0; j < KEYS_PER_THREAD; j++) {
                     int key = key0 + tx * KEYS_PER_THREAD + j, query = query0 + row_of(ty, i);
                     if (key >= seqlen || (causal && key > query)) score[i][j] = -INFINITY;
                 }
+        // EXERCISE END
 
         // Online softmax on the tile: new max, rescale what was accumulated, exponentiate.
         for (int i = 0; i < ROWS_PER_THREAD; i++) {

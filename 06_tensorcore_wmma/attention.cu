@@ -23,8 +23,9 @@ using namespace nvcuda;
 // Halves of padding per fp16 row: rows stay 16-byte aligned and every 16th row (where a WMMA
 // fragment starts) 32-byte aligned, and 8 consecutive rows start in 8 different banks.
 #define PAD 8
-// Floats per row of the S tile: 8 rows start in 8 different bank quads, so fragment stores and
-// float4 reads of S are conflict-free (+4 was not: 2-way conflicts, 5% slower).
+// Floats per row of the S tile: a half-warp's 64-bit fragment stores and float4 reads cover 4
+// consecutive rows, which +8 starts 8 banks apart: conflict-free (+4 starts them 4 apart: 2-way
+// conflicts, 5% slower).
 #define S_STRIDE (BLOCK_KV + 8)
 #define P_STRIDE (BLOCK_KV + PAD)  // halves per row of P, packed over the warp's S rows
 #define LOG2E 1.4426950408889634f
@@ -36,7 +37,7 @@ typedef wmma::fragment<wmma::matrix_b, FRAG, FRAG, FRAG, __half, wmma::row_major
 typedef wmma::fragment<wmma::accumulator, FRAG, FRAG, FRAG, float> FragAcc;
 
 // Shared memory of one block, in bytes: the Q, K and V tiles, the S tile (P is written over it)
-// and one factor per row. 71 KiB at D=128: three blocks fit in an SM's 228 KiB.
+// and one factor per row. 69.25 KiB (70,912 bytes) at D=128: three blocks fit in an SM's 228 KiB.
 template <int HEAD_DIM>
 struct Smem {
     static constexpr int STRIDE = HEAD_DIM + PAD;  // halves per row of the Q, K, V tiles
@@ -50,6 +51,7 @@ struct Smem {
 // copies at constant offsets, four loads in flight before their four stores.
 template <int HEAD_DIM, int TILE_ROWS>
 __device__ void load_tile(__half *tile, const __half *src, int row0, int seqlen) {
+    // EXERCISE 06.load_tile BEGIN: copy the tile with a fixed number of 16-byte loads per thread, several in flight
     constexpr int CHUNKS = HEAD_DIM / 8, ROWS_PER_PASS = THREADS / CHUNKS, PASSES = TILE_ROWS / ROWS_PER_PASS;
     constexpr int STRIDE = Smem<HEAD_DIM>::STRIDE;
     static_assert(PASSES % 4 == 0, "every thread moves a multiple of four chunks");
@@ -72,6 +74,15 @@ __device__ void load_tile(__half *tile, const __half *src, int row0, int seqlen)
                                                               ? *(const uint4 *)(from + i * ROWS_PER_PASS * HEAD_DIM)
                                                               : make_uint4(0, 0, 0, 0);
     }
+    // EXERCISE 06.load_tile STUB
+    // constexpr int CHUNKS = HEAD_DIM / 8, STRIDE = Smem<HEAD_DIM>::STRIDE;
+    // for (int c = threadIdx.x; c < TILE_ROWS * CHUNKS; c += THREADS) {  // chunk c: row c / CHUNKS
+    //     int row = c / CHUNKS, d0 = c % CHUNKS * 8;
+    //     uint4 raw = row0 + row < seqlen ? *(const uint4 *)(src + (size_t)(row0 + row) * HEAD_DIM + d0)
+    //                                     : make_uint4(0, 0, 0, 0);
+    //     *(uint4 *)(tile + row * STRIDE + d0) = raw;
+    // }
+    // EXERCISE END
 }
 
 // WMMA does not say which (row, col) each accumulator element holds, but all accumulator
@@ -166,6 +177,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
             wmma::store_matrix_sync(s_warp + n * FRAG, s_frag[n], S_STRIDE, wmma::mem_row_major);
         __syncwarp();
 
+        // EXERCISE 06.softmax_rows BEGIN: online softmax on the warp's S rows (two lanes a row), P over S as fp16
         // Only the tile on the diagonal (and a ragged last tile) needs the mask.
         const bool needs_mask = key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0);
 
@@ -201,6 +213,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
             *(uint2 *)&p_row[4 * (2 * i + pair_lane)] = make_uint2(*(unsigned *)&lo, *(unsigned *)&hi);
         }
         if (pair_lane == 0) factor_warp[row] = rescale;
+        // EXERCISE END
         __syncwarp();
 
         // Rescale O in registers: element e of every accumulator fragment sits in row frag_row[e].

@@ -143,6 +143,7 @@ __device__ void load_k_step(unsigned frag[KEY_TILES / 2][2 * B_REGS], const __ha
 // 16-byte copies whose addresses differ by constants. Rows past seqlen are zero-filled.
 template <int HEAD_DIM, int TILE_ROWS>
 __device__ void load_tile_async(__half *tile, const __half *src, int row0, int seqlen) {
+    // EXERCISE 07.copies BEGIN: the same fixed list of 16-byte copies for every thread, at constant offsets
     constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS_PER_PASS = THREADS / CHUNKS;
     static_assert(TILE_ROWS % ROWS_PER_PASS == 0, "every thread copies the same number of chunks");
     const int row = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
@@ -161,6 +162,16 @@ __device__ void load_tile_async(__half *tile, const __half *src, int row0, int s
                                     valid ? 0 : CHUNK_BYTES);
         }
     }
+    // EXERCISE 07.copies STUB
+    // constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES;
+    // for (int c = threadIdx.x; c < TILE_ROWS * CHUNKS; c += THREADS) {  // chunk c: row c / CHUNKS
+    //     int row = c / CHUNKS, chunk = c % CHUNKS;
+    //     bool valid = row0 + row < seqlen;
+    //     const __half *from = src + (size_t)(valid ? row0 + row : 0) * HEAD_DIM + chunk * CHUNK_HALVES;
+    //     __pipeline_memcpy_async(&tile[tile_offset<HEAD_DIM>(row, chunk)], from, CHUNK_BYTES,
+    //                             valid ? 0 : CHUNK_BYTES);
+    // }
+    // EXERCISE END
 }
 
 // --- Online softmax on the score accumulators ----------------------------------------------
@@ -177,6 +188,7 @@ __device__ float exp2_approx(float x) {
 // Called only for the tiles that need it: on the diagonal, or past the end of the sequence.
 template <int KEY_TILES>
 __device__ void mask_scores(float score[M_TILES][KEY_TILES][ACC_REGS], int row0, int key0, int seqlen, int causal) {
+    // EXERCISE 07.mask_scores BEGIN: -inf for every element whose key is past the end or (causal) after its query
 #pragma unroll
     for (int mt = 0; mt < M_TILES; mt++)
 #pragma unroll
@@ -189,6 +201,7 @@ __device__ void mask_scores(float score[M_TILES][KEY_TILES][ACC_REGS], int row0,
                 for (int e = 0; e < 2; e++)
                     if (key0 + nt * MMA_N + e >= key_limit) score[mt][nt][2 * r + e] = -INFINITY;
         }
+    // EXERCISE END
 }
 
 // Max over the QUAD_LANES lanes that share a row of an MMA accumulator: shuffles 1 and 2 apart.
@@ -255,6 +268,7 @@ __global__ void __launch_bounds__(THREADS, 2)
         }
 
     for (int tile = 0; tile < kv_tiles; tile++) {
+        // EXERCISE 07.ring BEGIN: wait for this tile to land, then refill the slot just freed with a later tile
         // Tile `tile` has landed once at most STAGES-2 younger groups are still in flight.
         __pipeline_wait_prior(STAGES - 2);
         __syncthreads();  // ...for every thread's copies; and the slot refilled next is consumed
@@ -264,6 +278,7 @@ __global__ void __launch_bounds__(THREADS, 2)
             load_tile_async<HEAD_DIM, BLOCK_KV>(v_ring + next % STAGES * KV_HALVES, v_head, next * BLOCK_KV, seqlen);
         }
         __pipeline_commit();  // possibly empty: keeps one group per tile
+        // EXERCISE END
         const __half *k_tile = k_ring + tile % STAGES * KV_HALVES;
         const __half *v_tile = v_ring + tile % STAGES * KV_HALVES;
         const int key0 = tile * BLOCK_KV;

@@ -1,6 +1,7 @@
 // The harness shared by every chapter: CLI, inputs, the check against the NumPy float64
 // reference, CUDA-event timing and the report (docs/design.md states the contract).
 // A reader may skip this file: the chapters' ideas live in their attention.cu.
+#define HARNESS_SOURCE  // harness.h: the exercise stub's variable and reader belong to the chapter
 #include "harness.h"
 #include "npy.h"
 
@@ -728,6 +729,8 @@ int main(int argc, char **argv) {
     CUDA_CHECK(cudaMemsetAsync(args.lse, 0xFF, lse_bytes, stream));
     run_forward(&args, stream, PART_WHOLE);
     CUDA_CHECK(cudaStreamSynchronize(stream));
+    const char *todo = exercise_todo();  // a student copy whose kernel reached an unwritten part
+    if (todo) die(EXIT_FAILED, "TODO: exercise %s is not written yet (its EXERCISE_TODO stub ran)", todo);
     __half *host_o = (__half *)malloc(in_bytes);
     float *host_lse = (float *)malloc(lse_bytes);
     if (!host_o || !host_lse) die(EXIT_FAILED, "out of host memory");

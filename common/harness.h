@@ -71,3 +71,27 @@ static inline cudaError_t launch_for_head_dim(const AttnArgs *args, cudaStream_t
     } while (0)
 
 static inline __host__ __device__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Exercises (`make exercise`, common/exercises.py): a student copy of a chapter has each part left
+// to write replaced by EXERCISE_TODO("NN.name") in device code. It compiles and runs; a kernel that
+// reaches the stub records the name, and the harness then fails the run with "TODO: exercise
+// NN.name is not written yet". The variable and its reader are the chapter's own (the harness
+// includes this header with HARNESS_SOURCE defined), so the harness reads the chapter's copy.
+#ifndef HARNESS_SOURCE
+static __device__ const char *exercise_todo_name;  // the stub a kernel reached; NULL: none
+#define EXERCISE_TODO(name) ((void)(exercise_todo_name = (name)))
+
+// The name of the EXERCISE_TODO a kernel reached, or NULL: read after the harness's checked run.
+const char *exercise_todo(void) {
+    static char name[64];
+    const char *at = NULL;
+    if (cudaMemcpyFromSymbol(&at, exercise_todo_name, sizeof at) != cudaSuccess || !at) return NULL;
+    size_t n = 0;  // the name is in device memory: copied a byte at a time, up to its end
+    for (; n + 1 < sizeof name; n++)
+        if (cudaMemcpy(&name[n], at + n, 1, cudaMemcpyDeviceToHost) != cudaSuccess || !name[n]) break;
+    name[n] = 0;
+    return name;
+}
+#else
+const char *exercise_todo(void);
+#endif
