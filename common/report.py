@@ -1,13 +1,15 @@
 """The report of a benchmark run: the number formats, the Markdown tables (the README's stage
-table, docs/results/<gpu>.md, each chapter README's measured block), the text tables `make run`
-and `make bench` print, and the plot. It reads result rows (common/results.py) and writes text."""
+table, docs/results/<gpu>.md, each chapter README's measured block), the measured values quoted
+in prose (inline markers, below), the text tables `make run` and `make bench` print, and the
+plot. It reads result rows (common/results.py) and writes text."""
 import glob
 import os
+import re
 
 from chapters import CHAPTERS_BEGIN, CHAPTERS_END, chapters_markdown, read_chapters
-from results import (BENCH_DS, BENCH_ITERS, CUDNN, EAGER, FA2, HEADLINE_D, HEADLINE_N, HIDDEN, TIMED, TOTAL_TOKENS,
-                     anchor_impls, bench_shape, chapter_impls, env_path, find_row, is_anchor, read_env, read_results,
-                     timed, write_if_changed)
+from results import (BENCH_DS, BENCH_ITERS, BENCH_NS, CUDNN, EAGER, FA2, HEADLINE_D, HEADLINE_N, HIDDEN, TIMED,
+                     TOTAL_TOKENS, anchor_impls, bench_shape, chapter_impls, env_path, find_row, is_anchor, read_env,
+                     read_results, timed, write_if_changed)
 
 STAGE_BEGIN, STAGE_END = "<!-- stage-table:begin -->", "<!-- stage-table:end -->"
 MEASURED_BEGIN, MEASURED_END = "<!-- measured:begin -->", "<!-- measured:end -->"
@@ -315,8 +317,143 @@ def update_file(path, begin, end, body):
         say(f"{path}: table updated")
 
 
+# --- Measured values in prose ----------------------------------------------------------------
+# A measured number quoted in prose sits between two HTML comments, invisible once rendered,
+# and `table` rewrites it from the results CSV like the tables:
+#     <!--r 07 D128 N4k nc x FA2-->1.02x<!--/r-->
+# The fields: IMPL (a row's impl, a chapter's number such as 07, or FA2 / cuDNN for torch_flash /
+# torch_cudnn), D (D128), N (N4096 or N4k), the mask (nc or causal), and the quantity: ms, tflops,
+# rel_l2, x OTHER (how many times faster than OTHER, by ms) or % OTHER (TFLOP/s as a percentage
+# of OTHER's, or of a constant such as 64TFLOP/s). IMPL, D, N and the mask may list values (04,05;
+# N2k,8k) or take all (D*, N*, *): the text is then the range over them, 1.01-1.17x. A last field
+# :SPEC formats with format(value, SPEC) (tflops :.0f gives 658) instead of the tables' format.
+VALUE = re.compile(r"(<!--[ \t]*r[ \t]+([^<>\n]*?)[ \t]*-->)((?:(?!<!--)[^\n])*?)(<!--[ \t]*/r[ \t]*-->)")
+VALUE_TAG = re.compile(r"<!--\s*/?r(?:\s[^>]*)?-->")
+VALUE_SYNTAX = "<!--r IMPL D128 N4k nc|causal ms|tflops|rel_l2|x OTHER|% OTHER [:SPEC]-->"
+VALUE_FORMATS = {"ms": fmt_ms, "tflops": fmt_tflops, "rel_l2": fmt_rel, "x": fmt_speedup, "%": fmt_percent}
+ALIASES = {"FA2": FA2, "cuDNN": CUDNN}
+CONSTANT = re.compile(r"(\d+(?:\.\d+)?)TFLOP/s")
+MASKS = {"nc": (0,), "causal": (1,), "*": (0, 1)}
+NOT_AVAILABLE = "n/a"
+
+
+def value_list(word, prefix, everything):
+    """'D128' -> (128,), 'N2k,4096' -> (2048, 4096), 'N*' -> everything; None when malformed."""
+    if not word.startswith(prefix):
+        return None
+    if word[len(prefix):] == "*":
+        return tuple(everything)
+    try:
+        return tuple(int(v[:-1]) * 1024 if v.endswith("k") else int(v) for v in word[len(prefix):].split(","))
+    except ValueError:
+        return None
+
+
+def parse_value_marker(spec):
+    """The fields of a marker ('07 D128 N4k nc tflops') as a dict; ValueError saying what is wrong."""
+    words = spec.split()
+    fmt = words.pop()[1:] if len(words) > 5 and words[-1].startswith(":") else None
+    if len(words) < 5:
+        raise ValueError(f"too few fields, expected {VALUE_SYNTAX}")
+    impl, d, n, mask, quantity, *other = words
+    marker = {"impls": impl.split(","), "ds": value_list(d, "D", BENCH_DS), "ns": value_list(n, "N", BENCH_NS),
+              "masks": MASKS.get(mask), "quantity": quantity, "other": other[0] if other else None, "fmt": fmt}
+    for field, word in (("ds", d), ("ns", n), ("masks", mask)):
+        if marker[field] is None:
+            raise ValueError(f"bad field {word!r}, expected {VALUE_SYNTAX}")
+    if (quantity not in VALUE_FORMATS or len(other) != (quantity in ("x", "%"))
+            or (quantity == "x" and CONSTANT.fullmatch(other[0]))):
+        raise ValueError(f"bad quantity {' '.join([quantity] + other)!r}, expected {VALUE_SYNTAX}")
+    try:
+        format(1.0, fmt or "")
+    except ValueError:
+        raise ValueError(f"bad format :{fmt}") from None
+    return marker
+
+
+def resolve_impl(rows, name):
+    """A marker's impl: FA2 and cuDNN by their rows' names, a bare number NN as the one chapter
+    named NN_..., any other name as it is."""
+    found = {r["impl"] for r in rows if name.isdigit() and r["impl"].startswith(name + "_")}
+    return found.pop() if len(found) == 1 else ALIASES.get(name, name)
+
+
+def marker_value(rows, marker, impl, headdim, seqlen, causal):
+    """The marker's quantity for impl at one shape; None when a row it needs is missing or not timed."""
+    def field(name, column):
+        constant = CONSTANT.fullmatch(name)
+        if constant:
+            return float(constant.group(1))
+        return timed(find_row(rows, resolve_impl(rows, name), headdim, seqlen, causal), column)
+    if marker["quantity"] == "x":
+        return speedup(field(marker["other"], "ms"), field(impl, "ms"))
+    if marker["quantity"] == "%":
+        return percent_of(field(impl, "tflops"), field(marker["other"], "tflops"))
+    return field(impl, marker["quantity"])
+
+
+def marker_text(rows, marker):
+    """(the text a marker shows, None): one value, or 'low-high' over several impls or shapes;
+    (None, the first impl and shape without a value) when a value is missing."""
+    points = [(i, d, n, c) for i in marker["impls"] for d in marker["ds"] for n in marker["ns"]
+              for c in marker["masks"]]
+    values = [marker_value(rows, marker, *point) for point in points]
+    if None in values:
+        i, d, n, c = points[values.index(None)]
+        return None, f"{i} D={d} N={n} {'causal' if c else 'non-causal'}"
+    def show(value):
+        return VALUE_FORMATS[marker["quantity"]](value) if marker["fmt"] is None else format(value, marker["fmt"])
+    low, high = show(min(values)), show(max(values))
+    unit = marker["quantity"] if marker["fmt"] is None and marker["quantity"] in ("x", "%") else ""
+    return (low if low == high else low[:len(low) - len(unit)] + "-" + high), None
+
+
+def fill_values(text, rows, where):
+    """(text with every inline value refilled from rows, warnings): a value without its rows
+    becomes n/a, with a warning naming where and the marker. ValueError for a malformed marker,
+    or one without its pair on the same line."""
+    warnings = []
+    def fill(match):
+        try:
+            marker = parse_value_marker(match.group(2))
+        except ValueError as exc:
+            raise ValueError(f"{where}: {match.group(1)}: {exc}") from None
+        value, missing = marker_text(rows, marker)
+        if missing:
+            warnings.append(f"{where}: {match.group(1)}: no timed row at {missing}, written as {NOT_AVAILABLE}")
+        return match.group(1) + (value or NOT_AVAILABLE) + match.group(4)
+    stray = VALUE_TAG.search(VALUE.sub("", text))
+    if stray:
+        raise ValueError(f"{where}: {stray.group(0)} without its pair on the same line "
+                         f"(expected {VALUE_SYNTAX}value<!--/r-->)")
+    return VALUE.sub(fill, text), warnings
+
+
+def prose_files(readme_path):
+    """The files whose inline values `table` refills: the README, each chapter's, docs/*.md."""
+    root = os.path.dirname(os.path.abspath(readme_path))
+    return ([readme_path] + sorted(glob.glob(os.path.join(root, "[0-9][0-9]_*", "README.md")))
+            + sorted(glob.glob(os.path.join(root, "docs", "*.md"))))
+
+
+def update_values(paths, rows):
+    """Refill the inline values of every file, warning of each n/a; every file is read and
+    checked before any is written, so a malformed marker anywhere changes nothing."""
+    filled = []
+    for path in paths:
+        if os.path.exists(path):
+            with open(path) as f:
+                filled.append((path, fill_values(f.read(), rows, path)))
+    for path, (text, warnings) in filled:
+        for warning in warnings:
+            say(f"warning: {warning}")
+        if write_if_changed(path, text):
+            say(f"{path}: values updated")
+
+
 def regenerate_tables(csv_path, readme_path):
-    """The `table` step: <gpu>.md, README stage table and chapter README tables from a CSV."""
+    """The `table` step: <gpu>.md, README stage table and chapter README tables from a CSV, then
+    the inline values of the READMEs and docs/*.md."""
     rows = read_results(csv_path)
     env = read_env(env_path(csv_path))
     gpu = env.get("gpu") or os.path.splitext(os.path.basename(csv_path))[0].replace("_", " ")
@@ -334,6 +471,7 @@ def regenerate_tables(csv_path, readme_path):
         body = chapter_table_markdown(rows, chapter, chapter_dirs[i - 1] if i else None,
                                       os.path.relpath(csv_path, os.path.dirname(path)), gpu)
         update_file(path, MEASURED_BEGIN, MEASURED_END, body)
+    update_values(prose_files(readme_path), rows)
     say(f"tables regenerated from {csv_path} ({len(rows)} rows)")
 
 

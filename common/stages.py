@@ -11,8 +11,9 @@
       Only the PyTorch anchors, merged into DIR/<gpu>.csv (torch_* rows replaced), then `table`.
   stages.py table   [--csv FILE] [--readme FILE]
       Regenerate the Markdown from a results CSV (default: the newest docs/results/*.csv):
-      <gpu>.md beside it, the stage table in the README (default: the repository's) and the
-      measured table in every NN_name/README.md beside that README.
+      <gpu>.md beside it, the stage table in the README (default: the repository's), the
+      measured table in every NN_name/README.md beside that README, and every measured number
+      quoted in the prose of those READMEs and of docs/*.md (inline markers, common/report.py).
 
 The CSV header is exactly CSV_FIELDS; why a row was skipped or failed goes to <gpu>.notes.csv.
 

@@ -5,6 +5,8 @@ No GPU, PyTorch or matplotlib needed. Each test_* function takes no arguments; r
 with `python tests/test_stages.py` (or through tests/run.py).
 """
 import contextlib
+import difflib
+import glob
 import io
 import os
 import stat
@@ -145,15 +147,27 @@ def test_regenerate_tables_on_a_tree():
         results.write_results(csv_path, fixture_rows())
         readme = os.path.join(tmp, "README.md")
         with open(readme, "w") as f:
-            f.write(f"intro\n{report.STAGE_BEGIN}\nstale\n{report.STAGE_END}\nend\n")
+            f.write(f"intro\n{report.STAGE_BEGIN}\nstale\n{report.STAGE_END}\n"
+                    f"end, 07 at {value('07 D128 N4k nc ms')} ms\n")
         for chapter, text in (("03_online_softmax", "# 03, no markers\n"),
-                              ("04_fused", f"# 04\n{report.MEASURED_BEGIN}\n{report.MEASURED_END}\n")):
+                              ("04_fused", f"# 04\n{report.MEASURED_BEGIN}\n{report.MEASURED_END}\n"
+                                           f"{value('04 D128 N4k nc x 03')} 03\n")):
             os.mkdir(os.path.join(tmp, chapter))
             with open(os.path.join(tmp, chapter, "README.md"), "w") as f:
                 f.write(text)
-        quiet(report.regenerate_tables, csv_path, readme)
+        os.mkdir(os.path.join(tmp, "docs"))
+        with open(os.path.join(tmp, "docs", "notes.md"), "w") as f:
+            f.write(f"cuDNN {value('cuDNN D128 N4k nc tflops :.0f')}, 06 causal {value('06 D128 N4k causal ms')}\n")
+        _, printed = quiet(report.regenerate_tables, csv_path, readme)
         top = read(readme)
-        assert top.startswith("intro\n") and top.endswith(f"{report.STAGE_END}\nend\n") and "stale" not in top
+        assert top.startswith("intro\n") and "stale" not in top
+        assert top.endswith(f"{report.STAGE_END}\nend, 07 at {value('07 D128 N4k nc ms', '2.12')} ms\n"), top
+        chapter = read(os.path.join(tmp, "04_fused", "README.md"))
+        assert chapter.endswith(f"{value('04 D128 N4k nc x 03', '1.25x')} 03\n"), chapter  # 22.9 / 18.33
+        assert read(os.path.join(tmp, "docs", "notes.md")) == (
+            f"cuDNN {value('cuDNN D128 N4k nc tflops :.0f', '583')}, "
+            f"06 causal {value('06 D128 N4k causal ms', 'n/a')}\n")
+        assert "warning: " in printed and "notes.md: <!--r 06 D128 N4k causal ms-->: no timed row" in printed, printed
         assert "| 07_async_pipeline | 2.12 | 259.9 | 32.5x |" in top
         assert "`results/FAKE_GPU.csv`" in top
         assert read(os.path.join(tmp, "03_online_softmax", "README.md")) == "# 03, no markers\n"
@@ -161,6 +175,151 @@ def test_regenerate_tables_on_a_tree():
         assert "| **04_fused** | non-causal | 29.2 | 30.0 | 18.3 |" in chapter
         assert "| 03_online_softmax | causal |" in chapter and "`../results/FAKE_GPU.csv`" in chapter
         assert os.path.exists(os.path.join(tmp, "results", "FAKE_GPU.md"))
+
+
+# --- Measured values in prose -----------------------------------------------------------
+
+def value(spec, text="?"):
+    """An inline value marker holding text."""
+    return f"<!--r {spec}-->{text}<!--/r-->"
+
+
+def test_inline_values_hand_computed():
+    rows = fixture_rows()
+    # The fixture at D=128 N=4096 non-causal: 07 2.115 ms, 259.93 TFLOP/s, rel_l2 7.1e-4; 01 68.72 ms;
+    # FA2 1.656 ms; cuDNN 582.99 TFLOP/s; 04 29.99 and 05 30.37 TFLOP/s. Causal: 07 1.2 ms, eager 14.47.
+    want = {
+        "07 D128 N4k nc ms": "2.12",
+        "07_async_pipeline D128 N4096 nc tflops": "259.9",
+        "07 D128 N4k nc rel_l2": "7.1e-04",
+        "07 D128 N4k nc x 01": "32.5x",                  # 68.72 / 2.115 = 32.49
+        "07 D128 N4k nc x FA2": "0.78x",                 # 1.656 / 2.115 = 0.783
+        "07 D128 N4k nc x torch_flash :.3f": "0.783",
+        "07 D128 N4k causal x torch_eager": "12.1x",     # 14.47 / 1.2 = 12.06
+        "07 D128 N4k nc % cuDNN": "45%",                 # 259.93 / 582.99 = 44.6%
+        "cuDNN D128 N4k nc tflops :.0f": "583",
+        "04 D128 N4k nc % 64TFLOP/s": "47%",             # 29.99 / 64 = 46.9%
+        "04,05 D128 N4k nc tflops": "30.0-30.4",         # two impls: the range
+        "07 D128 N1k,4k nc tflops": "237.0-259.9",       # two shapes: the range
+        "07 D128 N1k,4k * x FA2": "0.73-0.78x",          # 0.2828 / 0.39 = 0.725 ... 1.656 / 2.115 = 0.783
+        "07 D128 N1k,4k * x FA2 :.2f": "0.73-0.78",
+        "04,05 D128 N4k nc % 64TFLOP/s": "47%",          # 46.9% and 47.5%: one text, shown once
+    }
+    text = "".join(f"{spec}: {value(spec)}\n" for spec in want)
+    filled, warnings = report.fill_values(text, rows, "page.md")
+    assert filled == "".join(f"{spec}: {value(spec, got)}\n" for spec, got in want.items()), filled
+    assert warnings == []
+    assert report.fill_values(filled, rows, "page.md") == (filled, [])  # idempotent
+    # Text around the markers is kept, and so is the spacing inside the tags.
+    assert report.fill_values("a <!-- r 02 D128 N4k nc ms -->old<!-- /r --> b\n", rows, "x") == \
+        ("a <!-- r 02 D128 N4k nc ms -->27.5<!-- /r --> b\n", [])
+
+
+def test_inline_values_without_rows():
+    rows = fixture_rows()
+    missing = ["06 D128 N4k causal ms",                  # FAIL
+               "torch_efficient D128 N4k causal tflops",  # SKIP
+               "07 D128 N4k causal x 06",                # the other row FAILed
+               "09 D128 N4k nc ms",                      # no such chapter
+               "04 D64 N4k nc ms",                       # not measured at D=64
+               "07 D128 N* nc tflops"]                   # only N=1k and 4k measured
+    text = " ".join(value(spec, "1.0") for spec in missing)
+    filled, warnings = report.fill_values(text, rows, "docs/page.md")
+    assert filled == " ".join(value(spec, "n/a") for spec in missing), filled
+    assert len(warnings) == len(missing), warnings
+    assert warnings[0] == ("docs/page.md: <!--r 06 D128 N4k causal ms-->: no timed row at "
+                           "06 D=128 N=4096 causal, written as n/a"), warnings[0]
+    assert "07 D=128 N=512 non-causal" in warnings[-1], warnings[-1]
+
+
+def test_inline_values_malformed():
+    rows = fixture_rows()
+    cases = {
+        value("07 D128 N4k nc"): "too few fields",
+        value("07 128 N4k nc ms"): "bad field '128'",
+        value("07 D128 N4q nc ms"): "bad field 'N4q'",
+        value("07 D128 N4k noncausal ms"): "bad field 'noncausal'",
+        value("07 D128 N4k nc gflops"): "bad quantity 'gflops'",
+        value("07 D128 N4k nc x"): "bad quantity 'x'",
+        value("07 D128 N4k nc ms 06"): "bad quantity 'ms 06'",
+        value("07 D128 N4k nc x 64TFLOP/s"): "bad quantity 'x 64TFLOP/s'",
+        value("07 D128 N4k nc ms :q"): "bad format :q",
+        "a <!--r 07 D128 N4k nc ms-->1.5\n<!--/r--> b": "<!--r 07 D128 N4k nc ms--> without its pair",
+        "<!--r 07 D128 N4k nc ms\n-->1.5<!--/r-->": "without its pair",
+        "1.5<!--/r--> alone": "<!--/r--> without its pair",
+        value("07 D128 N4k nc ms", value("07 D128 N4k nc tflops")): "without its pair",  # nested
+    }
+    for text, message in cases.items():
+        try:
+            report.fill_values(text, rows, "docs/page.md")
+        except ValueError as exc:
+            assert str(exc).startswith("docs/page.md: ") and message in str(exc), (text, str(exc))
+            if "pair" not in message:
+                assert report.VALUE_SYNTAX in str(exc) or "format" in message, str(exc)
+        else:
+            raise AssertionError(f"malformed marker accepted: {text!r}")
+
+
+def test_update_values_all_or_nothing():
+    """A malformed marker in one file leaves every file as it was; a good run rewrites them all."""
+    with tempfile.TemporaryDirectory() as tmp:
+        good, bad = os.path.join(tmp, "good.md"), os.path.join(tmp, "bad.md")
+        with open(good, "w") as f:
+            f.write(f"07: {value('07 D128 N4k nc ms', 'old')} ms\n")
+        with open(bad, "w") as f:
+            f.write(f"broken: {value('07 D128 N4k', 'old')}\n")
+        try:
+            quiet(report.update_values, [good, bad], fixture_rows())
+        except ValueError as exc:
+            assert "bad.md" in str(exc) and "too few fields" in str(exc), str(exc)
+        else:
+            raise AssertionError("a malformed marker was accepted")
+        assert "old" in read(good), read(good)
+        _, printed = quiet(report.update_values, [good, os.path.join(tmp, "missing.md")], fixture_rows())
+        assert read(good) == f"07: {value('07 D128 N4k nc ms', '2.12')} ms\n" and "values updated" in printed
+
+
+def repository_tree(tmp, csv_path):
+    """A copy of what `table` reads and writes: READMEs, chapter sources, docs/*.md, the results."""
+    import shutil
+    names = ["README.md"] + [os.path.relpath(p, ROOT) for pattern in
+                             ("[0-9][0-9]_*/README.md", "[0-9][0-9]_*/attention.cu", "docs/*.md")
+                             for p in glob.glob(os.path.join(ROOT, pattern))]
+    base = os.path.splitext(csv_path)[0]
+    names += [os.path.relpath(p, ROOT) for p in (csv_path, base + ".notes.csv", base + ".env", base + ".md")
+              if os.path.exists(p)]
+    for name in names:
+        os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+        shutil.copyfile(os.path.join(ROOT, name), os.path.join(tmp, name))
+    return names
+
+
+def test_repository_prose_and_tables_are_current():
+    """`stages.py table` on the committed results changes nothing: every table, and every measured
+    number quoted in prose (the inline markers), already says what the CSV says."""
+    csv_path = stages.default_csv()
+    if not csv_path:
+        raise unittest.SkipTest("no docs/results/*.csv")
+    counts = {}
+    for path in report.prose_files(os.path.join(ROOT, "README.md")):
+        counts[os.path.relpath(path, ROOT)] = len(report.VALUE.findall(read(path)))
+    chapters = [name for name in counts if name[:2].isdigit()]
+    assert chapters and all(counts[name] for name in chapters), f"chapter READMEs without inline values: {counts}"
+    with tempfile.TemporaryDirectory() as tmp:
+        names = repository_tree(tmp, csv_path)
+        _, printed = quiet(report.regenerate_tables, os.path.join(tmp, os.path.relpath(csv_path, ROOT)),
+                           os.path.join(tmp, "README.md"))
+        assert "warning:" not in printed, printed
+        stale = []
+        for name in names:
+            old, new = read(os.path.join(ROOT, name)), read(os.path.join(tmp, name))
+            if old != new:
+                lines = [l for l in difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0)
+                         if l[:1] in "+-" and l[:3] not in ("+++", "---")]
+                stale.append(f"{name}:\n" + "\n".join(lines[:6]))
+    assert not stale, ("the committed docs differ from what `common/stages.py table` writes from "
+                       f"{os.path.relpath(csv_path, ROOT)} (run it):\n" + "\n".join(stale))
+    return f"{sum(counts.values())} inline values in {sum(1 for c in counts.values() if c)} files, all current"
 
 
 # --- Math, formats, the skip rule --------------------------------------------------------
