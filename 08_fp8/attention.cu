@@ -586,6 +586,7 @@ __device__ void pack_p(const float (&score)[BLOCK_KV / 2], unsigned (&p_frag)[BL
 // P to e4m3, in the A-operand layout: per 32 keys, rows g and g+8 of keys 2t, 2t+1, 2t+8, 2t+9
 // of each 16, which Vt's key_slot order turns into positions 4t..4t+3.
 __device__ void pack_p(const float (&score)[BLOCK_KV / 2], unsigned (&p_frag)[BLOCK_KV / MMA_K][4]) {
+    // EXERCISE 08.pack_p BEGIN: P into the e4m3 A-operand registers of P V, in place, in Vt's key_slot order
 #pragma unroll
     for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
 #pragma unroll
@@ -594,6 +595,7 @@ __device__ void pack_p(const float (&score)[BLOCK_KV / 2], unsigned (&p_frag)[BL
             p_frag[kk][i] = pack_e4m3x4(score[4 * c + 2 * r], score[4 * c + 2 * r + 1], score[4 * c + 4 + 2 * r],
                                         score[4 * c + 4 + 2 * r + 1]);
         }
+    // EXERCISE END
 }
 #endif
 
@@ -679,6 +681,7 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
     mbarrier_wait(s.q_full, 0);
     if (group == 1) pass_turn(group);  // warpgroup 0 goes first
 
+    // EXERCISE 08.intra_overlap BEGIN: issue the P V of tile j-1 behind the Q K^T of tile j: it runs during j's softmax
     if (INTRA_OVERLAP) {
         // P V of tile j-1 is issued right after Q K^T of tile j and runs during tile j's softmax;
         // O is rescaled once it is done, before the next P V.
@@ -700,6 +703,14 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
             finish_pv<HEAD_DIM>(c, s, w, tile, true);
         }
     }
+    // EXERCISE 08.intra_overlap STUB
+    // for (int tile = 0; tile < w.kv_tiles; tile++) {
+    //     scores_and_softmax<HEAD_DIM, false>(c, s, w, tile);
+    //     rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c, w, tile));
+    //     pack_p(c.score, c.p_frag);
+    //     finish_pv<HEAD_DIM>(c, s, w, tile, true);
+    // }
+    // EXERCISE END
 
     // O = accumulator * V's descale / sum, LSE = ln(sum) + max (p was scaled by 2^8), once each.
 #pragma unroll

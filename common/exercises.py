@@ -152,6 +152,18 @@ EXERCISES = {
         "argument)."), stub=(
         "measured (the chapter's earlier copies): 1.834 ms against 1.612 at D=64, 1.138x "
         "(docs/results/logs/variants_06_07_run4.csv)")),
+    "08.pack_p": dict(kind="correctness", hint=(
+        "The Q K^T accumulator gives this thread, per 8-key chunk c, keys 8c + 2t and 8c + 2t + 1 of "
+        "rows g and g + 8 (score[4c + 2r + e], t = lane % 4). Register i of k32 step kk takes the two "
+        "pairs of chunks c = 4 kk + 2 (i / 2) and c + 1 of row g + 8 (i % 2), packed by pack_e4m3x4: "
+        "key_slot stored Vt so that these are the A operand's positions 4t..4t+3.")),
+    "08.intra_overlap": dict(kind="speed", gate=1.10, shape=HEADLINE, hint=(
+        "The stub waits for each tile's P V before the next tile's Q K^T. Peel tile 0 (its softmax, "
+        "rescale, pack); then per tile j issue Q K^T of j and P V of j-1 in one turn "
+        "(scores_and_softmax<HEAD_DIM, true>), and only after j's softmax wait for that P V "
+        "(finish_pv(..., false)), rescale O and pack P; issue and finish the last P V after the loop."), stub=(
+        "measured: the chapter with -DINTRA_OVERLAP=0, 0.973 ms against 0.752 at B=4 H=16 N=4096 "
+        "D=128, 1.29x (docs/results/logs/ablation_08.csv)")),
 }
 # Where a copy's time is shown when no speed exercise names a shape (B, H, N, D, causal).
 TIME_SHAPE = {1: (1, 16, 2048, 128, False)}
