@@ -98,8 +98,9 @@ def cudnn_frontend(torch):
     torch.backends.cudnn.version()  # loads PyTorch's libcudnn
     with open("/proc/self/maps") as maps:
         loaded = [line.split()[-1] for line in maps if "/libcudnn.so" in line]
-    if loaded:
-        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([os.path.dirname(loaded[0]), os.environ.get("LD_LIBRARY_PATH", "")])
+    paths = os.environ.get("LD_LIBRARY_PATH", "")
+    if loaded and os.path.dirname(loaded[0]) not in paths.split(os.pathsep):  # once, not once per shape
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([os.path.dirname(loaded[0]), paths])
     try:
         import cudnn
     except ImportError as exc:

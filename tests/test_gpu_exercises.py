@@ -13,19 +13,18 @@ its harness objects (BUILD/common/*.o), into a temporary folder.
 import shlex
 
 import exercises as ex
-from test_cpu_exercises import marked_chapters, write_tree
+from test_cpu_exercises import ARCH_FLAG_OF, marked_chapters, write_tree
 
 SUITE = "gpu"
 PARALLEL = 1  # timings: one binary at a time
 REACH_EVERY_STUB = (2, 3, 1000, 64, True)  # ragged, several tiles, causal: masks and updates all run
-ARCH_FLAG_OF_CHAPTER = {"08_fp8": "-gencode=arch=compute_90a,code=sm_90a"}  # as the Makefile's SM90A_CHAPTERS
 
 
 def build_copy(ctx, chapter, only):
     """The student copy of `chapter` (only these exercises, None: all), built natively; its path."""
     flags = shlex.split((ctx.build / ".flags").read_text())
-    if chapter in ARCH_FLAG_OF_CHAPTER:  # the Makefile builds it for its own arch, whatever ARCH says
-        flags = [f for f in flags if not f.startswith("-gencode")] + [ARCH_FLAG_OF_CHAPTER[chapter]]
+    if chapter[:2] in ARCH_FLAG_OF:  # the Makefile builds it for its own arch, whatever ARCH says
+        flags = [f for f in flags if not f.startswith("-gencode")] + [ARCH_FLAG_OF[chapter[:2]]]
     copy, _ = ex.student_copy(ex.chapter_source(chapter, ctx.root), chapter, only)
     folder = write_tree(ctx, {f"{chapter}/attention.cu": copy})
     binary = folder / chapter
