@@ -27,7 +27,7 @@ def build_copy(ctx, chapter, only):
         flags = [f for f in flags if not f.startswith("-gencode")] + [ARCH_FLAG_OF[chapter[:2]]]
     copy, _ = ex.student_copy(ex.chapter_source(chapter, ctx.root), chapter, only)
     folder = write_tree(ctx, {f"{chapter}/attention.cu": copy})
-    binary = folder / chapter
+    binary = folder / f"{chapter}.student"  # beside its source folder, folder / chapter
     objects = [ctx.build / "common" / "harness.o", ctx.build / "common" / "npy.o"]
     proc = ctx.run(flags + ["-o", binary, folder / chapter / "attention.cu", *objects], timeout=600)
     assert proc.returncode == 0, f"{chapter} ({only or 'all'}): the student copy does not build:\n{proc.stderr[-2000:]}"
