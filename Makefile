@@ -41,7 +41,7 @@ HEADERS := common/harness.h common/npy.h
 COMMON_OBJ := $(BUILD)/common/harness.o $(BUILD)/common/npy.o
 .SECONDARY: $(COMMON_OBJ)
 
-.PHONY: all run test bench compare sanitize diff profile sass exercise grade help clean FORCE
+.PHONY: all run test bench compare sanitize diff profile sass exercise grade ablation help clean FORCE
 .DEFAULT_GOAL := all
 
 all: $(addprefix $(BUILD)/,$(CHAPTERS)) $(PY_DEPS)
@@ -134,6 +134,12 @@ grade: $(PY_DEPS)
 	@$(MAKE) --no-print-directory -s $(BUILD)/$(call chapter_dir,$(CH))
 	@$(PYTHON) common/exercises.py grade $(call chapter_dir,$(CH)) --build $(BUILD) --make '$(MAKE)'
 
+# Each idea of a chapter on its own (common/ablation.py): its -D switches built, checked and timed
+# in one run -> docs/results/logs/ablation_NN.csv and the table in the chapter's README.
+ablation: $(PY_DEPS)
+	@test -n "$(call chapter_dir,$(CH))" || $(call no_chapter,$(CH),CH)
+	@$(PYTHON) common/ablation.py run $(call chapter_dir,$(CH)) --build $(BUILD) --make '$(MAKE)'
+
 help:
 	@echo "make            build every chapter into $(BUILD)/ (ARCH=$(ARCH); ARCH=sm_90, sm_80, multi...)"
 	@echo "make run        run every chapter on the default shape and print the stage table"
@@ -145,6 +151,7 @@ help:
 	@echo "make profile CH=04    Nsight Compute on one chapter;  make sass CH=04   its SASS"
 	@echo "make exercise CH=04 [EX=name] [FORCE=1]   a student copy of the chapter's exercises -> exercises/"
 	@echo "make grade CH=04      build and grade exercises/NN_name/attention.cu (its GPU part needs a GPU)"
+	@echo "make ablation CH=07   each idea of 04, 07 or 08 switched off, checked and timed in one run (GPU)"
 	@echo "make clean      remove build/ and the input/reference cache"
 	@echo "chapters: $(CHAPTERS)"
 

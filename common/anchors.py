@@ -183,6 +183,17 @@ def median_ms(torch, forward, warmup, iters):
     return statistics.median(start.elapsed_time(stop) for start, stop in zip(starts, stops))
 
 
+def peak_bytes(torch, forward, inputs):
+    """Device memory of one forward as the chapters count theirs: the inputs, plus the peak of
+    everything the call allocates (scores, probabilities, output, workspace)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    forward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before + sum(t.numel() * t.element_size() for t in inputs)
+
+
 def rel_l2_of(torch, out, rows, ref_o):
     """||o[:, :, rows] - ref|| / ||ref|| in float64."""
     got = out[:, :, torch.as_tensor(rows, device=out.device)].double().cpu().numpy()
@@ -211,6 +222,7 @@ def measure(torch, impl, shape, tensors, ref, warmup, iters):
                 forward = make(torch, q, k, v, shape["causal"], scale)
                 forward, decode = forward if fp8 else (forward, lambda out: out)
                 rel = rel_l2_of(torch, decode(forward()), *ref)
+                device_bytes = None if fp8 else peak_bytes(torch, forward, tensors)
                 ms = median_ms(torch, forward, warmup, iters)
     except out_of_memory as exc:
         reason = "out of memory: " + first_line(exc)
@@ -223,7 +235,7 @@ def measure(torch, impl, shape, tensors, ref, warmup, iters):
         return make_row(impl, shape, "SKIP", note=reason)
     status = "PASS" if rel <= (FP8_REL_L2_TOL if fp8 else REL_L2_TOL) else "FAIL"
     return make_row(impl, shape, status, round(ms, 4), round(forward_tflops(shape, ms), 2),
-                    float(f"{rel:.3e}"), dtype="fp8" if fp8 else "fp16")
+                    float(f"{rel:.3e}"), dtype="fp8" if fp8 else "fp16", device_bytes=device_bytes)
 
 
 def load_shape(torch, cache_dir, shape):

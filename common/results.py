@@ -10,7 +10,9 @@ import subprocess
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CSV_FIELDS = ("impl", "batch", "heads", "seqlen", "headdim", "causal", "dtype",
-              "ms", "tflops", "rel_l2", "status")
+              "ms", "tflops", "rel_l2", "status", "device_bytes")
+OPTIONAL_FIELDS = ("device_bytes",)  # may be absent from an older CSV, or empty in a row
+HARNESS_DEVICE_BYTES = 18            # its cell in a binary's --csv row (common/harness.cu)
 INT_FIELDS = ("batch", "heads", "seqlen", "headdim", "causal")
 FLOAT_FIELDS = ("ms", "tflops", "rel_l2")
 KEY_FIELDS = ("impl", "batch", "heads", "seqlen", "headdim", "causal")
@@ -60,10 +62,10 @@ def shape_label(shape):
     return f"B={shape['batch']} H={shape['heads']} N={shape['seqlen']} D={shape['headdim']} {mask}"
 
 
-def make_row(impl, shape, status, ms=None, tflops=None, rel_l2=None, note=None, dtype="fp16"):
+def make_row(impl, shape, status, ms=None, tflops=None, rel_l2=None, note=None, dtype="fp16", device_bytes=None):
     """One result row (a dict of CSV_FIELDS, plus an optional note)."""
     row = {"impl": impl, **{k: int(shape[k]) for k in INT_FIELDS}, "dtype": dtype,
-           "ms": ms, "tflops": tflops, "rel_l2": rel_l2, "status": status}
+           "ms": ms, "tflops": tflops, "rel_l2": rel_l2, "status": status, "device_bytes": device_bytes}
     if note:
         row["note"] = note
     return row
@@ -127,6 +129,8 @@ def parse_value(field, text):
         return int(text)
     if field in FLOAT_FIELDS:
         return float(text) if text else None
+    if field in OPTIONAL_FIELDS:
+        return int(text) if text else None
     return text
 
 
@@ -155,10 +159,10 @@ def read_results(path):
     """Rows of a results CSV, with the notes of its .notes.csv (if any) attached."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        missing = [k for k in CSV_FIELDS if k not in (reader.fieldnames or [])]
+        missing = [k for k in CSV_FIELDS if k not in (reader.fieldnames or []) and k not in OPTIONAL_FIELDS]
         if missing:
             raise ValueError(f"{path}: not a results CSV (missing columns {', '.join(missing)})")
-        rows = [{k: parse_value(k, line[k]) for k in CSV_FIELDS} for line in reader]
+        rows = [{k: parse_value(k, line.get(k)) for k in CSV_FIELDS} for line in reader]
     notes = {}
     if os.path.exists(notes_path(path)):
         with open(notes_path(path), newline="") as f:

@@ -9,6 +9,9 @@
       Exit 1 if a chapter row FAILed.
   stages.py compare --build DIR [--quick] [--out DIR] [--readme FILE]        (make compare)
       Only the PyTorch anchors, merged into DIR/<gpu>.csv (torch_* rows replaced), then `table`.
+  stages.py memory  --build DIR CH... [--csv FILE] [--readme FILE]
+      The device memory of each chapter (the harness's device_bytes) and each PyTorch anchor (its
+      peak) at the headline shapes, merged into the results CSV; `bench` records it for every row.
   stages.py table   [--csv FILE] [--readme FILE]
       Regenerate the Markdown from a results CSV (default: the newest docs/results/*.csv):
       <gpu>.md beside it, the stage table in the README (default: the repository's), the
@@ -34,8 +37,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import (fmt_ms, fmt_rel, fmt_tflops, print_summary, plot_results, regenerate_tables,  # noqa: E402
                     run_stage_table, say)
-from results import (BENCH_ITERS, BENCH_WARMUP, CSV_FIELDS, QUICK_NS, bench_shapes, collect_env,  # noqa: E402
-                     env_path, gpu_name, gpu_slug, is_anchor, make_row, parse_value, read_env, read_results,
+from results import (BENCH_ITERS, BENCH_WARMUP, CSV_FIELDS, HARNESS_DEVICE_BYTES, HEADLINE_D,  # noqa: E402
+                     HEADLINE_N, OPTIONAL_FIELDS, QUICK_NS, bench_shape, bench_shapes, collect_env, env_path,
+                     gpu_name, gpu_slug, is_anchor, make_row, parse_value, read_env, read_results, row_key,
                      shape_label, work, write_env, write_results)
 
 # --- Running the chapters: the sweep and its skip policy -------------------------------------
@@ -79,10 +83,13 @@ def last_line(text, name=None):
 def parse_csv_line(line):
     """A binary's --csv row to a result row (None if it is not one)."""
     cells = next(csv.reader([line]), [])
-    if len(cells) < len(CSV_FIELDS):
+    fields = [k for k in CSV_FIELDS if k not in OPTIONAL_FIELDS]
+    if len(cells) < len(fields):
         return None
     try:
-        row = {k: parse_value(k, v) for k, v in zip(CSV_FIELDS, cells)}
+        row = {k: parse_value(k, v) for k, v in zip(fields, cells)}
+        row["device_bytes"] = parse_value("device_bytes", cells[HARNESS_DEVICE_BYTES]) \
+            if len(cells) > HARNESS_DEVICE_BYTES else None
     except ValueError:
         return None
     return row if row["status"] in ("PASS", "FAIL", "unchecked") else None
@@ -157,7 +164,8 @@ def bench_one(build, name, shape, last, unsupported):
         return make_row(name, shape, "SKIP", note=note)
     if status == "error":
         return make_row(name, shape, "FAIL", note=note)
-    return make_row(name, shape, status, row["ms"], row["tflops"], row["rel_l2"], note=note, dtype=row["dtype"])
+    return make_row(name, shape, status, row["ms"], row["tflops"], row["rel_l2"], note=note, dtype=row["dtype"],
+                    device_bytes=row["device_bytes"])
 
 
 def row_progress(row):
@@ -257,6 +265,38 @@ def command_compare(args):
     return 0
 
 
+def command_memory(args):
+    """`memory`: the device memory of every chapter and anchor at the headline shapes, merged
+    into the results CSV's device_bytes column (the times are left as they are)."""
+    shapes = [bench_shape(HEADLINE_D, HEADLINE_N, causal) for causal in (0, 1)]
+    measured = {}
+    for shape in shapes:
+        for name in [c.rstrip("/") for c in args.chapters]:
+            flags = ["--batch", shape["batch"], "--heads", shape["heads"], "--seqlen", shape["seqlen"],
+                     "--headdim", shape["headdim"], "--warmup", 0, "--iters", 1, "--no-check", "--csv"]
+            flags = [str(f) for f in flags] + (["--causal"] if shape["causal"] else [])
+            status, row, note = classify(name, *run_binary(os.path.join(args.build, name), flags))
+            if row is None or row["device_bytes"] is None:
+                say(f"  {name:<20} {status} {note or ''}")
+                continue
+            measured[row_key(make_row(name, shape, status))] = row["device_bytes"]
+            say(f"  {name:<20} {shape_label(shape)}: {row['device_bytes'] / 1e6:.0f} MB")
+    if torch_gpu_ready("PyTorch not found: anchors' device memory skipped"):
+        import anchors
+        for row in anchors.run_anchors(shapes, cache_dir(), warmup=1, iters=1):
+            if row.get("device_bytes") is not None:
+                measured[row_key(row)] = row["device_bytes"]
+    csv_path = args.csv or default_csv()
+    rows = read_results(csv_path)
+    for row in rows:
+        if row_key(row) in measured:
+            row["device_bytes"] = measured[row_key(row)]
+    write_results(csv_path, rows)
+    say(f"{csv_path}: device_bytes of {sum(row_key(r) in measured for r in rows)} rows")
+    regenerate_tables(csv_path, args.readme)
+    return 0
+
+
 def default_csv():
     """The newest results CSV under docs/results, or None."""
     found = [p for p in glob.glob(os.path.join(ROOT, "docs", "results", "*.csv"))
@@ -287,15 +327,17 @@ def parse_args(argv):
     bench = sub.add_parser("bench", help="the benchmark sweep (make bench)")
     compare = sub.add_parser("compare", help="PyTorch anchors only (make compare)")
     table = sub.add_parser("table", help="regenerate the Markdown from a results CSV")
-    for p in (run, bench, compare):
+    memory = sub.add_parser("memory", help="device memory at the headline shapes -> the results CSV")
+    for p in (run, bench, compare, memory):
         p.add_argument("--build", default="build", help="folder of the chapter binaries")
-    for p in (run, bench):
+    for p in (run, bench, memory):
         p.add_argument("chapters", nargs="+", metavar="CH", help="chapter names, in order")
     for p in (bench, compare):
         p.add_argument("--quick", action="store_true", help=f"only N in {QUICK_NS}")
         p.add_argument("--out", default=os.path.join("docs", "results"), help="results folder")
-    table.add_argument("--csv", help="results CSV (default: the newest docs/results/*.csv)")
-    for p in (bench, compare, table):
+    for p in (table, memory):
+        p.add_argument("--csv", help="results CSV (default: the newest docs/results/*.csv)")
+    for p in (bench, compare, table, memory):
         p.add_argument("--readme", default=os.path.join(ROOT, "README.md"),
                        help="README with the stage-table markers; chapter READMEs beside it")
     return parser.parse_args(argv)
@@ -306,7 +348,7 @@ def main(argv=None):
         sys.stdout.reconfigure(errors="replace")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     commands = {"run": command_run, "bench": command_bench, "compare": command_compare,
-                "table": command_table}
+                "table": command_table, "memory": command_memory}
     return commands[args.command](args)
 
 

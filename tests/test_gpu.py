@@ -43,8 +43,11 @@ FP8_KERNELS = 2                            # 08: quantize, attention
 N2_WORKSPACE = {1, 2, 3}                   # S (and P) in device memory: B*H*N*N floats
 OUTPUT_SHAPES = [(2, 3, 200, 64, True), (1, 2, 129, 128, False)]  # (B, H, N, D, causal)
 FIELDS = ["impl", "batch", "heads", "seqlen", "headdim", "causal", "dtype", "ms", "tflops", "rel_l2",
-          "status", "max_abs", "lse_err", "kernels", "workspace_bytes", "prepare_ms", "attend_ms", "rel_l2_floor"]
+          "status", "max_abs", "lse_err", "kernels", "workspace_bytes", "prepare_ms", "attend_ms", "rel_l2_floor",
+          "device_bytes"]
 RUN_TIMEOUT_S = 600
+DEVICE_SLACK_BYTES = 256 << 20  # above the buffers: pages, module and local-memory reservations
+DEVICE_PAGES_BYTES = 6 << 21    # below: six buffers that may share mapped 2 MiB pages
 
 
 def shape_args(b, h, n, d, causal):
@@ -89,6 +92,13 @@ def check_row(ctx, chapter, proc, row, shown, b, h, n, d, causal):
     if number in N2_WORKSPACE:
         want = b * h * n * n * 4
         assert row["workspace_bytes"] == str(want), f"{shown}: workspace {row['workspace_bytes']} bytes, expected B*H*N*N*4 = {want}"
+    # Measured device memory: the buffers (Q, K, V, O fp16, LSE fp32, the workspace), give or take
+    # the driver's 2 MiB pages (small buffers may share one already mapped) and what the first
+    # launch reserves.
+    buffers = 4 * b * h * n * d * 2 + b * h * n * 4 + int(row["workspace_bytes"])
+    used = int(row["device_bytes"] or "-1")
+    assert buffers - DEVICE_PAGES_BYTES <= used <= buffers + DEVICE_SLACK_BYTES, (
+        f"{shown}: device_bytes {used}, expected about the {buffers} bytes of its buffers")
     if number in FP8:
         assert row["dtype"] == "fp8", f"{shown}: dtype {row['dtype']!r}, expected 'fp8'"
         assert row["kernels"] == str(FP8_KERNELS), f"{shown}: {row['kernels']} kernels per forward, expected {FP8_KERNELS}"

@@ -53,16 +53,22 @@ def quiet(function, *args):
 
 def test_csv_round_trip():
     shape = results.bench_shape(128, 4096, 1)
-    rows = [results.make_row("04_fused", shape, "PASS", 18.3301, 29.99, 3.012e-4),
+    rows = [results.make_row("04_fused", shape, "PASS", 18.3301, 29.99, 3.012e-4, device_bytes=269484032),
             results.make_row("01_naive", results.bench_shape(64, 16384, 0), "SKIP",
                             note="this shape needs 33.0 GiB of device memory, lower B, H or N"),
             results.make_row("torch_flash", shape, "FAIL", 0.9194, 298.98, 0.0123, note="odd, but kept")]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "NVIDIA_H200.csv")
         results.write_results(path, rows)
-        assert read(path).splitlines()[0] == "impl,batch,heads,seqlen,headdim,causal,dtype,ms,tflops,rel_l2,status"
-        assert read(path).splitlines()[2] == "01_naive,1,32,16384,64,0,fp16,,,,SKIP"
+        assert read(path).splitlines()[0] == ("impl,batch,heads,seqlen,headdim,causal,dtype,ms,tflops,rel_l2,status,"
+                                              "device_bytes")
+        assert read(path).splitlines()[1].endswith(",PASS,269484032")
+        assert read(path).splitlines()[2] == "01_naive,1,32,16384,64,0,fp16,,,,SKIP,"
         back = results.read_results(path)
+        older = "\n".join(",".join(line.split(",")[:-1]) for line in read(path).splitlines())  # no device_bytes
+        with open(path, "w") as f:
+            f.write(older + "\n")
+        assert [r["device_bytes"] for r in results.read_results(path)] == [None] * 3
     assert back == rows, back
     assert back[0]["ms"] == 18.3301 and back[0]["batch"] == 4 and back[0]["causal"] == 1
     assert "note" not in back[0] and back[1]["note"].startswith("this shape needs")
@@ -168,7 +174,7 @@ def test_regenerate_tables_on_a_tree():
             f"cuDNN {value('cuDNN D128 N4k nc tflops :.0f', '583')}, "
             f"06 causal {value('06 D128 N4k causal ms', 'n/a')}\n")
         assert "warning: " in printed and "notes.md: <!--r 06 D128 N4k causal ms-->: no timed row" in printed, printed
-        assert "| 07_async_pipeline | 2.12 | 259.9 | 32.5x |" in top
+        assert "| 07_async_pipeline | - | 2.12 | 259.9 | 32.5x |" in top
         assert "`results/FAKE_GPU.csv`" in top
         assert read(os.path.join(tmp, "03_online_softmax", "README.md")) == "# 03, no markers\n"
         chapter = read(os.path.join(tmp, "04_fused", "README.md"))
@@ -417,7 +423,8 @@ if name.endswith("big") and n >= 4096:
 ms = 300.0 * (n / 1024) ** 2 if name.endswith("slow") else 1.0 * (n / 1024) ** 2
 status = "FAIL" if name.endswith("bad") else "PASS"
 tflops = 4.0 * b * h * n * n * d / (2 if c else 1) / (ms * 1e-3) / 1e12
-print(f"{{name}},{{b}},{{h}},{{n}},{{d}},{{c}},fp16,{{ms:.4f}},{{tflops:.2f}},3.000e-04,{{status}},1e-3,1e-5,1,0")
+mem = 4 * b * h * n * d * 2 + b * h * n * 4
+print(f"{{name}},{{b}},{{h}},{{n}},{{d}},{{c}},fp16,{{ms:.4f}},{{tflops:.2f}},3.000e-04,{{status}},1e-3,1e-5,1,0,,,,{{mem}}")
 sys.exit(1 if status == "FAIL" else 0)
 '''
 
@@ -469,7 +476,8 @@ def test_bench_on_fake_binaries():
         assert at("04_bad", 4096)["status"] == "FAIL" and at("04_bad", 4096)["ms"] == 16.0
         assert at("05_good", 4096)["status"] == "PASS" and at("05_good", 4096)["tflops"] > 0
         assert os.path.exists(os.path.join(out, csv_files[0][:-4] + ".md"))
-        assert "| 05_good | 16.0 |" in read(readme)
+        assert at("05_good", 4096)["device_bytes"] == 4 * 4 * 16 * 4096 * 128 * 2 + 4 * 16 * 4096 * 4
+        assert "| 05_good | 269 MB | 16.0 |" in read(readme)
 
 
 def test_bench_stops_when_every_chapter_skips():
