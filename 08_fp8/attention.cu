@@ -196,39 +196,6 @@ __global__ void __launch_bounds__(HEAD_DIM)
                                       seqlen_padded - row0, seqlen_padded, tile, descale);
 }
 
-// 32-bit word i (two halves) of a vector.
-__device__ unsigned word_at(const uint4 &v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
-
-// With fp16 operands (FP16_OPERANDS) there is nothing to quantise: Q and K are read where they
-// are, and only V is transposed, in key order (the 16-bit A operand of P V is the accumulator's
-// own layout), to [b*h][HEAD_DIM][seqlen_padded]. Thread t: 16-key group t % 8 of 8 dimensions.
-template <int HEAD_DIM>
-__global__ void __launch_bounds__(HEAD_DIM)
-    transpose_kernel(const __half *v, __half *vt, int seqlen, int seqlen_padded) {
-    constexpr int VECTORS_PER_ROW = HEAD_DIM / 8, GROUPS = SCALE_ROWS / KEY_GROUP;
-    const int row0 = blockIdx.x * SCALE_ROWS, rows = min(SCALE_ROWS, seqlen - row0);
-    const int group = threadIdx.x % GROUPS, dim0 = threadIdx.x / GROUPS * 8, key0 = row0 + group * KEY_GROUP;
-    if (key0 >= seqlen_padded) return;
-    const size_t head = blockIdx.y;
-    const uint4 *src = (const uint4 *)(v + (head * seqlen + row0) * HEAD_DIM);
-    uint4 tile[KEY_GROUP];
-    for (int i = 0; i < KEY_GROUP; i++) {
-        const int row = group * KEY_GROUP + i;
-        tile[i] = row < rows ? src[row * VECTORS_PER_ROW + dim0 / 8] : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int d = 0; d < 8; d++) {
-        unsigned pairs[KEY_GROUP / 2];  // keys 2p and 2p + 1 of dimension dim0 + d
-#pragma unroll
-        for (int p = 0; p < KEY_GROUP / 2; p++)
-            pairs[p] =
-                __byte_perm(word_at(tile[2 * p], d / 2), word_at(tile[2 * p + 1], d / 2), d % 2 ? 0x7632 : 0x5410);
-        uint4 *dst = (uint4 *)(vt + (head * HEAD_DIM + dim0 + d) * seqlen_padded + key0);
-        dst[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
-        dst[1] = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
-    }
-}
-
 // --- Hopper's asynchronous machinery, as the PTX ISA documents it --------------------------
 __device__ unsigned smem_address(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 
@@ -275,6 +242,14 @@ __device__ uint64_t smem_descriptor(const void *tile, int row_bytes) {
     const uint64_t mode = row_bytes == 128 ? 1 : 2;  // 128-byte or 64-byte swizzle
     return (uint64_t)(smem_address(tile) & 0x3FFFF) >> 4 | 1ull << 16 | (uint64_t)(8 * row_bytes >> 4) << 32 |
            mode << 62;
+}
+
+// fp16 operands: V as it lies in memory, [keys][dims], read MN-major (wgmma's transpose bit, which
+// 16-bit types have): rows of 128 bytes (64 dims) swizzled as TMA wrote them, 8-row groups of keys
+// 1024 bytes apart (stride byte offset), 64-dim column blocks block_bytes apart (leading byte offset).
+__device__ uint64_t smem_descriptor_mn_major(const void *tile, int block_bytes) {
+    return (uint64_t)(smem_address(tile) & 0x3FFFF) >> 4 | (uint64_t)(block_bytes >> 4) << 16 |
+           (uint64_t)(8 * SLICE_BYTES >> 4) << 32 | 1ull << 62;
 }
 
 // wgmma runs asynchronously: fence (operand registers ready), issue, commit, wait.
@@ -329,7 +304,7 @@ __device__ void setmaxnreg_inc() {
 #if FP16_OPERANDS
 #define WGMMA_K_TYPES "k16.f32.f16.f16"
 #define WGMMA_SHARED_A_IMM "1, 1, 0, 0"
-#define WGMMA_REGISTER_A_IMM "1, 1, 1, 0"
+#define WGMMA_REGISTER_A_IMM "1, 1, 1, 1"  // B (V) transposed: read MN-major, as V lies in memory
 #else
 #define WGMMA_K_TYPES "k32.f32.e4m3.e4m3"
 #define WGMMA_SHARED_A_IMM "1, 1"
@@ -469,9 +444,14 @@ __device__ void load_kv_tile(const Smem &s, const Work &w, int tile) {
     for (int slice = 0; slice < C::QK_SLICES; slice++)
         tma_load(s.k_ring + stage * C::K_BYTES + slice * BLOCK_KV * C::QK_SLICE, w.k_map, &s.kv_full[stage],
                  slice * C::QK_SLICE, tile * BLOCK_KV, w.head);
-    for (int slice = 0; slice < C::V_SLICES; slice++)
-        tma_load(s.v_ring + stage * C::V_BYTES + slice * HEAD_DIM * C::V_SLICE, w.vt_map, &s.kv_full[stage],
-                 tile * BLOCK_KV * ELEMENT_BYTES + slice * C::V_SLICE, 0, w.head);
+    if (FP16_OPERANDS)  // V in K's layout: [slice][key][128 bytes of dims]
+        for (int slice = 0; slice < C::QK_SLICES; slice++)
+            tma_load(s.v_ring + stage * C::V_BYTES + slice * BLOCK_KV * C::QK_SLICE, w.vt_map, &s.kv_full[stage],
+                     slice * C::QK_SLICE, tile * BLOCK_KV, w.head);
+    else  // Vt: [slice][dim][128 bytes of keys]
+        for (int slice = 0; slice < C::V_SLICES; slice++)
+            tma_load(s.v_ring + stage * C::V_BYTES + slice * HEAD_DIM * C::V_SLICE, w.vt_map, &s.kv_full[stage],
+                     tile * BLOCK_KV * ELEMENT_BYTES + slice * C::V_SLICE, 0, w.head);
 }
 
 // The producer warpgroup's one thread: every (K, Vt) tile, each into a stage once it is empty.
@@ -526,7 +506,9 @@ __device__ void issue_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p_frag)[
 #pragma unroll
     for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
         wgmma_pv<HEAD_DIM>(o_acc, p_frag[kk],
-                           smem_descriptor(kstep(v_tile, HEAD_DIM * C::V_SLICE, C::V_SLICE, kk), C::V_SLICE));
+                           FP16_OPERANDS
+                               ? smem_descriptor_mn_major(v_tile + kk * MMA_K * C::QK_SLICE, BLOCK_KV * C::QK_SLICE)
+                               : smem_descriptor(kstep(v_tile, HEAD_DIM * C::V_SLICE, C::V_SLICE, kk), C::V_SLICE));
     wgmma_commit();
 }
 
@@ -572,7 +554,7 @@ __device__ void rescale_output(float (&o_acc)[HEAD_DIM / 2], const float (&resca
 
 #if FP16_OPERANDS
 // P to fp16, in the A-operand layout, which for 16-bit types is the accumulator's own: per 16
-// keys (n8 chunks c, c + 1), rows g and g + 8 of keys 2t, 2t+1 of each chunk. Vt keeps key order.
+// keys (n8 chunks c, c + 1), rows g and g + 8 of keys 2t, 2t+1 of each chunk. V keeps key order.
 __device__ void pack_p(const float (&score)[BLOCK_KV / 2], unsigned (&p_frag)[BLOCK_KV / MMA_K][4]) {
 #pragma unroll
     for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
@@ -782,8 +764,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 // --- Launchers -------------------------------------------------------------------------------
 // What the attention kernel reads. FP8: the workspace holds the descales [3][b*h][tiles], then
-// Q and K in e4m3 ([b*h][N][D]), then Vt ([b*h][D][N_padded]). fp16 operands: Q and K are the
-// inputs, and the workspace holds Vt alone.
+// Q and K in e4m3 ([b*h][N][D]), then Vt ([b*h][D][N_padded]). fp16 operands: the inputs.
 typedef struct {
     float *descales;
     unsigned char *q, *k, *vt;
@@ -800,11 +781,11 @@ static Workspace workspace_layout(const AttnArgs *args) {
     const size_t qk_bytes = (size_t)s->batch * s->heads * s->seqlen * s->headdim;
     Workspace w;
     w.seqlen_padded = ceil_div(s->seqlen, 16) * 16;
-    if (FP16_OPERANDS) {
+    if (FP16_OPERANDS) {  // nothing to prepare: the kernel reads the inputs
         w.descales = NULL;
         w.q = (unsigned char *)args->q;
         w.k = (unsigned char *)args->k;
-        w.vt = (unsigned char *)args->workspace;
+        w.vt = (unsigned char *)args->v;
         return w;
     }
     w.descales = (float *)args->workspace;
@@ -816,7 +797,6 @@ static Workspace workspace_layout(const AttnArgs *args) {
 
 static size_t workspace_bytes(const AttnShape *s) {
     const size_t heads = (size_t)s->batch * s->heads, vt_bytes = heads * s->headdim * (ceil_div(s->seqlen, 16) * 16);
-    if (FP16_OPERANDS) return vt_bytes * sizeof(__half);
     return descale_bytes(s) + 2 * heads * s->seqlen * s->headdim + vt_bytes;
 }
 
@@ -824,20 +804,13 @@ template <int HEAD_DIM>
 static cudaError_t quantize(const AttnArgs *args, cudaStream_t stream) {
     const AttnShape *s = &args->shape;
     const Workspace w = workspace_layout(args);
-    if constexpr (FP16_OPERANDS) {
-        dim3 grid(ceil_div(s->seqlen, SCALE_ROWS), s->batch * s->heads);
-        transpose_kernel<HEAD_DIM><<<grid, HEAD_DIM, 0, stream>>>(args->v, (__half *)w.vt, s->seqlen, w.seqlen_padded);
-        return cudaGetLastError();
-    } else {
-        dim3 grid(ceil_div(s->seqlen, SCALE_ROWS), s->batch * s->heads, 3);
-        quantize_kernel<HEAD_DIM><<<grid, HEAD_DIM, 0, stream>>>(args->q, args->k, args->v, w.descales, w.q, w.k, w.vt,
-                                                                 s->seqlen, w.seqlen_padded);
-        return cudaGetLastError();
-    }
+    dim3 grid(ceil_div(s->seqlen, SCALE_ROWS), s->batch * s->heads, 3);
+    quantize_kernel<HEAD_DIM><<<grid, HEAD_DIM, 0, stream>>>(args->q, args->k, args->v, w.descales, w.q, w.k, w.vt,
+                                                             s->seqlen, w.seqlen_padded);
+    return cudaGetLastError();
 }
 
-// The chapter's prepare step: the e4m3 copies of Q, K, V and their descales, in one kernel (with
-// fp16 operands: V transposed).
+// The chapter's prepare step: the e4m3 copies of Q, K, V and their descales, in one kernel.
 static cudaError_t prepare(const AttnArgs *args, cudaStream_t stream) {
     return launch_for_head_dim(args, stream, quantize<64>, quantize<128>);
 }
@@ -889,7 +862,10 @@ static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
     const int row_bytes = HEAD_DIM * ELEMENT_BYTES, vt_row_bytes = w.seqlen_padded * ELEMENT_BYTES;
     RETURN_IF_ERROR(make_tensor_map(&q_map, w.q, row_bytes, s->seqlen, heads, C::QK_SLICE, BLOCK_Q));
     RETURN_IF_ERROR(make_tensor_map(&k_map, w.k, row_bytes, s->seqlen, heads, C::QK_SLICE, BLOCK_KV));
-    RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt, vt_row_bytes, HEAD_DIM, heads, C::V_SLICE, HEAD_DIM));
+    if (FP16_OPERANDS)  // V itself, boxed as K
+        RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt, row_bytes, s->seqlen, heads, C::QK_SLICE, BLOCK_KV));
+    else
+        RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt, vt_row_bytes, HEAD_DIM, heads, C::V_SLICE, HEAD_DIM));
     const int smem = Config<HEAD_DIM>::SMEM_BYTES;
     RETURN_IF_ERROR(
         cudaFuncSetAttribute(attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -903,26 +879,16 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
     return launch_for_head_dim(args, stream, launch<64>, launch<128>);
 }
 
-#if !FP16_OPERANDS
+// With FP16_OPERANDS the same kernel reads the fp16 inputs, checked as the fp16 tensor-core chapters.
 const Chapter chapter = {
     "08_fp8",
-    "FP8 e4m3 with dynamic scales on Hopper's wgmma fed by TMA: warp-specialised, softmax overlapped with the MMAs",
-    PRECISION_FP8_TC,
+    FP16_OPERANDS ? "08's kernel on fp16 operands (FP16_OPERANDS=1): Hopper's wgmma and TMA without FP8"
+                  : "FP8 e4m3 with dynamic scales on Hopper's wgmma fed by TMA: warp-specialised, softmax overlapped "
+                    "with the MMAs",
+    FP16_OPERANDS ? PRECISION_FP16_TC : PRECISION_FP8_TC,
     90,
     90,  // sm_90 only: wgmma is an sm_90a feature, and sm_90a code runs on no other GPU
-    workspace_bytes,
-    prepare,  // quantise Q, K, V to e4m3 (timed with the forward and on its own)
+    FP16_OPERANDS ? NULL : workspace_bytes,
+    FP16_OPERANDS ? NULL : prepare,  // quantise Q, K, V to e4m3 (timed with the forward and on its own)
     forward,
 };
-#else  // the same kernel on fp16 operands, checked as the fp16 tensor-core chapters are
-const Chapter chapter = {
-    "08_fp8",
-    "08's kernel on fp16 operands (FP16_OPERANDS=1): Hopper's wgmma and TMA without FP8",
-    PRECISION_FP16_TC,
-    90,
-    90,
-    workspace_bytes,
-    prepare,  // transpose V
-    forward,
-};
-#endif
