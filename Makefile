@@ -30,7 +30,10 @@ endif
 # Chapters built on Hopper's arch-specific features (wgmma) target sm_90a alone, whatever ARCH says:
 # sm_90a code runs on sm_90 only, and the chapter says so (exit 77) on any other GPU.
 SM90A_CHAPTERS := 08_fp8
-$(addprefix $(BUILD)/,$(SM90A_CHAPTERS)) $(addprefix $(BUILD)/exercises/,$(SM90A_CHAPTERS)): \
+# A chapter's other builds from the same source, BUILD/<chapter>.<dtype>: 08 on fp16 operands,
+# which separates what Hopper's datapath buys from what FP8 buys (its rows say fp16).
+VARIANTS := 08_fp8.fp16
+$(addprefix $(BUILD)/,$(SM90A_CHAPTERS) $(VARIANTS)) $(addprefix $(BUILD)/exercises/,$(SM90A_CHAPTERS)): \
     private GENCODE := -gencode=arch=compute_90a,code=sm_90a
 
 EXTRA_NVFLAGS ?=   # e.g. -DBLOCK_KV_D128=64 to try another tile size in 07
@@ -44,7 +47,7 @@ COMMON_OBJ := $(BUILD)/common/harness.o $(BUILD)/common/npy.o
 .PHONY: all run test bench compare sanitize diff profile sass exercise grade ablation help clean FORCE
 .DEFAULT_GOAL := all
 
-all: $(addprefix $(BUILD)/,$(CHAPTERS)) $(PY_DEPS)
+all: $(addprefix $(BUILD)/,$(CHAPTERS) $(VARIANTS)) $(PY_DEPS)
 
 # Rebuild when the flags change (ARCH=..., a moved checkout).
 $(BUILD)/.flags: FORCE
@@ -70,6 +73,10 @@ $(BUILD)/common/%.o: common/%.c $(HEADERS) $(BUILD)/.flags
 $(BUILD)/%: %/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)/.flags
 	@echo "nvcc  $< -> $@ ($(if $(filter $*,$(SM90A_CHAPTERS)),sm_90a,$(ARCH)))"
 	@$(call compile,-o $@ $< $(COMMON_OBJ))
+
+$(BUILD)/08_fp8.fp16: 08_fp8/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)/.flags
+	@echo "nvcc  $< -> $@ (sm_90a, -DFP16_OPERANDS=1)"
+	@$(call compile,-DFP16_OPERANDS=1 -o $@ $< $(COMMON_OBJ))
 
 .venv/.ready: requirements.txt
 	@echo "setting up .venv with NumPy (the system Python lacks it)"

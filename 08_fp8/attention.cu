@@ -44,7 +44,7 @@
 #define FP16_OPERANDS 0  // 1: the same kernel on fp16 operands (no quantisation): what wgmma buys without FP8
 #endif
 #ifndef STAGES_D128
-#define STAGES_D128 (FP16_OPERANDS ? 2 : 3)  // (K, Vt) tile pairs in flight, by head dim: chosen by a sweep
+#define STAGES_D128 3  // (K, V) tile pairs in flight, by head dim: chosen by a sweep
 #endif
 #ifndef STAGES_D64
 #define STAGES_D64 4
@@ -795,7 +795,7 @@ static Workspace workspace_layout(const AttnArgs *args) {
     return w;
 }
 
-static size_t workspace_bytes(const AttnShape *s) {
+[[maybe_unused]] static size_t workspace_bytes(const AttnShape *s) {  // unused with FP16_OPERANDS
     const size_t heads = (size_t)s->batch * s->heads, vt_bytes = heads * s->headdim * (ceil_div(s->seqlen, 16) * 16);
     return descale_bytes(s) + 2 * heads * s->seqlen * s->headdim + vt_bytes;
 }
@@ -811,7 +811,7 @@ static cudaError_t quantize(const AttnArgs *args, cudaStream_t stream) {
 }
 
 // The chapter's prepare step: the e4m3 copies of Q, K, V and their descales, in one kernel.
-static cudaError_t prepare(const AttnArgs *args, cudaStream_t stream) {
+[[maybe_unused]] static cudaError_t prepare(const AttnArgs *args, cudaStream_t stream) {
     return launch_for_head_dim(args, stream, quantize<64>, quantize<128>);
 }
 
@@ -879,16 +879,26 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
     return launch_for_head_dim(args, stream, launch<64>, launch<128>);
 }
 
-// With FP16_OPERANDS the same kernel reads the fp16 inputs, checked as the fp16 tensor-core chapters.
+#if !FP16_OPERANDS
 const Chapter chapter = {
     "08_fp8",
-    FP16_OPERANDS ? "08's kernel on fp16 operands (FP16_OPERANDS=1): Hopper's wgmma and TMA without FP8"
-                  : "FP8 e4m3 with dynamic scales on Hopper's wgmma fed by TMA: warp-specialised, softmax overlapped "
-                    "with the MMAs",
-    FP16_OPERANDS ? PRECISION_FP16_TC : PRECISION_FP8_TC,
+    "FP8 e4m3 with dynamic scales on Hopper's wgmma fed by TMA: warp-specialised, softmax overlapped with the MMAs",
+    PRECISION_FP8_TC,
     90,
     90,  // sm_90 only: wgmma is an sm_90a feature, and sm_90a code runs on no other GPU
-    FP16_OPERANDS ? NULL : workspace_bytes,
-    FP16_OPERANDS ? NULL : prepare,  // quantise Q, K, V to e4m3 (timed with the forward and on its own)
+    workspace_bytes,
+    prepare,  // quantise Q, K, V to e4m3 (timed with the forward and on its own)
     forward,
 };
+#else  // the same kernel reading the fp16 inputs, checked as the fp16 tensor-core chapters are
+const Chapter chapter = {
+    "08_fp8",
+    "08's kernel on fp16 operands (FP16_OPERANDS=1): Hopper's wgmma and TMA without FP8",
+    PRECISION_FP16_TC,
+    90,
+    90,
+    NULL,  // no workspace
+    NULL,  // nothing to prepare
+    forward,
+};
+#endif

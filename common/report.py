@@ -8,7 +8,8 @@ import re
 
 from chapters import CHAPTERS_BEGIN, CHAPTERS_END, chapters_markdown, read_chapters
 from results import (BENCH_DS, BENCH_ITERS, BENCH_NS, CUDNN, EAGER, FA2, HEADLINE_D, HEADLINE_N, HIDDEN, TIMED,
-                     TOTAL_TOKENS, anchor_impls, bench_shape, chapter_impls, env_path, find_row, is_anchor, read_env,
+                     TOTAL_TOKENS, anchor_impls, bench_shape, chapter_impls, display_name, env_path, find_row,
+                     is_anchor, read_env, split_variant, variant_names,
                      read_results, timed, write_if_changed)
 
 STAGE_BEGIN, STAGE_END = "<!-- stage-table:begin -->", "<!-- stage-table:end -->"
@@ -180,8 +181,8 @@ def tflops_cell(row):
 def results_sweep_table(rows, headdim, causal):
     """One sweep table of the results page: rows = impl, columns = N, cells = TFLOP/s."""
     ns = bench_ns(rows)
-    body = [[impl] + [tflops_cell(find_row(rows, impl, headdim, n, causal)) for n in ns]
-            for impl in chapter_impls(rows) + anchor_impls(rows)]
+    body = [[display_name(impl)] + [tflops_cell(find_row(rows, impl, headdim, n, causal)) for n in ns]
+            for impl in chapter_impls(rows) + variant_names(rows) + anchor_impls(rows)]
     return markdown_table(["impl"] + [f"N={n_label(n)}" for n in ns], body, "l" + "r" * len(ns))
 
 
@@ -196,8 +197,8 @@ def error_table(rows, seqlen=HEADLINE_N):
     """rel_l2 of every impl at one N, for both D and both masks."""
     cols = [(d, c) for d in BENCH_DS for c in (0, 1)
             if any((r["headdim"], r["causal"]) == (d, c) for r in rows)]
-    body = [[impl] + [rel_cell(find_row(rows, impl, d, seqlen, c)) for d, c in cols]
-            for impl in chapter_impls(rows) + anchor_impls(rows)]
+    body = [[display_name(impl)] + [rel_cell(find_row(rows, impl, d, seqlen, c)) for d, c in cols]
+            for impl in chapter_impls(rows) + variant_names(rows) + anchor_impls(rows)]
     header = ["impl"] + [f"D={d} {'causal' if c else 'non-causal'}" for d, c in cols]
     return markdown_table(header, body, "l" + "r" * len(cols))
 
@@ -245,7 +246,8 @@ def results_markdown(rows, env, csv_name):
 
 def chapter_table_markdown(rows, chapter, previous, source, gpu):
     """A chapter README's measured block: it, the previous chapter and FA2/cuDNN, by N."""
-    impls = [i for i in (previous, chapter) if i] + [a for a in (FA2, CUDNN) if a in anchor_impls(rows)]
+    impls = ([i for i in (previous, chapter) if i] + variant_names(rows, chapter)
+             + [a for a in (FA2, CUDNN) if a in anchor_impls(rows)])
     ns = bench_ns(rows)
     with_ms = HEADLINE_N in ns
     out = [f"TFLOP/s on {gpu} (fp16 in and out, B = {TOTAL_TOKENS}/N, H = {HIDDEN}/D"
@@ -257,7 +259,7 @@ def chapter_table_markdown(rows, chapter, previous, source, gpu):
         body = []
         for c in (0, 1):
             for impl in impls:
-                name = f"**{impl}**" if impl == chapter else impl
+                name = f"**{impl}**" if impl == chapter else display_name(impl)
                 cells = [name, "causal" if c else "non-causal"]
                 cells += [tflops_cell(find_row(rows, impl, d, n, c)) for n in ns]
                 if with_ms:
@@ -337,14 +339,17 @@ def update_file(path, begin, end, body):
 #     <!--r 07 D128 N4k nc x FA2-->1.02x<!--/r-->
 # The fields: IMPL (a row's impl, a chapter's number such as 07, or FA2 / cuDNN for torch_flash /
 # torch_cudnn), D (D128), N (N4096 or N4k), the mask (nc or causal), and the quantity: ms, tflops,
-# rel_l2, x OTHER (how many times faster than OTHER, by ms) or % OTHER (TFLOP/s as a percentage
-# of OTHER's, or of a constant such as 64TFLOP/s). IMPL, D, N and the mask may list values (04,05;
+# rel_l2, mem (device memory), x OTHER (how many times faster than OTHER, by ms) or % OTHER (TFLOP/s as a percentage
+# of OTHER's, or of a constant such as 64TFLOP/s). IMPL may name a chapter's variant build as
+# IMPL@DTYPE (08@fp16: 08 on fp16 operands). IMPL, D, N and the mask may list values (04,05;
 # N2k,8k) or take all (D*, N*, *): the text is then the range over them, 1.01-1.17x. A last field
 # :SPEC formats with format(value, SPEC) (tflops :.0f gives 658) instead of the tables' format.
 VALUE = re.compile(r"(<!--[ \t]*r[ \t]+([^<>\n]*?)[ \t]*-->)((?:(?!<!--)[^\n])*?)(<!--[ \t]*/r[ \t]*-->)")
 VALUE_TAG = re.compile(r"<!--\s*/?r(?:\s[^>]*)?-->")
-VALUE_SYNTAX = "<!--r IMPL D128 N4k nc|causal ms|tflops|rel_l2|x OTHER|% OTHER [:SPEC]-->"
-VALUE_FORMATS = {"ms": fmt_ms, "tflops": fmt_tflops, "rel_l2": fmt_rel, "x": fmt_speedup, "%": fmt_percent}
+VALUE_SYNTAX = "<!--r IMPL D128 N4k nc|causal ms|tflops|rel_l2|mem|x OTHER|% OTHER [:SPEC]-->"
+VALUE_FORMATS = {"ms": fmt_ms, "tflops": fmt_tflops, "rel_l2": fmt_rel, "mem": fmt_bytes, "x": fmt_speedup,
+                 "%": fmt_percent}
+COLUMNS = {"mem": "device_bytes"}  # a quantity read from a column of another name
 ALIASES = {"FA2": FA2, "cuDNN": CUDNN}
 CONSTANT = re.compile(r"(\d+(?:\.\d+)?)TFLOP/s")
 MASKS = {"nc": (0,), "causal": (1,), "*": (0, 1)}
@@ -387,9 +392,11 @@ def parse_value_marker(spec):
 
 def resolve_impl(rows, name):
     """A marker's impl: FA2 and cuDNN by their rows' names, a bare number NN as the one chapter
-    named NN_..., any other name as it is."""
+    named NN_..., any other name as it is; @DTYPE names a chapter's variant build (08@fp16)."""
+    name, dtype = split_variant(name)
     found = {r["impl"] for r in rows if name.isdigit() and r["impl"].startswith(name + "_")}
-    return found.pop() if len(found) == 1 else ALIASES.get(name, name)
+    impl = found.pop() if len(found) == 1 else ALIASES.get(name, name)
+    return f"{impl}@{dtype}" if dtype else impl
 
 
 def marker_value(rows, marker, impl, headdim, seqlen, causal):
@@ -403,7 +410,7 @@ def marker_value(rows, marker, impl, headdim, seqlen, causal):
         return speedup(field(marker["other"], "ms"), field(impl, "ms"))
     if marker["quantity"] == "%":
         return percent_of(field(impl, "tflops"), field(marker["other"], "tflops"))
-    return field(impl, marker["quantity"])
+    return field(impl, COLUMNS.get(marker["quantity"], marker["quantity"]))
 
 
 def marker_text(rows, marker):

@@ -15,11 +15,15 @@ OPTIONAL_FIELDS = ("device_bytes",)  # may be absent from an older CSV, or empty
 HARNESS_DEVICE_BYTES = 18            # its cell in a binary's --csv row (common/harness.cu)
 INT_FIELDS = ("batch", "heads", "seqlen", "headdim", "causal")
 FLOAT_FIELDS = ("ms", "tflops", "rel_l2")
-KEY_FIELDS = ("impl", "batch", "heads", "seqlen", "headdim", "causal")
+KEY_FIELDS = ("impl", "dtype", "batch", "heads", "seqlen", "headdim", "causal")
 NOTE_FIELDS = KEY_FIELDS + ("note",)
 TIMED = ("PASS", "unchecked")   # statuses whose timing is shown
 ANCHORS = ("torch_flash", "torch_cudnn", "torch_efficient", "torch_eager", "cudnn_fp8")
 FA2, CUDNN, EAGER = "torch_flash", "torch_cudnn", "torch_eager"
+# A chapter's other builds from the same source (the Makefile's BUILD/<chapter>.<dtype>): their rows
+# carry the chapter's impl and their own dtype, and are named <impl>@<dtype> in tables and markers.
+VARIANT_DTYPES = {"08_fp8": ("fp16",)}
+VARIANT_WORDS = {"fp16": "fp16 operands"}
 
 # --- The benchmark's shapes (docs/design.md) ----------------------------------------------
 BENCH_DS = (128, 64)
@@ -76,10 +80,21 @@ def row_key(row):
     return tuple(row[k] for k in KEY_FIELDS)
 
 
-def find_row(rows, impl, headdim, seqlen, causal):
-    """The row of impl at (D, N, causal), or None."""
+def split_variant(name):
+    """'08_fp8@fp16' -> ('08_fp8', 'fp16'); '08_fp8' -> ('08_fp8', None)."""
+    impl, _, dtype = name.partition("@")
+    return impl, dtype or None
+
+
+def row_name(row):
+    """The name a row goes by: its impl, or <impl>@<dtype> for a chapter's other build."""
+    return f"{row['impl']}@{row['dtype']}" if row["dtype"] in VARIANT_DTYPES.get(row["impl"], ()) else row["impl"]
+
+
+def find_row(rows, name, headdim, seqlen, causal):
+    """The row of name (an impl, or <impl>@<dtype> for a variant build) at (D, N, causal), or None."""
     for row in rows:
-        if (row["impl"], row["headdim"], row["seqlen"], row["causal"]) == (impl, headdim, seqlen, causal):
+        if row_name(row) == name and (row["headdim"], row["seqlen"], row["causal"]) == (headdim, seqlen, causal):
             return row
     return None
 
@@ -97,6 +112,18 @@ def is_anchor(impl):
 def chapter_impls(rows):
     """The chapters present in rows, in order."""
     return sorted({row["impl"] for row in rows if not is_anchor(row["impl"])})
+
+
+def variant_names(rows, chapter=None):
+    """The variant builds present in rows (of one chapter, or all), as <impl>@<dtype>, in order."""
+    return sorted({row_name(row) for row in rows if "@" in row_name(row)
+                   and (chapter is None or row["impl"] == chapter)})
+
+
+def display_name(name):
+    """A table's words for a name: '08_fp8 (fp16 operands)' for 08_fp8@fp16."""
+    impl, dtype = split_variant(name)
+    return f"{impl} ({VARIANT_WORDS.get(dtype, dtype)})" if dtype else impl
 
 
 def anchor_impls(rows):
@@ -163,15 +190,17 @@ def read_results(path):
         if missing:
             raise ValueError(f"{path}: not a results CSV (missing columns {', '.join(missing)})")
         rows = [{k: parse_value(k, line.get(k)) for k in CSV_FIELDS} for line in reader]
-    notes = {}
+    notes, fields = {}, KEY_FIELDS
     if os.path.exists(notes_path(path)):
         with open(notes_path(path), newline="") as f:
-            for line in csv.DictReader(f):
-                key = tuple(parse_value(k, line[k]) for k in KEY_FIELDS)
-                notes[key] = line["note"]
+            reader = csv.DictReader(f)
+            fields = [k for k in KEY_FIELDS if k in (reader.fieldnames or [])]  # older notes: no dtype
+            for line in reader:
+                notes[tuple(parse_value(k, line[k]) for k in fields)] = line["note"]
     for row in rows:
-        if row_key(row) in notes:
-            row["note"] = notes[row_key(row)]
+        key = tuple(row[k] for k in fields)
+        if key in notes:
+            row["note"] = notes[key]
     return rows
 
 

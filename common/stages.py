@@ -38,8 +38,9 @@ sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import (fmt_ms, fmt_rel, fmt_tflops, print_summary, plot_results, regenerate_tables,  # noqa: E402
                     run_stage_table, say)
 from results import (BENCH_ITERS, BENCH_WARMUP, CSV_FIELDS, HARNESS_DEVICE_BYTES, HEADLINE_D,  # noqa: E402
-                     HEADLINE_N, OPTIONAL_FIELDS, QUICK_NS, bench_shape, bench_shapes, collect_env, env_path,
-                     gpu_name, gpu_slug, is_anchor, make_row, parse_value, read_env, read_results, row_key,
+                     HEADLINE_N, OPTIONAL_FIELDS, QUICK_NS, VARIANT_DTYPES, bench_shape, bench_shapes, collect_env,
+                     env_path,
+                     gpu_name, gpu_slug, is_anchor, make_row, parse_value, read_env, read_results, row_key, row_name,
                      shape_label, work, write_env, write_results)
 
 # --- Running the chapters: the sweep and its skip policy -------------------------------------
@@ -145,20 +146,20 @@ def command_run(args):
     return 1 if bad else 0
 
 
-def bench_one(build, name, shape, last, unsupported):
-    """One chapter at one bench shape, under the skip policy; returns a result row."""
-    if name in unsupported:
-        return make_row(name, shape, "SKIP", note=unsupported[name])
+def bench_one(binary, name, shape, last, unsupported):
+    """One chapter's binary at one bench shape, under the skip policy; returns a result row."""
+    if binary in unsupported:
+        return make_row(name, shape, "SKIP", note=unsupported[binary])
     slow = too_slow(last, shape)
     if slow:
         return make_row(name, shape, "SKIP", note=slow)
     flags = ["--batch", shape["batch"], "--heads", shape["heads"], "--seqlen", shape["seqlen"],
              "--headdim", shape["headdim"], "--warmup", BENCH_WARMUP, "--iters", BENCH_ITERS, "--csv"]
     flags = [str(f) for f in flags] + (["--causal"] if shape["causal"] else [])
-    code, stdout, stderr = run_binary(os.path.join(build, name), flags)
+    code, stdout, stderr = run_binary(binary, flags)
     status, row, note = classify(name, code, stdout, stderr)
     if status == "skipped":
-        unsupported[name] = note
+        unsupported[binary] = note
         return make_row(name, shape, "SKIP", note=note)
     if status == "usage":
         return make_row(name, shape, "SKIP", note=note)
@@ -170,26 +171,38 @@ def bench_one(build, name, shape, last, unsupported):
 
 def row_progress(row):
     """One progress line for a finished row."""
+    name = row_name(row)
     if row["ms"] is None:
-        return f"  {row['impl']:<20} {row['status']:<5} {row.get('note', '')}"
-    return (f"  {row['impl']:<20} {row['status']:<5} {fmt_ms(row['ms']):>7} ms "
+        return f"  {name:<20} {row['status']:<5} {row.get('note', '')}"
+    return (f"  {name:<20} {row['status']:<5} {fmt_ms(row['ms']):>7} ms "
             f"{fmt_tflops(row['tflops']):>7} TFLOP/s  rel_l2 {fmt_rel(row['rel_l2'])}"
             + (f"  ({row['note']})" if row.get("note") else ""))
 
 
+def chapter_binaries(build, chapters):
+    """[(impl, binary)]: each chapter, then its variant builds that were built (08_fp8.fp16)."""
+    out = []
+    for name in chapters:
+        out.append((name, os.path.join(build, name)))
+        out += [(name, path) for path in (os.path.join(build, f"{name}.{dtype}") for dtype in VARIANT_DTYPES.get(name, ()))
+                if os.path.exists(path)]
+    return out
+
+
 def bench_chapters(build, chapters, shapes):
-    """Every chapter on every shape; None when every chapter was skipped (no GPU)."""
+    """Every chapter (and variant build) on every shape; None when every one was skipped (no GPU)."""
     rows, last, unsupported = [], {}, {}
+    binaries = chapter_binaries(build, chapters)
     for i, shape in enumerate(shapes):
         say(f"[{i + 1}/{len(shapes)}] {shape_label(shape)}")
-        for name in chapters:
-            key = (name, shape["headdim"], shape["causal"])
-            row = bench_one(build, name, shape, last.get(key), unsupported)
+        for name, binary in binaries:
+            key = (binary, shape["headdim"], shape["causal"])
+            row = bench_one(binary, name, shape, last.get(key), unsupported)
             if row["ms"] is not None:
                 last[key] = (work(shape), row["ms"])
             rows.append(row)
             say(row_progress(row))
-        if i == 0 and len(unsupported) == len(chapters):
+        if i == 0 and len(unsupported) == len(binaries):
             return None
     return rows
 
@@ -271,16 +284,16 @@ def command_memory(args):
     shapes = [bench_shape(HEADLINE_D, HEADLINE_N, causal) for causal in (0, 1)]
     measured = {}
     for shape in shapes:
-        for name in [c.rstrip("/") for c in args.chapters]:
+        for name, binary in chapter_binaries(args.build, [c.rstrip("/") for c in args.chapters]):
             flags = ["--batch", shape["batch"], "--heads", shape["heads"], "--seqlen", shape["seqlen"],
                      "--headdim", shape["headdim"], "--warmup", 0, "--iters", 1, "--no-check", "--csv"]
             flags = [str(f) for f in flags] + (["--causal"] if shape["causal"] else [])
-            status, row, note = classify(name, *run_binary(os.path.join(args.build, name), flags))
+            status, row, note = classify(name, *run_binary(binary, flags))
             if row is None or row["device_bytes"] is None:
                 say(f"  {name:<20} {status} {note or ''}")
                 continue
-            measured[row_key(make_row(name, shape, status))] = row["device_bytes"]
-            say(f"  {name:<20} {shape_label(shape)}: {row['device_bytes'] / 1e6:.0f} MB")
+            measured[row_key(make_row(name, shape, status, dtype=row["dtype"]))] = row["device_bytes"]
+            say(f"  {os.path.basename(binary):<20} {shape_label(shape)}: {row['device_bytes'] / 1e6:.0f} MB")
     if torch_gpu_ready("PyTorch not found: anchors' device memory skipped"):
         import anchors
         for row in anchors.run_anchors(shapes, cache_dir(), warmup=1, iters=1):

@@ -46,6 +46,7 @@ FIELDS = ["impl", "batch", "heads", "seqlen", "headdim", "causal", "dtype", "ms"
           "status", "max_abs", "lse_err", "kernels", "workspace_bytes", "prepare_ms", "attend_ms", "rel_l2_floor",
           "device_bytes"]
 RUN_TIMEOUT_S = 600
+VARIANT_BUILDS = ["08_fp8.fp16"]  # the Makefile's VARIANTS: 08 on fp16 operands
 DEVICE_SLACK_BYTES = 256 << 20  # above the buffers: pages, module and local-memory reservations
 DEVICE_PAGES_BYTES = 6 << 21    # below: six buffers that may share mapped 2 MiB pages
 
@@ -55,9 +56,10 @@ def shape_args(b, h, n, d, causal):
         (["--causal"] if causal else [])
 
 
-def run_csv(ctx, chapter, args, env=None):
-    """Run the native binary with --csv: (CompletedProcess, row dict or None). Exit 77 skips."""
-    binary = ctx.require_binary(chapter, native=True)
+def run_csv(ctx, chapter, args, env=None, build_name=None):
+    """Run the native binary (the chapter's, or its variant build build_name) with --csv:
+    (CompletedProcess, row dict or None). Exit 77 skips."""
+    binary = ctx.require_binary(build_name or chapter, native=True)
     cmd = [binary, *args, "--warmup", "0", "--iters", "1", "--csv"]
     proc = ctx.run(cmd, env=env, timeout=RUN_TIMEOUT_S)
     if proc.returncode == 77:
@@ -250,8 +252,32 @@ def scratch_case(chapter):
     return case
 
 
+def variant_case(build_name, b, h, n, d, causal):
+    """A chapter's variant build (08_fp8.fp16): correct at the shape, its own dtype, one kernel
+    and no workspace (fp16 operands: nothing to quantise)."""
+    chapter, dtype = build_name.split(".")
+    def case(ctx):
+        proc, row = run_csv(ctx, chapter, shape_args(b, h, n, d, causal), build_name=build_name)
+        shown = f"{build_name} B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
+        assert proc.returncode == 0 and row and row["status"] == "PASS", f"{shown}: expected PASS, got {describe(proc, row)}"
+        echoed = tuple(int(row[k]) for k in ("batch", "heads", "seqlen", "headdim", "causal"))
+        assert echoed == (b, h, n, d, int(causal)), f"{shown}: the CSV row reports shape {echoed}"
+        assert row["dtype"] == dtype, f"{shown}: dtype {row['dtype']!r}, expected {dtype!r}"
+        assert (row["kernels"], row["workspace_bytes"]) == ("1", "0"), (
+            f"{shown}: {row['kernels']} kernels, {row['workspace_bytes']} bytes of workspace; expected 1 and 0")
+        return f"rel_l2 {row['rel_l2']}"
+    return case
+
+
 def cases(ctx):
     out = []
+    for build_name in VARIANT_BUILDS:
+        for n in SEQLENS:
+            for b, h in BATCH_HEADS:
+                for d in DIMS:
+                    for causal in (False, True):
+                        name = f"variant[{build_name} D={d}{' causal' if causal else ''} N={n} B={b} H={h}]"
+                        out.append((name, variant_case(build_name, b, h, n, d, causal), ("shape", b, h, n, d)))
     for n in sorted(SEQLENS, reverse=True):  # the heaviest groups first
         for b, h in reversed(BATCH_HEADS):
             for d in DIMS:

@@ -12,6 +12,8 @@ import re
 import shutil
 import unittest
 
+from test_gpu import VARIANT_BUILDS
+
 SUITE = "sanitize"
 PARALLEL = 8
 
@@ -85,7 +87,7 @@ def sanitize_case(chapter, tool, extra, b, h, n, d, causal):
 def cases(ctx):
     out = []
     for tool, extra, b, h, n, d, causal in RUNS:
-        for chapter in ctx.chapters:
+        for chapter in ctx.chapters + VARIANT_BUILDS:  # and 08 on fp16 operands, BUILD/08_fp8.fp16
             name = f"{tool}[{chapter} B={b} H={h} N={n} D={d}{' causal' if causal else ''}]"
             out.append((name, sanitize_case(chapter, tool, extra, b, h, n, d, causal)))
     return out
