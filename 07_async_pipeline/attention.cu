@@ -17,13 +17,29 @@
 #define WARP_SIZE 32
 #define WARPS 4
 #define THREADS (WARPS * WARP_SIZE)
+// One switch per idea of this chapter, for the README's ablation table: -DNAME=0 turns that one off.
+#ifndef ASYNC_RING
+#define ASYNC_RING 1  // K/V tiles through a ring of cp.async copies (0: loaded synchronously into one slot)
+#endif
+#ifndef P_IN_REGISTERS
+#define P_IN_REGISTERS 1  // P repacked from the score accumulators (0: through shared memory and ldmatrix)
+#endif
+#ifndef QUERY_ROWS_128
+#define QUERY_ROWS_128 1  // 32 query rows per warp, 128 per block (0: 16 and 64)
+#endif
+#ifndef DOUBLE_BUFFER
+#define DOUBLE_BUFFER 1  // ldmatrix of k-step ks+1 issued before the MMAs of step ks (0: right before its own)
+#endif
+#ifndef RESCALE_VOTE
+#define RESCALE_VOTE 1  // at D=128, O's rescale skipped by a warp vote if no max changed (0: rescaled every tile)
+#endif
 // The tensor-core instruction, mma.sync m16n8k16: A is MMA_M x MMA_K, B is MMA_K x MMA_N.
 #define MMA_M 16
 #define MMA_N 8
 #define MMA_K 16
-#define WARP_Q 32                 // query rows per warp
-#define M_TILES (WARP_Q / MMA_M)  // m16 tiles per warp: 2
-#define BLOCK_Q (WARPS * WARP_Q)  // query rows per block: 128
+#define WARP_Q (QUERY_ROWS_128 ? 32 : 16)  // query rows per warp (-DQUERY_ROWS_128=0: 16, one m16 tile)
+#define M_TILES (WARP_Q / MMA_M)           // m16 tiles per warp: 2
+#define BLOCK_Q (WARPS * WARP_Q)           // query rows per block: 128
 // Keys per streamed tile and (K, V) tiles in the ring, per head dim (-D to experiment).
 #ifndef BLOCK_KV_D64
 #define BLOCK_KV_D64 64
@@ -68,10 +84,13 @@ static_assert(ACC_ROWS * 2 == ACC_REGS && QUAD_LANES * 2 == MMA_N, "a lane holds
 template <int HEAD_DIM>
 struct Config {
     static constexpr int BLOCK_KV = HEAD_DIM == 128 ? BLOCK_KV_D128 : BLOCK_KV_D64;
-    static constexpr int STAGES = HEAD_DIM == 128 ? STAGES_D128 : STAGES_D64;
+    // Ablation (-DASYNC_RING=0): one (K, V) slot, refilled synchronously at each tile.
+    static constexpr int STAGES = ASYNC_RING ? (HEAD_DIM == 128 ? STAGES_D128 : STAGES_D64) : 1;
     static constexpr int STRIDE = HEAD_DIM + PAD;  // halves per row of every tile
     static constexpr int Q_HALVES = BLOCK_Q * STRIDE, KV_HALVES = BLOCK_KV * STRIDE;
-    static constexpr int SMEM_BYTES = (Q_HALVES + 2 * STAGES * KV_HALVES) * (int)sizeof(__half);
+    // Ablation (-DP_IN_REGISTERS=0): after the ring, each warp's [MMA_M][P_STRIDE] tile of P.
+    static constexpr int P_STRIDE = BLOCK_KV + PAD, P_HALVES = P_IN_REGISTERS ? 0 : WARPS * MMA_M * P_STRIDE;
+    static constexpr int SMEM_BYTES = (Q_HALVES + 2 * STAGES * KV_HALVES + P_HALVES) * (int)sizeof(__half);
     // A warp's Q fragments take HEAD_DIM registers per thread. At 64 they stay in registers for
     // the whole loop; at 128 the 32 x 128 fp32 output accumulator already holds 128 of a thread's
     // 255 registers, so Q is re-read from shared memory at every tile.
@@ -174,6 +193,29 @@ __device__ void load_tile_async(__half *tile, const __half *src, int row0, int s
     // EXERCISE END
 }
 
+// Ablation (-DASYNC_RING=0): the tile through registers, as 06 loads it: every 16-byte load of the
+// thread, then every store (zeros past seqlen). The caller's __syncthreads() publishes it.
+template <int HEAD_DIM, int TILE_ROWS>
+__device__ void load_tile_sync(__half *tile, const __half *src, int row0, int seqlen) {
+    constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS_PER_PASS = THREADS / CHUNKS;
+    constexpr int PASSES = TILE_ROWS / ROWS_PER_PASS;
+    static_assert(TILE_ROWS % ROWS_PER_PASS == 0, "every thread moves the same number of chunks");
+    const int row = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    const __half *from = src + (size_t)(row0 + row) * HEAD_DIM + chunk * CHUNK_HALVES;
+    uint4 raw[PASSES];
+    if (row0 + TILE_ROWS <= seqlen) {  // a whole tile (all but the last): no checks
+#pragma unroll
+        for (int i = 0; i < PASSES; i++) raw[i] = *(const uint4 *)(from + i * ROWS_PER_PASS * HEAD_DIM);
+    } else {
+#pragma unroll
+        for (int i = 0; i < PASSES; i++)
+            raw[i] = row0 + row + i * ROWS_PER_PASS < seqlen ? *(const uint4 *)(from + i * ROWS_PER_PASS * HEAD_DIM)
+                                                             : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < PASSES; i++) *(uint4 *)&tile[tile_offset<HEAD_DIM>(row + i * ROWS_PER_PASS, chunk)] = raw[i];
+}
+
 // --- Online softmax on the score accumulators ----------------------------------------------
 // 2^x as one MUFU instruction. exp2f() adds fix-ups for results below 2^-126, which a
 // probability can lose (they flush to 0): four instructions per score instead of one.
@@ -215,6 +257,29 @@ __device__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// Ablation (-DP_IN_REGISTERS=0): P of one m16 tile stored from the accumulator layout into the
+// warp's tile and read back by ldmatrix as the A operand of P V, the round trip that a kernel
+// whose accumulator layout is opaque (06's WMMA) has to make. p_tiles: [WARPS][MMA_M][P_STRIDE].
+template <int HEAD_DIM, int KEY_TILES>
+__device__ void p_through_shared(unsigned frag[KEY_TILES / 2][A_REGS], const float score[KEY_TILES][ACC_REGS],
+                                 __half *p_tiles) {
+    constexpr int P_STRIDE = Config<HEAD_DIM>::P_STRIDE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    __half *p_tile = p_tiles + threadIdx.x / WARP_SIZE * MMA_M * P_STRIDE;
+#pragma unroll
+    for (int nt = 0; nt < KEY_TILES; nt++)
+#pragma unroll
+        for (int r = 0; r < ACC_ROWS; r++) {
+            const int row = lane / QUAD_LANES + r * ACC_ROW_STEP, col = nt * MMA_N + 2 * (lane % QUAD_LANES);
+            *(unsigned *)&p_tile[row * P_STRIDE + col] = pack_half2(score[nt][2 * r], score[nt][2 * r + 1]);
+        }
+    __syncwarp();  // the warp's P is written
+#pragma unroll
+    for (int kk = 0; kk < KEY_TILES / 2; kk++)  // as Q: lane l gives row l % 16, in chunk l / 16 of the step
+        ldmatrix_x4(frag[kk], p_tile + (lane % MMA_M) * P_STRIDE + (kk * STEP_CHUNKS + lane / MMA_M) * CHUNK_HALVES);
+    __syncwarp();  // ...and read by every lane before the next m16 tile overwrites it
+}
+
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(THREADS, 2)
     flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse, int seqlen,
@@ -247,6 +312,7 @@ __global__ void __launch_bounds__(THREADS, 2)
     const int key_end = causal ? min(seqlen, query0 + BLOCK_Q) : seqlen;
     const int kv_tiles = ceil_div(key_end, BLOCK_KV);
 
+#if ASYNC_RING
     // Fill the ring: Q and the first STAGES-1 (K, V) tiles, one commit group per tile.
     load_tile_async<HEAD_DIM, BLOCK_Q>(q_tile, q_head, query0, seqlen);
     for (int t = 0; t < STAGES - 1; t++) {
@@ -256,6 +322,10 @@ __global__ void __launch_bounds__(THREADS, 2)
         }
         __pipeline_commit();
     }
+#else
+    // Ablation (-DASYNC_RING=0): no ring and no cp.async: Q now, each K and V tile when its turn comes.
+    load_tile_sync<HEAD_DIM, BLOCK_Q>(q_tile, q_head, query0, seqlen);  // published by the first tile's barrier
+#endif
 
     // On chip for the whole loop: per row, the running max (log2 units) and this lane's share
     // of the sum; per warp, the 32 x HEAD_DIM output accumulator. [m16 tile][row g or g+8].
@@ -268,6 +338,7 @@ __global__ void __launch_bounds__(THREADS, 2)
         }
 
     for (int tile = 0; tile < kv_tiles; tile++) {
+#if ASYNC_RING
         // EXERCISE 07.ring BEGIN: wait for this tile to land, then refill the slot just freed with a later tile
         // Tile `tile` has landed once at most STAGES-2 younger groups are still in flight.
         __pipeline_wait_prior(STAGES - 2);
@@ -281,6 +352,14 @@ __global__ void __launch_bounds__(THREADS, 2)
         // EXERCISE END
         const __half *k_tile = k_ring + tile % STAGES * KV_HALVES;
         const __half *v_tile = v_ring + tile % STAGES * KV_HALVES;
+#else
+        // Ablation (-DASYNC_RING=0): this tile's K and V loaded into the one slot while the whole block waits.
+        __syncthreads();  // the previous tile is consumed
+        load_tile_sync<HEAD_DIM, BLOCK_KV>(k_ring, k_head, tile * BLOCK_KV, seqlen);
+        load_tile_sync<HEAD_DIM, BLOCK_KV>(v_ring, v_head, tile * BLOCK_KV, seqlen);
+        __syncthreads();
+        const __half *k_tile = k_ring, *v_tile = v_ring;
+#endif
         const int key0 = tile * BLOCK_KV;
 
         if constexpr (Q_IN_REGISTERS) {  // Q has landed with the first tile
@@ -291,6 +370,7 @@ __global__ void __launch_bounds__(THREADS, 2)
         // S = Q K^T: per m16 tile, KEY_TILES accumulators of 16 x 8 scores. The fragments of
         // k-step ks+1 are loaded (ldmatrix) while the MMAs of step ks run: two register buffers.
         float score[M_TILES][KEY_TILES][ACC_REGS] = {};
+#if DOUBLE_BUFFER
         unsigned q_frag[2][M_TILES][A_REGS], k_frag[2][KEY_TILES / 2][2 * B_REGS];  // [buffer][...]
         if constexpr (!Q_IN_REGISTERS) load_q_step<HEAD_DIM>(q_frag[0], q_tile, warp_row0, 0);
         load_k_step<HEAD_DIM, KEY_TILES>(k_frag[0], k_tile, 0);
@@ -312,6 +392,25 @@ __global__ void __launch_bounds__(THREADS, 2)
                     mma_16x8x16(score[mt][2 * np + 1], q_step[mt], k_frag[cur][np][2], k_frag[cur][np][3]);
                 }
         }
+#else
+        // Ablation (-DDOUBLE_BUFFER=0): each k-step's fragments loaded right before its MMAs, one buffer.
+        // Rolled up where Q is re-read (D=128): unrolled, the compiler would hoist the loads itself.
+        unsigned q_frag[M_TILES][A_REGS], k_frag[KEY_TILES / 2][2 * B_REGS];
+#pragma unroll(Q_IN_REGISTERS ? K_STEPS : 1)
+        for (int ks = 0; ks < K_STEPS; ks++) {
+            if constexpr (!Q_IN_REGISTERS) load_q_step<HEAD_DIM>(q_frag, q_tile, warp_row0, ks);
+            load_k_step<HEAD_DIM, KEY_TILES>(k_frag, k_tile, ks);
+            unsigned(*q_step)[A_REGS] = q_frag;
+            if constexpr (Q_IN_REGISTERS) q_step = q_regs[ks];
+#pragma unroll
+            for (int np = 0; np < KEY_TILES / 2; np++)
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; mt++) {
+                    mma_16x8x16(score[mt][2 * np], q_step[mt], k_frag[np][0], k_frag[np][1]);
+                    mma_16x8x16(score[mt][2 * np + 1], q_step[mt], k_frag[np][2], k_frag[np][3]);
+                }
+        }
+#endif
 
         // Only the tiles on the diagonal (and a ragged last tile) need the mask.
         if (key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0))
@@ -334,7 +433,13 @@ __global__ void __launch_bounds__(THREADS, 2)
                 row_sum[mt][r] *= rescale;
                 // Rescale O only if some row of the warp found a new max. At HEAD_DIM 64 the 64
                 // multiplies cost less than the vote (measured), so they are always done.
+#if RESCALE_VOTE
                 if (HEAD_DIM == 64 || __any_sync(0xffffffff, rescale != 1.0f))
+#else
+                // Ablation (-DRESCALE_VOTE=0): no vote, O rescaled on every tile. The branch is always taken
+                // (N >= 1); without it, ptxas spills at D=128 (48 bytes on sm_90).
+                if (HEAD_DIM == 64 || seqlen > 0)
+#endif
 #pragma unroll
                     for (int nt = 0; nt < DIM_TILES; nt++) {
                         o_acc[mt][nt][2 * r] *= rescale;
@@ -349,6 +454,7 @@ __global__ void __launch_bounds__(THREADS, 2)
                         row_sum[mt][r] += *x;
                     }
             }
+#if P_IN_REGISTERS
             // The accumulator layout of two n8 score tiles is the A layout of one k16 step.
 #pragma unroll
             for (int kk = 0; kk < KEY_TILES / 2; kk++) {
@@ -357,6 +463,10 @@ __global__ void __launch_bounds__(THREADS, 2)
                 p_frag[mt][kk][2] = pack_half2(score[mt][2 * kk + 1][0], score[mt][2 * kk + 1][1]);
                 p_frag[mt][kk][3] = pack_half2(score[mt][2 * kk + 1][2], score[mt][2 * kk + 1][3]);
             }
+#else
+            // Ablation (-DP_IN_REGISTERS=0): P through a shared tile of the warp and ldmatrix, as with WMMA.
+            p_through_shared<HEAD_DIM, KEY_TILES>(p_frag[mt], score[mt], v_ring + STAGES * KV_HALVES);
+#endif
         }
 
         // O += P V: V fragments through ldmatrix.trans, P straight from registers.
@@ -376,7 +486,11 @@ __global__ void __launch_bounds__(THREADS, 2)
             }
         }
     }
+#if ASYNC_RING
     __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
+#else
+    // Ablation (-DASYNC_RING=0): no copies in flight, none to wait for.
+#endif
 
     // O = accumulator / sum, LSE = ln(sum) + max, each written once.
 #pragma unroll
