@@ -864,8 +864,7 @@ static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
     RETURN_IF_ERROR(make_tensor_map(&k_map, w.k, row_bytes, s->seqlen, heads, C::QK_SLICE, BLOCK_KV));
     if (FP16_OPERANDS)  // V itself, boxed as K
         RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt, row_bytes, s->seqlen, heads, C::QK_SLICE, BLOCK_KV));
-    else
-        RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt, vt_row_bytes, HEAD_DIM, heads, C::V_SLICE, HEAD_DIM));
+    else RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt, vt_row_bytes, HEAD_DIM, heads, C::V_SLICE, HEAD_DIM));
     const int smem = Config<HEAD_DIM>::SMEM_BYTES;
     RETURN_IF_ERROR(
         cudaFuncSetAttribute(attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
