@@ -27,6 +27,18 @@
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
+// Switches for the ablation table (README, "Each idea on its own"): 1 is this chapter, and
+// -DNAME=0 turns that one idea off, the results staying correct.
+#ifndef LOOP_ORDER
+#define LOOP_ORDER 1  // FlashAttention-2's: query tiles outside (a block each), K/V tiles inside, state in registers
+#endif
+#ifndef REGISTER_TILING
+#define REGISTER_TILING 1  // a thread's scores and outputs as outer products of float4 reads of shared memory
+#endif
+#ifndef LOG2_DOMAIN
+#define LOG2_DOMAIN 1  // scores scaled by scale * log2(e), so that the softmax's exponential is exp2f
+#endif
+
 static_assert(BLOCK_Q % THREAD_ROWS == 0 && BLOCK_KV % THREAD_COLS == 0, "every thread has as many rows and keys");
 static_assert(ROWS_PER_THREAD == 2 * VEC, "a thread's rows are two float4 of rows (row_of)");
 static_assert(KEYS_PER_THREAD == VEC, "a thread's keys of a score tile are one float4");
@@ -85,10 +97,36 @@ __device__ float row_group_sum(float x) {
     return x;
 }
 
+// The softmax's units. In the log2 domain, launch multiplies the scale by log2(e) (scale_log2),
+// so e^(scale * q.k - max) is exp2f of the scaled score minus a max kept in log2 units: one
+// MUFU.EX2. The LSE is turned back into natural log once, at the end.
+// Ablation (-DLOG2_DOMAIN=0): natural units: the plain scale, expf, and the max in natural log.
+#if LOG2_DOMAIN
+#define SCORE_UNIT LOG2E  // launch: scale_log2 = scale * SCORE_UNIT
+__device__ float exp_score(float x) { return exp2f(x); }
+__device__ float row_lse(float max, float sum) { return (max + log2f(sum)) * LN2; }
+#else
+#define SCORE_UNIT 1.0f  // scale_log2 then holds the plain scale
+__device__ float exp_score(float x) { return expf(x); }
+__device__ float row_lse(float max, float sum) { return max + logf(sum); }
+#endif
+
+// Ablation (-DLOOP_ORDER=0): FlashAttention-1's loop order; these two and its kernel are at the end.
+#if !LOOP_ORDER
+template <int COLS_PER_THREAD>
+__device__ void load_state(float *state, size_t head, int seqlen, int query0, float row_max[], float row_sum[],
+                           float o_acc[][COLS_PER_THREAD]);
+template <int COLS_PER_THREAD>
+__device__ void save_state(float *state, size_t head, int seqlen, int query0, const float row_max[],
+                           const float row_sum[], const float o_acc[][COLS_PER_THREAD]);
+#endif
+
+// A block's work on one query tile (rows query0.. of head `head`): its key tiles key_begin..key_end,
+// then O and LSE. `state`: the workspace under -DLOOP_ORDER=0, else unused (NULL).
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(THREADS, 2)
-    flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse, int seqlen,
-                           float scale_log2, int causal) {
+__device__ void attend_query_tile(const __half *q, const __half *k, const __half *v, __half *o, float *lse, int seqlen,
+                                  float scale_log2, int causal, size_t head, int query0, int key_begin, int key_end,
+                                  float *state) {
     constexpr int COLS_PER_THREAD = HEAD_DIM / THREAD_COLS;  // output columns per thread
     static_assert(COLS_PER_THREAD % VEC == 0, "a thread's output columns are whole float4");
     extern __shared__ __align__(16) float smem[];
@@ -97,8 +135,6 @@ __global__ void __launch_bounds__(THREADS, 2)
     float *p_t = kv + BLOCK_KV * HEAD_DIM;  // [BLOCK_KV][P_STRIDE]: probabilities, transposed
 
     const int tx = threadIdx.x % THREAD_COLS, ty = threadIdx.x / THREAD_COLS;
-    const int query0 = blockIdx.x * BLOCK_Q;
-    const size_t head = blockIdx.y;
     const __half *q_head = q + head * seqlen * HEAD_DIM;
     const __half *k_head = k + head * seqlen * HEAD_DIM;
     const __half *v_head = v + head * seqlen * HEAD_DIM;
@@ -110,8 +146,12 @@ __global__ void __launch_bounds__(THREADS, 2)
         row_max[i] = -INFINITY;
         row_sum[i] = 0.0f;
     }
+    // Ablation (-DLOOP_ORDER=0): after its first key tile, a query tile's state comes from device memory.
+#if !LOOP_ORDER
+    if (key_begin > 0) load_state(state, head, seqlen, query0, row_max, row_sum, o_acc);
+#endif
 
-    for (int key0 = 0; key0 < seqlen; key0 += BLOCK_KV) {
+    for (int key0 = key_begin; key0 < key_end; key0 += BLOCK_KV) {
         __syncthreads();  // the previous tile's V and P are consumed
         // EXERCISE 04.k_layout BEGIN: stage K so that a thread's 4 keys at one dim are one conflict-free float4
         load_transposed<HEAD_DIM, BLOCK_KV>(kv, k_head, key0, seqlen);
@@ -119,6 +159,9 @@ __global__ void __launch_bounds__(THREADS, 2)
 
         // S tile = Q K^T: each thread an 8 x 4 patch, from float4 reads of Q and K columns.
         float score[ROWS_PER_THREAD][KEYS_PER_THREAD] = {};
+        // Ablation (-DREGISTER_TILING=0): each score its own dot product, two scalar shared loads per FFMA
+        // (its d loop stays a loop: unrolled whole, the compiler would merge the loads into float4 reuse).
+#if REGISTER_TILING
 #pragma unroll 4
         for (int d = 0; d < HEAD_DIM; d++) {
             float4 qa = *(const float4 *)&q_t[d * BLOCK_Q + ty * VEC];
@@ -129,6 +172,15 @@ __global__ void __launch_bounds__(THREADS, 2)
             for (int i = 0; i < ROWS_PER_THREAD; i++)
                 for (int j = 0; j < KEYS_PER_THREAD; j++) score[i][j] += qv[i] * kvv[j];
         }
+#else
+#pragma unroll
+        for (int i = 0; i < ROWS_PER_THREAD; i++)
+#pragma unroll
+            for (int j = 0; j < KEYS_PER_THREAD; j++)
+#pragma unroll 4
+                for (int d = 0; d < HEAD_DIM; d++)
+                    score[i][j] += q_t[d * BLOCK_Q + row_of(ty, i)] * kv[d * BLOCK_KV + tx * KEYS_PER_THREAD + j];
+#endif
         // EXERCISE 04.k_layout STUB
         // load_rows<HEAD_DIM, BLOCK_KV>(kv, k_head, key0, seqlen);  // K as it lies in memory: [key][dim]
         // __syncthreads();
@@ -164,12 +216,12 @@ __global__ void __launch_bounds__(THREADS, 2)
             }
             float new_max = fmaxf(row_max[i], row_group_max(tile_max));
             float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key yet stays empty
-            float rescale = exp2f(row_max[i] - base);
+            float rescale = exp_score(row_max[i] - base);
             row_max[i] = new_max;
             row_sum[i] *= rescale;  // this thread's share of the row sum; reduced at the end
             for (int c = 0; c < COLS_PER_THREAD; c++) o_acc[i][c] *= rescale;
             for (int j = 0; j < KEYS_PER_THREAD; j++) {
-                score[i][j] = exp2f(score[i][j] - base);
+                score[i][j] = exp_score(score[i][j] - base);
                 row_sum[i] += score[i][j];
             }
         }
@@ -185,6 +237,8 @@ __global__ void __launch_bounds__(THREADS, 2)
         __syncthreads();
 
         // O += P V: each thread an 8 x COLS_PER_THREAD patch.
+        // Ablation (-DREGISTER_TILING=0): each output its own dot product over the keys, two scalar loads per FFMA.
+#if REGISTER_TILING
 #pragma unroll 2
         for (int key = 0; key < BLOCK_KV; key++) {
             float4 pa = *(const float4 *)&p_t[key * P_STRIDE + ty * VEC];
@@ -201,7 +255,24 @@ __global__ void __launch_bounds__(THREADS, 2)
             for (int i = 0; i < ROWS_PER_THREAD; i++)
                 for (int c = 0; c < COLS_PER_THREAD; c++) o_acc[i][c] += pv[i] * vv[c];
         }
+#else
+#pragma unroll
+        for (int i = 0; i < ROWS_PER_THREAD; i++)
+#pragma unroll
+            for (int c = 0; c < COLS_PER_THREAD; c++)
+#pragma unroll 4
+                for (int key = 0; key < BLOCK_KV; key++)
+                    o_acc[i][c] += p_t[key * P_STRIDE + row_of(ty, i)] *
+                                   kv[key * HEAD_DIM + c / VEC * COL_STEP + tx * VEC + c % VEC];
+#endif
     }
+    // Ablation (-DLOOP_ORDER=0): before its last key tile, a query tile's state goes back to device memory.
+#if !LOOP_ORDER
+    if (key_end < seqlen) {
+        save_state(state, head, seqlen, query0, row_max, row_sum, o_acc);
+        return;
+    }
+#endif
 
     // O = accumulator / sum, LSE = ln(sum) + max, each written once.
     for (int i = 0; i < ROWS_PER_THREAD; i++) {
@@ -215,9 +286,74 @@ __global__ void __launch_bounds__(THREADS, 2)
             *(__half2 *)&o_row[c4 * COL_STEP + tx * VEC] = lo;
             *(__half2 *)&o_row[c4 * COL_STEP + tx * VEC + 2] = hi;
         }
-        if (tx == 0) lse[head * seqlen + query] = (row_max[i] + log2f(sum)) * LN2;
+        if (tx == 0) lse[head * seqlen + query] = row_lse(row_max[i], sum);
     }
 }
+
+// Ablation (-DLOOP_ORDER=0): the kernel after #else, FlashAttention-1's loop order, replaces this one.
+#if LOOP_ORDER
+// FlashAttention-2's loop order: one block per (query tile, b*h), which loops over the key tiles.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(THREADS, 2)
+    flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse, int seqlen,
+                           float scale_log2, int causal) {
+    attend_query_tile<HEAD_DIM>(q, k, v, o, lse, seqlen, scale_log2, causal, blockIdx.y, blockIdx.x * BLOCK_Q, 0,
+                                seqlen, NULL);
+}
+#else
+// FlashAttention-1's loop order (Dao et al. 2022, Algorithm 1): one block per (b, h), so B*H
+// blocks; the K/V tiles in the outer loop, the query tiles in the inner one. A query tile's state
+// cannot stay in registers from one of its key tiles to the next: it lives in the workspace (fp32,
+// device memory), read and written back for every (key tile, query tile) pair (load_state and
+// save_state, called by attend_query_tile), and O and LSE are written at its last key tile.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(THREADS, 2)
+    flash_attention_kernel(float *state, const __half *q, const __half *k, const __half *v, __half *o, float *lse,
+                           int seqlen, float scale_log2, int causal) {
+    for (int key0 = 0; key0 < seqlen; key0 += BLOCK_KV)
+        for (int query0 = 0; query0 < seqlen; query0 += BLOCK_Q)
+            attend_query_tile<HEAD_DIM>(q, k, v, o, lse, seqlen, scale_log2, causal, blockIdx.y, query0, key0,
+                                        key0 + BLOCK_KV, state);
+}
+
+// The state: per thread, its row_max, row_sum and o_acc, STATE_FLOATS floats; per query tile, those
+// of its THREADS threads, element e of thread t at [e * THREADS + t] so that a warp's accesses coalesce.
+#define STATE_FLOATS(cols_per_thread) (ROWS_PER_THREAD * (2 + (cols_per_thread)))
+
+static size_t workspace_bytes(const AttnShape *s) {
+    size_t tiles = (size_t)s->batch * s->heads * ceil_div(s->seqlen, BLOCK_Q);
+    return tiles * THREADS * STATE_FLOATS(s->headdim / THREAD_COLS) * sizeof(float);
+}
+
+// This thread's state of the query tile at query0: its first element.
+template <int COLS_PER_THREAD>
+__device__ float *state_of(float *state, size_t head, int seqlen, int query0) {
+    size_t tile = head * ceil_div(seqlen, BLOCK_Q) + query0 / BLOCK_Q;
+    return state + tile * THREADS * STATE_FLOATS(COLS_PER_THREAD) + threadIdx.x;
+}
+
+template <int COLS_PER_THREAD>
+__device__ void load_state(float *state, size_t head, int seqlen, int query0, float row_max[], float row_sum[],
+                           float o_acc[][COLS_PER_THREAD]) {
+    const float *x = state_of<COLS_PER_THREAD>(state, head, seqlen, query0);
+    for (int i = 0; i < ROWS_PER_THREAD; i++, x += (2 + COLS_PER_THREAD) * THREADS) {
+        row_max[i] = x[0];
+        row_sum[i] = x[THREADS];
+        for (int c = 0; c < COLS_PER_THREAD; c++) o_acc[i][c] = x[(2 + c) * THREADS];
+    }
+}
+
+template <int COLS_PER_THREAD>
+__device__ void save_state(float *state, size_t head, int seqlen, int query0, const float row_max[],
+                           const float row_sum[], const float o_acc[][COLS_PER_THREAD]) {
+    float *x = state_of<COLS_PER_THREAD>(state, head, seqlen, query0);
+    for (int i = 0; i < ROWS_PER_THREAD; i++, x += (2 + COLS_PER_THREAD) * THREADS) {
+        x[0] = row_max[i];
+        x[THREADS] = row_sum[i];
+        for (int c = 0; c < COLS_PER_THREAD; c++) x[(2 + c) * THREADS] = o_acc[i][c];
+    }
+}
+#endif
 
 // --- Launcher --------------------------------------------------------------------------------
 template <int HEAD_DIM>
@@ -227,8 +363,14 @@ static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
     RETURN_IF_ERROR(
         cudaFuncSetAttribute(flash_attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     dim3 grid(ceil_div(s->seqlen, BLOCK_Q), s->batch * s->heads);
-    flash_attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(args->q, args->k, args->v, args->o, args->lse,
-                                                                      s->seqlen, s->scale * LOG2E, s->causal);
+#if !LOOP_ORDER
+    grid.x = 1;  // FlashAttention-1's grid: one block per (b, h)
+#endif
+    flash_attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(
+#if !LOOP_ORDER
+        (float *)args->workspace,  // FlashAttention-1's running state
+#endif
+        args->q, args->k, args->v, args->o, args->lse, s->seqlen, s->scale * SCORE_UNIT, s->causal);
     return cudaGetLastError();
 }
 
@@ -241,8 +383,12 @@ const Chapter chapter = {
     "FlashAttention: one kernel, Q/K/V tiles in shared memory, online softmax, S never in device memory, LSE out",
     PRECISION_FP32,
     80,
-    0,     // oldest and newest GPU it runs on (0: no newest)
+    0,  // oldest and newest GPU it runs on (0: no newest)
+#if LOOP_ORDER
     NULL,  // no workspace: S and P stay on chip
+#else
+    workspace_bytes,  // every query tile's running state (LOOP_ORDER=0)
+#endif
     NULL,  // nothing to prepare before the forward
     forward,
 };
