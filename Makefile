@@ -105,10 +105,16 @@ no_chapter = { echo "make $@: no chapter '$(1)' (name one by its number, e.g. $(
 
 A ?= 04
 B ?= 05
-diff:
+# The chapters as their defaults compile them (ablation switches' off branches left out); RAW=1:
+# the files as they are.
+diff: $(PY_DEPS)
 	@test -n "$(call chapter_dir,$(A))" || $(call no_chapter,$(A),A)
 	@test -n "$(call chapter_dir,$(B))" || $(call no_chapter,$(B),B)
+ifeq ($(RAW),1)
 	@diff -u $(call chapter_dir,$(A))/attention.cu $(call chapter_dir,$(B))/attention.cu; test $$? -le 1
+else
+	@$(PYTHON) common/ablation.py diff $(call chapter_dir,$(A)) $(call chapter_dir,$(B))
+endif
 
 # cuobjdump from PATH, next to nvcc, or where `make test` fetched it (.cache/tools); it needs
 # nvdisasm from the same place on PATH to print SASS.
@@ -154,7 +160,7 @@ help:
 	@echo "make bench      the benchmark sweep -> docs/results/ (CSV, Markdown, plot) and README table"
 	@echo "make compare    PyTorch SDPA anchors on the bench shapes (needs PyTorch)"
 	@echo "make sanitize   compute-sanitizer memcheck/racecheck/synccheck/initcheck, every chapter"
-	@echo "make diff A=04 B=05   the one idea chapter B adds over chapter A"
+	@echo "make diff A=04 B=05   the one idea chapter B adds over chapter A (RAW=1: with the ablation switches)"
 	@echo "make profile CH=04    Nsight Compute on one chapter;  make sass CH=04   its SASS"
 	@echo "make exercise CH=04 [EX=name] [FORCE=1]   a student copy of the chapter's exercises -> exercises/"
 	@echo "make grade CH=04      build and grade exercises/NN_name/attention.cu (its GPU part needs a GPU)"

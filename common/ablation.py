@@ -12,6 +12,8 @@ README (between ABLATION_BEGIN and ABLATION_END).
       the table. Exit 1 if a variant fails its check.
   ablation.py table [CH...]    regenerate the README tables from the CSVs that exist
   ablation.py list             the chapters and their switches
+  ablation.py diff A B         (make diff) chapter A against B, each as its defaults compile it:
+                               the branches and comments of the switches left out
 
 The rows of a table: the chapter before (the baseline), the chapter with every idea off, then
 the ideas switched on one at a time in the order listed (the last row is the chapter), then the
@@ -19,7 +21,9 @@ chapter with each idea off alone (what that idea is worth in the finished kernel
 """
 import argparse
 import csv
+import difflib
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -203,6 +207,47 @@ def command_run(args):
     return 0
 
 
+# --- The chapter as written, without its switches (make diff) -------------------------------------
+SWITCH_IF = re.compile(r"#if\s+(!?)\s*(\w+)\s*$")
+
+
+def switches_of(text):
+    """The switches a source defaults to 1 (`#ifndef NAME` / `#define NAME 1`)."""
+    return set(re.findall(r"#ifndef (\w+)\n#define \1 1\b", text))
+
+
+def without_switches(text):
+    """The source as its defaults compile it: the branches a switch's default (1) leaves out, the
+    #if/#else/#endif lines around the ones it keeps, and the `// Ablation` comments that introduce
+    them, removed (the #ifndef defaults stay: expressions use them). What `make diff` compares, so
+    that it shows one chapter's idea rather than the other's measuring aids."""
+    switches, out, stack = switches_of(text), [], []  # stack: (keeping this branch?, a switch #if?)
+    lines = text.splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        line, stripped = lines[i], lines[i].strip()
+        m = SWITCH_IF.match(stripped)
+        if m and m.group(2) in switches:
+            stack.append((not m.group(1), True))
+        elif stripped.startswith("#if"):  # another condition: kept as it is
+            if all(keep for keep, _ in stack):
+                out.append(line)
+            stack.append((True, False))
+        elif stripped.startswith("#else") and stack and stack[-1][1]:
+            stack[-1] = (not stack[-1][0], True)
+        elif stripped.startswith("#endif") and stack:
+            _, ours = stack.pop()
+            if not ours and all(keep for keep, _ in stack):
+                out.append(line)
+        elif stripped.startswith("// Ablation"):  # and its continuation lines: "// (..." or "// lowercase..."
+            while i + 1 < len(lines) and re.match(r"//\s+[(a-z]", lines[i + 1].strip()):
+                i += 1
+        elif all(keep for keep, _ in stack):
+            out.append(line)
+        i += 1
+    return "".join(out)
+
+
 # --- The table ------------------------------------------------------------------------------------
 
 def csv_path(chapter):
@@ -282,6 +327,21 @@ def command_table(args):
     return 0
 
 
+def command_diff(args):
+    """`make diff`: the two chapters' sources as their defaults compile them, unified diff."""
+    texts = []
+    for folder in (args.a, args.b):
+        with open(os.path.join(ROOT, folder, "attention.cu")) as f:
+            texts.append(without_switches(f.read()).splitlines(keepends=True))
+    names = [f"{folder}/attention.cu" for folder in (args.a, args.b)]
+    try:
+        sys.stdout.writelines(difflib.unified_diff(texts[0], texts[1], names[0], names[1]))
+        sys.stdout.flush()
+    except BrokenPipeError:  # a reader that stopped early (| head)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
 def command_list(_args):
     for chapter, spec in ABLATIONS.items():
         print(f"{chapter} (before: {spec['before']})")
@@ -302,8 +362,11 @@ def main(argv=None):
     table = sub.add_parser("table")
     table.add_argument("chapters", nargs="*")
     sub.add_parser("list")
+    diff = sub.add_parser("diff")
+    diff.add_argument("a")
+    diff.add_argument("b")
     args = parser.parse_args(argv)
-    return {"run": command_run, "table": command_table, "list": command_list}[args.command](args)
+    return {"run": command_run, "table": command_table, "list": command_list, "diff": command_diff}[args.command](args)
 
 
 if __name__ == "__main__":

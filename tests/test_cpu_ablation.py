@@ -8,6 +8,8 @@
              table between them is the one `ablation.py table` writes from it (never stale)
   table      the table's arithmetic on a made-up CSV: a step's speedup over the row above, a
              missing idea's cost against the chapter
+  diff       each chapter as `make diff` shows it (the switches' off branches and their comments
+             left out) has no switch branch left and still compiles; the filter on a made-up source
 """
 import csv
 import os
@@ -84,8 +86,33 @@ def test_table_arithmetic(ctx):
     return "steps, costs, caption"
 
 
+def stripped_case(chapter):
+    def case(ctx):
+        text = ablation.without_switches((ctx.root / chapter / "attention.cu").read_text())
+        left = [line for line in text.splitlines() if ablation.SWITCH_IF.match(line.strip())
+                and ablation.SWITCH_IF.match(line.strip()).group(2) in ablation.switches_of(text)]
+        assert not left and "// Ablation" not in text, f"{chapter}: switch branches left: {left[:3]}"
+        folder = ctx.tmpdir() / chapter
+        folder.mkdir()
+        (folder / "attention.cu").write_text(text)
+        os.symlink(ctx.root / "common", folder.parent / "common")
+        arch = ARCH_FLAG_OF.get(chapter[:2], SASS_ARCH_FLAG)
+        proc = ctx.run(nvcc_flags(ctx) + [arch, "-c", "-o", folder / "x.o", folder / "attention.cu"], timeout=600)
+        assert proc.returncode == 0, f"{chapter} without its switches does not compile:\n{proc.stderr[-2000:]}"
+        return f"{len(text.splitlines())} of {len((ctx.root / chapter / 'attention.cu').read_text().splitlines())} lines"
+    return case
+
+
+def test_switch_filter():
+    source = ("#ifndef A\n#define A 1\n#endif\n#if X\nx\n#endif\n    // Ablation (-DA=0): off\n"
+              "    // (continued)\n#if A\nkept\n#else\ngone\n#endif\n#if !A\ngone too\n#endif\nend\n")
+    want = "#ifndef A\n#define A 1\n#endif\n#if X\nx\n#endif\nkept\nend\n"
+    got = ablation.without_switches(source)
+    assert got == want, f"filtered:\n{got}\nexpected:\n{want}"
+
+
 def cases(ctx):
-    out = []
+    out = [(f"diff[{chapter}]", stripped_case(chapter)) for chapter in ablation.ABLATIONS]
     for chapter in ablation.ABLATIONS:
         for variant, kind, flags in ablation.variants(chapter):
             if kind != "before" and flags:
