@@ -601,16 +601,15 @@ struct Consumer {
     float row_max[2], row_sum[2], rescale[2];
     const unsigned char *q_rows;  // the warpgroup's 64 rows of the Q tile
     int group, group_query0, row0;
-    float q_scale_log2;    // the softmax scale in log2 units times Q's descale: K's is per tile
-    float v_descale;       // O is kept in the units of the last V tile it accumulated
-    float next_v_descale;  // V's descale of the tile whose scores were computed last
+    float q_scale_log2;  // the softmax scale in log2 units times Q's descale: K's is per tile
+    float v_descale;     // O is kept in the units of the last V tile it accumulated
 };
 
-// Each V tile has its own scale: before P V of a tile adds in its units, O moves to them.
+// Each V tile has its own scale: before P V of `tile` adds in that tile's units, O moves to them.
 template <int HEAD_DIM>
-__device__ float next_v_units(Consumer<HEAD_DIM> &c) {
-    const float ratio = c.v_descale / c.next_v_descale;
-    c.v_descale = c.next_v_descale;
+__device__ float next_v_units(Consumer<HEAD_DIM> &c, const Work &w, int tile) {
+    const float v_descale = descale_at(w.v_descales, tile), ratio = c.v_descale / v_descale;
+    c.v_descale = v_descale;
     return ratio;
 }
 
@@ -621,9 +620,7 @@ __device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const W
     typedef Config<HEAD_DIM> C;
     const int key0 = tile * BLOCK_KV;
     const float k_descale = descale_at(w.k_descales, tile);
-    c.next_v_descale = descale_at(
-        w.v_descales,
-        tile);  // loaded now, used after the softmax    mbarrier_wait(&s.kv_full[tile % C::STAGES], tile / C::STAGES % 2);
+    mbarrier_wait(&s.kv_full[tile % C::STAGES], tile / C::STAGES % 2);
     wait_turn(c.group);
     issue_qk<HEAD_DIM>(c.score, c.q_rows, s.k_ring + tile % C::STAGES * C::K_BYTES);
     if (PV_IN_FLIGHT) issue_pv<HEAD_DIM>(c.o_acc, c.p_frag, s.v_ring + (tile - 1) % C::STAGES * C::V_BYTES);
@@ -676,14 +673,14 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
         for (int tile = 1; tile < w.kv_tiles; tile++) {
             scores_and_softmax<HEAD_DIM, true>(c, s, w, tile);
             finish_pv<HEAD_DIM>(c, s, w, tile - 1, false);
-            rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c));
+            rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c, w, tile));
             pack_p(c.score, c.p_frag);
         }
         finish_pv<HEAD_DIM>(c, s, w, w.kv_tiles - 1, true);
     } else {
         for (int tile = 0; tile < w.kv_tiles; tile++) {
             scores_and_softmax<HEAD_DIM, false>(c, s, w, tile);
-            rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c));
+            rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c, w, tile));
             pack_p(c.score, c.p_frag);
             finish_pv<HEAD_DIM>(c, s, w, tile, true);
         }
@@ -691,7 +688,7 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
     // EXERCISE 08.intra_overlap STUB
     // for (int tile = 0; tile < w.kv_tiles; tile++) {
     //     scores_and_softmax<HEAD_DIM, false>(c, s, w, tile);
-    //     rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c));
+    //     rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c, w, tile));
     //     pack_p(c.score, c.p_frag);
     //     finish_pv<HEAD_DIM>(c, s, w, tile, true);
     // }
