@@ -120,7 +120,7 @@ static void print_help(void) {
         "                  impl,batch,heads,seqlen,headdim,causal,dtype,ms,tflops,rel_l2,status,\n"
         "                  max_abs,lse_err,kernels,workspace_bytes,prepare_ms,attend_ms,rel_l2_floor,\n"
         "                  device_bytes (prepare_ms, attend_ms, rel_l2_floor only for chapters that\n"
-        "                  prepare their inputs / FP8; device_bytes: device memory the forward took)\n"
+        "                  prepare their inputs / FP8; device_bytes: what the harness allocated)\n"
         "  --dry-run       validate, print the plan (FLOPs, memory), touch no GPU\n"
         "  --help          this text\n\n"
         "exit codes: 0 ran (and passed), 1 failed the check or a CUDA error,\n"
@@ -519,12 +519,6 @@ static void require_gpu(cudaDeviceProp *prop) {
     }
 }
 
-static size_t device_free_bytes(void) {
-    size_t free_bytes, total;
-    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
-    return free_bytes;
-}
-
 static void require_memory(const AttnShape *s, size_t workspace) {
     size_t free_bytes = 0, total = 0;
     CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
@@ -717,7 +711,6 @@ int main(int argc, char **argv) {
 
     // Host inputs (generated ones are read now), then device buffers (the harness owns every allocation).
     if (!o.input_dir) load_inputs(paths.data_dir, s, host_in);
-    size_t free_before = device_free_bytes();
     __half *dev_in[3];
     size_t in_bytes = elems_qkv(s) * sizeof(__half), lse_bytes = elems_lse(s) * sizeof(float);
     for (int i = 0; i < 3; i++) {
@@ -739,8 +732,9 @@ int main(int argc, char **argv) {
     CUDA_CHECK(cudaStreamSynchronize(stream));
     const char *todo = exercise_todo();  // a student copy whose kernel reached an unwritten part
     if (todo) die(EXIT_FAILED, "TODO: exercise %s is not written yet (its EXERCISE_TODO stub ran)", todo);
-    // The device memory the forward takes: buffers, scratch, and whatever the first launch reserved.
-    size_t device_bytes = free_before - device_free_bytes();
+    // The device memory the chapter needs: every buffer the harness allocated for it. (Counted, not
+    // read from cudaMemGetInfo, which sees every process on the GPU.)
+    size_t device_bytes = 4 * in_bytes + lse_bytes + workspace;
     __half *host_o = (__half *)malloc(in_bytes);
     float *host_lse = (float *)malloc(lse_bytes);
     if (!host_o || !host_lse) die(EXIT_FAILED, "out of host memory");
@@ -796,9 +790,8 @@ int main(int argc, char **argv) {
             printf("  parts     prepare %.4f ms (%.0f%% of the forward), attention alone %.4f ms = %.2f TFLOP/s\n",
                    prepare_ms, 100.0 * prepare_ms / ms, attend_ms, forward_flops(s) / (attend_ms * 1e-3) / 1e12);
         char mem[32];
-        printf(
-            "  device    %s in use by the forward (cudaMemGetInfo before the first allocation, after the first run)\n",
-            human_bytes((double)device_bytes, mem, sizeof mem));
+        printf("  device    %s allocated: Q, K, V, O, LSE and the workspace\n",
+               human_bytes((double)device_bytes, mem, sizeof mem));
         if (o.output_dir) printf("  output    %s/o.npy, %s/lse.npy\n", o.output_dir, o.output_dir);
     }
     for (int i = 0; i < 3; i++) CUDA_CHECK(cudaFree(dev_in[i]));

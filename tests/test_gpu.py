@@ -47,8 +47,6 @@ FIELDS = ["impl", "batch", "heads", "seqlen", "headdim", "causal", "dtype", "ms"
           "device_bytes"]
 RUN_TIMEOUT_S = 600
 VARIANT_BUILDS = ["08_fp8.fp16"]  # the Makefile's VARIANTS: 08 on fp16 operands
-DEVICE_SLACK_BYTES = 256 << 20  # above the buffers: pages, module and local-memory reservations
-DEVICE_PAGES_BYTES = 6 << 21    # below: six buffers that may share mapped 2 MiB pages
 
 
 def shape_args(b, h, n, d, causal):
@@ -94,13 +92,10 @@ def check_row(ctx, chapter, proc, row, shown, b, h, n, d, causal):
     if number in N2_WORKSPACE:
         want = b * h * n * n * 4
         assert row["workspace_bytes"] == str(want), f"{shown}: workspace {row['workspace_bytes']} bytes, expected B*H*N*N*4 = {want}"
-    # Measured device memory: the buffers (Q, K, V, O fp16, LSE fp32, the workspace), give or take
-    # the driver's 2 MiB pages (small buffers may share one already mapped) and what the first
-    # launch reserves.
+    # Device memory: exactly the buffers (Q, K, V, O fp16, LSE fp32, the workspace).
     buffers = 4 * b * h * n * d * 2 + b * h * n * 4 + int(row["workspace_bytes"])
-    used = int(row["device_bytes"] or "-1")
-    assert buffers - DEVICE_PAGES_BYTES <= used <= buffers + DEVICE_SLACK_BYTES, (
-        f"{shown}: device_bytes {used}, expected about the {buffers} bytes of its buffers")
+    assert row["device_bytes"] == str(buffers), (
+        f"{shown}: device_bytes {row['device_bytes']}, expected the {buffers} bytes of its buffers")
     if number in FP8:
         assert row["dtype"] == "fp8", f"{shown}: dtype {row['dtype']!r}, expected 'fp8'"
         assert row["kernels"] == str(FP8_KERNELS), f"{shown}: {row['kernels']} kernels per forward, expected {FP8_KERNELS}"
