@@ -105,15 +105,15 @@ no_chapter = { echo "make $@: no chapter '$(1)' (name one by its number, e.g. $(
 
 A ?= 04
 B ?= 05
-# The chapters as their defaults compile them (ablation switches' off branches left out); RAW=1:
-# the files as they are.
-diff: $(PY_DEPS)
+# The chapters as their defaults compile them (ablation switches' off branches left out; plain
+# Python, no NumPy); RAW=1: the files as they are.
+diff:
 	@test -n "$(call chapter_dir,$(A))" || $(call no_chapter,$(A),A)
 	@test -n "$(call chapter_dir,$(B))" || $(call no_chapter,$(B),B)
 ifeq ($(RAW),1)
 	@diff -u $(call chapter_dir,$(A))/attention.cu $(call chapter_dir,$(B))/attention.cu; test $$? -le 1
 else
-	@$(PYTHON) common/ablation.py diff $(call chapter_dir,$(A)) $(call chapter_dir,$(B))
+	@$(PYTHON_SYS) common/ablation.py diff $(call chapter_dir,$(A)) $(call chapter_dir,$(B))
 endif
 
 # cuobjdump from PATH, next to nvcc, or where `make test` fetched it (.cache/tools); it needs

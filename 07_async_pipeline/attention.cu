@@ -193,6 +193,7 @@ __device__ void load_tile_async(__half *tile, const __half *src, int row0, int s
     // EXERCISE END
 }
 
+#if !ASYNC_RING
 // Ablation (-DASYNC_RING=0): the tile through registers, as 06 loads it: every 16-byte load of the
 // thread, then every store (zeros past seqlen). The caller's __syncthreads() publishes it.
 template <int HEAD_DIM, int TILE_ROWS>
@@ -215,6 +216,7 @@ __device__ void load_tile_sync(__half *tile, const __half *src, int row0, int se
 #pragma unroll
     for (int i = 0; i < PASSES; i++) *(uint4 *)&tile[tile_offset<HEAD_DIM>(row + i * ROWS_PER_PASS, chunk)] = raw[i];
 }
+#endif
 
 // --- Online softmax on the score accumulators ----------------------------------------------
 // 2^x as one MUFU instruction. exp2f() adds fix-ups for results below 2^-126, which a
@@ -257,6 +259,7 @@ __device__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+#if !P_IN_REGISTERS
 // Ablation (-DP_IN_REGISTERS=0): P of one m16 tile stored from the accumulator layout into the
 // warp's tile and read back by ldmatrix as the A operand of P V, the round trip that a kernel
 // whose accumulator layout is opaque (06's WMMA) has to make. p_tiles: [WARPS][MMA_M][P_STRIDE].
@@ -279,6 +282,7 @@ __device__ void p_through_shared(unsigned frag[KEY_TILES / 2][A_REGS], const flo
         ldmatrix_x4(frag[kk], p_tile + (lane % MMA_M) * P_STRIDE + (kk * STEP_CHUNKS + lane / MMA_M) * CHUNK_HALVES);
     __syncwarp();  // ...and read by every lane before the next m16 tile overwrites it
 }
+#endif
 
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(THREADS, 2)

@@ -9,7 +9,7 @@
 // one block per (128-query tile, b*h), heaviest causal tiles first (as 05); 3 warpgroups: a
 // producer that only issues the copies, and 2 consumers of 64 query rows each that only compute,
 // taking turns on the tensor cores, each overlapping one tile's softmax with the previous tile's
-// P V. Shared memory: the Q tile and a ring of STAGES (K, Vt) tile pairs, in the swizzled layout
+// P V. Shared memory: the Q tile and a ring of STAGES (K, V) tile pairs, in the swizzled layout
 // TMA writes and wgmma reads. Registers: per consumer the 64 x 128 scores, the 64 x HEAD_DIM
 // output accumulator, P in e4m3, and each row's running max and sum.
 #include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)
@@ -70,7 +70,8 @@ struct Config {
     static constexpr int K_BYTES = BLOCK_KV * HEAD_DIM * ELEMENT_BYTES;
     static constexpr int V_BYTES = HEAD_DIM * BLOCK_KV * ELEMENT_BYTES;
     // Rows of Q and K (HEAD_DIM elements) and of Vt (BLOCK_KV keys) are stored in slices of at
-    // most 128 bytes, each slice a [rows][slice] tile in its swizzle: one TMA box each.
+    // most 128 bytes, each slice a [rows][slice] tile in its swizzle: one TMA box each. (fp16
+    // operands: V is stored as K is, and V_SLICE(S) are unused.)
     static constexpr int QK_SLICE = HEAD_DIM * ELEMENT_BYTES < SLICE_BYTES ? HEAD_DIM * ELEMENT_BYTES : SLICE_BYTES;
     static constexpr int V_SLICE = BLOCK_KV * ELEMENT_BYTES < SLICE_BYTES ? BLOCK_KV * ELEMENT_BYTES : SLICE_BYTES;
     static constexpr int QK_SLICES = HEAD_DIM * ELEMENT_BYTES / QK_SLICE, V_SLICES = BLOCK_KV * ELEMENT_BYTES / V_SLICE;
@@ -299,12 +300,13 @@ __device__ void setmaxnreg_inc() {
     ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
     "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 
-// The instruction's k and types, and its trailing immediates: scale-a and scale-b (1: no
-// negation), and for 16-bit types whether A (shared A only) and B are transposed (0: K-major).
+// The instruction's k and types, and its trailing immediates: with A in registers, scale-d (1:
+// accumulate) first; then scale-a and scale-b (1: no negation), and for 16-bit types whether A
+// (shared A only) and B are transposed (0: K-major; 1: B, V, is read MN-major).
 #if FP16_OPERANDS
 #define WGMMA_K_TYPES "k16.f32.f16.f16"
 #define WGMMA_SHARED_A_IMM "1, 1, 0, 0"
-#define WGMMA_REGISTER_A_IMM "1, 1, 1, 1"  // B (V) transposed: read MN-major, as V lies in memory
+#define WGMMA_REGISTER_A_IMM "1, 1, 1, 1"
 #else
 #define WGMMA_K_TYPES "k32.f32.e4m3.e4m3"
 #define WGMMA_SHARED_A_IMM "1, 1"
@@ -434,7 +436,7 @@ struct Work {
     int head, query0, kv_tiles, seqlen, causal;
 };
 
-// TMA: the K and Vt tiles of `tile` into their ring stage; its full barrier completes once all
+// TMA: the K and V tiles of `tile` into their ring stage; its full barrier completes once all
 // bytes have landed.
 template <int HEAD_DIM>
 __device__ void load_kv_tile(const Smem &s, const Work &w, int tile) {
@@ -454,7 +456,7 @@ __device__ void load_kv_tile(const Smem &s, const Work &w, int tile) {
                      tile * BLOCK_KV * ELEMENT_BYTES + slice * C::V_SLICE, 0, w.head);
 }
 
-// The producer warpgroup's one thread: every (K, Vt) tile, each into a stage once it is empty.
+// The producer warpgroup's one thread: every (K, V) tile pair, each into a stage once it is empty.
 template <int HEAD_DIM>
 __device__ void produce(const Smem &s, const Work &w) {
     constexpr int STAGES = Config<HEAD_DIM>::STAGES;
@@ -497,7 +499,7 @@ __device__ void issue_qk(float (&score)[BLOCK_KV / 2], const unsigned char *q_ro
     wgmma_commit();
 }
 
-// O += P V: P from registers, Vt from shared memory; issued, not waited for.
+// O += P V: P from registers, V from shared memory (FP8: Vt, K-major; fp16: V, MN-major); issued.
 template <int HEAD_DIM>
 __device__ void issue_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p_frag)[BLOCK_KV / MMA_K][4],
                          const unsigned char *v_tile) {
@@ -732,8 +734,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     // into O (V per tile).
     const int tiles = ceil_div(seqlen, SCALE_ROWS);
     const float q_scale_log2 = scale_log2e * (FP16_OPERANDS ? 1.0f : descales[w.head * tiles + query_tile]);
-    w.k_descales = descales + (heads + w.head) * tiles;
-    w.v_descales = descales + (2 * heads + w.head) * tiles;
+    w.k_descales = FP16_OPERANDS ? NULL : descales + (heads + w.head) * tiles;  // fp16: no descales
+    w.v_descales = FP16_OPERANDS ? NULL : descales + (2 * heads + w.head) * tiles;
 
     if (threadIdx.x == 0) {
         mbarrier_init(s.q_full, 1);

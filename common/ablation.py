@@ -140,7 +140,8 @@ def run_row(binary, impl, args):
 
 
 def attend_ms(cells):
-    """The attention kernel's own time where the chapter reports it (08: prepare + attend)."""
+    """The attention kernel's own time where the chapter reports it (08: attend_ms, the kernel
+    without the quantisation)."""
     return float(cells[16]) if len(cells) > 16 and cells[16] else None
 
 
@@ -208,7 +209,7 @@ def command_run(args):
 
 
 # --- The chapter as written, without its switches (make diff) -------------------------------------
-SWITCH_IF = re.compile(r"#if\s+(!?)\s*(\w+)\s*$")
+SWITCH_IF = re.compile(r"#if\s+(!?)\s*(\w+)\s*(?://.*)?$")
 
 
 def switches_of(text):
@@ -219,8 +220,9 @@ def switches_of(text):
 def without_switches(text):
     """The source as its defaults compile it: the branches a switch's default (1) leaves out, the
     #if/#else/#endif lines around the ones it keeps, and the `// Ablation` comments that introduce
-    them, removed (the #ifndef defaults stay: expressions use them). What `make diff` compares, so
-    that it shows one chapter's idea rather than the other's measuring aids."""
+    them, removed (the #ifndef defaults stay: expressions use them). An `// Ablation` comment runs
+    to the end of its block of comment lines. What `make diff` compares, so that it shows one
+    chapter's idea rather than the other's measuring aids. ValueError on #elif in a switch's #if."""
     switches, out, stack = switches_of(text), [], []  # stack: (keeping this branch?, a switch #if?)
     lines = text.splitlines(keepends=True)
     i = 0
@@ -233,14 +235,16 @@ def without_switches(text):
             if all(keep for keep, _ in stack):
                 out.append(line)
             stack.append((True, False))
+        elif stripped.startswith("#elif") and stack and stack[-1][1]:
+            raise ValueError(f"line {i + 1}: #elif in a switch's #if: write it as #else + #if")
         elif stripped.startswith("#else") and stack and stack[-1][1]:
             stack[-1] = (not stack[-1][0], True)
         elif stripped.startswith("#endif") and stack:
             _, ours = stack.pop()
             if not ours and all(keep for keep, _ in stack):
                 out.append(line)
-        elif stripped.startswith("// Ablation"):  # and its continuation lines: "// (..." or "// lowercase..."
-            while i + 1 < len(lines) and re.match(r"//\s+[(a-z]", lines[i + 1].strip()):
+        elif stripped.startswith("// Ablation"):  # and the rest of its comment block
+            while i + 1 < len(lines) and lines[i + 1].strip().startswith("//"):
                 i += 1
         elif all(keep for keep, _ in stack):
             out.append(line)

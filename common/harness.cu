@@ -789,9 +789,7 @@ int main(int argc, char **argv) {
         if (chapter.prepare)
             printf("  parts     prepare %.4f ms (%.0f%% of the forward), attention alone %.4f ms = %.2f TFLOP/s\n",
                    prepare_ms, 100.0 * prepare_ms / ms, attend_ms, forward_flops(s) / (attend_ms * 1e-3) / 1e12);
-        char mem[32];
-        printf("  device    %s allocated: Q, K, V, O, LSE and the workspace\n",
-               human_bytes((double)device_bytes, mem, sizeof mem));
+        printf("  device    %.1f MB allocated: Q, K, V, O, LSE and the workspace\n", device_bytes / 1e6);
         if (o.output_dir) printf("  output    %s/o.npy, %s/lse.npy\n", o.output_dir, o.output_dir);
     }
     for (int i = 0; i < 3; i++) CUDA_CHECK(cudaFree(dev_in[i]));

@@ -9,7 +9,7 @@ import re
 from chapters import CHAPTERS_BEGIN, CHAPTERS_END, chapters_markdown, read_chapters
 from results import (BENCH_DS, BENCH_ITERS, BENCH_NS, CUDNN, EAGER, FA2, HEADLINE_D, HEADLINE_N, HIDDEN, TIMED,
                      TOTAL_TOKENS, anchor_impls, bench_shape, chapter_impls, display_name, env_path, find_row,
-                     is_anchor, read_env, split_variant, variant_names,
+                     is_anchor, read_env, row_name, split_variant, variant_names,
                      read_results, timed, write_if_changed)
 
 STAGE_BEGIN, STAGE_END = "<!-- stage-table:begin -->", "<!-- stage-table:end -->"
@@ -213,7 +213,7 @@ def note_lines(rows):
         reason = row.get("note") or (f"rel_l2 {fmt_rel(row['rel_l2'])} over the tolerance"
                                      if row["status"] == "FAIL" and row["rel_l2"] is not None
                                      else "no reason recorded")
-        lines.append(f"- {row['status']} `{row['impl']}` D={row['headdim']} N={row['seqlen']} "
+        lines.append(f"- {row['status']} `{row_name(row)}` D={row['headdim']} N={row['seqlen']} "
                      f"{mask}: {reason}")
     return lines
 
@@ -507,19 +507,20 @@ def plot_results(rows, path, gpu):
     except ImportError:
         say("matplotlib not found: plot skipped")
         return
-    chapters, anchors = chapter_impls(rows), anchor_impls(rows)
+    chapters, variants, anchors = chapter_impls(rows), variant_names(rows), anchor_impls(rows)
     style = {impl: {"color": plt.cm.viridis(i / max(len(chapters) - 1, 1)), "linestyle": "-"}
              for i, impl in enumerate(chapters)}
+    style.update({name: {**style[split_variant(name)[0]], "linestyle": ":"} for name in variants})
     style.update({impl: {"color": str(0.15 + 0.2 * i), "linestyle": "--"} for i, impl in enumerate(anchors)})
     ns = bench_ns(rows)
     fig, axes = plt.subplots(2, 2, figsize=(13, 9), sharex=True)
     for ax, (d, c) in zip(axes.flat, [(d, c) for d in BENCH_DS for c in (0, 1)]):
-        for impl in chapters + anchors:
+        for impl in chapters + variants + anchors:
             points = sorted((r["seqlen"], r["tflops"]) for r in rows
-                            if (r["impl"], r["headdim"], r["causal"]) == (impl, d, c)
+                            if (row_name(r), r["headdim"], r["causal"]) == (impl, d, c)
                             and timed(r, "tflops") is not None)
             if points:
-                ax.plot(*zip(*points), marker="o", markersize=3, label=impl, **style[impl])
+                ax.plot(*zip(*points), marker="o", markersize=3, label=display_name(impl), **style[impl])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(ns)

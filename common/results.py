@@ -23,6 +23,7 @@ FA2, CUDNN, EAGER = "torch_flash", "torch_cudnn", "torch_eager"
 # A chapter's other builds from the same source (the Makefile's BUILD/<chapter>.<dtype>): their rows
 # carry the chapter's impl and their own dtype, and are named <impl>@<dtype> in tables and markers.
 VARIANT_DTYPES = {"08_fp8": ("fp16",)}
+CHAPTER_DTYPES = {"08_fp8": "fp8"}  # a chapter's own dtype where it is not fp16 (for rows of runs that printed none)
 VARIANT_WORDS = {"fp16": "fp16 operands"}
 
 # --- The benchmark's shapes (docs/design.md) ----------------------------------------------

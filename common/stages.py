@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import (fmt_ms, fmt_rel, fmt_tflops, print_summary, plot_results, regenerate_tables,  # noqa: E402
                     run_stage_table, say)
 from results import (BENCH_ITERS, BENCH_WARMUP, CSV_FIELDS, HARNESS_DEVICE_BYTES, HEADLINE_D,  # noqa: E402
-                     HEADLINE_N, OPTIONAL_FIELDS, QUICK_NS, VARIANT_DTYPES, bench_shape, bench_shapes, collect_env,
+                     HEADLINE_N, OPTIONAL_FIELDS, QUICK_NS, CHAPTER_DTYPES, VARIANT_DTYPES, bench_shape, bench_shapes, collect_env,
                      env_path,
                      gpu_name, gpu_slug, is_anchor, make_row, parse_value, read_env, read_results, row_key, row_name,
                      shape_label, work, write_env, write_results)
@@ -146,13 +146,14 @@ def command_run(args):
     return 1 if bad else 0
 
 
-def bench_one(binary, name, shape, last, unsupported):
-    """One chapter's binary at one bench shape, under the skip policy; returns a result row."""
+def bench_one(binary, name, dtype, shape, last, unsupported):
+    """One chapter's binary at one bench shape, under the skip policy; returns a result row
+    (dtype: the one its rows carry, also on the rows of runs that printed none)."""
     if binary in unsupported:
-        return make_row(name, shape, "SKIP", note=unsupported[binary])
+        return make_row(name, shape, "SKIP", note=unsupported[binary], dtype=dtype)
     slow = too_slow(last, shape)
     if slow:
-        return make_row(name, shape, "SKIP", note=slow)
+        return make_row(name, shape, "SKIP", note=slow, dtype=dtype)
     flags = ["--batch", shape["batch"], "--heads", shape["heads"], "--seqlen", shape["seqlen"],
              "--headdim", shape["headdim"], "--warmup", BENCH_WARMUP, "--iters", BENCH_ITERS, "--csv"]
     flags = [str(f) for f in flags] + (["--causal"] if shape["causal"] else [])
@@ -160,11 +161,11 @@ def bench_one(binary, name, shape, last, unsupported):
     status, row, note = classify(name, code, stdout, stderr)
     if status == "skipped":
         unsupported[binary] = note
-        return make_row(name, shape, "SKIP", note=note)
+        return make_row(name, shape, "SKIP", note=note, dtype=dtype)
     if status == "usage":
-        return make_row(name, shape, "SKIP", note=note)
+        return make_row(name, shape, "SKIP", note=note, dtype=dtype)
     if status == "error":
-        return make_row(name, shape, "FAIL", note=note)
+        return make_row(name, shape, "FAIL", note=note, dtype=dtype)
     return make_row(name, shape, status, row["ms"], row["tflops"], row["rel_l2"], note=note, dtype=row["dtype"],
                     device_bytes=row["device_bytes"])
 
@@ -180,12 +181,12 @@ def row_progress(row):
 
 
 def chapter_binaries(build, chapters):
-    """[(impl, binary)]: each chapter, then its variant builds that were built (08_fp8.fp16)."""
+    """[(impl, binary, dtype)]: each chapter, then its variant builds that were built (08_fp8.fp16)."""
     out = []
     for name in chapters:
-        out.append((name, os.path.join(build, name)))
-        out += [(name, path) for path in (os.path.join(build, f"{name}.{dtype}") for dtype in VARIANT_DTYPES.get(name, ()))
-                if os.path.exists(path)]
+        out.append((name, os.path.join(build, name), CHAPTER_DTYPES.get(name, "fp16")))
+        out += [(name, os.path.join(build, f"{name}.{dtype}"), dtype) for dtype in VARIANT_DTYPES.get(name, ())
+                if os.path.exists(os.path.join(build, f"{name}.{dtype}"))]
     return out
 
 
@@ -195,9 +196,9 @@ def bench_chapters(build, chapters, shapes):
     binaries = chapter_binaries(build, chapters)
     for i, shape in enumerate(shapes):
         say(f"[{i + 1}/{len(shapes)}] {shape_label(shape)}")
-        for name, binary in binaries:
+        for name, binary, dtype in binaries:
             key = (binary, shape["headdim"], shape["causal"])
-            row = bench_one(binary, name, shape, last.get(key), unsupported)
+            row = bench_one(binary, name, dtype, shape, last.get(key), unsupported)
             if row["ms"] is not None:
                 last[key] = (work(shape), row["ms"])
             rows.append(row)
@@ -259,7 +260,7 @@ def command_bench(args):
     print_summary(rows)
     failed = [r for r in rows if r["status"] == "FAIL" and not is_anchor(r["impl"])]
     for r in failed:
-        say(f"FAIL {r['impl']} {shape_label(r)}: {r.get('note') or 'rel_l2 ' + fmt_rel(r['rel_l2'])}")
+        say(f"FAIL {row_name(r)} {shape_label(r)}: {r.get('note') or 'rel_l2 ' + fmt_rel(r['rel_l2'])}")
     return 1 if failed else 0
 
 
@@ -284,7 +285,7 @@ def command_memory(args):
     shapes = [bench_shape(HEADLINE_D, HEADLINE_N, causal) for causal in (0, 1)]
     measured = {}
     for shape in shapes:
-        for name, binary in chapter_binaries(args.build, [c.rstrip("/") for c in args.chapters]):
+        for name, binary, _ in chapter_binaries(args.build, [c.rstrip("/") for c in args.chapters]):
             flags = ["--batch", shape["batch"], "--heads", shape["heads"], "--seqlen", shape["seqlen"],
                      "--headdim", shape["headdim"], "--warmup", 0, "--iters", 1, "--no-check", "--csv"]
             flags = [str(f) for f in flags] + (["--causal"] if shape["causal"] else [])

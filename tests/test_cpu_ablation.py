@@ -105,10 +105,16 @@ def stripped_case(chapter):
 
 def test_switch_filter():
     source = ("#ifndef A\n#define A 1\n#endif\n#if X\nx\n#endif\n    // Ablation (-DA=0): off\n"
-              "    // (continued)\n#if A\nkept\n#else\ngone\n#endif\n#if !A\ngone too\n#endif\nend\n")
-    want = "#ifndef A\n#define A 1\n#endif\n#if X\nx\n#endif\nkept\nend\n"
+              "    // continued\n#if A  // a note\nkept\n#else\ngone\n#endif\n#if !A\ngone too\n#endif\n"
+              "// Ablation (-DA=0): a comment on kept code\nkept too\n// a comment of its own\nend\n")
+    want = "#ifndef A\n#define A 1\n#endif\n#if X\nx\n#endif\nkept\nkept too\n// a comment of its own\nend\n"
     got = ablation.without_switches(source)
     assert got == want, f"filtered:\n{got}\nexpected:\n{want}"
+    try:
+        ablation.without_switches("#ifndef A\n#define A 1\n#endif\n#if A\na\n#elif B\nb\n#endif\n")
+    except ValueError:
+        return "kept, dropped, #elif refused"
+    raise AssertionError("#elif in a switch's #if was accepted")
 
 
 def cases(ctx):

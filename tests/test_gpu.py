@@ -260,6 +260,8 @@ def variant_case(build_name, b, h, n, d, causal):
         assert row["dtype"] == dtype, f"{shown}: dtype {row['dtype']!r}, expected {dtype!r}"
         assert (row["kernels"], row["workspace_bytes"]) == ("1", "0"), (
             f"{shown}: {row['kernels']} kernels, {row['workspace_bytes']} bytes of workspace; expected 1 and 0")
+        buffers = 4 * b * h * n * d * 2 + b * h * n * 4
+        assert row["device_bytes"] == str(buffers), f"{shown}: device_bytes {row['device_bytes']}, expected {buffers}"
         return f"rel_l2 {row['rel_l2']}"
     return case
 

@@ -577,3 +577,27 @@ def test_readme_chapter_table_is_the_chapters_own_words(ctx):
     block = text.split(CHAPTERS_BEGIN)[1].split(CHAPTERS_END)[0].strip()
     assert block == chapters_markdown(chapters).strip(), (
         "README.md's chapter table differs from the chapters' own words: run common/stages.py table")
+
+
+def test_variant_build_rows():
+    """08's fp16-operand build: its rows carry impl 08_fp8 and dtype fp16, and go by 08_fp8@fp16;
+    the chapter's own rows, a skipped one included, stay 08_fp8 (the stage table's)."""
+    shape = results.bench_shape(128, 4096, 0)
+    rows = [results.make_row("07_async_pipeline", shape, "PASS", 2.0, 250.0, 1e-4),
+            results.make_row("08_fp8", shape, "SKIP", note="needs sm_90", dtype="fp8"),
+            results.make_row("08_fp8", shape, "PASS", 1.0, 500.0, 2e-4, note="fast", dtype="fp16")]
+    assert results.find_row(rows, "08_fp8", 128, 4096, 0)["status"] == "SKIP"
+    assert results.find_row(rows, "08_fp8@fp16", 128, 4096, 0)["ms"] == 1.0
+    assert results.chapter_impls(rows) == ["07_async_pipeline", "08_fp8"]
+    assert results.variant_names(rows) == ["08_fp8@fp16"] and results.variant_names(rows, "07_async_pipeline") == []
+    assert results.display_name("08_fp8@fp16") == "08_fp8 (fp16 operands)"
+    assert report.resolve_impl(rows, "08@fp16") == "08_fp8@fp16" and report.resolve_impl(rows, "08") == "08_fp8"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "X.csv")
+        results.write_results(path, rows)
+        back = results.read_results(path)
+    assert [r.get("note") for r in back] == [None, "needs sm_90", "fast"], back
+    body = report.stage_body(back)
+    assert [line[0] for line in body] == ["07_async_pipeline", "08_fp8"] and body[1][2] == "skip", body
+    sweep = report.results_sweep_table(back, 128, 0)
+    assert "| 08_fp8 (fp16 operands) |" in sweep and "| 08_fp8 | skip" in sweep, sweep
