@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import fmt_ms, fmt_speedup, fmt_tflops, markdown_table, replace_between, say  # noqa: E402
 from results import HEADLINE_D, HEADLINE_N, bench_shape, forward_tflops, write_if_changed  # noqa: E402
-from stages import classify, run_binary  # noqa: E402
+from exercises import run_case, shape_args  # noqa: E402
 
 # chapter -> the chapter before it and its ideas, in the order the table switches them on.
 ABLATIONS = {
@@ -125,26 +125,6 @@ def build_variant(build, make, chapter, variant, flags):
     return proc.returncode == 0, (proc.stdout + proc.stderr)[-1500:]
 
 
-def shape_args(shape):
-    b, h, n, d, causal = shape
-    return ["--batch", str(b), "--heads", str(h), "--seqlen", str(n), "--headdim", str(d)] + \
-        (["--causal"] if causal else [])
-
-
-def run_row(binary, impl, args):
-    """(status, cells of the --csv row, note)."""
-    code, out, err = run_binary(binary, args + ["--csv"])
-    status, _, note = classify(impl, code, out, err)
-    cells = next((line.split(",") for line in out.splitlines() if line.startswith(impl + ",")), [])
-    return status, cells, note
-
-
-def attend_ms(cells):
-    """The attention kernel's own time where the chapter reports it (08: attend_ms, the kernel
-    without the quantisation)."""
-    return float(cells[16]) if len(cells) > 16 and cells[16] else None
-
-
 def command_run(args):
     chapter = find_chapter(args.chapter)
     rows = variants(chapter)
@@ -159,8 +139,8 @@ def command_run(args):
     for variant, _, flags in rows:
         impl = ABLATIONS[chapter]["before"] if variant == "before" else chapter
         for shape in CHECK_SHAPES:
-            status, cells, note = run_row(binary_path(args.build, chapter, variant), impl,
-                                          shape_args(shape) + ["--warmup", "0", "--iters", "1"])
+            status, _, note = run_case(binary_path(args.build, chapter, variant), impl,
+                                       shape_args(shape) + ["--warmup", "0", "--iters", "1"])
             if status == "skipped":
                 say(f"ablation: {impl} did not run here: {note}")
                 return 1
@@ -178,12 +158,13 @@ def command_run(args):
             for variant, _, _ in rows:
                 impl = ABLATIONS[chapter]["before"] if variant == "before" else chapter
                 check = [] if rnd == 0 else ["--no-check"]
-                status, cells, note = run_row(binary_path(args.build, chapter, variant), impl, shape_args(dims)
+                status, row, note = run_case(binary_path(args.build, chapter, variant), impl, shape_args(dims)
                                               + ["--warmup", str(WARMUP), "--iters", str(ITERS)] + check)
                 if status not in ("PASS", "unchecked"):
                     say(f"FAIL {variant} {dims}: {status} {note or ''}")
                     return 1
-                samples.setdefault((variant, causal), []).append((float(cells[7]), attend_ms(cells)))
+                # attend_ms: the attention kernel alone where the chapter times it (08, without quantisation)
+                samples.setdefault((variant, causal), []).append((row["ms"], row["attend_ms"]))
     out = []
     for causal in (0, 1):
         shape = bench_shape(HEADLINE_D, HEADLINE_N, causal)

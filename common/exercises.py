@@ -557,15 +557,11 @@ def shape_args(shape):
 
 def run_case(binary, chapter, args, timeout=RUN_TIMEOUT_S):
     """(status, row, note) of one --csv run (stages.classify: PASS, FAIL, skipped, usage, error);
-    the row also has the harness's LSE error, `lse_err` (None when absent)."""
+    the row also has the harness's further columns (lse_err, attend_ms, ...; None when absent)."""
     import_tests()
     from stages import classify, run_binary
     code, out, err = run_binary(binary, args + ["--csv"], timeout=timeout)
-    status, row, note = classify(chapter, code, out, err)
-    if row is not None:
-        cells = next((line.split(",") for line in out.splitlines() if line.startswith(chapter + ",")), [])
-        row["lse_err"] = float(cells[12]) if len(cells) > 12 and cells[12] else None
-    return status, row, note
+    return classify(chapter, code, out, err)
 
 
 def probe_gpu(solution, chapter):

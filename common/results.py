@@ -12,7 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSV_FIELDS = ("impl", "batch", "heads", "seqlen", "headdim", "causal", "dtype",
               "ms", "tflops", "rel_l2", "status", "device_bytes")
 OPTIONAL_FIELDS = ("device_bytes",)  # may be absent from an older CSV, or empty in a row
-HARNESS_DEVICE_BYTES = 18            # its cell in a binary's --csv row (common/harness.cu)
+# A binary's --csv row (common/harness.cu): the result row's first fields, then these.
+HARNESS_FIELDS = CSV_FIELDS[:-1] + ("max_abs", "lse_err", "kernels", "workspace_bytes", "prepare_ms", "attend_ms",
+                                    "rel_l2_floor", "device_bytes")
+HARNESS_NUMBERS = ("max_abs", "lse_err", "prepare_ms", "attend_ms", "rel_l2_floor")  # floats, None when empty
 INT_FIELDS = ("batch", "heads", "seqlen", "headdim", "causal")
 FLOAT_FIELDS = ("ms", "tflops", "rel_l2")
 KEY_FIELDS = ("impl", "dtype", "batch", "heads", "seqlen", "headdim", "causal")

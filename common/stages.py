@@ -37,11 +37,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import (fmt_ms, fmt_rel, fmt_tflops, print_summary, plot_results, regenerate_tables,  # noqa: E402
                     run_stage_table, say)
-from results import (BENCH_ITERS, BENCH_WARMUP, CSV_FIELDS, HARNESS_DEVICE_BYTES, HEADLINE_D,  # noqa: E402
-                     HEADLINE_N, OPTIONAL_FIELDS, QUICK_NS, CHAPTER_DTYPES, VARIANT_DTYPES, bench_shape, bench_shapes, collect_env,
-                     env_path,
-                     gpu_name, gpu_slug, is_anchor, make_row, parse_value, read_env, read_results, row_key, row_name,
-                     shape_label, work, write_env, write_results)
+from results import (BENCH_ITERS, BENCH_WARMUP, CHAPTER_DTYPES, CSV_FIELDS, HARNESS_FIELDS,  # noqa: E402
+                     HARNESS_NUMBERS, HEADLINE_D, HEADLINE_N, OPTIONAL_FIELDS, QUICK_NS, VARIANT_DTYPES, bench_shape,
+                     bench_shapes, collect_env, env_path, gpu_name, gpu_slug, is_anchor, make_row, parse_value,
+                     read_env, read_results, row_key, row_name, shape_label, work, write_env, write_results)
 
 # --- Running the chapters: the sweep and its skip policy -------------------------------------
 RUNS_PER_SHAPE = BENCH_WARMUP + BENCH_ITERS + 1   # warm-up, timed, and the checked run
@@ -82,15 +81,15 @@ def last_line(text, name=None):
 
 
 def parse_csv_line(line):
-    """A binary's --csv row to a result row (None if it is not one)."""
+    """A binary's --csv row to a result row (None if it is not one), with the harness's further
+    columns (HARNESS_FIELDS: lse_err, attend_ms, device_bytes, ...) where the row has them."""
     cells = next(csv.reader([line]), [])
-    fields = [k for k in CSV_FIELDS if k not in OPTIONAL_FIELDS]
-    if len(cells) < len(fields):
+    if len(cells) < len(CSV_FIELDS) - len(OPTIONAL_FIELDS):
         return None
     try:
-        row = {k: parse_value(k, v) for k, v in zip(fields, cells)}
-        row["device_bytes"] = parse_value("device_bytes", cells[HARNESS_DEVICE_BYTES]) \
-            if len(cells) > HARNESS_DEVICE_BYTES else None
+        row = {k: parse_value(k, v) for k, v in zip(HARNESS_FIELDS, cells) if k in CSV_FIELDS}
+        row.update({k: float(v) if v else None for k, v in zip(HARNESS_FIELDS, cells) if k in HARNESS_NUMBERS})
+        row.setdefault("device_bytes", None)
     except ValueError:
         return None
     return row if row["status"] in ("PASS", "FAIL", "unchecked") else None
@@ -146,6 +145,13 @@ def command_run(args):
     return 1 if bad else 0
 
 
+def shape_flags(shape, warmup, iters):
+    """A binary's command line for a shape dict, with --csv."""
+    flags = ["--batch", shape["batch"], "--heads", shape["heads"], "--seqlen", shape["seqlen"],
+             "--headdim", shape["headdim"], "--warmup", warmup, "--iters", iters, "--csv"]
+    return [str(f) for f in flags] + (["--causal"] if shape["causal"] else [])
+
+
 def bench_one(binary, name, dtype, shape, last, unsupported):
     """One chapter's binary at one bench shape, under the skip policy; returns a result row
     (dtype: the one its rows carry, also on the rows of runs that printed none)."""
@@ -154,10 +160,7 @@ def bench_one(binary, name, dtype, shape, last, unsupported):
     slow = too_slow(last, shape)
     if slow:
         return make_row(name, shape, "SKIP", note=slow, dtype=dtype)
-    flags = ["--batch", shape["batch"], "--heads", shape["heads"], "--seqlen", shape["seqlen"],
-             "--headdim", shape["headdim"], "--warmup", BENCH_WARMUP, "--iters", BENCH_ITERS, "--csv"]
-    flags = [str(f) for f in flags] + (["--causal"] if shape["causal"] else [])
-    code, stdout, stderr = run_binary(binary, flags)
+    code, stdout, stderr = run_binary(binary, shape_flags(shape, BENCH_WARMUP, BENCH_ITERS))
     status, row, note = classify(name, code, stdout, stderr)
     if status == "skipped":
         unsupported[binary] = note
@@ -286,10 +289,7 @@ def command_memory(args):
     measured = {}
     for shape in shapes:
         for name, binary, _ in chapter_binaries(args.build, [c.rstrip("/") for c in args.chapters]):
-            flags = ["--batch", shape["batch"], "--heads", shape["heads"], "--seqlen", shape["seqlen"],
-                     "--headdim", shape["headdim"], "--warmup", 0, "--iters", 1, "--no-check", "--csv"]
-            flags = [str(f) for f in flags] + (["--causal"] if shape["causal"] else [])
-            status, row, note = classify(name, *run_binary(binary, flags))
+            status, row, note = classify(name, *run_binary(binary, shape_flags(shape, 0, 1) + ["--no-check"]))
             if row is None or row["device_bytes"] is None:
                 say(f"  {name:<20} {status} {note or ''}")
                 continue

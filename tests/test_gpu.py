@@ -25,6 +25,7 @@ import unittest
 import numpy as np
 
 from reference import FP8_SCALE_ROWS, quantize_e4m3
+from results import HARNESS_FIELDS
 from test_cpu_cli import WORKSPACE
 
 SUITE = "gpu"
@@ -42,9 +43,7 @@ SINGLE_KERNEL_NO_WORKSPACE = {4, 5, 6, 7}  # fused from 04 on: one launch, no N^
 FP8_KERNELS = 2                            # 08: quantize, attention
 N2_WORKSPACE = {1, 2, 3}                   # S (and P) in device memory: B*H*N*N floats
 OUTPUT_SHAPES = [(2, 3, 200, 64, True), (1, 2, 129, 128, False)]  # (B, H, N, D, causal)
-FIELDS = ["impl", "batch", "heads", "seqlen", "headdim", "causal", "dtype", "ms", "tflops", "rel_l2",
-          "status", "max_abs", "lse_err", "kernels", "workspace_bytes", "prepare_ms", "attend_ms", "rel_l2_floor",
-          "device_bytes"]
+FIELDS = list(HARNESS_FIELDS)  # the binary's --csv columns
 RUN_TIMEOUT_S = 600
 VARIANT_BUILDS = ["08_fp8.fp16"]  # the Makefile's VARIANTS: 08 on fp16 operands
 

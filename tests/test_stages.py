@@ -9,6 +9,7 @@ import difflib
 import glob
 import io
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -601,3 +602,16 @@ def test_variant_build_rows():
     assert [line[0] for line in body] == ["07_async_pipeline", "08_fp8"] and body[1][2] == "skip", body
     sweep = report.results_sweep_table(back, 128, 0)
     assert "| 08_fp8 (fp16 operands) |" in sweep and "| 08_fp8 | skip" in sweep, sweep
+
+
+def test_harness_columns():
+    """The --csv columns harness.cu's help lists are results.HARNESS_FIELDS, and a binary's row
+    parses into them (the result fields, then the harness's further numbers)."""
+    literals = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', read(os.path.join(ROOT, "common", "harness.cu"))))
+    listed = literals.split("print one CSV row instead of the report:")[1].split("(")[0]
+    assert tuple(re.findall(r"[a-z_0-9]+", listed.replace("\\n", " "))) == results.HARNESS_FIELDS, listed
+    row = stages.parse_csv_line("08_fp8,4,16,4096,128,1,fp8,0.4697,585.21,4.003e-02,PASS,1.562e-01,8.456e-02,2,"
+                                "100687872,0.0757,0.3980,3.687e-02,370171904")
+    assert (row["ms"], row["lse_err"], row["attend_ms"], row["device_bytes"]) == (0.4697, 0.08456, 0.398, 370171904)
+    row = stages.parse_csv_line("04_fused,1,1,1,64,0,fp16,0.0100,0.00,,unchecked,,,1,0,,,,1028")
+    assert row["status"] == "unchecked" and row["lse_err"] is None and row["device_bytes"] == 1028, row
