@@ -1,17 +1,18 @@
 // 08_fp8: 07's algorithm on Hopper's own datapath, in FP8. Q, K and V are quantised to e4m3
-// with scales found on the device (one per 128-row tile), both matrix products run on warpgroup
-// MMA (wgmma: e4m3 in, fp32 accumulate), their tiles arrive through the bulk tensor copy
-// engine (TMA) completing on mbarriers, and P is converted to e4m3 in registers and fed back
-// as the A operand of the second product.
+// with scales found on the device (one per query tile of Q, one per key tile of K and of V),
+// both matrix products run on warpgroup MMA (wgmma: e4m3 in, fp32 accumulate), their tiles
+// arrive through the bulk tensor copy engine (TMA) completing on mbarriers, and P is converted
+// to e4m3 in registers and fed back as the A operand of the second product.
 //
 // Two kernels per forward. quantize_kernel: e4m3 copies of Q and K, and of V transposed (keys
-// fastest), each 128-row tile with its own scale, in one pass over the inputs. attention_kernel:
-// one block per (128-query tile, b*h), heaviest causal tiles first (as 05); 3 warpgroups: a
+// fastest), each tile with its own scale, in one pass over the inputs. attention_kernel: one
+// block per (128-query tile, b*h), heaviest causal tiles first (as 05); 3 warpgroups: a
 // producer that only issues the copies, and 2 consumers of 64 query rows each that only compute,
-// taking turns on the tensor cores, each overlapping one tile's softmax with the previous tile's
-// P V. Shared memory: the Q tile and a ring of STAGES (K, V) tile pairs, in the swizzled layout
-// TMA writes and wgmma reads. Registers: per consumer the 64 x 128 scores, the 64 x HEAD_DIM
-// output accumulator, P in e4m3, and each row's running max and sum.
+// taking turns on the tensor cores, each issuing a tile's Q K^T and the previous tile's P V
+// together. Shared memory: the Q tile and a ring of STAGES (K, V) tile pairs of BLOCK_KV keys
+// (FP8: 192), in the swizzled layout TMA writes and wgmma reads. Registers: per consumer the
+// 64 x BLOCK_KV scores, the 64 x HEAD_DIM output accumulator, P in e4m3, and each row's running
+// max and sum.
 #include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)
 #include <cudaTypedefs.h>
 #include <cuda_fp8.h>
@@ -19,9 +20,8 @@
 
 #include "../common/harness.h"
 
-#define BLOCK_Q 128   // query rows per block: 2 warpgroups x 64 (wgmma's M)
-#define BLOCK_KV 128  // keys per tile: wgmma's N for QK^T
-#define CONSUMERS 2   // consumer warpgroups, each 64 query rows
+#define BLOCK_Q 128  // query rows per block: 2 warpgroups x 64 (wgmma's M)
+#define CONSUMERS 2  // consumer warpgroups, each 64 query rows
 #define WARPGROUP_THREADS 128
 #define WARPGROUP_ROWS (BLOCK_Q / CONSUMERS)
 #define CONSUMER_WARPS (CONSUMERS * WARPGROUP_THREADS / 32)
@@ -43,11 +43,26 @@
 #ifndef FP16_OPERANDS
 #define FP16_OPERANDS 0  // 1: the same kernel on fp16 operands (no quantisation): what wgmma buys without FP8
 #endif
+#ifndef WIDE_KEY_TILES
+#define WIDE_KEY_TILES 1  // FP8: 192 keys per tile, not 128 (fp16 operands: 128, by measurement)
+#endif
+#ifndef BLOCK_KV  // keys per tile: wgmma's N for Q K^T
+#define BLOCK_KV (WIDE_KEY_TILES && !FP16_OPERANDS ? 192 : 128)
+#endif
 #ifndef STAGES_D128
 #define STAGES_D128 3  // (K, V) tile pairs in flight, by head dim: chosen by a sweep
 #endif
 #ifndef STAGES_D64
 #define STAGES_D64 4
+#endif
+// Where a consumer waits for its own P V of tile j-1 (INTRA_OVERLAP): 1, at the top of the next
+// loop iteration, so tile j's softmax runs under it; 0, after tile j's softmax, where ptxas
+// schedules that wait before the softmax. By head dim and type: chosen by measurement (README).
+#ifndef SOFTMAX_UNDER_PV_D128
+#define SOFTMAX_UNDER_PV_D128 0
+#endif
+#ifndef SOFTMAX_UNDER_PV_D64
+#define SOFTMAX_UNDER_PV_D64 (!FP16_OPERANDS)
 #endif
 #define THREADS ((CONSUMERS + WARP_SPECIALISED) * WARPGROUP_THREADS)
 #define PRODUCER_REGISTERS 24   // setmaxnreg: the producer keeps few registers...
@@ -66,6 +81,7 @@ static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * CONS
 template <int HEAD_DIM>
 struct Config {
     static constexpr int STAGES = HEAD_DIM == 128 ? STAGES_D128 : STAGES_D64;
+    static constexpr bool SOFTMAX_UNDER_PV = HEAD_DIM == 128 ? SOFTMAX_UNDER_PV_D128 : SOFTMAX_UNDER_PV_D64;
     static constexpr int Q_BYTES = BLOCK_Q * HEAD_DIM * ELEMENT_BYTES;
     static constexpr int K_BYTES = BLOCK_KV * HEAD_DIM * ELEMENT_BYTES;
     static constexpr int V_BYTES = HEAD_DIM * BLOCK_KV * ELEMENT_BYTES;
@@ -73,23 +89,25 @@ struct Config {
     // most 128 bytes, each slice a [rows][slice] tile in its swizzle: one TMA box each. (fp16
     // operands: V is stored as K is, and V_SLICE(S) are unused.)
     static constexpr int QK_SLICE = HEAD_DIM * ELEMENT_BYTES < SLICE_BYTES ? HEAD_DIM * ELEMENT_BYTES : SLICE_BYTES;
-    static constexpr int V_SLICE = BLOCK_KV * ELEMENT_BYTES < SLICE_BYTES ? BLOCK_KV * ELEMENT_BYTES : SLICE_BYTES;
+    static constexpr int V_SLICE = BLOCK_KV * ELEMENT_BYTES % SLICE_BYTES == 0 ? SLICE_BYTES : 64;
     static constexpr int QK_SLICES = HEAD_DIM * ELEMENT_BYTES / QK_SLICE, V_SLICES = BLOCK_KV * ELEMENT_BYTES / V_SLICE;
     static constexpr int BARRIERS = 1 + 2 * STAGES;  // Q full, K/V full and empty
     static constexpr int SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_BYTES + V_BYTES) + BARRIERS * 8;
     static_assert(HEAD_DIM % MMA_K == 0 && BLOCK_KV % MMA_K == 0, "whole wgmma k-steps");
+    static_assert(BLOCK_KV % 64 == 0 && BLOCK_KV <= 256, "Vt's rows are whole 64-byte slices; wgmma's N <= 256");
     static_assert(Q_BYTES % 1024 == 0 && K_BYTES % 1024 == 0 && V_BYTES % 1024 == 0,
                   "every tile starts 1024-byte aligned, as the 128-byte swizzle needs");
 };
 
-// --- Quantisation: e4m3 copies, one scale per 128-row tile of each (b, h) and tensor --------
+// --- Quantisation: e4m3 copies, one scale per tile of each (b, h) and tensor ----------------
 // A scale per tile rather than per (b, h) makes the quantisation one pass: a block reads its
 // tile once, finds its max |x|, and writes the e4m3 copy and the descale. It is also finer: one
 // outlier costs the resolution of its tile, not of the whole head. Q's tile is a block's query
-// tile, K's and V's the key tile of one iteration: the kernel applies each descale once per tile.
-#define SCALE_ROWS 128  // rows per scale: the query tile and the key tile
-static_assert(SCALE_ROWS == BLOCK_Q && SCALE_ROWS == BLOCK_KV, "one descale per query tile and per key tile");
-#define KEY_GROUP 16  // V's keys are permuted within groups of 16 (key_slot)
+// tile (BLOCK_Q rows), K's and V's the key tile of one iteration (BLOCK_KV rows): the kernel
+// applies each descale once per tile. A block of TILE_ROWS * HEAD_DIM / 128 threads quantises a
+// tile, each thread 16 vectors of 8 halves.
+#define KEY_GROUP 16         // V's keys are permuted within groups of 16 (key_slot)
+#define VECTORS_A_THREAD 16  // of 8 halves, in the quantisation
 
 // x * scale maps |x| <= amax onto e4m3's range [-448, 448]; the descale undoes it.
 __host__ __device__ float e4m3_scale(float amax) { return amax > 0 ? E4M3_MAX / amax : 1.0f; }
@@ -139,33 +157,33 @@ __host__ __device__ constexpr int key_slot(int key) {
 }
 
 // Q or K: the tile's rows in the same layout, in e4m3. Thread t holds vectors t, t + threads, ...
-template <int HEAD_DIM, int VECTORS>
-__device__ void quantize_rows(const uint4 *src, uint2 *dst, int rows, uint4 (&tile)[VECTORS], float *descale) {
+template <int HEAD_DIM, int BLOCK_THREADS>
+__device__ void quantize_rows(const uint4 *src, uint2 *dst, int rows, uint4 (&tile)[VECTORS_A_THREAD], float *descale) {
     constexpr int VECTORS_PER_ROW = HEAD_DIM / 8;
-    for (int i = 0; i < VECTORS; i++) {
-        const int vector = threadIdx.x + i * HEAD_DIM;
+    for (int i = 0; i < VECTORS_A_THREAD; i++) {
+        const int vector = threadIdx.x + i * BLOCK_THREADS;
         tile[i] = vector < rows * VECTORS_PER_ROW ? src[vector] : make_uint4(0, 0, 0, 0);
     }
-    const float amax = tile_amax<HEAD_DIM>(tile), scale = e4m3_scale(amax);
+    const float amax = tile_amax<BLOCK_THREADS>(tile), scale = e4m3_scale(amax);
     if (threadIdx.x == 0) *descale = e4m3_descale(amax);
-    for (int i = 0; i < VECTORS; i++) {
-        const int vector = threadIdx.x + i * HEAD_DIM;
+    for (int i = 0; i < VECTORS_A_THREAD; i++) {
+        const int vector = threadIdx.x + i * BLOCK_THREADS;
         if (vector < rows * VECTORS_PER_ROW) dst[vector] = to_e4m3x8(tile[i], scale);
     }
 }
 
 // V, transposed: wgmma's 8-bit B operand must be K-major (keys fastest). Thread t takes one
-// 16-key group (t % 8) of 8 dimensions (t / 8): 16 row loads in, 8 rows of 16 keys out, each
+// 16-key group (t % groups) of 8 dimensions (t / groups): 16 row loads in, 8 rows of 16 keys out, each
 // one 16-byte store with the keys in key_slot order: the transpose happens in registers.
-template <int HEAD_DIM, int VECTORS>
+template <int HEAD_DIM, int BLOCK_THREADS>
 __device__ void quantize_transposed(const uint4 *src, unsigned char *vt_tile, int rows, int keys_padded,
-                                    int seqlen_padded, uint4 (&tile)[VECTORS], float *descale) {
-    constexpr int VECTORS_PER_ROW = HEAD_DIM / 8, GROUPS = SCALE_ROWS / KEY_GROUP;
-    static_assert(VECTORS == KEY_GROUP && GROUPS * VECTORS_PER_ROW == HEAD_DIM, "one (group, 8 dims) a thread");
+                                    int seqlen_padded, uint4 (&tile)[VECTORS_A_THREAD], float *descale) {
+    constexpr int VECTORS_PER_ROW = HEAD_DIM / 8, GROUPS = BLOCK_THREADS / VECTORS_PER_ROW;
+    static_assert(VECTORS_A_THREAD == KEY_GROUP, "one (group, 8 dims) a thread");
     const int group = threadIdx.x % GROUPS, dim0 = threadIdx.x / GROUPS * 8, key0 = group * KEY_GROUP;
     for (int i = 0; i < KEY_GROUP; i++)
         tile[i] = key0 + i < rows ? src[(key0 + i) * VECTORS_PER_ROW + dim0 / 8] : make_uint4(0, 0, 0, 0);
-    const float amax = tile_amax<HEAD_DIM>(tile), scale = e4m3_scale(amax);
+    const float amax = tile_amax<BLOCK_THREADS>(tile), scale = e4m3_scale(amax);
     if (threadIdx.x == 0) *descale = e4m3_descale(amax);
     if (key0 >= keys_padded) return;  // Vt's row ends before this group
 #pragma unroll
@@ -178,23 +196,32 @@ __device__ void quantize_transposed(const uint4 *src, unsigned char *vt_tile, in
     }
 }
 
-// One 128-row tile of Q, K (blockIdx.z 0, 1) or V (2: transposed to [b*h][HEAD_DIM][seqlen_padded],
-// zeros past seqlen), read once, and its descale into descales[tensor][b*h][tile]. HEAD_DIM threads.
+// One tile of Q (blockIdx.z 0: a query tile, BLOCK_Q rows), K (1) or V (2: key tiles, BLOCK_KV
+// rows; V transposed to [b*h][HEAD_DIM][seqlen_padded], zeros past seqlen), read once, and its
+// descale into Q's [b*h][query tiles] or K's and V's [b*h][key tiles] after them. A block has the
+// threads a key tile needs; a query tile, no larger, leaves some of them without rows.
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(HEAD_DIM)
+__global__ void __launch_bounds__(BLOCK_KV *HEAD_DIM / 128)
     quantize_kernel(const __half *q, const __half *k, const __half *v, float *descales, unsigned char *q8,
                     unsigned char *k8, unsigned char *vt8, int seqlen, int seqlen_padded) {
-    constexpr int VECTORS = SCALE_ROWS * (HEAD_DIM / 8) / HEAD_DIM;  // 16-byte vectors a thread holds
-    const int tensor = blockIdx.z, row0 = blockIdx.x * SCALE_ROWS, rows = min(SCALE_ROWS, seqlen - row0);
+    constexpr int BLOCK_THREADS = BLOCK_KV * HEAD_DIM / 128;
+    static_assert(BLOCK_THREADS * VECTORS_A_THREAD * 8 == BLOCK_KV * HEAD_DIM && BLOCK_Q <= BLOCK_KV,
+                  "16 vectors a thread: all of a key tile, a query tile fits");
+    const int tensor = blockIdx.z, tile_rows = tensor ? BLOCK_KV : BLOCK_Q, heads = gridDim.y;
+    const int query_tiles = gridDim.x, key_tiles = ceil_div(seqlen, BLOCK_KV);
+    if (tensor && blockIdx.x >= key_tiles) return;  // the grid spans the query tiles, which are more
+    const int row0 = blockIdx.x * tile_rows, rows = min(tile_rows, seqlen - row0);
     const size_t head = blockIdx.y, first = (head * seqlen + row0) * HEAD_DIM;  // the tile's first element
-    float *descale = &descales[(tensor * gridDim.y + head) * gridDim.x + blockIdx.x];
-    uint4 tile[VECTORS];
+    float *descale = tensor ? &descales[heads * query_tiles + ((tensor - 1) * heads + head) * key_tiles + blockIdx.x]
+                            : &descales[head * query_tiles + blockIdx.x];
+    uint4 tile[VECTORS_A_THREAD];
     if (tensor < 2)
-        quantize_rows<HEAD_DIM>((const uint4 *)((tensor ? k : q) + first), (uint2 *)((tensor ? k8 : q8) + first), rows,
-                                tile, descale);
+        quantize_rows<HEAD_DIM, BLOCK_THREADS>((const uint4 *)((tensor ? k : q) + first),
+                                               (uint2 *)((tensor ? k8 : q8) + first), rows, tile, descale);
     else
-        quantize_transposed<HEAD_DIM>((const uint4 *)(v + first), vt8 + head * HEAD_DIM * seqlen_padded + row0, rows,
-                                      seqlen_padded - row0, seqlen_padded, tile, descale);
+        quantize_transposed<HEAD_DIM, BLOCK_THREADS>((const uint4 *)(v + first),
+                                                     vt8 + head * HEAD_DIM * seqlen_padded + row0, rows,
+                                                     seqlen_padded - row0, seqlen_padded, tile, descale);
 }
 
 // --- Hopper's asynchronous machinery, as the PTX ISA documents it --------------------------
@@ -299,6 +326,10 @@ __device__ void setmaxnreg_inc() {
     REGS32                                                                          \
     ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
     "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define REGS96                                                                           \
+    REGS64                                                                               \
+    ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
 
 // The instruction's k and types, and its trailing immediates: with A in registers, scale-d (1:
 // accumulate) first; then scale-a and scale-b (1: no negation), and for 16-bit types whether A
@@ -322,6 +353,27 @@ __device__ void wgmma_64x128_shared_a(float (&d)[64], uint64_t a_desc, uint64_t 
         ";\n}\n"
         : ACC32(d, 0), ACC32(d, 32)
         : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+// The same, 192 columns wide.
+__device__ void wgmma_64x192_shared_a(float (&d)[96], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192" WGMMA_K_TYPES " {" REGS96 "}, %96, %97, acc, " WGMMA_SHARED_A_IMM
+        ";\n}\n"
+        : ACC32(d, 0), ACC32(d, 32), ACC32(d, 64)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+// S (64 x BLOCK_KV) [+]= Q K^T's k-step.
+__device__ void wgmma_qk(float (&score)[BLOCK_KV / 2], uint64_t q_desc, uint64_t k_desc, int accumulate) {
+#if BLOCK_KV == 192
+    wgmma_64x192_shared_a(score, q_desc, k_desc, accumulate);
+#elif BLOCK_KV == 128
+    wgmma_64x128_shared_a(score, q_desc, k_desc, accumulate);
+#else
+#error "no wgmma of Q K^T for this BLOCK_KV"
+#endif
 }
 
 // d (64 x N fp32) += A (64 x MMA_K in registers: 4 x 4 bytes per thread) * B (MMA_K x N, shared).
@@ -493,9 +545,8 @@ __device__ void issue_qk(float (&score)[BLOCK_KV / 2], const unsigned char *q_ro
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++)
-        wgmma_64x128_shared_a(
-            score, smem_descriptor(kstep(q_rows, BLOCK_Q * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE),
-            smem_descriptor(kstep(k_tile, BLOCK_KV * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE), ks > 0);
+        wgmma_qk(score, smem_descriptor(kstep(q_rows, BLOCK_Q * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE),
+                 smem_descriptor(kstep(k_tile, BLOCK_KV * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE), ks > 0);
     wgmma_commit();
 }
 
@@ -603,25 +654,29 @@ struct Consumer {
     float row_max[2], row_sum[2], rescale[2];
     const unsigned char *q_rows;  // the warpgroup's 64 rows of the Q tile
     int group, group_query0, row0;
-    float q_scale_log2;  // the softmax scale in log2 units times Q's descale: K's is per tile
-    float v_descale;     // O is kept in the units of the last V tile it accumulated
+    float q_scale_log2;    // the softmax scale in log2 units times Q's descale: K's is per tile
+    float v_descale;       // O is kept in the units of the last V tile it accumulated
+    float next_v_descale;  // V's descale of the tile whose scores were computed last
 };
 
 // Each V tile has its own scale: before P V of `tile` adds in that tile's units, O moves to them.
 template <int HEAD_DIM>
-__device__ float next_v_units(Consumer<HEAD_DIM> &c, const Work &w, int tile) {
-    const float v_descale = descale_at(w.v_descales, tile), ratio = c.v_descale / v_descale;
-    c.v_descale = v_descale;
+__device__ float next_v_units(Consumer<HEAD_DIM> &c) {
+    const float ratio = c.v_descale / c.next_v_descale;
+    c.v_descale = c.next_v_descale;
     return ratio;
 }
 
 // Tile `tile` up to its probabilities: wait for its copy and for our turn, issue Q K^T (and, with
-// PV_IN_FLIGHT, P V of the previous tile right behind it), pass the turn, mask, softmax.
-template <int HEAD_DIM, bool PV_IN_FLIGHT>
+// PV_IN_FLIGHT, P V of the previous tile right behind it), pass the turn, mask, softmax. With P V
+// in flight the caller says whether the tile needs the mask (MASKED): a branch between the two
+// waits makes ptxas wait for the P V at its join, before the softmax it should overlap.
+template <int HEAD_DIM, bool PV_IN_FLIGHT, bool MASKED = false>
 __device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
     typedef Config<HEAD_DIM> C;
     const int key0 = tile * BLOCK_KV;
     const float k_descale = descale_at(w.k_descales, tile);
+    c.next_v_descale = descale_at(w.v_descales, tile);  // with K's, long before O needs it
     mbarrier_wait(&s.kv_full[tile % C::STAGES], tile / C::STAGES % 2);
     wait_turn(c.group);
     issue_qk<HEAD_DIM>(c.score, c.q_rows, s.k_ring + tile % C::STAGES * C::K_BYTES);
@@ -630,7 +685,7 @@ __device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const W
     if (PV_IN_FLIGHT) wgmma_wait<1>();  // S is in (groups complete in order); P V may still run
     else wgmma_wait<0>();
     hold_registers(c.score);
-    if (key0 + BLOCK_KV > w.seqlen || (w.causal && key0 + BLOCK_KV - 1 > c.group_query0))
+    if (PV_IN_FLIGHT ? MASKED : key0 + BLOCK_KV > w.seqlen || (w.causal && key0 + BLOCK_KV - 1 > c.group_query0))
         mask_scores(c.score, c.row0, key0 + 2 * (threadIdx.x % 4), w.seqlen, w.causal);
     softmax_tile(c.score, c.row_max, c.row_sum, c.rescale, c.q_scale_log2 * k_descale);
 }
@@ -644,6 +699,30 @@ __device__ void finish_pv(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, i
     hold_registers(c.o_acc);
     hold_registers(c.p_frag);
     release_stage<HEAD_DIM>(s, w, tile);
+}
+
+// Tile tile-1's probabilities into the A operand of its P V, once the P V before it (tile-2,
+// if any) is done and O is rescaled.
+template <int HEAD_DIM>
+__device__ void previous_p_ready(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
+    wgmma_wait<0>();
+    hold_registers(c.o_acc);
+    hold_registers(c.p_frag);
+    if (tile >= 2) release_stage<HEAD_DIM>(s, w, tile - 2);
+    rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c));
+    pack_p(c.score, c.p_frag);
+}
+
+// One tile of the overlapped loop: tile's Q K^T and tile-1's P V issued together, tile's softmax,
+// and P of tile ready for the next P V. SOFTMAX_UNDER_PV: the wait for tile-1's P V comes first in
+// the body (P of tile-1 is made ready at the top), where ptxas cannot move it above the softmax;
+// after the softmax in the same block, ptxas schedules it early, before the softmax.
+template <int HEAD_DIM, bool MASKED>
+__device__ void overlapped_tile(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
+    constexpr bool UNDER_PV = Config<HEAD_DIM>::SOFTMAX_UNDER_PV;
+    if (UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, tile);
+    scores_and_softmax<HEAD_DIM, true, MASKED>(c, s, w, tile);
+    if (!UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, tile + 1);
 }
 
 // A consumer warpgroup: its 64 query rows against every key tile, then O and LSE.
@@ -667,22 +746,23 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
 
     // EXERCISE 08.intra_overlap BEGIN: issue the P V of tile j-1 behind the Q K^T of tile j: it runs during j's softmax
     if (INTRA_OVERLAP) {
-        // P V of tile j-1 is issued right after Q K^T of tile j and runs during tile j's softmax;
-        // O is rescaled once it is done, before the next P V.
+        // P V of tile j-1 is issued right behind Q K^T of tile j, in the same turn; O is rescaled
+        // once it is done, before the next P V. The tiles that need no mask come first, [0,
+        // unmasked_tiles), then the masked ones (the diagonal, the end of the sequence), each
+        // kind in its own loop.
+        const int unmasked_tiles = min(w.seqlen, w.causal ? c.group_query0 + 1 : w.seqlen) / BLOCK_KV;
+        constexpr bool UNDER_PV = Config<HEAD_DIM>::SOFTMAX_UNDER_PV;
         scores_and_softmax<HEAD_DIM, false>(c, s, w, 0);
-        rescale_output<HEAD_DIM>(c.o_acc, c.rescale, 1.0f);
-        pack_p(c.score, c.p_frag);
-        for (int tile = 1; tile < w.kv_tiles; tile++) {
-            scores_and_softmax<HEAD_DIM, true>(c, s, w, tile);
-            finish_pv<HEAD_DIM>(c, s, w, tile - 1, false);
-            rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c, w, tile));
-            pack_p(c.score, c.p_frag);
-        }
+        if (!UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, 1);
+        for (int tile = 1; tile < unmasked_tiles; tile++) overlapped_tile<HEAD_DIM, false>(c, s, w, tile);
+        for (int tile = max(1, unmasked_tiles); tile < w.kv_tiles; tile++)
+            overlapped_tile<HEAD_DIM, true>(c, s, w, tile);
+        if (UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, w.kv_tiles);
         finish_pv<HEAD_DIM>(c, s, w, w.kv_tiles - 1, true);
     } else {
         for (int tile = 0; tile < w.kv_tiles; tile++) {
             scores_and_softmax<HEAD_DIM, false>(c, s, w, tile);
-            rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c, w, tile));
+            rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c));
             pack_p(c.score, c.p_frag);
             finish_pv<HEAD_DIM>(c, s, w, tile, true);
         }
@@ -690,7 +770,7 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
     // EXERCISE 08.intra_overlap STUB
     // for (int tile = 0; tile < w.kv_tiles; tile++) {
     //     scores_and_softmax<HEAD_DIM, false>(c, s, w, tile);
-    //     rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c, w, tile));
+    //     rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c));
     //     pack_p(c.score, c.p_frag);
     //     finish_pv<HEAD_DIM>(c, s, w, tile, true);
     // }
@@ -730,12 +810,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     w.causal = causal;
     w.kv_tiles = ceil_div(causal ? min(seqlen, w.query0 + BLOCK_Q) : seqlen, BLOCK_KV);  // causal: up to the diagonal
 
-    // The descales, [Q, K, V][b*h][tile], fold into the softmax scale (Q, and K per tile) and
-    // into O (V per tile).
-    const int tiles = ceil_div(seqlen, SCALE_ROWS);
-    const float q_scale_log2 = scale_log2e * (FP16_OPERANDS ? 1.0f : descales[w.head * tiles + query_tile]);
-    w.k_descales = FP16_OPERANDS ? NULL : descales + (heads + w.head) * tiles;  // fp16: no descales
-    w.v_descales = FP16_OPERANDS ? NULL : descales + (2 * heads + w.head) * tiles;
+    // The descales, Q's [b*h][query tile] then K's and V's [b*h][key tile], fold into the softmax
+    // scale (Q, and K per tile) and into O (V per tile).
+    const int query_tiles = ceil_div(seqlen, BLOCK_Q), key_tiles = ceil_div(seqlen, BLOCK_KV);
+    const float *kv_descales = descales + heads * query_tiles;
+    const float q_scale_log2 = scale_log2e * (FP16_OPERANDS ? 1.0f : descales[w.head * query_tiles + query_tile]);
+    w.k_descales = FP16_OPERANDS ? NULL : kv_descales + w.head * key_tiles;  // fp16: no descales
+    w.v_descales = FP16_OPERANDS ? NULL : kv_descales + (heads + w.head) * key_tiles;
 
     if (threadIdx.x == 0) {
         mbarrier_init(s.q_full, 1);
@@ -765,8 +846,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 // --- Launchers -------------------------------------------------------------------------------
-// What the attention kernel reads. FP8: the workspace holds the descales [3][b*h][tiles], then
-// Q and K in e4m3 ([b*h][N][D]), then Vt ([b*h][D][N_padded]). fp16 operands: the inputs.
+// What the attention kernel reads. FP8: the workspace holds the descales (Q's [b*h][query
+// tiles], then K's and V's [2][b*h][key tiles]), then Q and K in e4m3 ([b*h][N][D]), then Vt
+// ([b*h][D][N_padded]). fp16 operands: the inputs.
 typedef struct {
     float *descales;
     unsigned char *q, *k, *vt;
@@ -774,7 +856,8 @@ typedef struct {
 } Workspace;
 
 static size_t descale_bytes(const AttnShape *s) {
-    const size_t count = (size_t)3 * s->batch * s->heads * ceil_div(s->seqlen, SCALE_ROWS);
+    const size_t count =
+        (size_t)s->batch * s->heads * (ceil_div(s->seqlen, BLOCK_Q) + 2 * ceil_div(s->seqlen, BLOCK_KV));
     return (count * sizeof(float) + 255) / 256 * 256;  // the e4m3 copies start 256-byte aligned
 }
 
@@ -806,9 +889,9 @@ template <int HEAD_DIM>
 static cudaError_t quantize(const AttnArgs *args, cudaStream_t stream) {
     const AttnShape *s = &args->shape;
     const Workspace w = workspace_layout(args);
-    dim3 grid(ceil_div(s->seqlen, SCALE_ROWS), s->batch * s->heads, 3);
-    quantize_kernel<HEAD_DIM><<<grid, HEAD_DIM, 0, stream>>>(args->q, args->k, args->v, w.descales, w.q, w.k, w.vt,
-                                                             s->seqlen, w.seqlen_padded);
+    dim3 grid(ceil_div(s->seqlen, BLOCK_Q), s->batch * s->heads, 3);
+    quantize_kernel<HEAD_DIM><<<grid, BLOCK_KV * HEAD_DIM / 128, 0, stream>>>(
+        args->q, args->k, args->v, w.descales, w.q, w.k, w.vt, s->seqlen, w.seqlen_padded);
     return cudaGetLastError();
 }
 
@@ -890,6 +973,7 @@ const Chapter chapter = {
     workspace_bytes,
     prepare,  // quantise Q, K, V to e4m3 (timed with the forward and on its own)
     forward,
+    {BLOCK_Q, BLOCK_KV},  // one scale per query tile of Q, per key tile of K and of V
 };
 #else  // the same kernel reading the fp16 inputs, checked as the fp16 tensor-core chapters are
 const Chapter chapter = {

@@ -62,6 +62,7 @@ ABLATIONS = {
             ("WARP_SPECIALISED", "warp specialisation (TMA producer, setmaxnreg)"),
             ("PINGPONG", "ping-pong of the two consumer warpgroups"),
             ("INTRA_OVERLAP", "intra-warpgroup overlap (QK^T of tile j+1 before softmax of j)"),
+            ("WIDE_KEY_TILES", "192-key tiles (wgmma N = 192)"),
         ],
     },
 }

@@ -52,6 +52,8 @@ static const PrecisionRule FP16_TC_RULE = {"fp16 tensor cores", "fp16", 3e-3, 1e
 // cuDNN's FP8 attention measures 5.9e-2 on N(0, 1) inputs at D=128, the e4m3 input floor
 // 4.7e-2: hence 6e-2 as the cap there, and 1.5x the floor elsewhere.
 static const PrecisionRule FP8_TC_RULE = {"fp8 (e4m3) tensor cores", "fp8", 3e-3, 1e-3, 1.5, 6e-2};
+// The floor's rows per scale of Q and of K and V: the chapter's, else 128 each.
+static int fp8_scale_rows(int which) { return chapter.fp8_scale_rows[which] > 0 ? chapter.fp8_scale_rows[which] : 128; }
 
 static const PrecisionRule *precision_rule(Precision precision) {
     switch (precision) {  // no default: the compiler names a Precision left without a rule
@@ -344,7 +346,9 @@ static void prepare_data(const Options *o, const DataPaths *p) {
     for (int i = 0; i < 3; i++) join(path, sizeof path, p->data_dir, INPUT_NAMES[i]), missing |= !file_exists(path);
     const int floors = precision_rule(chapter.precision)->floor_factor > 0;
     if (o->check) {
-        const char *parts[] = {"rows", "o", "lse", "fp8floor128"};
+        char floor_part[64];  // as reference.py's fp8_floor_part names it
+        snprintf(floor_part, sizeof floor_part, "fp8floor%dx%d", fp8_scale_rows(0), fp8_scale_rows(1));
+        const char *parts[] = {"rows", "o", "lse", floor_part};
         for (int i = 0; i < 3 + floors; i++) {
             char file[256];
             snprintf(file, sizeof file, "ref_%s_%s.npy", p->ref_tag, parts[i]);
@@ -382,7 +386,14 @@ static void prepare_data(const Options *o, const DataPaths *p) {
     argv[argc++] = scale;
     if (o->shape.causal) argv[argc++] = "--causal";
     if (!o->check) argv[argc++] = "--no-ref";
-    if (o->check && floors) argv[argc++] = "--fp8-floor";
+    char q_rows[16], kv_rows[16];
+    snprintf(q_rows, sizeof q_rows, "%d", fp8_scale_rows(0));
+    snprintf(kv_rows, sizeof kv_rows, "%d", fp8_scale_rows(1));
+    if (o->check && floors) {
+        argv[argc++] = "--fp8-floor";
+        argv[argc++] = q_rows;
+        argv[argc++] = kv_rows;
+    }
     argv[argc] = NULL;
 
     pid_t pid;
@@ -470,7 +481,7 @@ static CheckResult check_outputs(const Options *o, const DataPaths *p, const __h
     const PrecisionRule *rule = precision_rule(chapter.precision);
     if (rule->floor_factor > 0) {
         long long two = 2;
-        snprintf(file, sizeof file, "ref_%s_fp8floor128.npy", p->ref_tag);
+        snprintf(file, sizeof file, "ref_%s_fp8floor%dx%d.npy", p->ref_tag, fp8_scale_rows(0), fp8_scale_rows(1));
         double *floors = (double *)load_array(p->ref_dir, file, NPY_F64, 1, &two, NULL);
         r.floor = floors[0];
         r.lse_floor = floors[1];

@@ -10,16 +10,17 @@ computed in float64 from the very fp16 inputs the chapters get. Only NumPy is us
       Write DIR/q.npy, k.npy, v.npy (generated inputs, unless --input gives them), then
       DIR/ref_<tag>_rows.npy, _o.npy, _lse.npy with tag = c<causal>_s<F>. Files that already
       exist are kept (the cache), new ones are written atomically.
-      --fp8-floor also writes DIR/ref_<tag>_fp8floor128.npy: [rel L2 of O, max abs error of
-      LSE] that quantising Q, K, V to e4m3 alone causes, with one scale per FP8_SCALE_ROWS rows
-      of each (b, h) as the FP8 chapter quantises: what it is measured against.
+      --fp8-floor QR KR also writes DIR/ref_<tag>_fp8floor<QR>x<KR>.npy: [rel L2 of O, max abs
+      error of LSE] that quantising Q, K, V to e4m3 alone causes, with one scale per QR rows of
+      Q and per KR rows of K and V in each (b, h), as the FP8 chapter quantises (the harness
+      passes the chapter's tiles): what it is measured against.
   reference.py inputs --out DIR --batch B --heads H --seqlen N --headdim D --seed S [--qk-std X]
                       [--outliers F]
       Only write inputs; --qk-std scales Q and K so that logits grow like X^2; --outliers
       sets a fraction F of the entries of Q and K to +-U(10, 100).
-  reference.py floor --input DIR [--causal] [--scale F] [--block-rows R]
-      Print the e4m3 input-quantisation floor of DIR's inputs, scales per (b, h) and per block
-      of R rows.
+  reference.py floor --input DIR [--causal] [--scale F] [--q-rows R] [--kv-rows R]
+      Print the e4m3 input-quantisation floor of DIR's inputs, scales per (b, h) and per tile
+      (R rows of Q, of K and V; default the FP8 chapter's).
 
 Small shapes are checked on every query row. Above FULL_PAIRS (query, key) pairs a
 deterministic sample of rows per (b, h) is used, so an N = 16k reference takes seconds.
@@ -34,7 +35,8 @@ import numpy as np
 FULL_PAIRS = 1 << 26      # B*H*N*N up to this: every query row is checked
 MIN_SAMPLED_ROWS = 8      # rows per (b, h) at the least when sampling
 CHUNK_BYTES = 256 << 20   # float64 scores held at once while computing the reference
-FP8_SCALE_ROWS = 128      # the FP8 chapter's scale granularity: one per 128-row tile of a (b, h)
+FP8_Q_ROWS = 128          # the FP8 chapter's scale granularity as built by default: one scale per
+FP8_KV_ROWS = 192         # query tile of Q and one per key tile of K and of V, in each (b, h)
 
 
 def make_inputs(batch, heads, seqlen, headdim, seed, qk_std=1.0, outliers=0.0):
@@ -114,10 +116,11 @@ def quantize_e4m3(x, block_rows=None):
     return out[:, :, :seqlen]
 
 
-def fp8_floor(q, k, v, rows, causal, scale, ref_o, ref_lse, block_rows=None):
+def fp8_floor(q, k, v, rows, causal, scale, ref_o, ref_lse, q_rows=None, kv_rows=None):
     """[rel L2 of O, max abs error of LSE] of exact attention on e4m3-quantised inputs against
-    exact attention on the inputs themselves: the error no FP8 kernel can go below."""
-    quantized = [quantize_e4m3(x, block_rows) for x in (q, k, v)]
+    exact attention on the inputs themselves: the error no FP8 kernel can go below. Scales per
+    q_rows rows of Q and kv_rows rows of K and V (None: one per (b, h))."""
+    quantized = [quantize_e4m3(q, q_rows), quantize_e4m3(k, kv_rows), quantize_e4m3(v, kv_rows)]
     o, lse = attention_reference(*quantized, rows, causal, scale)
     rel = np.linalg.norm(o - ref_o) / max(np.linalg.norm(ref_o), np.finfo(np.float64).tiny)
     return np.array([rel, np.abs(lse - ref_lse).max()], dtype=np.float64)
@@ -183,9 +186,16 @@ def load_inputs(folder):
     return arrays
 
 
-def ref_paths(folder, causal, scale_text):
+def fp8_floor_part(q_rows, kv_rows):
+    """The floor file's part of the name (the harness builds the same from the chapter's tiles)."""
+    return f"fp8floor{q_rows}x{kv_rows}"
+
+
+def ref_paths(folder, causal, scale_text, floor_rows=None):
+    """The reference files of a tag; with floor_rows (Q's, K's and V's rows per scale), the floor's."""
     tag = f"c{int(causal)}_s{scale_text}"
-    return {part: os.path.join(folder, f"ref_{tag}_{part}.npy") for part in ("rows", "o", "lse", "fp8floor128")}
+    parts = ("rows", "o", "lse") + ((fp8_floor_part(*floor_rows),) if floor_rows else ())
+    return {part: os.path.join(folder, f"ref_{tag}_{part}.npy") for part in parts}
 
 
 def write_inputs(folder, args, qk_std=1.0, outliers=0.0):
@@ -203,9 +213,10 @@ def prepare(args):
         write_inputs(args.out, args)
     if args.no_ref:
         return
-    paths = ref_paths(args.out, args.causal, args.scale)
+    paths = ref_paths(args.out, args.causal, args.scale, args.fp8_floor)
+    floor_path = args.fp8_floor and paths[fp8_floor_part(*args.fp8_floor)]
     have_ref = all(os.path.exists(paths[p]) for p in ("rows", "o", "lse"))
-    if have_ref and (not args.fp8_floor or os.path.exists(paths["fp8floor128"])):
+    if have_ref and (not floor_path or os.path.exists(floor_path)):
         return
     q, k, v = load_inputs(args.input or args.out)
     if have_ref:
@@ -214,8 +225,8 @@ def prepare(args):
         rows = sample_rows(*q.shape[:3])
         o, lse = attention_reference(q, k, v, rows, args.causal, float(args.scale))
     if args.fp8_floor:
-        floor = fp8_floor(q, k, v, rows, args.causal, float(args.scale), o, lse, FP8_SCALE_ROWS)
-        save_atomic(paths["fp8floor128"], floor)
+        floor = fp8_floor(q, k, v, rows, args.causal, float(args.scale), o, lse, *args.fp8_floor)
+        save_atomic(floor_path, floor)
     if not have_ref:
         save_atomic(paths["o"], o)
         save_atomic(paths["lse"], lse)
@@ -223,13 +234,14 @@ def prepare(args):
 
 
 def print_floor(args):
-    """The e4m3 floor of a folder's inputs, per (b, h) scales and per block of rows."""
+    """The e4m3 floor of a folder's inputs, per (b, h) scales and per tile of rows."""
     q, k, v = load_inputs(args.input)
     scale = float(args.scale) if args.scale else 1 / math.sqrt(q.shape[-1])
     rows = sample_rows(*q.shape[:3])
     o, lse = attention_reference(q, k, v, rows, args.causal, scale)
-    for label, block in (("per (b, h)", None), (f"per {args.block_rows} rows", args.block_rows)):
-        rel, lse_err = fp8_floor(q, k, v, rows, args.causal, scale, o, lse, block)
+    for label, tiles in (("per (b, h)", (None, None)),
+                         (f"per {args.q_rows} rows of Q, {args.kv_rows} of K and V", (args.q_rows, args.kv_rows))):
+        rel, lse_err = fp8_floor(q, k, v, rows, args.causal, scale, o, lse, *tiles)
         print(f"e4m3 input floor, scales {label}: rel L2 of O {rel:.3e}, LSE max abs {lse_err:.3e}")
 
 
@@ -257,7 +269,8 @@ def parse_args(argv):
     prep.add_argument("--scale", required=True, help="softmax scale, as text (it names the files)")
     prep.add_argument("--causal", action="store_true")
     prep.add_argument("--no-ref", action="store_true", help="only the inputs")
-    prep.add_argument("--fp8-floor", action="store_true", help="also the e4m3 input-quantisation floor")
+    prep.add_argument("--fp8-floor", nargs=2, type=positive_int, metavar=("Q_ROWS", "KV_ROWS"),
+                      help="also the e4m3 input-quantisation floor, scales per Q_ROWS rows of Q, KV_ROWS of K and V")
     sub.choices["inputs"].add_argument("--qk-std", type=float, default=1.0)
     sub.choices["inputs"].add_argument("--outliers", type=float, default=0.0,
                                        help="fraction of Q and K entries set to +-U(10, 100)")
@@ -265,7 +278,8 @@ def parse_args(argv):
     floor.add_argument("--input", required=True)
     floor.add_argument("--causal", action="store_true")
     floor.add_argument("--scale", help="softmax scale (default 1/sqrt(D))")
-    floor.add_argument("--block-rows", type=positive_int, default=FP8_SCALE_ROWS)
+    floor.add_argument("--q-rows", type=positive_int, default=FP8_Q_ROWS)
+    floor.add_argument("--kv-rows", type=positive_int, default=FP8_KV_ROWS)
     args = parser.parse_args(argv)
     if args.command == "floor":
         return args

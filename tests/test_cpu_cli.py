@@ -23,10 +23,10 @@ WORKSPACE = {
     5: lambda b, h, n, d: 0,
     6: lambda b, h, n, d: 0,
     7: lambda b, h, n, d: 0,
-    # 08: the e4m3 copies the attention kernel reads: descales [3][B*H][N / 128 tiles] (padded to
-    # 256 bytes), Q and K [B*H][N][D], V transposed [B*H][D][N rounded up to 16]: O(N*D), nothing
-    # grows with N^2.
-    8: lambda b, h, n, d: (-(-3 * b * h * -(-n // 128) * 4 // 256) * 256 + 2 * b * h * n * d
+    # 08: the e4m3 copies the attention kernel reads: descales, Q's [B*H][N / 128 query tiles] and
+    # K's and V's [2][B*H][N / 192 key tiles] (padded to 256 bytes), Q and K [B*H][N][D], V
+    # transposed [B*H][D][N rounded up to 16]: O(N*D), nothing grows with N^2.
+    8: lambda b, h, n, d: (-(-b * h * (-(-n // 128) + 2 * -(-n // 192)) * 4 // 256) * 256 + 2 * b * h * n * d
                            + b * h * d * (-(-n // 16) * 16)),
 }
 DRY_RUN_SHAPES = {  # (B, H, N, D)

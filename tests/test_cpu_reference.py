@@ -6,6 +6,7 @@ the LSE as log(sum(exp(s))). Then the script's command line: file names, determi
 cache, --input, and refusals.
 """
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -362,6 +363,24 @@ def test_quantize_e4m3_scales_per_head():
         f"the small block's error: {rel_block:.3e} with its own scale (want < 5e-2), {rel_head:.3e} with its head's"
 
 
+def test_fp8_floor_matches_the_chapter(ctx):
+    """The floor's granularity: 08 tells the harness its tiles, the harness names the floor's file
+    as reference.py does, and reference.py's defaults are 08's as built by default."""
+    harness = (ctx.root / "common" / "harness.cu").read_text()
+    assert harness.count('"fp8floor%dx%d"') == 1 and harness.count("fp8floor%dx%d.npy") == 1, \
+        "harness.cu should ask for and read the floor named fp8floor<Q rows>x<KV rows>"
+    assert reference.fp8_floor_part(128, 192) == "fp8floor128x192"
+    kernel = (ctx.root / "08_fp8" / "attention.cu").read_text()
+    block_q = re.search(r"#define BLOCK_Q (\d+)", kernel)
+    block_kv = re.search(r"#define BLOCK_KV \(WIDE_KEY_TILES && !FP16_OPERANDS \? (\d+) : \d+\)", kernel)
+    assert block_q and block_kv, "08_fp8/attention.cu: no `#define BLOCK_Q N` / `#define BLOCK_KV (... ? wide : 128)`"
+    tiles = (int(block_q.group(1)), int(block_kv.group(1)))
+    assert tiles == (reference.FP8_Q_ROWS, reference.FP8_KV_ROWS), \
+        f"08 scales per {tiles} rows of (Q, K and V), reference.py's defaults {(reference.FP8_Q_ROWS, reference.FP8_KV_ROWS)}"
+    assert "{BLOCK_Q, BLOCK_KV}" in kernel, "08's Chapter should give the harness its scale tiles {BLOCK_Q, BLOCK_KV}"
+    return f"Q per {tiles[0]} rows, K and V per {tiles[1]}"
+
+
 def test_fp8_floor(ctx):
     q, k, v = reference.make_inputs(1, 2, 200, 128, seed=4)
     rows = np.arange(200, dtype=np.int64)
@@ -377,12 +396,12 @@ def test_fp8_floor(ctx):
     rel, lse_err = reference.fp8_floor(*exact, np.arange(8), False, 0.125, o, lse)
     assert rel == 0 and lse_err == 0, f"inputs exact in e4m3 have a floor of 0, got {rel}, {lse_err}"
     out = ctx.tmpdir() / "data"
-    proc = prepare(ctx, out, *SHAPE_ARGS, "--scale", "0.125", "--causal", "--fp8-floor")
+    proc = prepare(ctx, out, *SHAPE_ARGS, "--scale", "0.125", "--causal", "--fp8-floor", "16", "24")
     assert proc.returncode == 0, f"prepare --fp8-floor failed: {proc.stderr}"
-    floors = np.load(out / "ref_c1_s0.125_fp8floor128.npy")
+    floors = np.load(out / "ref_c1_s0.125_fp8floor16x24.npy")
     q, k, v = (np.load(out / f"{n}.npy") for n in "qkv")
     o, lse = np.load(out / REF_FILES[1]), np.load(out / REF_FILES[2])
-    want = reference.fp8_floor(q, k, v, np.arange(33), True, 0.125, o, lse, reference.FP8_SCALE_ROWS)
+    want = reference.fp8_floor(q, k, v, np.arange(33), True, 0.125, o, lse, 16, 24)
     assert floors.dtype == np.float64 and np.allclose(floors, want, rtol=1e-12), f"fp8floor.npy {floors}, expected {want}"
 
 
