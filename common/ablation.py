@@ -61,7 +61,7 @@ ABLATIONS = {
         "ideas": [
             ("WARP_SPECIALISED", "warp specialisation (TMA producer, setmaxnreg)"),
             ("PINGPONG", "ping-pong of the two consumer warpgroups"),
-            ("INTRA_OVERLAP", "intra-warpgroup overlap (QK^T of tile j+1 before softmax of j)"),
+            ("INTRA_OVERLAP", "intra-warpgroup overlap (P V of tile j-1 issued with QK^T of j)"),
             ("WIDE_KEY_TILES", "192-key tiles (wgmma N = 192)"),
         ],
     },

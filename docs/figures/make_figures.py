@@ -99,11 +99,14 @@ def chapter_constants(chapter):
 
 
 def c_to_python(expr):
-    """A C integer expression as Python: sizeof of the two types used, no casts, ternaries, integer division."""
+    """A C integer expression as Python: sizeof of the two types used, no casts, ternaries, logical
+    operators, integer division."""
     expr = re.sub(r"\(int\)\s*sizeof\(__half\)|sizeof\(__half\)", "2", expr)
     expr = re.sub(r"\(int\)\s*sizeof\(float\)|sizeof\(float\)", "4", expr)
     expr = re.sub(r"\((?:int|unsigned)\)", "", expr)
     expr = re.sub(r"(\d+\.\d*)f\b", r"\1", expr)
+    expr = expr.replace("&&", " and ").replace("||", " or ")
+    expr = re.sub(r"!(?!=)", " not ", expr)
     inner = re.compile(r"\(([^()?:]*)\?([^()?:]*):([^()?:]*)\)")  # a bracketed ternary, innermost first
     while inner.search(expr):
         expr = inner.sub(lambda m: f"(({m.group(2)}) if ({m.group(1)}) else ({m.group(3)}))", expr)
@@ -116,7 +119,7 @@ def c_to_python(expr):
 
 SAFE_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Compare, ast.IfExp, ast.Constant, ast.Name, ast.Load,
               ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.USub, ast.Eq, ast.NotEq, ast.Lt, ast.Gt,
-              ast.LtE, ast.GtE)
+              ast.LtE, ast.GtE, ast.BoolOp, ast.And, ast.Or, ast.Not)
 
 
 def const_expr(consts, expr, **env):
@@ -1248,6 +1251,8 @@ def pingpong_source():
     for switch in ("WARP_SPECIALISED", "PINGPONG", "INTRA_OVERLAP"):
         if const(c, switch) != 1:
             raise LookupError(f"08's {switch} is not 1: the ping-pong figure needs updating")
+    if const(c, "SOFTMAX_UNDER_PV_D128") != 0:
+        raise LookupError("08's SOFTMAX_UNDER_PV_D128 is not 0: the ping-pong figure draws the D = 128 order")
     checks = [
         (r"void produce\(.*?mbarrier_wait\(&s\.kv_empty\[tile % STAGES\].*?load_kv_tile<HEAD_DIM>\(s, w, tile\)",
          "produce: wait for an empty stage, then load the tile"),
@@ -1256,8 +1261,11 @@ def pingpong_source():
          "scores_and_softmax: wait full, wait turn, issue QK^T and P V, pass turn, wait for S, softmax"),
         (r"void finish_pv\(.*?wgmma_wait<0>\(\);.*?release_stage<HEAD_DIM>", "finish_pv: wait for P V, release"),
         (r"if \(group == 1\) pass_turn\(group\);", "consume: warpgroup 0 goes first"),
-        (r"scores_and_softmax<HEAD_DIM, true>\(c, s, w, tile\);\s*finish_pv<HEAD_DIM>\(c, s, w, tile - 1, false\);"
-         r"\s*rescale_output<HEAD_DIM>\(.*?\);\s*pack_p\(", "consume: softmax of j, finish P V of j-1, rescale, pack"),
+        (r"void previous_p_ready\(.*?wgmma_wait<0>\(\);.*?release_stage<HEAD_DIM>.*?rescale_output<HEAD_DIM>.*?pack_p\(",
+         "previous_p_ready: wait for P V, release, rescale, pack"),
+        (r"scores_and_softmax<HEAD_DIM, true, MASKED>\(c, s, w, tile\);\s*"
+         r"if \(!UNDER_PV\) previous_p_ready<HEAD_DIM>\(c, s, w, tile \+ 1\);",
+         "overlapped_tile: softmax of j, then P V of j-1 waited for, rescale, pack"),
         (r"finish_pv<HEAD_DIM>\(c, s, w, w\.kv_tiles - 1, true\);", "consume: the last P V after the loop"),
     ]
     for pattern, what in checks:
@@ -1296,8 +1304,9 @@ def pingpong_schedule(stages, tiles, d=PP):
     """Every interval of one block's timeline under 08's code: lane -> [(start, end, kind, text)].
     Producer: wait for stage t % STAGES to be empty (t >= STAGES), issue the TMA copy of tile t.
     Consumer g, tile j: wait for tile j to land and for its turn, issue QK^T j (and P V j-1), pass the turn,
-    wait for S, softmax j, wait for P V j-1 and release its stage, rescale O, pack P; after the loop the
-    last P V. The tensor cores run the issued groups in issue order."""
+    wait for S and, as the compiled code does at D = 128 (ptxas places the wait for P V j-1 ahead of the
+    softmax), for P V j-1, releasing its stage; softmax j, rescale O, pack P; after the loop the last P V.
+    The tensor cores run the issued groups in issue order."""
     lanes = {"producer": [], "tensor": [], "wg0": [], "wg1": []}
     lanes.update({f"stage{s}": [] for s in range(stages)})
     full, released, tensor_free = {}, {}, 0.0
@@ -1350,14 +1359,14 @@ def pingpong_schedule(stages, tiles, d=PP):
                 done_pv[(g, j - 1)] = mma(g, issued, "pv", d["pv"], f"PV {j - 1}")
             if s_ready > issued:
                 lane.append((issued, s_ready, "wait", "wait S"))
-            soft_end = s_ready + d["softmax"]
-            lane.append((s_ready, soft_end, "softmax", f"softmax {j}"))
-            t = soft_end
+            t = s_ready
             if j > 0:
                 if done_pv[(g, j - 1)] > t:
                     lane.append((t, done_pv[(g, j - 1)], "wait", "wait PV"))
                     t = done_pv[(g, j - 1)]
                 released[j - 1] = max(released.get(j - 1, 0.0), t) if g == 1 else t
+            lane.append((t, t + d["softmax"], "softmax", f"softmax {j}"))
+            t += d["softmax"]
             lane.append((t, t + d["pack"], "pack", ""))
             now[g] = t + d["pack"]
     for g in (0, 1):  # the last tile's P V, then O and LSE out
@@ -1457,7 +1466,8 @@ def pingpong_08(ctx):
             f"{mma_clocks:.0f} clocks at {HARDWARE['fp8_flop_per_clock_sm']:,} e4m3 FLOP per clock per SM; its "
             f"{exps:,} exponentials, {exp_clocks:.0f} clocks at {HARDWARE['ex2_per_clock_sm']} ex2 per clock per SM:"
             f"\nequal at peak rates, so drawn equal (the copy time is for the drawing only). Measured (Nsight "
-            f"Compute, headline shape, docs/results/logs/ncu_08_final.txt): tensor pipe {ncu['tensor']:.1f}% busy,"
+            f"Compute, headline shape, the 128-key version, docs/results/logs/ncu_08_final.txt): tensor pipe "
+            f"{ncu['tensor']:.1f}% busy,"
             f"\nXU pipe (ex2, conversions) {ncu['xu']:.1f}%: the real kernel has gaps this drawing does not. "
             f"One block per SM: "
             f"{p['smem_bytes']:,} bytes of shared memory (Q and {stages} stages of K, Vt); registers per thread: "
@@ -1465,8 +1475,8 @@ def pingpong_08(ctx):
     ax.text(-0.16, -0.22, note, ha="left", va="top", size=8.5, linespacing=1.45, transform=ax.transAxes)
     ax.set_title(f"08_fp8's attention kernel, one block over time (schematic, {tiles} key tiles): a producer "
                  f"warpgroup fills a ring of STAGES = {stages} (K, Vt) stages;\n{p['consumers']} consumer warpgroups "
-                 f"of {p['warpgroup_rows']} query rows take turns on the tensor cores (ping-pong), and each runs "
-                 f"P V of tile j-1 during its softmax of tile j\n(BLOCK_Q = {p['block_q']}, BLOCK_KV = "
+                 f"of {p['warpgroup_rows']} query rows take turns on the tensor cores (ping-pong), each issuing "
+                 f"P V of tile j-1 right behind QK^T of tile j\n(BLOCK_Q = {p['block_q']}, BLOCK_KV = "
                  f"{p['block_kv']}, D = {p['head_dim']}: one warpgroup's softmax overlaps the other's products)",
                  size=10.5)
     return fig
