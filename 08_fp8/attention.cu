@@ -667,11 +667,14 @@ __device__ float next_v_units(Consumer<HEAD_DIM> &c) {
     return ratio;
 }
 
+// Whether a tile's scores are masked: decided here at run time, or by the caller's loop. With a
+// P V in flight the caller decides: a branch between the two waits makes ptxas wait for the P V
+// at its join, before the softmax it should overlap.
+enum MaskMode { MASK_IF_NEEDED, MASK_NONE, MASK_ALL };
+
 // Tile `tile` up to its probabilities: wait for its copy and for our turn, issue Q K^T (and, with
-// PV_IN_FLIGHT, P V of the previous tile right behind it), pass the turn, mask, softmax. With P V
-// in flight the caller says whether the tile needs the mask (MASKED): a branch between the two
-// waits makes ptxas wait for the P V at its join, before the softmax it should overlap.
-template <int HEAD_DIM, bool PV_IN_FLIGHT, bool MASKED = false>
+// PV_IN_FLIGHT, P V of the previous tile right behind it), pass the turn, mask, softmax.
+template <int HEAD_DIM, bool PV_IN_FLIGHT, MaskMode MASK = MASK_IF_NEEDED>
 __device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
     typedef Config<HEAD_DIM> C;
     const int key0 = tile * BLOCK_KV;
@@ -685,7 +688,8 @@ __device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const W
     if (PV_IN_FLIGHT) wgmma_wait<1>();  // S is in (groups complete in order); P V may still run
     else wgmma_wait<0>();
     hold_registers(c.score);
-    if (PV_IN_FLIGHT ? MASKED : key0 + BLOCK_KV > w.seqlen || (w.causal && key0 + BLOCK_KV - 1 > c.group_query0))
+    const bool needs_mask = key0 + BLOCK_KV > w.seqlen || (w.causal && key0 + BLOCK_KV - 1 > c.group_query0);
+    if (MASK == MASK_ALL || (MASK == MASK_IF_NEEDED && needs_mask))
         mask_scores(c.score, c.row0, key0 + 2 * (threadIdx.x % 4), w.seqlen, w.causal);
     softmax_tile(c.score, c.row_max, c.row_sum, c.rescale, c.q_scale_log2 * k_descale);
 }
@@ -717,11 +721,11 @@ __device__ void previous_p_ready(Consumer<HEAD_DIM> &c, const Smem &s, const Wor
 // and P of tile ready for the next P V. SOFTMAX_UNDER_PV: the wait for tile-1's P V comes first in
 // the body (P of tile-1 is made ready at the top), where ptxas cannot move it above the softmax;
 // after the softmax in the same block, ptxas schedules it early, before the softmax.
-template <int HEAD_DIM, bool MASKED>
+template <int HEAD_DIM, MaskMode MASK>
 __device__ void overlapped_tile(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
     constexpr bool UNDER_PV = Config<HEAD_DIM>::SOFTMAX_UNDER_PV;
     if (UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, tile);
-    scores_and_softmax<HEAD_DIM, true, MASKED>(c, s, w, tile);
+    scores_and_softmax<HEAD_DIM, true, MASK>(c, s, w, tile);
     if (!UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, tile + 1);
 }
 
@@ -754,9 +758,9 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
         constexpr bool UNDER_PV = Config<HEAD_DIM>::SOFTMAX_UNDER_PV;
         scores_and_softmax<HEAD_DIM, false>(c, s, w, 0);
         if (!UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, 1);
-        for (int tile = 1; tile < unmasked_tiles; tile++) overlapped_tile<HEAD_DIM, false>(c, s, w, tile);
+        for (int tile = 1; tile < unmasked_tiles; tile++) overlapped_tile<HEAD_DIM, MASK_NONE>(c, s, w, tile);
         for (int tile = max(1, unmasked_tiles); tile < w.kv_tiles; tile++)
-            overlapped_tile<HEAD_DIM, true>(c, s, w, tile);
+            overlapped_tile<HEAD_DIM, MASK_ALL>(c, s, w, tile);
         if (UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, w.kv_tiles);
         finish_pv<HEAD_DIM>(c, s, w, w.kv_tiles - 1, true);
     } else {
