@@ -44,7 +44,7 @@
 #define FP16_OPERANDS 0  // 1: the same kernel on fp16 operands (no quantisation): what wgmma buys without FP8
 #endif
 #ifndef WIDE_KEY_TILES
-#define WIDE_KEY_TILES 1  // FP8: 192 keys per tile, not 128 (fp16 operands: 128, by measurement)
+#define WIDE_KEY_TILES 1  // FP8: 192 keys per tile, not 128 (fp16 operands: 128, faster at D = 128)
 #endif
 #ifndef BLOCK_KV  // keys per tile: wgmma's N for Q K^T
 #define BLOCK_KV (WIDE_KEY_TILES && !FP16_OPERANDS ? 192 : 128)
@@ -104,8 +104,8 @@ struct Config {
 // tile once, finds its max |x|, and writes the e4m3 copy and the descale. It is also finer: one
 // outlier costs the resolution of its tile, not of the whole head. Q's tile is a block's query
 // tile (BLOCK_Q rows), K's and V's the key tile of one iteration (BLOCK_KV rows): the kernel
-// applies each descale once per tile. A block of TILE_ROWS * HEAD_DIM / 128 threads quantises a
-// tile, each thread 16 vectors of 8 halves.
+// applies each descale once per tile. A block of BLOCK_KV * HEAD_DIM / 128 threads quantises a
+// tile, each thread up to 16 vectors of 8 halves (a key tile fills them all).
 #define KEY_GROUP 16         // V's keys are permuted within groups of 16 (key_slot)
 #define VECTORS_A_THREAD 16  // of 8 halves, in the quantisation
 
@@ -199,7 +199,7 @@ __device__ void quantize_transposed(const uint4 *src, unsigned char *vt_tile, in
 // One tile of Q (blockIdx.z 0: a query tile, BLOCK_Q rows), K (1) or V (2: key tiles, BLOCK_KV
 // rows; V transposed to [b*h][HEAD_DIM][seqlen_padded], zeros past seqlen), read once, and its
 // descale into Q's [b*h][query tiles] or K's and V's [b*h][key tiles] after them. A block has the
-// threads a key tile needs; a query tile, no larger, leaves some of them without rows.
+// threads a key tile needs; a query tile, no larger, leaves some of their vector slots empty.
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(BLOCK_KV *HEAD_DIM / 128)
     quantize_kernel(const __half *q, const __half *k, const __half *v, float *descales, unsigned char *q8,

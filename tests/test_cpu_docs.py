@@ -45,3 +45,18 @@ def test_no_citations_readers_cannot_follow(ctx):
     hits = [f"{p.relative_to(ctx.root)}: {m.group(0)}" for p in files
             for m in CITATION.finditer(p.read_text(errors="replace"))]
     assert not hits, f"citations of the design document or of issues, which readers do not have: {hits[:8]}"
+
+
+def test_figure_code_checks(ctx):
+    """docs/figures/make_figures.py reads the constants and the order of operations it draws from
+    the chapters' sources and refuses to draw when they changed: those checks need no matplotlib,
+    so they run here, where a figure that no longer matches its chapter shows up at once."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("make_figures", ctx.root / "docs" / "figures" / "make_figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    p = figures.pingpong_source()
+    assert p["block_kv"] > 0 and p["stages"] > 0 and p["smem_bytes"] <= 227 * 1024, f"08's constants as drawn: {p}"
+    figures.heaviest_first("05_causal")
+    assert figures.const_expr({}, "(1 && !0 ? 192 : 128)") == 192, "the C expression reader lost && or !"
+    return f"08 as drawn: BLOCK_KV {p['block_kv']}, {p['stages']} stages, {p['smem_bytes']} bytes of shared memory"

@@ -403,6 +403,14 @@ def test_fp8_floor(ctx):
     o, lse = np.load(out / REF_FILES[1]), np.load(out / REF_FILES[2])
     want = reference.fp8_floor(q, k, v, np.arange(33), True, 0.125, o, lse, 16, 24)
     assert floors.dtype == np.float64 and np.allclose(floors, want, rtol=1e-12), f"fp8floor.npy {floors}, expected {want}"
+    # Q's rows per scale and K's and V's are not interchangeable: the floor is attention on Q per
+    # 16 rows and K, V per 24, written out here with the direct formula.
+    direct_o, direct_lse = direct_attention(reference.quantize_e4m3(q, 16), reference.quantize_e4m3(k, 24),
+                                            reference.quantize_e4m3(v, 24), True, 0.125)
+    assert abs(want[0] - rel_err(direct_o, o)) < 1e-9 and abs(want[1] - np.abs(direct_lse - lse).max()) < 1e-9, \
+        f"fp8_floor with (16, 24) rows {want} disagrees with the direct formula"
+    swapped = reference.fp8_floor(q, k, v, np.arange(33), True, 0.125, o, lse, 24, 16)
+    assert not np.allclose(swapped, want), "the floor should depend on which tensor gets which rows per scale"
 
 
 BAD_ARGS = [

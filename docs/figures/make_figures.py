@@ -99,8 +99,9 @@ def chapter_constants(chapter):
 
 
 def c_to_python(expr):
-    """A C integer expression as Python: sizeof of the two types used, no casts, ternaries, logical
-    operators, integer division."""
+    """A C integer expression as Python: sizeof of the two types used, no casts, ternaries, integer
+    division, and the logical operators as Python's and/or/not, which keep C's truth but not its
+    0/1 values or the precedence of `!`: enough for the conditions of ternaries they serve here."""
     expr = re.sub(r"\(int\)\s*sizeof\(__half\)|sizeof\(__half\)", "2", expr)
     expr = re.sub(r"\(int\)\s*sizeof\(float\)|sizeof\(float\)", "4", expr)
     expr = re.sub(r"\((?:int|unsigned)\)", "", expr)
@@ -1263,7 +1264,7 @@ def pingpong_source():
         (r"if \(group == 1\) pass_turn\(group\);", "consume: warpgroup 0 goes first"),
         (r"void previous_p_ready\(.*?wgmma_wait<0>\(\);.*?release_stage<HEAD_DIM>.*?rescale_output<HEAD_DIM>.*?pack_p\(",
          "previous_p_ready: wait for P V, release, rescale, pack"),
-        (r"scores_and_softmax<HEAD_DIM, true, MASKED>\(c, s, w, tile\);\s*"
+        (r"scores_and_softmax<HEAD_DIM, true, MASK>\(c, s, w, tile\);\s*"
          r"if \(!UNDER_PV\) previous_p_ready<HEAD_DIM>\(c, s, w, tile \+ 1\);",
          "overlapped_tile: softmax of j, then P V of j-1 waited for, rescale, pack"),
         (r"finish_pv<HEAD_DIM>\(c, s, w, w\.kv_tiles - 1, true\);", "consume: the last P V after the loop"),
