@@ -313,6 +313,7 @@ typedef struct {
     char data_dir[4096];  // where q/k/v.npy live
     char ref_dir[4096];   // where the reference files live
     char ref_tag[128];    // names the reference files: causal and scale
+    char floor_part[64];  // names the FP8 floor's file, as reference.py's fp8_floor_part does
 } DataPaths;
 
 static DataPaths data_paths(const Options *o) {
@@ -336,6 +337,7 @@ static DataPaths data_paths(const Options *o) {
         format_path(p.ref_dir, sizeof p.ref_dir, "%s", p.data_dir);
     }
     snprintf(p.ref_tag, sizeof p.ref_tag, "c%d_s%.9g", s->causal, s->scale);
+    snprintf(p.floor_part, sizeof p.floor_part, "fp8floor%dx%d", fp8_scale_rows(0), fp8_scale_rows(1));
     return p;
 }
 
@@ -346,9 +348,7 @@ static void prepare_data(const Options *o, const DataPaths *p) {
     for (int i = 0; i < 3; i++) join(path, sizeof path, p->data_dir, INPUT_NAMES[i]), missing |= !file_exists(path);
     const int floors = precision_rule(chapter.precision)->floor_factor > 0;
     if (o->check) {
-        char floor_part[64];  // as reference.py's fp8_floor_part names it
-        snprintf(floor_part, sizeof floor_part, "fp8floor%dx%d", fp8_scale_rows(0), fp8_scale_rows(1));
-        const char *parts[] = {"rows", "o", "lse", floor_part};
+        const char *parts[] = {"rows", "o", "lse", p->floor_part};
         for (int i = 0; i < 3 + floors; i++) {
             char file[256];
             snprintf(file, sizeof file, "ref_%s_%s.npy", p->ref_tag, parts[i]);
@@ -481,7 +481,7 @@ static CheckResult check_outputs(const Options *o, const DataPaths *p, const __h
     const PrecisionRule *rule = precision_rule(chapter.precision);
     if (rule->floor_factor > 0) {
         long long two = 2;
-        snprintf(file, sizeof file, "ref_%s_fp8floor%dx%d.npy", p->ref_tag, fp8_scale_rows(0), fp8_scale_rows(1));
+        snprintf(file, sizeof file, "ref_%s_%s.npy", p->ref_tag, p->floor_part);
         double *floors = (double *)load_array(p->ref_dir, file, NPY_F64, 1, &two, NULL);
         r.floor = floors[0];
         r.lse_floor = floors[1];
