@@ -46,7 +46,7 @@
 #ifndef WIDE_KEY_TILES
 #define WIDE_KEY_TILES 1  // FP8: 192 keys per tile, not 128 (fp16 operands: 128, faster at D = 128)
 #endif
-#ifndef BLOCK_KV  // keys per tile: wgmma's N for Q K^T
+#ifndef BLOCK_KV  // keys per tile: wgmma's N for Q K^T (-DBLOCK_KV=256 is measured in the README)
 #define BLOCK_KV (WIDE_KEY_TILES && !FP16_OPERANDS ? 192 : 128)
 #endif
 #ifndef STAGES_D128
@@ -330,6 +330,10 @@ __device__ void setmaxnreg_inc() {
     REGS64                                                                               \
     ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define REGS128                                                                                \
+    REGS96                                                                                     \
+    ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, " \
+    "%111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
 // The instruction's k and types, and its trailing immediates: with A in registers, scale-d (1:
 // accumulate) first; then scale-a and scale-b (1: no negation), and for 16-bit types whether A
@@ -365,9 +369,22 @@ __device__ void wgmma_64x192_shared_a(float (&d)[96], uint64_t a_desc, uint64_t 
         : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
 
+// The same, 256 columns wide: 128 score registers, too many at D = 128 beside O and the P of an
+// overlapped P V (ptxas then serialises the wgmmas); see the README.
+__device__ void wgmma_64x256_shared_a(float (&d)[128], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256" WGMMA_K_TYPES " {" REGS128 "}, %128, %129, acc, " WGMMA_SHARED_A_IMM
+        ";\n}\n"
+        : ACC32(d, 0), ACC32(d, 32), ACC32(d, 64), ACC32(d, 96)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
 // S (64 x BLOCK_KV) [+]= Q K^T's k-step.
 __device__ void wgmma_qk(float (&score)[BLOCK_KV / 2], uint64_t q_desc, uint64_t k_desc, int accumulate) {
-#if BLOCK_KV == 192
+#if BLOCK_KV == 256
+    wgmma_64x256_shared_a(score, q_desc, k_desc, accumulate);
+#elif BLOCK_KV == 192
     wgmma_64x192_shared_a(score, q_desc, k_desc, accumulate);
 #elif BLOCK_KV == 128
     wgmma_64x128_shared_a(score, q_desc, k_desc, accumulate);

@@ -375,3 +375,30 @@ def test_fp8_chapter_fp16_operand_build(ctx):
         assert {"HGMMA", "UTMALDG"} <= ops and not ops & {"QGMMA", "F2FP.SATFINITE.E4M3"}, \
             f"fp16-operand attention_kernel: expected HGMMA and UTMALDG, no QGMMA or e4m3 conversion, got {ops}"
     return f"2 attention kernels on HGMMA + UTMALDG, no QGMMA, {len(spills)} functions without spills"
+
+
+def test_fp8_chapter_256_key_build(ctx):
+    """08 with -DBLOCK_KV=256 (the README's measured alternative to 192-key tiles) builds on
+    wgmma m64n256 for Q K^T. At D = 64 the intra-warpgroup overlap still fits the registers (no
+    spills); at D = 128 it does not, and -DINTRA_OVERLAP=0 is the build without spills there."""
+    cuobjdump, env = sass_tools(ctx)
+    results = []
+    for flags, clean_dims in ((["-DBLOCK_KV=256"], [64]), (["-DBLOCK_KV=256", "-DINTRA_OVERLAP=0"], [64, 128])):
+        cubin = ctx.tmpdir() / f"08_kv256_{len(flags)}.cubin"
+        proc = ctx.run([nvcc(), "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", *flags,
+                        "-gencode=arch=compute_90a,code=sm_90a", "-o", cubin, ctx.root / "08_fp8" / "attention.cu"],
+                       timeout=600)
+        assert proc.returncode == 0, f"nvcc {' '.join(flags)} failed:\n{proc.stderr}"
+        lines = proc.stderr.splitlines()
+        for dim in clean_dims:
+            entry = [i for i, l in enumerate(lines) if "Function properties for" in l and f"attention_kernelILi{dim}E" in l]
+            assert entry, f"{' '.join(flags)}: no ptxas report for attention_kernel<{dim}>"
+            report = lines[entry[0] + 1]
+            assert "0 bytes spill stores, 0 bytes spill loads" in report, f"{' '.join(flags)}, D={dim}: {report}"
+        dump = ctx.run([cuobjdump, "--dump-sass", cubin], env=env, timeout=300)
+        assert dump.returncode == 0, f"cuobjdump failed on {cubin}:\n{dump.stderr}"
+        kernels = [k for k in re.split(r"Function : ", dump.stdout)[1:] if kernel_base_name(k.split()[0]) == "attention_kernel"]
+        assert len(kernels) == 2 and all("QGMMA.64x256x32" in k for k in kernels), \
+            f"{' '.join(flags)}: expected QGMMA.64x256x32 in both attention kernels"
+        results.append(f"{' '.join(flags)}: m64n256, no spills at D={clean_dims}")
+    return "; ".join(results)
