@@ -1467,7 +1467,7 @@ def pingpong_08(ctx):
             f"{mma_clocks:.0f} clocks at {HARDWARE['fp8_flop_per_clock_sm']:,} e4m3 FLOP per clock per SM; its "
             f"{exps:,} exponentials, {exp_clocks:.0f} clocks at {HARDWARE['ex2_per_clock_sm']} ex2 per clock per SM:"
             f"\nequal at peak rates, so drawn equal (the copy time is for the drawing only). Measured (Nsight "
-            f"Compute, headline shape, the 128-key version, docs/results/logs/ncu_08_final.txt): tensor pipe "
+            f"Compute, headline shape, docs/results/logs/ncu_08_final.txt): tensor pipe "
             f"{ncu['tensor']:.1f}% busy,"
             f"\nXU pipe (ex2, conversions) {ncu['xu']:.1f}%: the real kernel has gaps this drawing does not. "
             f"One block per SM: "
