@@ -1280,7 +1280,7 @@ def pingpong_source():
 
 
 def ncu_attention_08():
-    """Tensor pipe and XU pipe (ex2, conversions) busy %, of 08's attention kernel under Nsight Compute."""
+    """Tensor pipe and XU pipe (MUFU.EX2) busy %, of 08's attention kernel under Nsight Compute."""
     if not os.path.exists(NCU_08):
         raise LookupError(f"{os.path.relpath(NCU_08, ROOT)} not found: the ping-pong figure quotes it")
     with open(NCU_08) as f:
@@ -1469,7 +1469,7 @@ def pingpong_08(ctx):
             f"\nequal at peak rates, so drawn equal (the copy time is for the drawing only). Measured (Nsight "
             f"Compute, headline shape, docs/results/logs/ncu_08_final.txt): tensor pipe "
             f"{ncu['tensor']:.1f}% busy,"
-            f"\nXU pipe (ex2, conversions) {ncu['xu']:.1f}%: the real kernel has gaps this drawing does not. "
+            f"\nXU pipe (MUFU.EX2) {ncu['xu']:.1f}%: the real kernel has gaps this drawing does not. "
             f"One block per SM: "
             f"{p['smem_bytes']:,} bytes of shared memory (Q and {stages} stages of K, Vt); registers per thread: "
             f"{p['producer_registers']} (producer), {p['consumer_registers']} (consumers).")
