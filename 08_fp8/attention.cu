@@ -1,18 +1,18 @@
 // 08_fp8: 07's algorithm on Hopper's own datapath, in FP8. Q, K and V are quantised to e4m3
-// with scales found on the device (one per query tile of Q, one per key tile of K and of V),
+// with scales found on the device (one per 128 rows of Q, one per key tile of K and of V),
 // both matrix products run on warpgroup MMA (wgmma: e4m3 in, fp32 accumulate), their tiles
 // arrive through the bulk tensor copy engine (TMA) completing on mbarriers, and P is converted
 // to e4m3 in registers and fed back as the A operand of the second product.
 //
 // Two kernels per forward. quantize_kernel: e4m3 copies of Q and K, and of V transposed (keys
 // fastest), each tile with its own scale, in one pass over the inputs. attention_kernel: one
-// block per (128-query tile, b*h), heaviest causal tiles first (as 05); 3 warpgroups: a
-// producer that only issues the copies, and 2 consumers of 64 query rows each that only compute,
-// taking turns on the tensor cores, each issuing a tile's Q K^T and the previous tile's P V
-// together. Shared memory: the Q tile and a ring of STAGES (K, V) tile pairs of BLOCK_KV keys
-// (FP8: 192), in the swizzled layout TMA writes and wgmma reads. Registers: per consumer the
-// 64 x BLOCK_KV scores, the 64 x HEAD_DIM output accumulator, P in e4m3, and each row's running
-// max and sum.
+// block per (query tile, b*h), heaviest causal tiles first (as 05); a producer warpgroup that
+// only issues the copies, and consumer warpgroups of 64 query rows each that only compute (FP8:
+// 2 at D = 128, 3 at D = 64), taking turns on the tensor cores, each issuing a tile's Q K^T and
+// the previous tile's P V together. Shared memory: the Q tile and a ring of STAGES (K, V) tile
+// pairs of BLOCK_KV keys (FP8: 192 at D = 128, 128 at D = 64), in the swizzled layout TMA
+// writes and wgmma reads. Registers: per consumer the 64 x BLOCK_KV scores, the 64 x HEAD_DIM
+// output accumulator, P in e4m3, and each row's running max and sum.
 #include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)
 #include <cudaTypedefs.h>
 #include <cuda_fp8.h>
@@ -20,11 +20,9 @@
 
 #include "../common/harness.h"
 
-#define BLOCK_Q 128  // query rows per block: 2 warpgroups x 64 (wgmma's M)
-#define CONSUMERS 2  // consumer warpgroups, each 64 query rows
 #define WARPGROUP_THREADS 128
-#define WARPGROUP_ROWS (BLOCK_Q / CONSUMERS)
-#define CONSUMER_WARPS (CONSUMERS * WARPGROUP_THREADS / 32)
+#define WARPGROUP_ROWS 64  // query rows per consumer warpgroup: wgmma's M
+#define Q_SCALE_ROWS 128   // rows of Q per quantisation scale, whatever a block's query tile
 
 // The steps that overlap copies, softmax and matrix products, each a compile-time switch so
 // that what it is worth can be measured (-DPINGPONG=0 ...).
@@ -46,8 +44,16 @@
 #ifndef WIDE_KEY_TILES
 #define WIDE_KEY_TILES 1  // FP8: 192 keys per tile, not 128 (fp16 operands: 128, faster at D = 128)
 #endif
-#ifndef BLOCK_KV  // keys per tile: wgmma's N for Q K^T (-DBLOCK_KV=256 is measured in the README)
-#define BLOCK_KV (WIDE_KEY_TILES && !FP16_OPERANDS ? 192 : 128)
+// Keys per tile (wgmma's N for Q K^T) and consumer warpgroups per block, by head dim: chosen by
+// measurement (256-key tiles, -DBLOCK_KV_D128=256 -DBLOCK_KV_D64=256, are measured in the README).
+#ifndef BLOCK_KV_D128
+#define BLOCK_KV_D128 (WIDE_KEY_TILES && !FP16_OPERANDS ? 192 : 128)
+#endif
+#ifndef BLOCK_KV_D64
+#define BLOCK_KV_D64 128
+#endif
+#ifndef CONSUMERS_D64
+#define CONSUMERS_D64 (FP16_OPERANDS ? 2 : 3)  // D = 128 has 2: three do not fit its registers
 #endif
 #ifndef STAGES_D128
 #define STAGES_D128 3  // (K, V) tile pairs in flight, by head dim: chosen by a sweep
@@ -64,11 +70,8 @@
 #ifndef SOFTMAX_UNDER_PV_D64
 #define SOFTMAX_UNDER_PV_D64 (!FP16_OPERANDS)
 #endif
-#define THREADS ((CONSUMERS + WARP_SPECIALISED) * WARPGROUP_THREADS)
-#define PRODUCER_REGISTERS 24   // setmaxnreg: the producer keeps few registers...
-#define CONSUMER_REGISTERS 240  // ...and the consumers get the rest of the 64K
-static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * CONSUMERS * WARPGROUP_THREADS <= 65536,
-              "the register file holds both roles");
+// setmaxnreg: the producer keeps few registers (the consumers' share is in Config).
+#define PRODUCER_REGISTERS 24
 #define ELEMENT_BYTES (FP16_OPERANDS ? 2 : 1)  // of an operand: e4m3 or fp16
 #define KSTEP_BYTES 32                         // of the reduced dimension per wgmma, for every type
 #define MMA_K (KSTEP_BYTES / ELEMENT_BYTES)    // elements of it: 32 e4m3 or 16 fp16
@@ -80,6 +83,13 @@ static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * CONS
 
 template <int HEAD_DIM>
 struct Config {
+    static constexpr int CONSUMERS = HEAD_DIM == 128 ? 2 : CONSUMERS_D64;
+    static constexpr int BLOCK_Q = CONSUMERS * WARPGROUP_ROWS;  // query rows per block
+    static constexpr int BLOCK_KV = HEAD_DIM == 128 ? BLOCK_KV_D128 : BLOCK_KV_D64;
+    static constexpr int THREADS = (CONSUMERS + WARP_SPECIALISED) * WARPGROUP_THREADS;
+    static constexpr int CONSUMER_WARPS = CONSUMERS * WARPGROUP_THREADS / 32;
+    // setmaxnreg: the consumers get the rest of the 64K registers, in steps of 8 (2: 240, 3: 160).
+    static constexpr int CONSUMER_REGISTERS = (65536 / WARPGROUP_THREADS - PRODUCER_REGISTERS) / CONSUMERS / 8 * 8;
     static constexpr int STAGES = HEAD_DIM == 128 ? STAGES_D128 : STAGES_D64;
     static constexpr bool SOFTMAX_UNDER_PV = HEAD_DIM == 128 ? SOFTMAX_UNDER_PV_D128 : SOFTMAX_UNDER_PV_D64;
     static constexpr int Q_BYTES = BLOCK_Q * HEAD_DIM * ELEMENT_BYTES;
@@ -97,15 +107,18 @@ struct Config {
     static_assert(BLOCK_KV % 64 == 0 && BLOCK_KV <= 256, "Vt's rows are whole 64-byte slices; wgmma's N <= 256");
     static_assert(Q_BYTES % 1024 == 0 && K_BYTES % 1024 == 0 && V_BYTES % 1024 == 0,
                   "every tile starts 1024-byte aligned, as the 128-byte swizzle needs");
+    static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * CONSUMERS * WARPGROUP_THREADS <= 65536,
+                  "the register file holds both roles");
+    static_assert(Q_SCALE_ROWS <= BLOCK_KV, "the quantisation's block, sized for a key tile, holds Q's scale tile");
 };
 
 // --- Quantisation: e4m3 copies, one scale per tile of each (b, h) and tensor ----------------
 // A scale per tile rather than per (b, h) makes the quantisation one pass: a block reads its
 // tile once, finds its max |x|, and writes the e4m3 copy and the descale. It is also finer: one
-// outlier costs the resolution of its tile, not of the whole head. Q's tile is a block's query
-// tile (BLOCK_Q rows), K's and V's the key tile of one iteration (BLOCK_KV rows): the kernel
-// applies each descale once per tile. A block of BLOCK_KV * HEAD_DIM / 128 threads quantises a
-// tile, each thread up to 16 vectors of 8 halves (a key tile fills them all).
+// outlier costs the resolution of its tile, not of the whole head. Q's tile is Q_SCALE_ROWS
+// rows (a consumer warpgroup's 64 rows lie in one), K's and V's the key tile of one iteration
+// (BLOCK_KV rows): the kernel applies each descale once per tile. A block of BLOCK_KV * HEAD_DIM /
+// 128 threads quantises a tile, each thread up to 16 vectors of 8 halves (a key tile fills them all).
 #define KEY_GROUP 16         // V's keys are permuted within groups of 16 (key_slot)
 #define VECTORS_A_THREAD 16  // of 8 halves, in the quantisation
 
@@ -201,13 +214,13 @@ __device__ void quantize_transposed(const uint4 *src, unsigned char *vt_tile, in
 // descale into Q's [b*h][query tiles] or K's and V's [b*h][key tiles] after them. A block has the
 // threads a key tile needs; a query tile, no larger, leaves some of their vector slots empty.
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(BLOCK_KV *HEAD_DIM / 128)
+__global__ void __launch_bounds__(Config<HEAD_DIM>::BLOCK_KV *HEAD_DIM / 128)
     quantize_kernel(const __half *q, const __half *k, const __half *v, float *descales, unsigned char *q8,
                     unsigned char *k8, unsigned char *vt8, int seqlen, int seqlen_padded) {
-    constexpr int BLOCK_THREADS = BLOCK_KV * HEAD_DIM / 128;
-    static_assert(BLOCK_THREADS * VECTORS_A_THREAD * 8 == BLOCK_KV * HEAD_DIM && BLOCK_Q <= BLOCK_KV,
-                  "16 vectors a thread: all of a key tile, a query tile fits");
-    const int tensor = blockIdx.z, tile_rows = tensor ? BLOCK_KV : BLOCK_Q, heads = gridDim.y;
+    constexpr int BLOCK_KV = Config<HEAD_DIM>::BLOCK_KV, BLOCK_THREADS = BLOCK_KV * HEAD_DIM / 128;
+    static_assert(BLOCK_THREADS * VECTORS_A_THREAD * 8 == BLOCK_KV * HEAD_DIM,
+                  "16 vectors a thread: all of a key tile");
+    const int tensor = blockIdx.z, tile_rows = tensor ? BLOCK_KV : Q_SCALE_ROWS, heads = gridDim.y;
     const int query_tiles = gridDim.x, key_tiles = ceil_div(seqlen, BLOCK_KV);
     if (tensor && blockIdx.x >= key_tiles) return;  // the grid spans the query tiles, which are more
     const int row0 = blockIdx.x * tile_rows, rows = min(tile_rows, seqlen - row0);
@@ -380,17 +393,13 @@ __device__ void wgmma_64x256_shared_a(float (&d)[128], uint64_t a_desc, uint64_t
         : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
 
-// S (64 x BLOCK_KV) [+]= Q K^T's k-step.
-__device__ void wgmma_qk(float (&score)[BLOCK_KV / 2], uint64_t q_desc, uint64_t k_desc, int accumulate) {
-#if BLOCK_KV == 256
-    wgmma_64x256_shared_a(score, q_desc, k_desc, accumulate);
-#elif BLOCK_KV == 192
-    wgmma_64x192_shared_a(score, q_desc, k_desc, accumulate);
-#elif BLOCK_KV == 128
-    wgmma_64x128_shared_a(score, q_desc, k_desc, accumulate);
-#else
-#error "no wgmma of Q K^T for this BLOCK_KV"
-#endif
+// S (64 x BLOCK_KV, SCORES = BLOCK_KV / 2 a thread) [+]= Q K^T's k-step.
+template <int SCORES>
+__device__ void wgmma_qk(float (&score)[SCORES], uint64_t q_desc, uint64_t k_desc, int accumulate) {
+    static_assert(SCORES == 64 || SCORES == 96 || SCORES == 128, "a wgmma of Q K^T for 128, 192 or 256 keys");
+    if constexpr (SCORES == 128) wgmma_64x256_shared_a(score, q_desc, k_desc, accumulate);
+    else if constexpr (SCORES == 96) wgmma_64x192_shared_a(score, q_desc, k_desc, accumulate);
+    else wgmma_64x128_shared_a(score, q_desc, k_desc, accumulate);
 }
 
 // d (64 x N fp32) += A (64 x MMA_K in registers: 4 x 4 bytes per thread) * B (MMA_K x N, shared).
@@ -461,13 +470,14 @@ __device__ float quad_sum(float x) {
 }
 
 // Accumulator element j of a thread: row row0 + 8 (j%4/2), column col0 + 8 (j/4) + j%2.
-__device__ void mask_scores(float (&score)[BLOCK_KV / 2], int row0, int col0, int seqlen, int causal) {
+template <int SCORES>
+__device__ void mask_scores(float (&score)[SCORES], int row0, int col0, int seqlen, int causal) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int query = row0 + 8 * r;
         const int key_limit = causal ? min(seqlen, query + 1) : seqlen;  // first hidden key
 #pragma unroll
-        for (int c = 0; c < BLOCK_KV / 8; c++)
+        for (int c = 0; c < SCORES / 4; c++)
 #pragma unroll
             for (int e = 0; e < 2; e++)
                 if (col0 + 8 * c + e >= key_limit) score[4 * c + 2 * r + e] = -INFINITY;
@@ -513,16 +523,16 @@ __device__ void load_kv_tile(const Smem &s, const Work &w, int tile) {
     const int stage = tile % C::STAGES;
     mbarrier_arrive_expect_bytes(&s.kv_full[stage], C::K_BYTES + C::V_BYTES);
     for (int slice = 0; slice < C::QK_SLICES; slice++)
-        tma_load(s.k_ring + stage * C::K_BYTES + slice * BLOCK_KV * C::QK_SLICE, w.k_map, &s.kv_full[stage],
-                 slice * C::QK_SLICE, tile * BLOCK_KV, w.head);
+        tma_load(s.k_ring + stage * C::K_BYTES + slice * C::BLOCK_KV * C::QK_SLICE, w.k_map, &s.kv_full[stage],
+                 slice * C::QK_SLICE, tile * C::BLOCK_KV, w.head);
     if (FP16_OPERANDS)  // V in K's layout: [slice][key][128 bytes of dims]
         for (int slice = 0; slice < C::QK_SLICES; slice++)
-            tma_load(s.v_ring + stage * C::V_BYTES + slice * BLOCK_KV * C::QK_SLICE, w.vt_map, &s.kv_full[stage],
-                     slice * C::QK_SLICE, tile * BLOCK_KV, w.head);
+            tma_load(s.v_ring + stage * C::V_BYTES + slice * C::BLOCK_KV * C::QK_SLICE, w.vt_map, &s.kv_full[stage],
+                     slice * C::QK_SLICE, tile * C::BLOCK_KV, w.head);
     else  // Vt: [slice][dim][128 bytes of keys]
         for (int slice = 0; slice < C::V_SLICES; slice++)
             tma_load(s.v_ring + stage * C::V_BYTES + slice * HEAD_DIM * C::V_SLICE, w.vt_map, &s.kv_full[stage],
-                     tile * BLOCK_KV * ELEMENT_BYTES + slice * C::V_SLICE, 0, w.head);
+                     tile * C::BLOCK_KV * ELEMENT_BYTES + slice * C::V_SLICE, 0, w.head);
 }
 
 // The producer warpgroup's one thread: every (K, V) tile pair, each into a stage once it is empty.
@@ -557,41 +567,43 @@ __device__ const unsigned char *kstep(const unsigned char *tile, int slice_strid
 
 // S = Q K^T for the warpgroup's 64 rows: HEAD_DIM / MMA_K wgmmas, issued, not waited for.
 template <int HEAD_DIM>
-__device__ void issue_qk(float (&score)[BLOCK_KV / 2], const unsigned char *q_rows, const unsigned char *k_tile) {
+__device__ void issue_qk(float (&score)[Config<HEAD_DIM>::BLOCK_KV / 2], const unsigned char *q_rows,
+                         const unsigned char *k_tile) {
     typedef Config<HEAD_DIM> C;
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++)
-        wgmma_qk(score, smem_descriptor(kstep(q_rows, BLOCK_Q * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE),
-                 smem_descriptor(kstep(k_tile, BLOCK_KV * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE), ks > 0);
+        wgmma_qk(score, smem_descriptor(kstep(q_rows, C::BLOCK_Q * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE),
+                 smem_descriptor(kstep(k_tile, C::BLOCK_KV * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE), ks > 0);
     wgmma_commit();
 }
 
 // O += P V: P from registers, V from shared memory (FP8: Vt, K-major; fp16: V, MN-major); issued.
 template <int HEAD_DIM>
-__device__ void issue_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p_frag)[BLOCK_KV / MMA_K][4],
+__device__ void issue_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p_frag)[Config<HEAD_DIM>::BLOCK_KV / MMA_K][4],
                          const unsigned char *v_tile) {
     typedef Config<HEAD_DIM> C;
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
+    for (int kk = 0; kk < C::BLOCK_KV / MMA_K; kk++)
         wgmma_pv<HEAD_DIM>(o_acc, p_frag[kk],
                            FP16_OPERANDS
-                               ? smem_descriptor_mn_major(v_tile + kk * MMA_K * C::QK_SLICE, BLOCK_KV * C::QK_SLICE)
+                               ? smem_descriptor_mn_major(v_tile + kk * MMA_K * C::QK_SLICE, C::BLOCK_KV * C::QK_SLICE)
                                : smem_descriptor(kstep(v_tile, HEAD_DIM * C::V_SLICE, C::V_SLICE, kk), C::V_SLICE));
     wgmma_commit();
 }
 
 // Online softmax of one score tile, in log2 units: the new row max, the factor that rescales the
 // old sum and O (O is the caller's: it may still be in flight), and the scores turned into 2^8 p.
-__device__ void softmax_tile(float (&score)[BLOCK_KV / 2], float (&row_max)[2], float (&row_sum)[2],
-                             float (&rescale)[2], float scale_log2) {
+template <int SCORES>
+__device__ void softmax_tile(float (&score)[SCORES], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
+                             float scale_log2) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         // Two running maxima and two running sums per row, not one: shorter dependency chains.
         float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int c = 0; c < BLOCK_KV / 8; c++)
+        for (int c = 0; c < SCORES / 4; c++)
 #pragma unroll
             for (int e = 0; e < 2; e++) tile_max[e] = fmaxf(tile_max[e], score[4 * c + 2 * r + e]);
         const float new_max = fmaxf(row_max[r], quad_max(fmaxf(tile_max[0], tile_max[1])) * scale_log2);
@@ -600,7 +612,7 @@ __device__ void softmax_tile(float (&score)[BLOCK_KV / 2], float (&row_max)[2], 
         row_max[r] = new_max;
         float tile_sum[2] = {0.0f, 0.0f};
 #pragma unroll
-        for (int c = 0; c < BLOCK_KV / 8; c++)
+        for (int c = 0; c < SCORES / 4; c++)
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 float *x = &score[4 * c + 2 * r + e];
@@ -625,9 +637,10 @@ __device__ void rescale_output(float (&o_acc)[HEAD_DIM / 2], const float (&resca
 #if FP16_OPERANDS
 // P to fp16, in the A-operand layout, which for 16-bit types is the accumulator's own: per 16
 // keys (n8 chunks c, c + 1), rows g and g + 8 of keys 2t, 2t+1 of each chunk. V keeps key order.
-__device__ void pack_p(const float (&score)[BLOCK_KV / 2], unsigned (&p_frag)[BLOCK_KV / MMA_K][4]) {
+template <int SCORES>
+__device__ void pack_p(const float (&score)[SCORES], unsigned (&p_frag)[2 * SCORES / MMA_K][4]) {
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
+    for (int kk = 0; kk < 2 * SCORES / MMA_K; kk++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int c = 2 * kk + i / 2, r = i % 2;  // n8 chunk c, row g + 8r
@@ -637,10 +650,11 @@ __device__ void pack_p(const float (&score)[BLOCK_KV / 2], unsigned (&p_frag)[BL
 #else
 // P to e4m3, in the A-operand layout: per 32 keys, rows g and g+8 of keys 2t, 2t+1, 2t+8, 2t+9
 // of each 16, which Vt's key_slot order turns into positions 4t..4t+3.
-__device__ void pack_p(const float (&score)[BLOCK_KV / 2], unsigned (&p_frag)[BLOCK_KV / MMA_K][4]) {
+template <int SCORES>
+__device__ void pack_p(const float (&score)[SCORES], unsigned (&p_frag)[2 * SCORES / MMA_K][4]) {
     // EXERCISE 08.pack_p BEGIN: P into the e4m3 A-operand registers of P V, in place, in Vt's key_slot order
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_KV / MMA_K; kk++)
+    for (int kk = 0; kk < 2 * SCORES / MMA_K; kk++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int c = 4 * kk + 2 * (i / 2), r = i % 2;  // n8 chunks c, c + 1; row g + 8r
@@ -651,23 +665,25 @@ __device__ void pack_p(const float (&score)[BLOCK_KV / 2], unsigned (&p_frag)[BL
 }
 #endif
 
-// Ping-pong: consumer warpgroup g issues its matrix products only after the other one has issued
-// its own (named barrier 1 + g: g's 128 threads wait, the other's 128 arrive), so that one
-// warpgroup's softmax runs while the other's products keep the tensor cores busy.
+// Ping-pong: consumer warpgroup g issues its matrix products only after the one before it (g - 1,
+// in a ring) has issued its own (named barrier 1 + g: g's 128 threads wait, that one's 128
+// arrive), so that one warpgroup's softmax runs while the others' products keep the tensor cores
+// busy.
 __device__ void wait_turn(int group) {
     if (PINGPONG) asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "n"(2 * WARPGROUP_THREADS) : "memory");
 }
 
-__device__ void pass_turn(int group) {
-    if (PINGPONG) asm volatile("bar.arrive %0, %1;\n" ::"r"(2 - group), "n"(2 * WARPGROUP_THREADS) : "memory");
+__device__ void pass_turn(int group, int consumers) {
+    const int next = consumers == 2 ? 1 - group : (group + 1) % consumers;  // the next warpgroup in the ring
+    if (PINGPONG) asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + next), "n"(2 * WARPGROUP_THREADS) : "memory");
 }
 
 // What a consumer warpgroup keeps on chip; thread t holds rows row0 and row0 + 8 of each.
 template <int HEAD_DIM>
 struct Consumer {
-    float o_acc[HEAD_DIM / 2];             // O, unnormalised, in V's e4m3 units
-    float score[BLOCK_KV / 2];             // S of the current tile, then its 2^8 p
-    unsigned p_frag[BLOCK_KV / MMA_K][4];  // P in e4m3, the A operand of P V
+    float o_acc[HEAD_DIM / 2];                               // O, unnormalised, in V's e4m3 units
+    float score[Config<HEAD_DIM>::BLOCK_KV / 2];             // S of the current tile, then its 2^8 p
+    unsigned p_frag[Config<HEAD_DIM>::BLOCK_KV / MMA_K][4];  // P in e4m3, the A operand of P V
     float row_max[2], row_sum[2], rescale[2];
     const unsigned char *q_rows;  // the warpgroup's 64 rows of the Q tile
     int group, group_query0, row0;
@@ -694,18 +710,20 @@ enum MaskMode { MASK_IF_NEEDED, MASK_NONE, MASK_ALL };
 template <int HEAD_DIM, bool PV_IN_FLIGHT, MaskMode MASK = MASK_IF_NEEDED>
 __device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
     typedef Config<HEAD_DIM> C;
-    const int key0 = tile * BLOCK_KV;
+    const int key0 = tile * C::BLOCK_KV;
     const float k_descale = descale_at(w.k_descales, tile);
     c.next_v_descale = descale_at(w.v_descales, tile);  // with K's, long before O needs it
     mbarrier_wait(&s.kv_full[tile % C::STAGES], tile / C::STAGES % 2);
     wait_turn(c.group);
     issue_qk<HEAD_DIM>(c.score, c.q_rows, s.k_ring + tile % C::STAGES * C::K_BYTES);
     if (PV_IN_FLIGHT) issue_pv<HEAD_DIM>(c.o_acc, c.p_frag, s.v_ring + (tile - 1) % C::STAGES * C::V_BYTES);
-    if (c.group == 0 || tile < w.kv_tiles - 1) pass_turn(c.group);  // every wait_turn has its pass_turn
+    // Every wait_turn has its pass_turn: the last warpgroup passed one turn before the loop.
+    const bool last_group = C::CONSUMERS == 2 ? c.group != 0 : c.group == C::CONSUMERS - 1;
+    if (!last_group || tile < w.kv_tiles - 1) pass_turn(c.group, C::CONSUMERS);
     if (PV_IN_FLIGHT) wgmma_wait<1>();  // S is in (groups complete in order); P V may still run
     else wgmma_wait<0>();
     hold_registers(c.score);
-    const bool needs_mask = key0 + BLOCK_KV > w.seqlen || (w.causal && key0 + BLOCK_KV - 1 > c.group_query0);
+    const bool needs_mask = key0 + C::BLOCK_KV > w.seqlen || (w.causal && key0 + C::BLOCK_KV - 1 > c.group_query0);
     if (MASK == MASK_ALL || (MASK == MASK_IF_NEEDED && needs_mask))
         mask_scores(c.score, c.row0, key0 + 2 * (threadIdx.x % 4), w.seqlen, w.causal);
     softmax_tile(c.score, c.row_max, c.row_sum, c.rescale, c.q_scale_log2 * k_descale);
@@ -749,6 +767,7 @@ __device__ void overlapped_tile(Consumer<HEAD_DIM> &c, const Smem &s, const Work
 // A consumer warpgroup: its 64 query rows against every key tile, then O and LSE.
 template <int HEAD_DIM>
 __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_log2, __half *o, float *lse) {
+    typedef Config<HEAD_DIM> C;
     const int lane = threadIdx.x % 32;
     Consumer<HEAD_DIM> c;
     c.group = group;
@@ -763,7 +782,7 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
         c.row_sum[r] = 0.0f;
     }
     mbarrier_wait(s.q_full, 0);
-    if (group == 1) pass_turn(group);  // warpgroup 0 goes first
+    if (group == C::CONSUMERS - 1) pass_turn(group, C::CONSUMERS);  // warpgroup 0 goes first
 
     // EXERCISE 08.intra_overlap BEGIN: issue the P V of tile j-1 behind the Q K^T of tile j: it runs during j's softmax
     if (INTRA_OVERLAP) {
@@ -771,7 +790,7 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
         // once it is done, before the next P V. The tiles that need no mask come first, [0,
         // unmasked_tiles), then the masked ones (the diagonal, the end of the sequence), each
         // kind in its own loop.
-        const int unmasked_tiles = min(w.seqlen, w.causal ? c.group_query0 + 1 : w.seqlen) / BLOCK_KV;
+        const int unmasked_tiles = min(w.seqlen, w.causal ? c.group_query0 + 1 : w.seqlen) / C::BLOCK_KV;
         constexpr bool UNDER_PV = Config<HEAD_DIM>::SOFTMAX_UNDER_PV;
         scores_and_softmax<HEAD_DIM, false>(c, s, w, 0);
         if (!UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, 1);
@@ -814,7 +833,7 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
 
 // --- The kernel ----------------------------------------------------------------------------
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(THREADS, 1)
+__global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
     attention_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                      const __grid_constant__ CUtensorMap vt_map, const float *descales, __half *o, float *lse,
                      int seqlen, int heads, float scale_log2e, int causal) {
@@ -826,16 +845,21 @@ __global__ void __launch_bounds__(THREADS, 1)
     w.k_map = &k_map;
     w.vt_map = &vt_map;
     w.head = causal ? blockIdx.x : blockIdx.y;
-    w.query0 = query_tile * BLOCK_Q;
+    w.query0 = query_tile * C::BLOCK_Q;
     w.seqlen = seqlen;
     w.causal = causal;
-    w.kv_tiles = ceil_div(causal ? min(seqlen, w.query0 + BLOCK_Q) : seqlen, BLOCK_KV);  // causal: up to the diagonal
+    w.kv_tiles =
+        ceil_div(causal ? min(seqlen, w.query0 + C::BLOCK_Q) : seqlen, C::BLOCK_KV);  // causal: to the diagonal
 
-    // The descales, Q's [b*h][query tile] then K's and V's [b*h][key tile], fold into the softmax
-    // scale (Q, and K per tile) and into O (V per tile).
-    const int query_tiles = ceil_div(seqlen, BLOCK_Q), key_tiles = ceil_div(seqlen, BLOCK_KV);
-    const float *kv_descales = descales + heads * query_tiles;
-    const float q_scale_log2 = scale_log2e * (FP16_OPERANDS ? 1.0f : descales[w.head * query_tiles + query_tile]);
+    // The descales, Q's [b*h][Q scale tile] then K's and V's [b*h][key tile], fold into the softmax
+    // scale (Q per consumer warpgroup, K per tile) and into O (V per tile).
+    const int q_scale_tiles = ceil_div(seqlen, Q_SCALE_ROWS), key_tiles = ceil_div(seqlen, C::BLOCK_KV);
+    const int consumer = max(0, (int)(threadIdx.x / WARPGROUP_THREADS) - WARP_SPECIALISED);
+    const int q_scale_tile = C::BLOCK_Q == Q_SCALE_ROWS
+                                 ? query_tile  // the block's query tile is Q's scale tile
+                                 : min((w.query0 + consumer * WARPGROUP_ROWS) / Q_SCALE_ROWS, q_scale_tiles - 1);
+    const float *kv_descales = descales + heads * q_scale_tiles;
+    const float q_scale_log2 = scale_log2e * (FP16_OPERANDS ? 1.0f : descales[w.head * q_scale_tiles + q_scale_tile]);
     w.k_descales = FP16_OPERANDS ? NULL : kv_descales + w.head * key_tiles;  // fp16: no descales
     w.v_descales = FP16_OPERANDS ? NULL : kv_descales + (heads + w.head) * key_tiles;
 
@@ -843,25 +867,26 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbarrier_init(s.q_full, 1);
         for (int i = 0; i < C::STAGES; i++) {
             mbarrier_init(&s.kv_full[i], 1);
-            mbarrier_init(&s.kv_empty[i], CONSUMER_WARPS);
+            mbarrier_init(&s.kv_empty[i], C::CONSUMER_WARPS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         mbarrier_arrive_expect_bytes(s.q_full, C::Q_BYTES);
         for (int slice = 0; slice < C::QK_SLICES; slice++)
-            tma_load(s.q_tile + slice * BLOCK_Q * C::QK_SLICE, &q_map, s.q_full, slice * C::QK_SLICE, w.query0, w.head);
+            tma_load(s.q_tile + slice * C::BLOCK_Q * C::QK_SLICE, &q_map, s.q_full, slice * C::QK_SLICE, w.query0,
+                     w.head);
         if (!WARP_SPECIALISED)  // the ring's first tiles; release_stage refills it
             for (int tile = 0; tile < min(C::STAGES, w.kv_tiles); tile++) load_kv_tile<HEAD_DIM>(s, w, tile);
     }
     __syncthreads();  // the barriers are initialised before anyone waits on them
 
-    // Warp specialisation: warpgroup 0 only copies and gives most of its registers to the two
+    // Warp specialisation: warpgroup 0 only copies and gives most of its registers to the
     // consumer warpgroups, which only compute.
     const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     if (WARP_SPECIALISED && warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGISTERS>();
         if (threadIdx.x == 0) produce<HEAD_DIM>(s, w);
     } else {
-        setmaxnreg_inc<CONSUMER_REGISTERS>();
+        setmaxnreg_inc<C::CONSUMER_REGISTERS>();
         consume<HEAD_DIM>(s, w, warpgroup - WARP_SPECIALISED, q_scale_log2, o, lse);
     }
 }
@@ -876,9 +901,12 @@ typedef struct {
     int seqlen_padded;  // Vt's rows are padded to 16 keys: TMA needs row strides of 16 bytes
 } Workspace;
 
+// The key tile of a head dim (the harness has refused any other).
+static int key_tile(int headdim) { return headdim == 64 ? Config<64>::BLOCK_KV : Config<128>::BLOCK_KV; }
+
 static size_t descale_bytes(const AttnShape *s) {
-    const size_t count =
-        (size_t)s->batch * s->heads * (ceil_div(s->seqlen, BLOCK_Q) + 2 * ceil_div(s->seqlen, BLOCK_KV));
+    const size_t count = (size_t)s->batch * s->heads *
+                         (ceil_div(s->seqlen, Q_SCALE_ROWS) + 2 * ceil_div(s->seqlen, key_tile(s->headdim)));
     return (count * sizeof(float) + 255) / 256 * 256;  // the e4m3 copies start 256-byte aligned
 }
 
@@ -910,8 +938,8 @@ template <int HEAD_DIM>
 static cudaError_t quantize(const AttnArgs *args, cudaStream_t stream) {
     const AttnShape *s = &args->shape;
     const Workspace w = workspace_layout(args);
-    dim3 grid(ceil_div(s->seqlen, BLOCK_Q), s->batch * s->heads, 3);
-    quantize_kernel<HEAD_DIM><<<grid, BLOCK_KV * HEAD_DIM / 128, 0, stream>>>(
+    dim3 grid(ceil_div(s->seqlen, Q_SCALE_ROWS), s->batch * s->heads, 3);  // as many as key tiles, or more
+    quantize_kernel<HEAD_DIM><<<grid, Config<HEAD_DIM>::BLOCK_KV * HEAD_DIM / 128, 0, stream>>>(
         args->q, args->k, args->v, w.descales, w.q, w.k, w.vt, s->seqlen, w.seqlen_padded);
     return cudaGetLastError();
 }
@@ -962,21 +990,21 @@ template <int HEAD_DIM>
 static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
     const AttnShape *s = &args->shape;
     const Workspace w = workspace_layout(args);
-    const int heads = s->batch * s->heads, tiles = ceil_div(s->seqlen, BLOCK_Q);
+    const int heads = s->batch * s->heads, tiles = ceil_div(s->seqlen, Config<HEAD_DIM>::BLOCK_Q);
     CUtensorMap q_map, k_map, vt_map;
     typedef Config<HEAD_DIM> C;
     const int row_bytes = HEAD_DIM * ELEMENT_BYTES, vt_row_bytes = w.seqlen_padded * ELEMENT_BYTES;
-    RETURN_IF_ERROR(make_tensor_map(&q_map, w.q, row_bytes, s->seqlen, heads, C::QK_SLICE, BLOCK_Q));
-    RETURN_IF_ERROR(make_tensor_map(&k_map, w.k, row_bytes, s->seqlen, heads, C::QK_SLICE, BLOCK_KV));
+    RETURN_IF_ERROR(make_tensor_map(&q_map, w.q, row_bytes, s->seqlen, heads, C::QK_SLICE, C::BLOCK_Q));
+    RETURN_IF_ERROR(make_tensor_map(&k_map, w.k, row_bytes, s->seqlen, heads, C::QK_SLICE, C::BLOCK_KV));
     if (FP16_OPERANDS)  // V itself, boxed as K
-        RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt, row_bytes, s->seqlen, heads, C::QK_SLICE, BLOCK_KV));
+        RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt, row_bytes, s->seqlen, heads, C::QK_SLICE, C::BLOCK_KV));
     else RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt, vt_row_bytes, HEAD_DIM, heads, C::V_SLICE, HEAD_DIM));
     const int smem = Config<HEAD_DIM>::SMEM_BYTES;
     RETURN_IF_ERROR(
         cudaFuncSetAttribute(attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     dim3 grid = s->causal ? dim3(heads, tiles) : dim3(tiles, heads);
-    attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(q_map, k_map, vt_map, w.descales, args->o, args->lse,
-                                                                s->seqlen, heads, s->scale * LOG2E, s->causal);
+    attention_kernel<HEAD_DIM><<<grid, C::THREADS, smem, stream>>>(q_map, k_map, vt_map, w.descales, args->o, args->lse,
+                                                                   s->seqlen, heads, s->scale * LOG2E, s->causal);
     return cudaGetLastError();
 }
 
@@ -985,6 +1013,10 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
 }
 
 #if !FP16_OPERANDS
+// The check's scale tiles, as the quantisation makes them: Q per Q_SCALE_ROWS rows (which 0), K
+// and V per key tile of the head dim (1).
+static int fp8_scale_rows(int headdim, int which) { return which == 0 ? Q_SCALE_ROWS : key_tile(headdim); }
+
 const Chapter chapter = {
     "08_fp8",
     "FP8 e4m3 with dynamic scales on Hopper's wgmma fed by TMA: warp-specialised, softmax overlapped with the MMAs",
@@ -994,7 +1026,7 @@ const Chapter chapter = {
     workspace_bytes,
     prepare,  // quantise Q, K, V to e4m3 (timed with the forward and on its own)
     forward,
-    {BLOCK_Q, BLOCK_KV},  // one scale per query tile of Q, per key tile of K and of V
+    fp8_scale_rows,  // one scale per 128 rows of Q, per key tile of K and of V
 };
 #else  // the same kernel reading the fp16 inputs, checked as the fp16 tensor-core chapters are
 const Chapter chapter = {

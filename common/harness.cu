@@ -52,8 +52,10 @@ static const PrecisionRule FP16_TC_RULE = {"fp16 tensor cores", "fp16", 3e-3, 1e
 // cuDNN's FP8 attention measures 5.9e-2 on N(0, 1) inputs at D=128, the e4m3 input floor
 // 4.7e-2: hence 6e-2 as the cap there, and 1.5x the floor elsewhere.
 static const PrecisionRule FP8_TC_RULE = {"fp8 (e4m3) tensor cores", "fp8", 3e-3, 1e-3, 1.5, 6e-2};
-// The floor's rows per scale of Q and of K and V: the chapter's, else 128 each.
-static int fp8_scale_rows(int which) { return chapter.fp8_scale_rows[which] > 0 ? chapter.fp8_scale_rows[which] : 128; }
+// The floor's rows per scale of Q and of K and V at a head dim: the chapter's, else 128 each.
+static int fp8_scale_rows(int headdim, int which) {
+    return chapter.fp8_scale_rows ? chapter.fp8_scale_rows(headdim, which) : 128;
+}
 
 static const PrecisionRule *precision_rule(Precision precision) {
     switch (precision) {  // no default: the compiler names a Precision left without a rule
@@ -337,7 +339,8 @@ static DataPaths data_paths(const Options *o) {
         format_path(p.ref_dir, sizeof p.ref_dir, "%s", p.data_dir);
     }
     snprintf(p.ref_tag, sizeof p.ref_tag, "c%d_s%.9g", s->causal, s->scale);
-    snprintf(p.floor_part, sizeof p.floor_part, "fp8floor%dx%d", fp8_scale_rows(0), fp8_scale_rows(1));
+    snprintf(p.floor_part, sizeof p.floor_part, "fp8floor%dx%d", fp8_scale_rows(s->headdim, 0),
+             fp8_scale_rows(s->headdim, 1));
     return p;
 }
 
@@ -387,8 +390,8 @@ static void prepare_data(const Options *o, const DataPaths *p) {
     if (o->shape.causal) argv[argc++] = "--causal";
     if (!o->check) argv[argc++] = "--no-ref";
     char q_rows[16], kv_rows[16];
-    snprintf(q_rows, sizeof q_rows, "%d", fp8_scale_rows(0));
-    snprintf(kv_rows, sizeof kv_rows, "%d", fp8_scale_rows(1));
+    snprintf(q_rows, sizeof q_rows, "%d", fp8_scale_rows(o->shape.headdim, 0));
+    snprintf(kv_rows, sizeof kv_rows, "%d", fp8_scale_rows(o->shape.headdim, 1));
     if (o->check && floors) {
         argv[argc++] = "--fp8-floor";
         argv[argc++] = q_rows;

@@ -46,9 +46,9 @@ typedef struct {
     cudaError_t (*prepare)(const AttnArgs *args, cudaStream_t stream);
     // Enqueue one forward pass on `stream`; return the first CUDA error met.
     cudaError_t (*forward)(const AttnArgs *args, cudaStream_t stream);
-    // FP8 chapters: rows per quantisation scale of Q and of K and V, so that the check's floor
-    // quantises as the chapter does (left out: 128 each).
-    int fp8_scale_rows[2] = {0, 0};
+    // FP8 chapters: rows per quantisation scale of Q (which 0) and of K and V (1) at a head dim,
+    // so that the check's floor quantises as the chapter does (left out: 128 each).
+    int (*fp8_scale_rows)(int headdim, int which) = NULL;
 } Chapter;
 
 extern const Chapter chapter;

@@ -35,8 +35,9 @@ import numpy as np
 FULL_PAIRS = 1 << 26      # B*H*N*N up to this: every query row is checked
 MIN_SAMPLED_ROWS = 8      # rows per (b, h) at the least when sampling
 CHUNK_BYTES = 256 << 20   # float64 scores held at once while computing the reference
-FP8_Q_ROWS = 128          # the FP8 chapter's scale granularity as built by default: one scale per
-FP8_KV_ROWS = 192         # query tile of Q and one per key tile of K and of V, in each (b, h)
+FP8_Q_ROWS = 128                   # the FP8 chapter's scale granularity as built by default: one
+FP8_KV_ROWS = {64: 128, 128: 192}  # scale per 128 rows of Q and one per key tile of K and of V (by
+                                   # head dim), in each (b, h)
 
 
 def make_inputs(batch, heads, seqlen, headdim, seed, qk_std=1.0, outliers=0.0):
@@ -239,8 +240,9 @@ def print_floor(args):
     scale = float(args.scale) if args.scale else 1 / math.sqrt(q.shape[-1])
     rows = sample_rows(*q.shape[:3])
     o, lse = attention_reference(q, k, v, rows, args.causal, scale)
+    kv_rows = args.kv_rows or FP8_KV_ROWS.get(q.shape[-1], 128)
     for label, tiles in (("per (b, h)", (None, None)),
-                         (f"per {args.q_rows} rows of Q, {args.kv_rows} of K and V", (args.q_rows, args.kv_rows))):
+                         (f"per {args.q_rows} rows of Q, {kv_rows} of K and V", (args.q_rows, kv_rows))):
         rel, lse_err = fp8_floor(q, k, v, rows, args.causal, scale, o, lse, *tiles)
         print(f"e4m3 input floor, scales {label}: rel L2 of O {rel:.3e}, LSE max abs {lse_err:.3e}")
 
@@ -279,7 +281,7 @@ def parse_args(argv):
     floor.add_argument("--causal", action="store_true")
     floor.add_argument("--scale", help="softmax scale (default 1/sqrt(D))")
     floor.add_argument("--q-rows", type=positive_int, default=FP8_Q_ROWS)
-    floor.add_argument("--kv-rows", type=positive_int, default=FP8_KV_ROWS)
+    floor.add_argument("--kv-rows", type=positive_int, help="default: the FP8 chapter's key tile at this head dim")
     args = parser.parse_args(argv)
     if args.command == "floor":
         return args

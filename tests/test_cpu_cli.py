@@ -23,11 +23,11 @@ WORKSPACE = {
     5: lambda b, h, n, d: 0,
     6: lambda b, h, n, d: 0,
     7: lambda b, h, n, d: 0,
-    # 08: the e4m3 copies the attention kernel reads: descales, Q's [B*H][N / 128 query tiles] and
-    # K's and V's [2][B*H][N / 192 key tiles] (padded to 256 bytes), Q and K [B*H][N][D], V
-    # transposed [B*H][D][N rounded up to 16]: O(N*D), nothing grows with N^2.
-    8: lambda b, h, n, d: (-(-b * h * (-(-n // 128) + 2 * -(-n // 192)) * 4 // 256) * 256 + 2 * b * h * n * d
-                           + b * h * d * (-(-n // 16) * 16)),
+    # 08: the e4m3 copies the attention kernel reads: descales, Q's [B*H][N / 128 scale tiles] and
+    # K's and V's [2][B*H][N / key tile] (192 keys at D = 128, 128 at D = 64; padded to 256 bytes),
+    # Q and K [B*H][N][D], V transposed [B*H][D][N rounded up to 16]: O(N*D), nothing grows with N^2.
+    8: lambda b, h, n, d: (-(-b * h * (-(-n // 128) + 2 * -(-n // (192 if d == 128 else 128))) * 4 // 256) * 256
+                           + 2 * b * h * n * d + b * h * d * (-(-n // 16) * 16)),
 }
 DRY_RUN_SHAPES = {  # (B, H, N, D)
     "n2": [(1, 2, 8, 64), (1, 1, 16, 128), (2, 3, 100, 64), (3, 5, 1000, 64), (1, 16, 65536, 128)],

@@ -364,21 +364,24 @@ def test_quantize_e4m3_scales_per_head():
 
 
 def test_fp8_floor_matches_the_chapter(ctx):
-    """The floor's granularity: 08 tells the harness its tiles, the harness names the floor's file
-    as reference.py does, and reference.py's defaults are 08's as built by default."""
+    """The floor's granularity: 08 tells the harness its tiles by head dim, the harness names the
+    floor's file as reference.py does, and reference.py's defaults are 08's as built by default."""
     harness = (ctx.root / "common" / "harness.cu").read_text()
-    assert harness.count('"fp8floor%dx%d", fp8_scale_rows(0), fp8_scale_rows(1)') == 1, \
-        "harness.cu should name the floor's file fp8floor<Q rows>x<KV rows> from the chapter's tiles, once"
+    assert re.search(r'"fp8floor%dx%d", fp8_scale_rows\(s->headdim, 0\),\s*fp8_scale_rows\(s->headdim, 1\)', harness), \
+        "harness.cu should name the floor's file fp8floor<Q rows>x<KV rows> from the chapter's tiles at the head dim"
     assert reference.fp8_floor_part(128, 192) == "fp8floor128x192"
     kernel = (ctx.root / "08_fp8" / "attention.cu").read_text()
-    block_q = re.search(r"#define BLOCK_Q (\d+)", kernel)
-    block_kv = re.search(r"#define BLOCK_KV \(WIDE_KEY_TILES && !FP16_OPERANDS \? (\d+) : \d+\)", kernel)
-    assert block_q and block_kv, "08_fp8/attention.cu: no `#define BLOCK_Q N` / `#define BLOCK_KV (... ? wide : 128)`"
-    tiles = (int(block_q.group(1)), int(block_kv.group(1)))
+    q_rows = re.search(r"#define Q_SCALE_ROWS (\d+)", kernel)
+    kv_128 = re.search(r"#define BLOCK_KV_D128 \(WIDE_KEY_TILES && !FP16_OPERANDS \? (\d+) : \d+\)", kernel)
+    kv_64 = re.search(r"#define BLOCK_KV_D64 (\d+)", kernel)
+    assert q_rows and kv_128 and kv_64, \
+        "08_fp8/attention.cu: no `#define Q_SCALE_ROWS N`, `#define BLOCK_KV_D128 (... ? wide : 128)`, `#define BLOCK_KV_D64 N`"
+    tiles = (int(q_rows.group(1)), {64: int(kv_64.group(1)), 128: int(kv_128.group(1))})
     assert tiles == (reference.FP8_Q_ROWS, reference.FP8_KV_ROWS), \
-        f"08 scales per {tiles} rows of (Q, K and V), reference.py's defaults {(reference.FP8_Q_ROWS, reference.FP8_KV_ROWS)}"
-    assert "{BLOCK_Q, BLOCK_KV}" in kernel, "08's Chapter should give the harness its scale tiles {BLOCK_Q, BLOCK_KV}"
-    return f"Q per {tiles[0]} rows, K and V per {tiles[1]}"
+        f"08 scales per {tiles} rows of (Q, K and V by head dim), reference.py's defaults {(reference.FP8_Q_ROWS, reference.FP8_KV_ROWS)}"
+    assert re.search(r"fp8_scale_rows\(int headdim, int which\) \{ return which == 0 \? Q_SCALE_ROWS : key_tile\(headdim\); \}",
+                     kernel), "08's Chapter should give the harness its scale tiles: Q_SCALE_ROWS, then the key tile"
+    return f"Q per {tiles[0]} rows, K and V per {tiles[1][64]} (D = 64) and {tiles[1][128]} (D = 128)"
 
 
 def test_fp8_floor(ctx):

@@ -1258,10 +1258,10 @@ def pingpong_source():
         (r"void produce\(.*?mbarrier_wait\(&s\.kv_empty\[tile % STAGES\].*?load_kv_tile<HEAD_DIM>\(s, w, tile\)",
          "produce: wait for an empty stage, then load the tile"),
         (r"void scores_and_softmax\(.*?mbarrier_wait\(&s\.kv_full.*?wait_turn\(c\.group\);.*?issue_qk<HEAD_DIM>.*?"
-         r"if \(PV_IN_FLIGHT\) issue_pv<HEAD_DIM>.*?pass_turn\(c\.group\);.*?wgmma_wait<1>\(\).*?softmax_tile\(",
+         r"if \(PV_IN_FLIGHT\) issue_pv<HEAD_DIM>.*?pass_turn\(c\.group, C::CONSUMERS\);.*?wgmma_wait<1>\(\).*?softmax_tile\(",
          "scores_and_softmax: wait full, wait turn, issue QK^T and P V, pass turn, wait for S, softmax"),
         (r"void finish_pv\(.*?wgmma_wait<0>\(\);.*?release_stage<HEAD_DIM>", "finish_pv: wait for P V, release"),
-        (r"if \(group == 1\) pass_turn\(group\);", "consume: warpgroup 0 goes first"),
+        (r"if \(group == C::CONSUMERS - 1\) pass_turn\(group, C::CONSUMERS\);", "consume: warpgroup 0 goes first"),
         (r"void previous_p_ready\(.*?wgmma_wait<0>\(\);.*?release_stage<HEAD_DIM>.*?rescale_output<HEAD_DIM>.*?pack_p\(",
          "previous_p_ready: wait for P V, release, rescale, pack"),
         (r"scores_and_softmax<HEAD_DIM, true, MASK>\(c, s, w, tile\);\s*"
@@ -1273,8 +1273,8 @@ def pingpong_source():
         find(pattern, text, f"08's {what}", re.S)
     d = 128
     out = {n.lower(): const(c, n, HEAD_DIM=d) for n in ("STAGES", "SMEM_BYTES")}
-    out.update({n.lower(): const(c, n) for n in ("BLOCK_Q", "BLOCK_KV", "CONSUMERS", "WARPGROUP_ROWS",
-                                                   "PRODUCER_REGISTERS", "CONSUMER_REGISTERS")})
+    out.update({n.lower(): const(c, n, HEAD_DIM=d) for n in ("BLOCK_Q", "BLOCK_KV", "CONSUMERS", "WARPGROUP_ROWS",
+                                                               "PRODUCER_REGISTERS", "CONSUMER_REGISTERS")})
     out["head_dim"] = d
     return out
 
