@@ -52,8 +52,11 @@
 #ifndef BLOCK_KV_D64
 #define BLOCK_KV_D64 128
 #endif
+#ifndef CONSUMERS_D128
+#define CONSUMERS_D128 2
+#endif
 #ifndef CONSUMERS_D64
-#define CONSUMERS_D64 (FP16_OPERANDS ? 2 : 3)  // D = 128 has 2: three do not fit its registers
+#define CONSUMERS_D64 (FP16_OPERANDS ? 2 : 3)
 #endif
 #ifndef STAGES_D128
 #define STAGES_D128 3  // (K, V) tile pairs in flight, by head dim: chosen by a sweep
@@ -83,7 +86,7 @@
 
 template <int HEAD_DIM>
 struct Config {
-    static constexpr int CONSUMERS = HEAD_DIM == 128 ? 2 : CONSUMERS_D64;
+    static constexpr int CONSUMERS = HEAD_DIM == 128 ? CONSUMERS_D128 : CONSUMERS_D64;
     static constexpr int BLOCK_Q = CONSUMERS * WARPGROUP_ROWS;  // query rows per block
     static constexpr int BLOCK_KV = HEAD_DIM == 128 ? BLOCK_KV_D128 : BLOCK_KV_D64;
     static constexpr int THREADS = (CONSUMERS + WARP_SPECIALISED) * WARPGROUP_THREADS;
