@@ -12,6 +12,8 @@ import unittest
 
 import numpy as np
 
+from reference import FP8_KV_ROWS, FP8_Q_ROWS
+
 PARALLEL = 2
 
 # Device scratch each chapter promises (docs/design.md and each chapter README): by chapter number, in bytes.
@@ -24,9 +26,10 @@ WORKSPACE = {
     6: lambda b, h, n, d: 0,
     7: lambda b, h, n, d: 0,
     # 08: the e4m3 copies the attention kernel reads: descales, Q's [B*H][N / 128 scale tiles] and
-    # K's and V's [2][B*H][N / key tile] (192 keys at D = 128, 128 at D = 64; padded to 256 bytes),
-    # Q and K [B*H][N][D], V transposed [B*H][D][N rounded up to 16]: O(N*D), nothing grows with N^2.
-    8: lambda b, h, n, d: (-(-b * h * (-(-n // 128) + 2 * -(-n // (192 if d == 128 else 128))) * 4 // 256) * 256
+    # K's and V's [2][B*H][N / key tile] (reference.py's FP8 tiles, which a CPU test ties to 08's;
+    # padded to 256 bytes), Q and K [B*H][N][D], V transposed [B*H][D][N rounded up to 16]: O(N*D),
+    # nothing grows with N^2.
+    8: lambda b, h, n, d: (-(-b * h * (-(-n // FP8_Q_ROWS) + 2 * -(-n // FP8_KV_ROWS[d])) * 4 // 256) * 256
                            + 2 * b * h * n * d + b * h * d * (-(-n // 16) * 16)),
 }
 DRY_RUN_SHAPES = {  # (B, H, N, D)
