@@ -42,12 +42,15 @@
 #define FP16_OPERANDS 0  // 1: the same kernel on fp16 operands (no quantisation): what wgmma buys without FP8
 #endif
 #ifndef WIDE_KEY_TILES
-#define WIDE_KEY_TILES 1  // FP8: 192 keys per tile, not 128 (fp16 operands: 128, faster at D = 128)
+#define WIDE_KEY_TILES 1  // FP8 at D = 128: 192 keys per tile (256 with SCORES_F16), not 128
+#endif
+#ifndef SCORES_F16
+#define SCORES_F16 1  // FP8 at D = 128: Q K^T accumulates S in fp16, and the softmax runs on half2
 #endif
 // Keys per tile (wgmma's N for Q K^T) and consumer warpgroups per block, by head dim: chosen by
 // measurement (256-key tiles, -DBLOCK_KV_D128=256 -DBLOCK_KV_D64=256, are measured in the README).
 #ifndef BLOCK_KV_D128
-#define BLOCK_KV_D128 (WIDE_KEY_TILES && !FP16_OPERANDS ? 192 : 128)
+#define BLOCK_KV_D128 (WIDE_KEY_TILES && !FP16_OPERANDS ? (SCORES_F16 ? 256 : 192) : 128)
 #endif
 #ifndef BLOCK_KV_D64
 #define BLOCK_KV_D64 128
@@ -80,9 +83,19 @@
 #define MMA_K (KSTEP_BYTES / ELEMENT_BYTES)    // elements of it: 32 e4m3 or 16 fp16
 #define SLICE_BYTES 128                        // the widest swizzle: longer rows are stored as 128-byte slices
 #define E4M3_MAX 448.0f                        // the largest finite e4m3 value
+#define QK_RANGE_F16 16                        // with fp16 scores: |q|, |k| <= 16, so |S| <= 128 * 16 * 16
 #define P_SCALE_LOG2 8.0f                      // P is stored as 256 p: [0, 256] keeps p >= 2^-14 in e4m3's normal range
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
+
+template <bool HALF>
+struct ScoreType {
+    typedef float T;
+};
+template <>
+struct ScoreType<true> {
+    typedef unsigned T;  // two fp16 scores, adjacent columns of a row
+};
 
 template <int HEAD_DIM>
 struct Config {
@@ -95,6 +108,10 @@ struct Config {
     static constexpr int CONSUMER_REGISTERS = (65536 / WARPGROUP_THREADS - PRODUCER_REGISTERS) / CONSUMERS / 8 * 8;
     static constexpr int STAGES = HEAD_DIM == 128 ? STAGES_D128 : STAGES_D64;
     static constexpr bool SOFTMAX_UNDER_PV = HEAD_DIM == 128 ? SOFTMAX_UNDER_PV_D128 : SOFTMAX_UNDER_PV_D64;
+    // S in fp16 (FP8 at D = 128): half the score registers, two scores an instruction in the softmax.
+    static constexpr bool HALF_SCORES = SCORES_F16 && HEAD_DIM == 128 && !FP16_OPERANDS;
+    static constexpr int SCORE_REGS = HALF_SCORES ? BLOCK_KV / 4 : BLOCK_KV / 2;  // a thread's, for 64 x BLOCK_KV
+    static constexpr float QK_RANGE = HALF_SCORES ? QK_RANGE_F16 : E4M3_MAX;      // Q, K quantised to |x| <= this
     static constexpr int Q_BYTES = BLOCK_Q * HEAD_DIM * ELEMENT_BYTES;
     static constexpr int K_BYTES = BLOCK_KV * HEAD_DIM * ELEMENT_BYTES;
     static constexpr int V_BYTES = HEAD_DIM * BLOCK_KV * ELEMENT_BYTES;
@@ -125,9 +142,9 @@ struct Config {
 #define KEY_GROUP 16         // V's keys are permuted within groups of 16 (key_slot)
 #define VECTORS_A_THREAD 16  // of 8 halves, in the quantisation
 
-// x * scale maps |x| <= amax onto e4m3's range [-448, 448]; the descale undoes it.
-__host__ __device__ float e4m3_scale(float amax) { return amax > 0 ? E4M3_MAX / amax : 1.0f; }
-__host__ __device__ float e4m3_descale(float amax) { return amax > 0 ? amax / E4M3_MAX : 1.0f; }
+// x * scale maps |x| <= amax onto [-range, range] (e4m3's whole range: 448); the descale undoes it.
+__host__ __device__ float e4m3_scale(float amax, float range) { return amax > 0 ? range / amax : 1.0f; }
+__host__ __device__ float e4m3_descale(float amax, float range) { return amax > 0 ? amax / range : 1.0f; }
 
 // Two floats, times scale, to two e4m3 bytes (cvt.rn.satfinite: round to nearest even, clamp at 448).
 __device__ unsigned to_e4m3x2(float a, float b, float scale) {
@@ -180,8 +197,9 @@ __device__ void quantize_rows(const uint4 *src, uint2 *dst, int rows, uint4 (&ti
         const int vector = threadIdx.x + i * BLOCK_THREADS;
         tile[i] = vector < rows * VECTORS_PER_ROW ? src[vector] : make_uint4(0, 0, 0, 0);
     }
-    const float amax = tile_amax<BLOCK_THREADS>(tile), scale = e4m3_scale(amax);
-    if (threadIdx.x == 0) *descale = e4m3_descale(amax);
+    const float range = Config<HEAD_DIM>::QK_RANGE;
+    const float amax = tile_amax<BLOCK_THREADS>(tile), scale = e4m3_scale(amax, range);
+    if (threadIdx.x == 0) *descale = e4m3_descale(amax, range);
     for (int i = 0; i < VECTORS_A_THREAD; i++) {
         const int vector = threadIdx.x + i * BLOCK_THREADS;
         if (vector < rows * VECTORS_PER_ROW) dst[vector] = to_e4m3x8(tile[i], scale);
@@ -199,8 +217,8 @@ __device__ void quantize_transposed(const uint4 *src, unsigned char *vt_tile, in
     const int group = threadIdx.x % GROUPS, dim0 = threadIdx.x / GROUPS * 8, key0 = group * KEY_GROUP;
     for (int i = 0; i < KEY_GROUP; i++)
         tile[i] = key0 + i < rows ? src[(key0 + i) * VECTORS_PER_ROW + dim0 / 8] : make_uint4(0, 0, 0, 0);
-    const float amax = tile_amax<BLOCK_THREADS>(tile), scale = e4m3_scale(amax);
-    if (threadIdx.x == 0) *descale = e4m3_descale(amax);
+    const float amax = tile_amax<BLOCK_THREADS>(tile), scale = e4m3_scale(amax, E4M3_MAX);
+    if (threadIdx.x == 0) *descale = e4m3_descale(amax, E4M3_MAX);
     if (key0 >= keys_padded) return;  // Vt's row ends before this group
 #pragma unroll
     for (int d = 0; d < 8; d++) {
@@ -311,6 +329,12 @@ __device__ void hold_registers(float (&acc)[COUNT]) {
     for (int i = 0; i < COUNT; i++) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
+template <int COUNT>
+__device__ void hold_registers(unsigned (&acc)[COUNT]) {
+#pragma unroll
+    for (int i = 0; i < COUNT; i++) asm volatile("" : "+r"(acc[i])::"memory");
+}
+
 template <int FRAGS>
 __device__ void hold_registers(unsigned (&frag)[FRAGS][4]) {
 #pragma unroll
@@ -405,6 +429,46 @@ __device__ void wgmma_qk(float (&score)[SCORES], uint64_t q_desc, uint64_t k_des
     else wgmma_64x128_shared_a(score, q_desc, k_desc, accumulate);
 }
 
+// S in fp16 (SCORES_F16): the same products accumulated in fp16, each register holding the two
+// adjacent columns that fp32 keeps in two. Only e4m3 operands are used this way.
+#define ACCH8(d, i)                                                                                             \
+    "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), "+r"(d[i + 6]), \
+        "+r"(d[i + 7])
+#define ACCH32(d, i) ACCH8(d, i), ACCH8(d, i + 8), ACCH8(d, i + 16), ACCH8(d, i + 24)
+#define REGS48 REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+
+__device__ void wgmma_64x128_f16_shared_a(unsigned (&d)[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f16.e4m3.e4m3 {" REGS32 "}, %32, %33, acc, 1, 1;\n}\n"
+        : ACCH32(d, 0)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+__device__ void wgmma_64x192_f16_shared_a(unsigned (&d)[48], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %50, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k32.f16.e4m3.e4m3 {" REGS48 "}, %48, %49, acc, 1, 1;\n}\n"
+        : ACCH32(d, 0), ACCH8(d, 32), ACCH8(d, 40)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+__device__ void wgmma_64x256_f16_shared_a(unsigned (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 {" REGS64 "}, %64, %65, acc, 1, 1;\n}\n"
+        : ACCH32(d, 0), ACCH32(d, 32)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+template <int REGS>
+__device__ void wgmma_qk(unsigned (&score)[REGS], uint64_t q_desc, uint64_t k_desc, int accumulate) {
+    static_assert(REGS == 32 || REGS == 48 || REGS == 64, "a wgmma of Q K^T for 128, 192 or 256 keys");
+    if constexpr (REGS == 64) wgmma_64x256_f16_shared_a(score, q_desc, k_desc, accumulate);
+    else if constexpr (REGS == 48) wgmma_64x192_f16_shared_a(score, q_desc, k_desc, accumulate);
+    else wgmma_64x128_f16_shared_a(score, q_desc, k_desc, accumulate);
+}
+
 // d (64 x N fp32) += A (64 x MMA_K in registers: 4 x 4 bytes per thread) * B (MMA_K x N, shared).
 __device__ void wgmma_64x128_register_a(float (&d)[64], const unsigned (&a)[4], uint64_t b_desc) {
     asm volatile("wgmma.mma_async.sync.aligned.m64n128" WGMMA_K_TYPES " {" REGS64
@@ -484,6 +548,27 @@ __device__ void mask_scores(float (&score)[SCORES], int row0, int col0, int seql
 #pragma unroll
             for (int e = 0; e < 2; e++)
                 if (col0 + 8 * c + e >= key_limit) score[4 * c + 2 * r + e] = -INFINITY;
+    }
+}
+
+__device__ __half2 as_half2(unsigned bits) { return *(__half2 *)&bits; }
+__device__ unsigned as_bits(__half2 h) { return *(unsigned *)&h; }
+
+// The same on fp16 scores: register i holds row 8 (i % 2), columns 8 (i / 2) and the one after.
+template <int REGS>
+__device__ void mask_scores(unsigned (&score)[REGS], int row0, int col0, int seqlen, int causal) {
+    const __half minus_inf = __ushort_as_half(0xfc00);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int query = row0 + 8 * r;
+        const int key_limit = causal ? min(seqlen, query + 1) : seqlen;
+#pragma unroll
+        for (int c = 0; c < REGS / 2; c++) {
+            __half2 x = as_half2(score[2 * c + r]);
+            if (col0 + 8 * c >= key_limit) x.x = minus_inf;
+            if (col0 + 8 * c + 1 >= key_limit) x.y = minus_inf;
+            score[2 * c + r] = as_bits(x);
+        }
     }
 }
 
@@ -570,8 +655,8 @@ __device__ const unsigned char *kstep(const unsigned char *tile, int slice_strid
 
 // S = Q K^T for the warpgroup's 64 rows: HEAD_DIM / MMA_K wgmmas, issued, not waited for.
 template <int HEAD_DIM>
-__device__ void issue_qk(float (&score)[Config<HEAD_DIM>::BLOCK_KV / 2], const unsigned char *q_rows,
-                         const unsigned char *k_tile) {
+__device__ void issue_qk(typename ScoreType<Config<HEAD_DIM>::HALF_SCORES>::T (&score)[Config<HEAD_DIM>::SCORE_REGS],
+                         const unsigned char *q_rows, const unsigned char *k_tile) {
     typedef Config<HEAD_DIM> C;
     wgmma_fence();
 #pragma unroll
@@ -627,6 +712,70 @@ __device__ void softmax_tile(float (&score)[SCORES], float (&row_max)[2], float 
     }
 }
 
+// 2^x of two halves: two MUFU.EX2.F16 (cuda_fp16's h2exp2 goes through fp32 on sm_90).
+__device__ __half2 exp2_approx_h2(__half2 x) {
+    unsigned y;
+    asm("ex2.approx.f16x2 %0, %1;\n" : "=r"(y) : "r"(as_bits(x)));
+    return as_half2(y);
+}
+
+// The exponent s * scale + (8 - max) as one HFMA2 needs the offset 8 - max in fp16 to within 1
+// (|max| < 2^11 in log2 units) and a finite scale; past either, a warp takes the two-step form.
+#define HALF_MAX_LIMIT 2000.0f
+#define HALF_SCALE_LIMIT 32768.0f
+
+// The same on fp16 scores, two keys an instruction: the row max on half2, 2^x as two
+// MUFU.EX2.F16, the sums on half2 (four chains). The exponent is one HFMA2, s * scale + offset,
+// with the offset 8 - max rounded to fp16 downwards; that rounded value becomes the row's
+// reference (row_max), so p stays <= 2^8 and the sums and O agree with it. For logits past
+// ~1400 (natural units) or a scale past fp16, a warp computes (s - max / scale) * scale + 8
+// instead: the difference first, exact near the max, with the scale capped at 32768 (a scale
+// that large spreads adjacent fp16 scores by more than e4m3's own error).
+template <int REGS>
+__device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
+                             float scale_log2) {
+    float new_max[2];
+    bool two_step = scale_log2 > HALF_SCALE_LIMIT;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        __half2 tile_max[2] = {as_half2(0xfc00fc00u), as_half2(0xfc00fc00u)};
+#pragma unroll
+        for (int c = 0; c < REGS / 2; c++) tile_max[c % 2] = __hmax2(tile_max[c % 2], as_half2(score[2 * c + r]));
+        const __half2 both = __hmax2(tile_max[0], tile_max[1]);
+        new_max[r] = fmaxf(row_max[r], quad_max(fmaxf(__low2float(both), __high2float(both))) * scale_log2);
+        two_step |= new_max[r] != -INFINITY && fabsf(new_max[r]) > HALF_MAX_LIMIT;
+    }
+    two_step = __any_sync(0xffffffff, two_step);
+    const float scale = fminf(scale_log2, HALF_SCALE_LIMIT);
+    const __half2 scale2 = __float2half2_rn(scale);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        // fast: offset = 8 - max, rounded down; two-step: the max in units of this tile's scores
+        const float max_here = new_max[r] == -INFINITY ? 0.0f : new_max[r];  // an empty row stays empty
+        const __half offset_h = __float2half_rd(P_SCALE_LOG2 - max_here);
+        const __half max_scores = __float2half_ru(fminf(max_here / scale, 65504.0f));
+        const float reference = two_step ? __half2float(max_scores) * __half2float(__float2half_rn(scale))
+                                         : P_SCALE_LOG2 - __half2float(offset_h);
+        rescale[r] = exp2_approx(row_max[r] - reference);
+        row_max[r] = new_max[r] == -INFINITY ? new_max[r] : reference;
+        const __half2 shift2 = two_step ? __half2half2(__hneg(max_scores)) : __float2half2_rn(0.0f);
+        const __half2 add2 = two_step ? __float2half2_rn(P_SCALE_LOG2) : __half2half2(offset_h);
+        __half2 sum[4] = {};
+#pragma unroll
+        for (int c = 0; c < REGS / 2; c++) {
+            const __half2 s = as_half2(score[2 * c + r]);
+            const __half2 power = two_step ? __hfma2(__hadd2(s, shift2), scale2, add2) : __hfma2(s, scale2, add2);
+            const __half2 p = exp2_approx_h2(power);
+            score[2 * c + r] = as_bits(p);
+            sum[c % 4] = __hadd2(sum[c % 4], p);
+        }
+        float tile_sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) tile_sum += __low2float(sum[i]) + __high2float(sum[i]);
+        row_sum[r] = row_sum[r] * rescale[r] + tile_sum;
+    }
+}
+
 // O times each row's rescale and the change of V's units (see next_v_units).
 template <int HEAD_DIM>
 __device__ void rescale_output(float (&o_acc)[HEAD_DIM / 2], const float (&rescale)[2], float v_units) {
@@ -666,6 +815,21 @@ __device__ void pack_p(const float (&score)[SCORES], unsigned (&p_frag)[2 * SCOR
         }
     // EXERCISE END
 }
+
+// The same from fp16 scores: fp32 chunks c and c + 1 of row r are registers 2c + r and 2c + 2 + r.
+template <int REGS>
+__device__ void pack_p(const unsigned (&score)[REGS], unsigned (&p_frag)[4 * REGS / MMA_K][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4 * REGS / MMA_K; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = 4 * kk + 2 * (i / 2), r = i % 2;
+            const __half2_raw lo = *(const __half2_raw *)&score[2 * c + r];
+            const __half2_raw hi = *(const __half2_raw *)&score[2 * c + 2 + r];
+            p_frag[kk][i] = (unsigned)__nv_cvt_halfraw2_to_fp8x2(lo, __NV_SATFINITE, __NV_E4M3) |
+                            (unsigned)__nv_cvt_halfraw2_to_fp8x2(hi, __NV_SATFINITE, __NV_E4M3) << 16;
+        }
+}
 #endif
 
 // Ping-pong: consumer warpgroup g issues its matrix products only after the one before it (g - 1,
@@ -684,8 +848,8 @@ __device__ void pass_turn(int group, int consumers) {
 // What a consumer warpgroup keeps on chip; thread t holds rows row0 and row0 + 8 of each.
 template <int HEAD_DIM>
 struct Consumer {
-    float o_acc[HEAD_DIM / 2];                               // O, unnormalised, in V's e4m3 units
-    float score[Config<HEAD_DIM>::BLOCK_KV / 2];             // S of the current tile, then its 2^8 p
+    float o_acc[HEAD_DIM / 2];  // O, unnormalised, in V's e4m3 units
+    typename ScoreType<Config<HEAD_DIM>::HALF_SCORES>::T score[Config<HEAD_DIM>::SCORE_REGS];  // S, then 2^8 p
     unsigned p_frag[Config<HEAD_DIM>::BLOCK_KV / MMA_K][4];  // P in e4m3, the A operand of P V
     float row_max[2], row_sum[2], rescale[2];
     const unsigned char *q_rows;  // the warpgroup's 64 rows of the Q tile
@@ -1020,6 +1184,9 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
 // and V per key tile of the head dim (1).
 static int fp8_scale_rows(int headdim, int which) { return which == 0 ? Q_SCALE_ROWS : key_tile(headdim); }
 
+// The largest |e4m3| Q and K are scaled to, by head dim (V's is always 448).
+static int fp8_qk_range(int headdim) { return (int)(headdim == 128 ? Config<128>::QK_RANGE : Config<64>::QK_RANGE); }
+
 const Chapter chapter = {
     "08_fp8",
     "FP8 e4m3 with dynamic scales on Hopper's wgmma fed by TMA: warp-specialised, softmax overlapped with the MMAs",
@@ -1030,6 +1197,7 @@ const Chapter chapter = {
     prepare,  // quantise Q, K, V to e4m3 (timed with the forward and on its own)
     forward,
     fp8_scale_rows,  // one scale per 128 rows of Q, per key tile of K and of V
+    fp8_qk_range,    // with fp16 scores (D = 128) Q and K are scaled to |x| <= 16
 };
 #else  // the same kernel reading the fp16 inputs, checked as the fp16 tensor-core chapters are
 const Chapter chapter = {
