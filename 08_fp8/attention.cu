@@ -720,7 +720,7 @@ __device__ __half2 exp2_approx_h2(__half2 x) {
 }
 
 // The exponent s * scale + (8 - max) as one HFMA2 needs the offset 8 - max in fp16 to within 1
-// (|max| < 2^11 in log2 units) and a finite scale; past either, a warp takes the two-step form.
+// (|max| < 2^11 in log2 units) and a finite scale.
 #define HALF_MAX_LIMIT 2000.0f
 #define HALF_SCALE_LIMIT 32768.0f
 
@@ -728,14 +728,14 @@ __device__ __half2 exp2_approx_h2(__half2 x) {
 // MUFU.EX2.F16, the sums on half2 (four chains). The exponent is one HFMA2, s * scale + offset,
 // with the offset 8 - max rounded to fp16 downwards; that rounded value becomes the row's
 // reference (row_max), so p stays <= 2^8 and the sums and O agree with it. For logits past
-// ~1400 (natural units) or a scale past fp16, a warp computes (s - max / scale) * scale + 8
-// instead: the difference first, exact near the max, with the scale capped at 32768 (a scale
-// that large spreads adjacent fp16 scores by more than e4m3's own error).
+// ~1400 (natural units), where fp16 cannot hold that offset closely, a warp first subtracts the
+// max from the scores in place (in their own units, exact near the max) and uses the offset 8.
+// The scale is capped at 32768: beyond, adjacent fp16 scores differ by more than e4m3's error.
 template <int REGS>
 __device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
                              float scale_log2) {
     float new_max[2];
-    bool two_step = scale_log2 > HALF_SCALE_LIMIT;
+    bool recentre = false;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         __half2 tile_max[2] = {as_half2(0xfc00fc00u), as_half2(0xfc00fc00u)};
@@ -743,29 +743,33 @@ __device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float
         for (int c = 0; c < REGS / 2; c++) tile_max[c % 2] = __hmax2(tile_max[c % 2], as_half2(score[2 * c + r]));
         const __half2 both = __hmax2(tile_max[0], tile_max[1]);
         new_max[r] = fmaxf(row_max[r], quad_max(fmaxf(__low2float(both), __high2float(both))) * scale_log2);
-        two_step |= new_max[r] != -INFINITY && fabsf(new_max[r]) > HALF_MAX_LIMIT;
+        recentre |= new_max[r] != -INFINITY && fabsf(new_max[r]) > HALF_MAX_LIMIT;
     }
-    two_step = __any_sync(0xffffffff, two_step);
-    const float scale = fminf(scale_log2, HALF_SCALE_LIMIT);
-    const __half2 scale2 = __float2half2_rn(scale);
+    recentre = __any_sync(0xffffffff, recentre);
+    const __half scale_h = __float2half_rn(fminf(scale_log2, HALF_SCALE_LIMIT));
+    const __half2 scale2 = __half2half2(scale_h);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        // fast: offset = 8 - max, rounded down; two-step: the max in units of this tile's scores
         const float max_here = new_max[r] == -INFINITY ? 0.0f : new_max[r];  // an empty row stays empty
-        const __half offset_h = __float2half_rd(P_SCALE_LOG2 - max_here);
-        const __half max_scores = __float2half_ru(fminf(max_here / scale, 65504.0f));
-        const float reference = two_step ? __half2float(max_scores) * __half2float(__float2half_rn(scale))
-                                         : P_SCALE_LOG2 - __half2float(offset_h);
+        __half offset = __float2half_rd(P_SCALE_LOG2 - max_here);
+        float reference = P_SCALE_LOG2 - __half2float(offset);
+        if (recentre) {
+            const float in_scores = max_here / __half2float(scale_h);  // the max in this tile's units
+            const __half max_scores = __float2half_ru(fminf(in_scores, 65504.0f));
+            const bool beyond = in_scores > 65504.0f;  // every score of the tile is 0 beside it
+            offset = beyond ? __ushort_as_half(0xfc00) : __float2half_rn(P_SCALE_LOG2);
+            reference = beyond ? max_here : __half2float(max_scores) * __half2float(scale_h);
+#pragma unroll
+            for (int c = 0; c < REGS / 2; c++)
+                score[2 * c + r] = as_bits(__hsub2(as_half2(score[2 * c + r]), __half2half2(max_scores)));
+        }
         rescale[r] = exp2_approx(row_max[r] - reference);
         row_max[r] = new_max[r] == -INFINITY ? new_max[r] : reference;
-        const __half2 shift2 = two_step ? __half2half2(__hneg(max_scores)) : __float2half2_rn(0.0f);
-        const __half2 add2 = two_step ? __float2half2_rn(P_SCALE_LOG2) : __half2half2(offset_h);
+        const __half2 offset2 = __half2half2(offset);
         __half2 sum[4] = {};
 #pragma unroll
         for (int c = 0; c < REGS / 2; c++) {
-            const __half2 s = as_half2(score[2 * c + r]);
-            const __half2 power = two_step ? __hfma2(__hadd2(s, shift2), scale2, add2) : __hfma2(s, scale2, add2);
-            const __half2 p = exp2_approx_h2(power);
+            const __half2 p = exp2_approx_h2(__hfma2(as_half2(score[2 * c + r]), scale2, offset2));
             score[2 * c + r] = as_bits(p);
             sum[c % 4] = __hadd2(sum[c % 4], p);
         }
