@@ -658,6 +658,9 @@ template <int HEAD_DIM>
 __device__ void issue_qk(typename ScoreType<Config<HEAD_DIM>::HALF_SCORES>::T (&score)[Config<HEAD_DIM>::SCORE_REGS],
                          const unsigned char *q_rows, const unsigned char *k_tile) {
     typedef Config<HEAD_DIM> C;
+    // Q's descriptors are the same every tile; rebuilt here, they do not hold eight registers
+    // through the softmax, where 256 fp16 scores leave none to spare.
+    if (C::HALF_SCORES) asm volatile("" : "+l"(q_rows));
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++)
