@@ -49,8 +49,9 @@
 #endif
 // Keys per tile (wgmma's N for Q K^T) and consumer warpgroups per block, by head dim: chosen by
 // measurement (256-key tiles, -DBLOCK_KV_D128=256 -DBLOCK_KV_D64=256, are measured in the README).
+#define WIDE_KEYS_D128 (SCORES_F16 ? 256 : 192)  // FP8's wide tile: 256 keys fit only with fp16 scores
 #ifndef BLOCK_KV_D128
-#define BLOCK_KV_D128 (WIDE_KEY_TILES && !FP16_OPERANDS ? (SCORES_F16 ? 256 : 192) : 128)
+#define BLOCK_KV_D128 (WIDE_KEY_TILES && !FP16_OPERANDS ? WIDE_KEYS_D128 : 128)
 #endif
 #ifndef BLOCK_KV_D64
 #define BLOCK_KV_D64 128
