@@ -734,10 +734,12 @@ __device__ __half2 exp2_approx_h2(__half2 x) {
 // reference (row_max), so p stays <= 2^8 and the sums and O agree with it. For logits past
 // ~1400 (natural units), where fp16 cannot hold that offset closely, a warp first subtracts the
 // max from the scores in place (in their own units, exact near the max) and uses the offset 8.
-// The scale is capped at 32768: beyond, adjacent fp16 scores differ by more than e4m3's error.
+// The scale is capped at 32768, about what fp16 holds safely: only inputs with |q| and |k| in
+// the thousands reach it, and their softmax is then computed with the capped scale.
 template <int REGS>
 __device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
                              float scale_log2) {
+    const float scale = fminf(scale_log2, HALF_SCALE_LIMIT);  // the scores' scale from here on
     float new_max[2];
     bool recentre = false;
 #pragma unroll
@@ -746,11 +748,11 @@ __device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float
 #pragma unroll
         for (int c = 0; c < REGS / 2; c++) tile_max[c % 2] = __hmax2(tile_max[c % 2], as_half2(score[2 * c + r]));
         const __half2 both = __hmax2(tile_max[0], tile_max[1]);
-        new_max[r] = fmaxf(row_max[r], quad_max(fmaxf(__low2float(both), __high2float(both))) * scale_log2);
+        new_max[r] = fmaxf(row_max[r], quad_max(fmaxf(__low2float(both), __high2float(both))) * scale);
         recentre |= new_max[r] != -INFINITY && fabsf(new_max[r]) > HALF_MAX_LIMIT;
     }
     recentre = __any_sync(0xffffffff, recentre);
-    const __half scale_h = __float2half_rn(fminf(scale_log2, HALF_SCALE_LIMIT));
+    const __half scale_h = __float2half_rn(scale);
     const __half2 scale2 = __half2half2(scale_h);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
