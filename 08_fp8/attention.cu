@@ -301,10 +301,13 @@ __device__ void tma_load(void *dst, const CUtensorMap *map, uint64_t *barrier, i
 // A wgmma operand in shared memory: a K-major tile whose rows are row_bytes (64 or 128) long,
 // swizzled as TMA wrote it. Fields: start address, leading byte offset (unused by swizzled
 // K-major tiles: 1), stride byte offset (8 rows, one swizzle atom), swizzle mode; all >> 4.
-__device__ uint64_t smem_descriptor(const void *tile, int row_bytes) {
+__device__ uint64_t smem_descriptor_at(unsigned address, int row_bytes) {
     const uint64_t mode = row_bytes == 128 ? 1 : 2;  // 128-byte or 64-byte swizzle
-    return (uint64_t)(smem_address(tile) & 0x3FFFF) >> 4 | 1ull << 16 | (uint64_t)(8 * row_bytes >> 4) << 32 |
-           mode << 62;
+    return (uint64_t)(address & 0x3FFFF) >> 4 | 1ull << 16 | (uint64_t)(8 * row_bytes >> 4) << 32 | mode << 62;
+}
+
+__device__ uint64_t smem_descriptor(const void *tile, int row_bytes) {
+    return smem_descriptor_at(smem_address(tile), row_bytes);
 }
 
 // fp16 operands: V as it lies in memory, [keys][dims], read MN-major (wgmma's transpose bit, which
@@ -650,8 +653,12 @@ __device__ void release_stage(const Smem &s, const Work &w, int tile) {
 
 // Where k-step ks (32 bytes of every row) of a tile starts: in slice ks * 32 / slice_bytes,
 // each slice being slice_stride bytes (all the tile's rows) long.
+__device__ int kstep_offset(int slice_stride, int slice_bytes, int ks) {
+    return ks * KSTEP_BYTES / slice_bytes * slice_stride + ks * KSTEP_BYTES % slice_bytes;
+}
+
 __device__ const unsigned char *kstep(const unsigned char *tile, int slice_stride, int slice_bytes, int ks) {
-    return tile + ks * KSTEP_BYTES / slice_bytes * slice_stride + ks * KSTEP_BYTES % slice_bytes;
+    return tile + kstep_offset(slice_stride, slice_bytes, ks);
 }
 
 // S = Q K^T for the warpgroup's 64 rows: HEAD_DIM / MMA_K wgmmas, issued, not waited for.
@@ -659,13 +666,16 @@ template <int HEAD_DIM>
 __device__ void issue_qk(typename ScoreType<Config<HEAD_DIM>::HALF_SCORES>::T (&score)[Config<HEAD_DIM>::SCORE_REGS],
                          const unsigned char *q_rows, const unsigned char *k_tile) {
     typedef Config<HEAD_DIM> C;
-    // Q's descriptors are the same every tile; rebuilt here, they do not hold eight registers
-    // through the softmax, where 256 fp16 scores leave none to spare.
-    if (C::HALF_SCORES) asm volatile("" : "+l"(q_rows));
+    // Q's descriptors are the same every tile. With fp16 scores they are rebuilt here from one
+    // 32-bit address, rather than held in eight registers through the softmax, where 256 scores
+    // and the overlap leave none to spare (the empty asm keeps them from being hoisted).
+    unsigned q_address = smem_address(q_rows);
+    if (C::HALF_SCORES) asm volatile("" : "+r"(q_address));
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++)
-        wgmma_qk(score, smem_descriptor(kstep(q_rows, C::BLOCK_Q * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE),
+        wgmma_qk(score,
+                 smem_descriptor_at(q_address + kstep_offset(C::BLOCK_Q * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE),
                  smem_descriptor(kstep(k_tile, C::BLOCK_KV * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE), ks > 0);
     wgmma_commit();
 }
@@ -728,27 +738,35 @@ __device__ __half2 exp2_approx_h2(__half2 x) {
 #define HALF_MAX_LIMIT 2000.0f
 #define HALF_SCALE_LIMIT 32768.0f
 
+// The largest score of row r (0: row0, 1: row0 + 8) of the quad's fp16 tile.
+template <int REGS>
+__device__ float row_top(const unsigned (&score)[REGS], int r) {
+    __half2 tile_max[2] = {as_half2(0xfc00fc00u), as_half2(0xfc00fc00u)};
+#pragma unroll
+    for (int c = 0; c < REGS / 2; c++) tile_max[c % 2] = __hmax2(tile_max[c % 2], as_half2(score[2 * c + r]));
+    const __half2 both = __hmax2(tile_max[0], tile_max[1]);
+    return quad_max(fmaxf(__low2float(both), __high2float(both)));
+}
+
 // The same on fp16 scores, two keys an instruction: the row max on half2, 2^x as two
 // MUFU.EX2.F16, the sums on half2 (four chains). The exponent is one HFMA2, s * scale + offset,
 // with the offset 8 - max rounded to fp16 downwards; that rounded value becomes the row's
 // reference (row_max), so p stays <= 2^8 and the sums and O agree with it. For logits past
-// ~1400 (natural units), where fp16 cannot hold that offset closely, a warp first subtracts the
-// max from the scores in place (in their own units, exact near the max) and uses the offset 8.
-// The scale is capped at 32768, about what fp16 holds safely: only inputs with |q| and |k| in
-// the thousands reach it, and their softmax is then computed with the capped scale.
+// ~1400 (natural units), where fp16 cannot hold that offset closely, a warp first subtracts a
+// max from the scores in place, in their own units, and keeps the offset small: the tile's own
+// max (exact: an fp16 score), or, where an earlier tile holds the row's max, that max in this
+// tile's units rounded down, the remainder going into the offset. The scale is capped at
+// 32768, about what fp16 holds safely: only inputs with |q| and |k| in the thousands reach it,
+// and their softmax is then computed with the capped scale.
 template <int REGS>
 __device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
                              float scale_log2) {
     const float scale = fminf(scale_log2, HALF_SCALE_LIMIT);  // the scores' scale from here on
-    float new_max[2];
+    float new_max[2];                                         // the row's max logit
     bool recentre = false;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        __half2 tile_max[2] = {as_half2(0xfc00fc00u), as_half2(0xfc00fc00u)};
-#pragma unroll
-        for (int c = 0; c < REGS / 2; c++) tile_max[c % 2] = __hmax2(tile_max[c % 2], as_half2(score[2 * c + r]));
-        const __half2 both = __hmax2(tile_max[0], tile_max[1]);
-        new_max[r] = fmaxf(row_max[r], quad_max(fmaxf(__low2float(both), __high2float(both))) * scale);
+        new_max[r] = fmaxf(row_max[r], row_top(score, r) * scale);
         recentre |= new_max[r] != -INFINITY && fabsf(new_max[r]) > HALF_MAX_LIMIT;
     }
     recentre = __any_sync(0xffffffff, recentre);
@@ -760,11 +778,13 @@ __device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float
         __half offset = __float2half_rd(P_SCALE_LOG2 - max_here);
         float reference = P_SCALE_LOG2 - __half2float(offset);
         if (recentre) {
-            const float in_scores = max_here / __half2float(scale_h);  // the max in this tile's units
-            const __half max_scores = __float2half_ru(fminf(in_scores, 65504.0f));
-            const bool beyond = in_scores > 65504.0f;  // every score of the tile is 0 beside it
-            offset = beyond ? __ushort_as_half(0xfc00) : __float2half_rn(P_SCALE_LOG2);
-            reference = beyond ? max_here : __half2float(max_scores) * __half2float(scale_h);
+            const float top = row_top(score, r);  // again: the rare way keeps no registers for it
+            const bool tile_leads = top * scale >= max_here;
+            const float earlier = fminf(fmaxf(max_here / __half2float(scale_h), -65504.0f), 65504.0f);
+            const __half max_scores = tile_leads ? __float2half_rn(top) : __float2half_rd(earlier);
+            const float gap = tile_leads ? 0.0f : max_here - __half2float(max_scores) * __half2float(scale_h);
+            offset = __float2half_rn(P_SCALE_LOG2 - gap);
+            reference = tile_leads ? __half2float(max_scores) * __half2float(scale_h) : max_here;
 #pragma unroll
             for (int c = 0; c < REGS / 2; c++)
                 score[2 * c + r] = as_bits(__hsub2(as_half2(score[2 * c + r]), __half2half2(max_scores)));
@@ -889,7 +909,13 @@ __device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const W
     typedef Config<HEAD_DIM> C;
     const int key0 = tile * C::BLOCK_KV;
     const float k_descale = descale_at(w.k_descales, tile);
-    c.next_v_descale = descale_at(w.v_descales, tile);  // with K's, long before O needs it
+    const float *v_descales = w.v_descales;
+    if (C::HALF_SCORES) {  // V's descales found from K's, one pointer fewer through the softmax (Q K^T)
+        int heads_tiles = (w.causal ? gridDim.x : gridDim.y) * ceil_div(w.seqlen, C::BLOCK_KV);
+        asm volatile("" : "+r"(heads_tiles));
+        v_descales = w.k_descales + heads_tiles;
+    }
+    c.next_v_descale = descale_at(v_descales, tile);  // with K's, long before O needs it
     mbarrier_wait(&s.kv_full[tile % C::STAGES], tile / C::STAGES % 2);
     wait_turn(c.group);
     issue_qk<HEAD_DIM>(c.score, c.q_rows, s.k_ring + tile % C::STAGES * C::K_BYTES);
