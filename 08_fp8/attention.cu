@@ -631,8 +631,8 @@ __device__ void load_kv_tile(const Smem &s, const Work &w, int tile) {
 template <int HEAD_DIM>
 __device__ void produce(const Smem &s, const Work &w) {
     constexpr int STAGES = Config<HEAD_DIM>::STAGES;
-    for (int tile = 0; tile < w.kv_tiles; tile++) {
-        if (tile >= STAGES) mbarrier_wait(&s.kv_empty[tile % STAGES], (tile / STAGES - 1) % 2);
+    for (int tile = STAGES; tile < w.kv_tiles; tile++) {  // the first STAGES are loaded with Q
+        mbarrier_wait(&s.kv_empty[tile % STAGES], (tile / STAGES - 1) % 2);
         load_kv_tile<HEAD_DIM>(s, w, tile);
     }
 }
@@ -748,60 +748,72 @@ __device__ float row_top(const unsigned (&score)[REGS], int r) {
     return quad_max(fmaxf(__low2float(both), __high2float(both)));
 }
 
+// Logits past HALF_MAX_LIMIT (rare): each row's scores minus a max, in place, in their own
+// units, so that the offset stays small. That max is the tile's own (exact: an fp16 score) where
+// it leads the row, otherwise the row's earlier max in this tile's units rounded down, the
+// remainder going into the offset. The row's reference never drifts.
+template <int REGS>
+__device__ void recentre_scores(unsigned (&score)[REGS], const float (&new_max)[2], __half scale_h, __half (&offset)[2],
+                                float (&reference)[2]) {
+    const float scale = __half2float(scale_h);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const float max_here = new_max[r] == -INFINITY ? 0.0f : new_max[r];
+        const float top = row_top(score, r);  // again: the rare way keeps no registers for it
+        const bool tile_leads = top * scale >= max_here;
+        const float earlier = fminf(fmaxf(max_here / scale, -65504.0f), 65504.0f);
+        const __half max_scores = tile_leads ? __float2half_rn(top) : __float2half_rd(earlier);
+        const float gap = tile_leads ? 0.0f : max_here - __half2float(max_scores) * scale;
+        offset[r] = __float2half_rn(P_SCALE_LOG2 - gap);
+        reference[r] = tile_leads ? __half2float(max_scores) * scale : max_here;
+#pragma unroll
+        for (int c = 0; c < REGS / 2; c++)
+            score[2 * c + r] = as_bits(__hsub2(as_half2(score[2 * c + r]), __half2half2(max_scores)));
+    }
+}
+
 // The same on fp16 scores, two keys an instruction: the row max on half2, 2^x as two
-// MUFU.EX2.F16, the sums on half2 (four chains). The exponent is one HFMA2, s * scale + offset,
+// MUFU.EX2.F16, the sums on half2 (two chains). The exponent is one HFMA2, s * scale + offset,
 // with the offset 8 - max rounded to fp16 downwards; that rounded value becomes the row's
 // reference (row_max), so p stays <= 2^8 and the sums and O agree with it. For logits past
-// ~1400 (natural units), where fp16 cannot hold that offset closely, a warp first subtracts a
-// max from the scores in place, in their own units, and keeps the offset small: the tile's own
-// max (exact: an fp16 score), or, where an earlier tile holds the row's max, that max in this
-// tile's units rounded down, the remainder going into the offset. The scale is capped at
-// 32768, about what fp16 holds safely: only inputs with |q| and |k| in the thousands reach it,
-// and their softmax is then computed with the capped scale.
-template <int REGS>
+// ~1400 (natural units), where fp16 cannot hold that offset closely, a warp first recentres its
+// scores (above); only WIDE_LOGITS warpgroups, whose inputs can reach that far, check for it (a
+// branch here, between the waits for Q K^T and for P V, costs 5%). The scale is capped at 32768,
+// about what fp16 holds safely: only inputs with |q| and |k| in the thousands reach it, and their
+// softmax is then computed with the capped scale.
+template <bool WIDE_LOGITS, int REGS>
 __device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
                              float scale_log2) {
     const float scale = fminf(scale_log2, HALF_SCALE_LIMIT);  // the scores' scale from here on
-    float new_max[2];                                         // the row's max logit
+    const __half scale_h = __float2half_rn(scale);
+    float new_max[2], reference[2];  // the row's max logit; the reference p is taken against
+    __half offset[2];
     bool recentre = false;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         new_max[r] = fmaxf(row_max[r], row_top(score, r) * scale);
-        recentre |= new_max[r] != -INFINITY && fabsf(new_max[r]) > HALF_MAX_LIMIT;
+        const float max_here = new_max[r] == -INFINITY ? 0.0f : new_max[r];  // an empty row stays empty
+        offset[r] = __float2half_rd(P_SCALE_LOG2 - max_here);
+        reference[r] = P_SCALE_LOG2 - __half2float(offset[r]);
+        recentre |= fabsf(max_here) > HALF_MAX_LIMIT;
     }
-    recentre = __any_sync(0xffffffff, recentre);
-    const __half scale_h = __float2half_rn(scale);
+    if (WIDE_LOGITS && __any_sync(0xffffffff, recentre)) recentre_scores(score, new_max, scale_h, offset, reference);
     const __half2 scale2 = __half2half2(scale_h);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        const float max_here = new_max[r] == -INFINITY ? 0.0f : new_max[r];  // an empty row stays empty
-        __half offset = __float2half_rd(P_SCALE_LOG2 - max_here);
-        float reference = P_SCALE_LOG2 - __half2float(offset);
-        if (recentre) {
-            const float top = row_top(score, r);  // again: the rare way keeps no registers for it
-            const bool tile_leads = top * scale >= max_here;
-            const float earlier = fminf(fmaxf(max_here / __half2float(scale_h), -65504.0f), 65504.0f);
-            const __half max_scores = tile_leads ? __float2half_rn(top) : __float2half_rd(earlier);
-            const float gap = tile_leads ? 0.0f : max_here - __half2float(max_scores) * __half2float(scale_h);
-            offset = __float2half_rn(P_SCALE_LOG2 - gap);
-            reference = tile_leads ? __half2float(max_scores) * __half2float(scale_h) : max_here;
-#pragma unroll
-            for (int c = 0; c < REGS / 2; c++)
-                score[2 * c + r] = as_bits(__hsub2(as_half2(score[2 * c + r]), __half2half2(max_scores)));
-        }
-        rescale[r] = exp2_approx(row_max[r] - reference);
-        row_max[r] = new_max[r] == -INFINITY ? new_max[r] : reference;
-        const __half2 offset2 = __half2half2(offset);
-        __half2 sum[4] = {};
+        rescale[r] = exp2_approx(row_max[r] - reference[r]);
+        row_max[r] = new_max[r] == -INFINITY ? new_max[r] : reference[r];
+        const __half2 offset2 = __half2half2(offset[r]);
+        __half2 sum[2] = {};
 #pragma unroll
         for (int c = 0; c < REGS / 2; c++) {
             const __half2 p = exp2_approx_h2(__hfma2(as_half2(score[2 * c + r]), scale2, offset2));
             score[2 * c + r] = as_bits(p);
-            sum[c % 4] = __hadd2(sum[c % 4], p);
+            sum[c % 2] = __hadd2(sum[c % 2], p);
         }
         float tile_sum = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 4; i++) tile_sum += __low2float(sum[i]) + __high2float(sum[i]);
+        for (int i = 0; i < 2; i++) tile_sum += __low2float(sum[i]) + __high2float(sum[i]);
         row_sum[r] = row_sum[r] * rescale[r] + tile_sum;
     }
 }
@@ -876,7 +888,7 @@ __device__ void pass_turn(int group, int consumers) {
 }
 
 // What a consumer warpgroup keeps on chip; thread t holds rows row0 and row0 + 8 of each.
-template <int HEAD_DIM>
+template <int HEAD_DIM, bool WIDE_LOGITS>
 struct Consumer {
     float o_acc[HEAD_DIM / 2];  // O, unnormalised, in V's e4m3 units
     typename ScoreType<Config<HEAD_DIM>::HALF_SCORES>::T score[Config<HEAD_DIM>::SCORE_REGS];  // S, then 2^8 p
@@ -890,8 +902,8 @@ struct Consumer {
 };
 
 // Each V tile has its own scale: before P V of `tile` adds in that tile's units, O moves to them.
-template <int HEAD_DIM>
-__device__ float next_v_units(Consumer<HEAD_DIM> &c) {
+template <int HEAD_DIM, bool WIDE>
+__device__ float next_v_units(Consumer<HEAD_DIM, WIDE> &c) {
     const float ratio = c.v_descale / c.next_v_descale;
     c.v_descale = c.next_v_descale;
     return ratio;
@@ -904,8 +916,8 @@ enum MaskMode { MASK_IF_NEEDED, MASK_NONE, MASK_ALL };
 
 // Tile `tile` up to its probabilities: wait for its copy and for our turn, issue Q K^T (and, with
 // PV_IN_FLIGHT, P V of the previous tile right behind it), pass the turn, mask, softmax.
-template <int HEAD_DIM, bool PV_IN_FLIGHT, MaskMode MASK = MASK_IF_NEEDED>
-__device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
+template <int HEAD_DIM, bool PV_IN_FLIGHT, MaskMode MASK = MASK_IF_NEEDED, bool WIDE>
+__device__ void scores_and_softmax(Consumer<HEAD_DIM, WIDE> &c, const Smem &s, const Work &w, int tile) {
     typedef Config<HEAD_DIM> C;
     const int key0 = tile * C::BLOCK_KV;
     const float k_descale = descale_at(w.k_descales, tile);
@@ -929,12 +941,14 @@ __device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const W
     const bool needs_mask = key0 + C::BLOCK_KV > w.seqlen || (w.causal && key0 + C::BLOCK_KV - 1 > c.group_query0);
     if (MASK == MASK_ALL || (MASK == MASK_IF_NEEDED && needs_mask))
         mask_scores(c.score, c.row0, key0 + 2 * (threadIdx.x % 4), w.seqlen, w.causal);
-    softmax_tile(c.score, c.row_max, c.row_sum, c.rescale, c.q_scale_log2 * k_descale);
+    if constexpr (C::HALF_SCORES)
+        softmax_tile<WIDE>(c.score, c.row_max, c.row_sum, c.rescale, c.q_scale_log2 * k_descale);
+    else softmax_tile(c.score, c.row_max, c.row_sum, c.rescale, c.q_scale_log2 * k_descale);
 }
 
 // O += P V for the tile whose P is in registers, waited for, then its stage released.
-template <int HEAD_DIM>
-__device__ void finish_pv(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile, bool issue) {
+template <int HEAD_DIM, bool WIDE>
+__device__ void finish_pv(Consumer<HEAD_DIM, WIDE> &c, const Smem &s, const Work &w, int tile, bool issue) {
     if (issue)
         issue_pv<HEAD_DIM>(c.o_acc, c.p_frag, s.v_ring + tile % Config<HEAD_DIM>::STAGES * Config<HEAD_DIM>::V_BYTES);
     wgmma_wait<0>();
@@ -945,8 +959,8 @@ __device__ void finish_pv(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, i
 
 // Tile tile-1's probabilities into the A operand of its P V, once the P V before it (tile-2,
 // if any) is done and O is rescaled.
-template <int HEAD_DIM>
-__device__ void previous_p_ready(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
+template <int HEAD_DIM, bool WIDE>
+__device__ void previous_p_ready(Consumer<HEAD_DIM, WIDE> &c, const Smem &s, const Work &w, int tile) {
     wgmma_wait<0>();
     hold_registers(c.o_acc);
     hold_registers(c.p_frag);
@@ -959,8 +973,8 @@ __device__ void previous_p_ready(Consumer<HEAD_DIM> &c, const Smem &s, const Wor
 // and P of tile ready for the next P V. SOFTMAX_UNDER_PV: the wait for tile-1's P V comes first in
 // the body (P of tile-1 is made ready at the top), where ptxas cannot move it above the softmax;
 // after the softmax in the same block, ptxas schedules it early, before the softmax.
-template <int HEAD_DIM, MaskMode MASK>
-__device__ void overlapped_tile(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
+template <int HEAD_DIM, MaskMode MASK, bool WIDE>
+__device__ void overlapped_tile(Consumer<HEAD_DIM, WIDE> &c, const Smem &s, const Work &w, int tile) {
     constexpr bool UNDER_PV = Config<HEAD_DIM>::SOFTMAX_UNDER_PV;
     if (UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, tile);
     scores_and_softmax<HEAD_DIM, true, MASK>(c, s, w, tile);
@@ -968,11 +982,11 @@ __device__ void overlapped_tile(Consumer<HEAD_DIM> &c, const Smem &s, const Work
 }
 
 // A consumer warpgroup: its 64 query rows against every key tile, then O and LSE.
-template <int HEAD_DIM>
+template <int HEAD_DIM, bool WIDE_LOGITS>
 __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_log2, __half *o, float *lse) {
     typedef Config<HEAD_DIM> C;
     const int lane = threadIdx.x % 32;
-    Consumer<HEAD_DIM> c;
+    Consumer<HEAD_DIM, WIDE_LOGITS> c;
     c.group = group;
     c.group_query0 = w.query0 + group * WARPGROUP_ROWS;
     c.row0 = c.group_query0 + threadIdx.x / 32 % 4 * 16 + lane / 4;
@@ -1035,6 +1049,25 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
 }
 
 // --- The kernel ----------------------------------------------------------------------------
+// Whether a block's logits can pass HALF_MAX_LIMIT: |S| <= HEAD_DIM * QK_RANGE^2 in e4m3 units,
+// times Q's descale and the largest K descale among the tiles it reads. The same in every thread.
+template <int HEAD_DIM>
+__device__ bool logits_may_be_wide(const float *descales, int seqlen, int heads, float scale_log2e, int causal) {
+    typedef Config<HEAD_DIM> C;
+    static_assert(C::BLOCK_Q == Q_SCALE_ROWS, "one Q descale a block");
+    const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x, head = causal ? blockIdx.x : blockIdx.y;
+    const int q_scale_tiles = ceil_div(seqlen, Q_SCALE_ROWS), key_tiles = ceil_div(seqlen, C::BLOCK_KV);
+    const int kv_tiles = ceil_div(causal ? min(seqlen, (query_tile + 1) * C::BLOCK_Q) : seqlen, C::BLOCK_KV);
+    const float *k_descales = descales + heads * q_scale_tiles + head * key_tiles;
+    float k_descale = 0.0f;
+    for (int tile = threadIdx.x % 32; tile < kv_tiles; tile += 32)
+        k_descale = fmaxf(k_descale, __ldg(&k_descales[tile]));
+    for (int offset = 16; offset > 0; offset /= 2)
+        k_descale = fmaxf(k_descale, __shfl_xor_sync(0xffffffff, k_descale, offset));
+    const float reach = HEAD_DIM * C::QK_RANGE * C::QK_RANGE;
+    return reach * scale_log2e * descales[head * q_scale_tiles + query_tile] * k_descale > HALF_MAX_LIMIT;
+}
+
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
     attention_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
@@ -1043,6 +1076,12 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
     typedef Config<HEAD_DIM> C;
     extern __shared__ unsigned char smem_raw[];
     const Smem s = smem_layout<HEAD_DIM>(smem_raw);
+    // fp16 scores: whether the block's logits may pass one HFMA2's reach, which picks the consumers'
+    // loop. Asked first, its loads overlap the setup (asked after it, ptxas spills in the loop).
+    bool wide = false;
+    if constexpr (C::HALF_SCORES)
+        if (!WARP_SPECIALISED || threadIdx.x >= WARPGROUP_THREADS)
+            wide = logits_may_be_wide<HEAD_DIM>(descales, seqlen, heads, scale_log2e, causal);
     const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
     Work w;
     w.k_map = &k_map;
@@ -1077,8 +1116,8 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
         for (int slice = 0; slice < C::QK_SLICES; slice++)
             tma_load(s.q_tile + slice * C::BLOCK_Q * C::QK_SLICE, &q_map, s.q_full, slice * C::QK_SLICE, w.query0,
                      w.head);
-        if (!WARP_SPECIALISED)  // the ring's first tiles; release_stage refills it
-            for (int tile = 0; tile < min(C::STAGES, w.kv_tiles); tile++) load_kv_tile<HEAD_DIM>(s, w, tile);
+        // The ring's first tiles, at once; the producer (or release_stage) refills it.
+        for (int tile = 0; tile < min(C::STAGES, w.kv_tiles); tile++) load_kv_tile<HEAD_DIM>(s, w, tile);
     }
     __syncthreads();  // the barriers are initialised before anyone waits on them
 
@@ -1090,7 +1129,9 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
         if (threadIdx.x == 0) produce<HEAD_DIM>(s, w);
     } else {
         setmaxnreg_inc<C::CONSUMER_REGISTERS>();
-        consume<HEAD_DIM>(s, w, warpgroup - WARP_SPECIALISED, q_scale_log2, o, lse);
+        if (!wide) consume<HEAD_DIM, false>(s, w, warpgroup - WARP_SPECIALISED, q_scale_log2, o, lse);
+        else if constexpr (C::HALF_SCORES)
+            consume<HEAD_DIM, true>(s, w, warpgroup - WARP_SPECIALISED, q_scale_log2, o, lse);
     }
 }
 
