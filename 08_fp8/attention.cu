@@ -124,6 +124,7 @@ struct Config {
     static constexpr int QK_SLICES = HEAD_DIM * ELEMENT_BYTES / QK_SLICE, V_SLICES = BLOCK_KV * ELEMENT_BYTES / V_SLICE;
     static constexpr int BARRIERS = 1 + 2 * STAGES;  // Q full, K/V full and empty
     static constexpr int SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_BYTES + V_BYTES) + BARRIERS * 8;
+    static_assert(SMEM_BYTES <= 227 * 1024, "Q and the ring exceed the 227 KiB of shared memory a block can have");
     static_assert(HEAD_DIM % MMA_K == 0 && BLOCK_KV % MMA_K == 0, "whole wgmma k-steps");
     static_assert(BLOCK_KV % 64 == 0 && BLOCK_KV <= 256, "Vt's rows are whole 64-byte slices; wgmma's N <= 256");
     static_assert(Q_BYTES % 1024 == 0 && K_BYTES % 1024 == 0 && V_BYTES % 1024 == 0,
