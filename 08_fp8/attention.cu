@@ -42,12 +42,16 @@
 #define FP16_OPERANDS 0  // 1: the same kernel on fp16 operands (no quantisation): what wgmma buys without FP8
 #endif
 #ifndef WIDE_KEY_TILES
-#define WIDE_KEY_TILES 1  // FP8: 192 keys per tile, not 128 (fp16 operands: 128, faster at D = 128)
+#define WIDE_KEY_TILES 1  // FP8 at D = 128: 192 keys per tile (256 with SCORES_F16), not 128
+#endif
+#ifndef SCORES_F16
+#define SCORES_F16 1  // FP8 at D = 128: Q K^T accumulates S in fp16, and the softmax runs on half2
 #endif
 // Keys per tile (wgmma's N for Q K^T) and consumer warpgroups per block, by head dim: chosen by
 // measurement (256-key tiles, -DBLOCK_KV_D128=256 -DBLOCK_KV_D64=256, are measured in the README).
+#define WIDE_KEYS_D128 (SCORES_F16 ? 256 : 192)  // FP8's wide tile: 256 keys fit only with fp16 scores
 #ifndef BLOCK_KV_D128
-#define BLOCK_KV_D128 (WIDE_KEY_TILES && !FP16_OPERANDS ? 192 : 128)
+#define BLOCK_KV_D128 (WIDE_KEY_TILES && !FP16_OPERANDS ? WIDE_KEYS_D128 : 128)
 #endif
 #ifndef BLOCK_KV_D64
 #define BLOCK_KV_D64 128
@@ -80,9 +84,19 @@
 #define MMA_K (KSTEP_BYTES / ELEMENT_BYTES)    // elements of it: 32 e4m3 or 16 fp16
 #define SLICE_BYTES 128                        // the widest swizzle: longer rows are stored as 128-byte slices
 #define E4M3_MAX 448.0f                        // the largest finite e4m3 value
+#define QK_RANGE_F16 16                        // with fp16 scores: |q|, |k| <= 16, so |S| <= 128 * 16 * 16
 #define P_SCALE_LOG2 8.0f                      // P is stored as 256 p: [0, 256] keeps p >= 2^-14 in e4m3's normal range
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
+
+template <bool HALF>
+struct ScoreType {
+    typedef float T;
+};
+template <>
+struct ScoreType<true> {
+    typedef unsigned T;  // two fp16 scores, adjacent columns of a row
+};
 
 template <int HEAD_DIM>
 struct Config {
@@ -95,6 +109,10 @@ struct Config {
     static constexpr int CONSUMER_REGISTERS = (65536 / WARPGROUP_THREADS - PRODUCER_REGISTERS) / CONSUMERS / 8 * 8;
     static constexpr int STAGES = HEAD_DIM == 128 ? STAGES_D128 : STAGES_D64;
     static constexpr bool SOFTMAX_UNDER_PV = HEAD_DIM == 128 ? SOFTMAX_UNDER_PV_D128 : SOFTMAX_UNDER_PV_D64;
+    // S in fp16 (FP8 at D = 128): half the score registers, two scores an instruction in the softmax.
+    static constexpr bool HALF_SCORES = SCORES_F16 && HEAD_DIM == 128 && !FP16_OPERANDS;
+    static constexpr int SCORE_REGS = HALF_SCORES ? BLOCK_KV / 4 : BLOCK_KV / 2;  // a thread's, for 64 x BLOCK_KV
+    static constexpr float QK_RANGE = HALF_SCORES ? QK_RANGE_F16 : E4M3_MAX;      // Q, K quantised to |x| <= this
     static constexpr int Q_BYTES = BLOCK_Q * HEAD_DIM * ELEMENT_BYTES;
     static constexpr int K_BYTES = BLOCK_KV * HEAD_DIM * ELEMENT_BYTES;
     static constexpr int V_BYTES = HEAD_DIM * BLOCK_KV * ELEMENT_BYTES;
@@ -106,6 +124,7 @@ struct Config {
     static constexpr int QK_SLICES = HEAD_DIM * ELEMENT_BYTES / QK_SLICE, V_SLICES = BLOCK_KV * ELEMENT_BYTES / V_SLICE;
     static constexpr int BARRIERS = 1 + 2 * STAGES;  // Q full, K/V full and empty
     static constexpr int SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_BYTES + V_BYTES) + BARRIERS * 8;
+    static_assert(SMEM_BYTES <= 227 * 1024, "Q and the ring exceed the 227 KiB of shared memory a block can have");
     static_assert(HEAD_DIM % MMA_K == 0 && BLOCK_KV % MMA_K == 0, "whole wgmma k-steps");
     static_assert(BLOCK_KV % 64 == 0 && BLOCK_KV <= 256, "Vt's rows are whole 64-byte slices; wgmma's N <= 256");
     static_assert(Q_BYTES % 1024 == 0 && K_BYTES % 1024 == 0 && V_BYTES % 1024 == 0,
@@ -125,9 +144,9 @@ struct Config {
 #define KEY_GROUP 16         // V's keys are permuted within groups of 16 (key_slot)
 #define VECTORS_A_THREAD 16  // of 8 halves, in the quantisation
 
-// x * scale maps |x| <= amax onto e4m3's range [-448, 448]; the descale undoes it.
-__host__ __device__ float e4m3_scale(float amax) { return amax > 0 ? E4M3_MAX / amax : 1.0f; }
-__host__ __device__ float e4m3_descale(float amax) { return amax > 0 ? amax / E4M3_MAX : 1.0f; }
+// x * scale maps |x| <= amax onto [-range, range] (e4m3's whole range: 448); the descale undoes it.
+__host__ __device__ float e4m3_scale(float amax, float range) { return amax > 0 ? range / amax : 1.0f; }
+__host__ __device__ float e4m3_descale(float amax, float range) { return amax > 0 ? amax / range : 1.0f; }
 
 // Two floats, times scale, to two e4m3 bytes (cvt.rn.satfinite: round to nearest even, clamp at 448).
 __device__ unsigned to_e4m3x2(float a, float b, float scale) {
@@ -180,8 +199,9 @@ __device__ void quantize_rows(const uint4 *src, uint2 *dst, int rows, uint4 (&ti
         const int vector = threadIdx.x + i * BLOCK_THREADS;
         tile[i] = vector < rows * VECTORS_PER_ROW ? src[vector] : make_uint4(0, 0, 0, 0);
     }
-    const float amax = tile_amax<BLOCK_THREADS>(tile), scale = e4m3_scale(amax);
-    if (threadIdx.x == 0) *descale = e4m3_descale(amax);
+    const float range = Config<HEAD_DIM>::QK_RANGE;
+    const float amax = tile_amax<BLOCK_THREADS>(tile), scale = e4m3_scale(amax, range);
+    if (threadIdx.x == 0) *descale = e4m3_descale(amax, range);
     for (int i = 0; i < VECTORS_A_THREAD; i++) {
         const int vector = threadIdx.x + i * BLOCK_THREADS;
         if (vector < rows * VECTORS_PER_ROW) dst[vector] = to_e4m3x8(tile[i], scale);
@@ -199,8 +219,8 @@ __device__ void quantize_transposed(const uint4 *src, unsigned char *vt_tile, in
     const int group = threadIdx.x % GROUPS, dim0 = threadIdx.x / GROUPS * 8, key0 = group * KEY_GROUP;
     for (int i = 0; i < KEY_GROUP; i++)
         tile[i] = key0 + i < rows ? src[(key0 + i) * VECTORS_PER_ROW + dim0 / 8] : make_uint4(0, 0, 0, 0);
-    const float amax = tile_amax<BLOCK_THREADS>(tile), scale = e4m3_scale(amax);
-    if (threadIdx.x == 0) *descale = e4m3_descale(amax);
+    const float amax = tile_amax<BLOCK_THREADS>(tile), scale = e4m3_scale(amax, E4M3_MAX);
+    if (threadIdx.x == 0) *descale = e4m3_descale(amax, E4M3_MAX);
     if (key0 >= keys_padded) return;  // Vt's row ends before this group
 #pragma unroll
     for (int d = 0; d < 8; d++) {
@@ -282,10 +302,13 @@ __device__ void tma_load(void *dst, const CUtensorMap *map, uint64_t *barrier, i
 // A wgmma operand in shared memory: a K-major tile whose rows are row_bytes (64 or 128) long,
 // swizzled as TMA wrote it. Fields: start address, leading byte offset (unused by swizzled
 // K-major tiles: 1), stride byte offset (8 rows, one swizzle atom), swizzle mode; all >> 4.
-__device__ uint64_t smem_descriptor(const void *tile, int row_bytes) {
+__device__ uint64_t smem_descriptor_at(unsigned address, int row_bytes) {
     const uint64_t mode = row_bytes == 128 ? 1 : 2;  // 128-byte or 64-byte swizzle
-    return (uint64_t)(smem_address(tile) & 0x3FFFF) >> 4 | 1ull << 16 | (uint64_t)(8 * row_bytes >> 4) << 32 |
-           mode << 62;
+    return (uint64_t)(address & 0x3FFFF) >> 4 | 1ull << 16 | (uint64_t)(8 * row_bytes >> 4) << 32 | mode << 62;
+}
+
+__device__ uint64_t smem_descriptor(const void *tile, int row_bytes) {
+    return smem_descriptor_at(smem_address(tile), row_bytes);
 }
 
 // fp16 operands: V as it lies in memory, [keys][dims], read MN-major (wgmma's transpose bit, which
@@ -309,6 +332,12 @@ template <int COUNT>
 __device__ void hold_registers(float (&acc)[COUNT]) {
 #pragma unroll
     for (int i = 0; i < COUNT; i++) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+template <int COUNT>
+__device__ void hold_registers(unsigned (&acc)[COUNT]) {
+#pragma unroll
+    for (int i = 0; i < COUNT; i++) asm volatile("" : "+r"(acc[i])::"memory");
 }
 
 template <int FRAGS>
@@ -405,6 +434,46 @@ __device__ void wgmma_qk(float (&score)[SCORES], uint64_t q_desc, uint64_t k_des
     else wgmma_64x128_shared_a(score, q_desc, k_desc, accumulate);
 }
 
+// S in fp16 (SCORES_F16): the same products accumulated in fp16, each register holding the two
+// adjacent columns that fp32 keeps in two. Only e4m3 operands are used this way.
+#define ACCH8(d, i)                                                                                             \
+    "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), "+r"(d[i + 6]), \
+        "+r"(d[i + 7])
+#define ACCH32(d, i) ACCH8(d, i), ACCH8(d, i + 8), ACCH8(d, i + 16), ACCH8(d, i + 24)
+#define REGS48 REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+
+__device__ void wgmma_64x128_f16_shared_a(unsigned (&d)[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f16.e4m3.e4m3 {" REGS32 "}, %32, %33, acc, 1, 1;\n}\n"
+        : ACCH32(d, 0)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+__device__ void wgmma_64x192_f16_shared_a(unsigned (&d)[48], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %50, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k32.f16.e4m3.e4m3 {" REGS48 "}, %48, %49, acc, 1, 1;\n}\n"
+        : ACCH32(d, 0), ACCH8(d, 32), ACCH8(d, 40)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+__device__ void wgmma_64x256_f16_shared_a(unsigned (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 {" REGS64 "}, %64, %65, acc, 1, 1;\n}\n"
+        : ACCH32(d, 0), ACCH32(d, 32)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+template <int REGS>
+__device__ void wgmma_qk(unsigned (&score)[REGS], uint64_t q_desc, uint64_t k_desc, int accumulate) {
+    static_assert(REGS == 32 || REGS == 48 || REGS == 64, "a wgmma of Q K^T for 128, 192 or 256 keys");
+    if constexpr (REGS == 64) wgmma_64x256_f16_shared_a(score, q_desc, k_desc, accumulate);
+    else if constexpr (REGS == 48) wgmma_64x192_f16_shared_a(score, q_desc, k_desc, accumulate);
+    else wgmma_64x128_f16_shared_a(score, q_desc, k_desc, accumulate);
+}
+
 // d (64 x N fp32) += A (64 x MMA_K in registers: 4 x 4 bytes per thread) * B (MMA_K x N, shared).
 __device__ void wgmma_64x128_register_a(float (&d)[64], const unsigned (&a)[4], uint64_t b_desc) {
     asm volatile("wgmma.mma_async.sync.aligned.m64n128" WGMMA_K_TYPES " {" REGS64
@@ -487,6 +556,27 @@ __device__ void mask_scores(float (&score)[SCORES], int row0, int col0, int seql
     }
 }
 
+__device__ __half2 as_half2(unsigned bits) { return *(__half2 *)&bits; }
+__device__ unsigned as_bits(__half2 h) { return *(unsigned *)&h; }
+
+// The same on fp16 scores: register i holds row 8 (i % 2), columns 8 (i / 2) and the one after.
+template <int REGS>
+__device__ void mask_scores(unsigned (&score)[REGS], int row0, int col0, int seqlen, int causal) {
+    const __half minus_inf = __ushort_as_half(0xfc00);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int query = row0 + 8 * r;
+        const int key_limit = causal ? min(seqlen, query + 1) : seqlen;
+#pragma unroll
+        for (int c = 0; c < REGS / 2; c++) {
+            __half2 x = as_half2(score[2 * c + r]);
+            if (col0 + 8 * c >= key_limit) x.x = minus_inf;
+            if (col0 + 8 * c + 1 >= key_limit) x.y = minus_inf;
+            score[2 * c + r] = as_bits(x);
+        }
+    }
+}
+
 // --- The kernel's parts -------------------------------------------------------------------
 struct Smem {
     unsigned char *q_tile;  // [BLOCK_Q][HEAD_DIM]
@@ -542,8 +632,8 @@ __device__ void load_kv_tile(const Smem &s, const Work &w, int tile) {
 template <int HEAD_DIM>
 __device__ void produce(const Smem &s, const Work &w) {
     constexpr int STAGES = Config<HEAD_DIM>::STAGES;
-    for (int tile = 0; tile < w.kv_tiles; tile++) {
-        if (tile >= STAGES) mbarrier_wait(&s.kv_empty[tile % STAGES], (tile / STAGES - 1) % 2);
+    for (int tile = STAGES; tile < w.kv_tiles; tile++) {  // the first STAGES are loaded with Q
+        mbarrier_wait(&s.kv_empty[tile % STAGES], (tile / STAGES - 1) % 2);
         load_kv_tile<HEAD_DIM>(s, w, tile);
     }
 }
@@ -564,19 +654,29 @@ __device__ void release_stage(const Smem &s, const Work &w, int tile) {
 
 // Where k-step ks (32 bytes of every row) of a tile starts: in slice ks * 32 / slice_bytes,
 // each slice being slice_stride bytes (all the tile's rows) long.
+__device__ int kstep_offset(int slice_stride, int slice_bytes, int ks) {
+    return ks * KSTEP_BYTES / slice_bytes * slice_stride + ks * KSTEP_BYTES % slice_bytes;
+}
+
 __device__ const unsigned char *kstep(const unsigned char *tile, int slice_stride, int slice_bytes, int ks) {
-    return tile + ks * KSTEP_BYTES / slice_bytes * slice_stride + ks * KSTEP_BYTES % slice_bytes;
+    return tile + kstep_offset(slice_stride, slice_bytes, ks);
 }
 
 // S = Q K^T for the warpgroup's 64 rows: HEAD_DIM / MMA_K wgmmas, issued, not waited for.
 template <int HEAD_DIM>
-__device__ void issue_qk(float (&score)[Config<HEAD_DIM>::BLOCK_KV / 2], const unsigned char *q_rows,
-                         const unsigned char *k_tile) {
+__device__ void issue_qk(typename ScoreType<Config<HEAD_DIM>::HALF_SCORES>::T (&score)[Config<HEAD_DIM>::SCORE_REGS],
+                         const unsigned char *q_rows, const unsigned char *k_tile) {
     typedef Config<HEAD_DIM> C;
+    // Q's descriptors are the same every tile. With fp16 scores they are rebuilt here from one
+    // 32-bit address, rather than held in eight registers through the softmax, where 256 scores
+    // and the overlap leave none to spare (the empty asm keeps them from being hoisted).
+    unsigned q_address = smem_address(q_rows);
+    if (C::HALF_SCORES) asm volatile("" : "+r"(q_address));
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++)
-        wgmma_qk(score, smem_descriptor(kstep(q_rows, C::BLOCK_Q * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE),
+        wgmma_qk(score,
+                 smem_descriptor_at(q_address + kstep_offset(C::BLOCK_Q * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE),
                  smem_descriptor(kstep(k_tile, C::BLOCK_KV * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE), ks > 0);
     wgmma_commit();
 }
@@ -627,6 +727,98 @@ __device__ void softmax_tile(float (&score)[SCORES], float (&row_max)[2], float 
     }
 }
 
+// 2^x of two halves: two MUFU.EX2.F16 (cuda_fp16's h2exp2 goes through fp32 on sm_90).
+__device__ __half2 exp2_approx_h2(__half2 x) {
+    unsigned y;
+    asm("ex2.approx.f16x2 %0, %1;\n" : "=r"(y) : "r"(as_bits(x)));
+    return as_half2(y);
+}
+
+// The exponent s * scale + (8 - max) as one HFMA2 needs the offset 8 - max in fp16 to within 1
+// (|max| < 2^11 in log2 units) and a finite scale.
+#define HALF_MAX_LIMIT 2000.0f
+#define HALF_SCALE_LIMIT 32768.0f
+
+// The largest score of row r (0: row0, 1: row0 + 8) of the quad's fp16 tile.
+template <int REGS>
+__device__ float row_top(const unsigned (&score)[REGS], int r) {
+    __half2 tile_max[2] = {as_half2(0xfc00fc00u), as_half2(0xfc00fc00u)};
+#pragma unroll
+    for (int c = 0; c < REGS / 2; c++) tile_max[c % 2] = __hmax2(tile_max[c % 2], as_half2(score[2 * c + r]));
+    const __half2 both = __hmax2(tile_max[0], tile_max[1]);
+    return quad_max(fmaxf(__low2float(both), __high2float(both)));
+}
+
+// Logits past HALF_MAX_LIMIT (rare): each row's scores minus a max, in place, in their own
+// units, so that the offset stays small. That max is the tile's own (exact: an fp16 score) where
+// it leads the row, otherwise the row's earlier max in this tile's units rounded down, the
+// remainder going into the offset. The row's reference never drifts.
+template <int REGS>
+__device__ void recentre_scores(unsigned (&score)[REGS], const float (&new_max)[2], __half scale_h, __half (&offset)[2],
+                                float (&reference)[2]) {
+    const float scale = __half2float(scale_h);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const float max_here = new_max[r] == -INFINITY ? 0.0f : new_max[r];
+        const float top = row_top(score, r);  // again: the rare way keeps no registers for it
+        const bool tile_leads = top * scale >= max_here;
+        const float earlier = fminf(fmaxf(max_here / scale, -65504.0f), 65504.0f);
+        const __half max_scores = tile_leads ? __float2half_rn(top) : __float2half_rd(earlier);
+        const float gap = tile_leads ? 0.0f : max_here - __half2float(max_scores) * scale;
+        offset[r] = __float2half_rn(P_SCALE_LOG2 - gap);
+        reference[r] = tile_leads ? __half2float(max_scores) * scale : max_here;
+#pragma unroll
+        for (int c = 0; c < REGS / 2; c++)
+            score[2 * c + r] = as_bits(__hsub2(as_half2(score[2 * c + r]), __half2half2(max_scores)));
+    }
+}
+
+// The same on fp16 scores, two keys an instruction: the row max on half2, 2^x as two
+// MUFU.EX2.F16, the sums on half2 (two chains). The exponent is one HFMA2, s * scale + offset,
+// with the offset 8 - max rounded to fp16 downwards; that rounded value becomes the row's
+// reference (row_max), so p stays <= 2^8 and the sums and O agree with it. For logits past
+// ~1400 (natural units), where fp16 cannot hold that offset closely, a warp first recentres its
+// scores (above); only WIDE_LOGITS warpgroups, whose inputs can reach that far, check for it (a
+// branch here, between the waits for Q K^T and for P V, costs 5%). The scale is capped at 32768,
+// about what fp16 holds safely: only inputs with |q| and |k| in the thousands reach it, and their
+// softmax is then computed with the capped scale.
+template <bool WIDE_LOGITS, int REGS>
+__device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
+                             float scale_log2) {
+    const float scale = fminf(scale_log2, HALF_SCALE_LIMIT);  // the scores' scale from here on
+    const __half scale_h = __float2half_rn(scale);
+    float new_max[2], reference[2];  // the row's max logit; the reference p is taken against
+    __half offset[2];
+    bool recentre = false;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        new_max[r] = fmaxf(row_max[r], row_top(score, r) * scale);
+        const float max_here = new_max[r] == -INFINITY ? 0.0f : new_max[r];  // an empty row stays empty
+        offset[r] = __float2half_rd(P_SCALE_LOG2 - max_here);
+        reference[r] = P_SCALE_LOG2 - __half2float(offset[r]);
+        recentre |= fabsf(max_here) > HALF_MAX_LIMIT;
+    }
+    if (WIDE_LOGITS && __any_sync(0xffffffff, recentre)) recentre_scores(score, new_max, scale_h, offset, reference);
+    const __half2 scale2 = __half2half2(scale_h);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        rescale[r] = exp2_approx(row_max[r] - reference[r]);
+        row_max[r] = new_max[r] == -INFINITY ? new_max[r] : reference[r];
+        const __half2 offset2 = __half2half2(offset[r]);
+        __half2 sum[2] = {};
+#pragma unroll
+        for (int c = 0; c < REGS / 2; c++) {
+            const __half2 p = exp2_approx_h2(__hfma2(as_half2(score[2 * c + r]), scale2, offset2));
+            score[2 * c + r] = as_bits(p);
+            sum[c % 2] = __hadd2(sum[c % 2], p);
+        }
+        float tile_sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 2; i++) tile_sum += __low2float(sum[i]) + __high2float(sum[i]);
+        row_sum[r] = row_sum[r] * rescale[r] + tile_sum;
+    }
+}
+
 // O times each row's rescale and the change of V's units (see next_v_units).
 template <int HEAD_DIM>
 __device__ void rescale_output(float (&o_acc)[HEAD_DIM / 2], const float (&rescale)[2], float v_units) {
@@ -666,6 +858,21 @@ __device__ void pack_p(const float (&score)[SCORES], unsigned (&p_frag)[2 * SCOR
         }
     // EXERCISE END
 }
+
+// The same from fp16 scores: fp32 chunks c and c + 1 of row r are registers 2c + r and 2c + 2 + r.
+template <int REGS>
+__device__ void pack_p(const unsigned (&score)[REGS], unsigned (&p_frag)[4 * REGS / MMA_K][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4 * REGS / MMA_K; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = 4 * kk + 2 * (i / 2), r = i % 2;
+            const __half2_raw lo = *(const __half2_raw *)&score[2 * c + r];
+            const __half2_raw hi = *(const __half2_raw *)&score[2 * c + 2 + r];
+            p_frag[kk][i] = (unsigned)__nv_cvt_halfraw2_to_fp8x2(lo, __NV_SATFINITE, __NV_E4M3) |
+                            (unsigned)__nv_cvt_halfraw2_to_fp8x2(hi, __NV_SATFINITE, __NV_E4M3) << 16;
+        }
+}
 #endif
 
 // Ping-pong: consumer warpgroup g issues its matrix products only after the one before it (g - 1,
@@ -682,10 +889,10 @@ __device__ void pass_turn(int group, int consumers) {
 }
 
 // What a consumer warpgroup keeps on chip; thread t holds rows row0 and row0 + 8 of each.
-template <int HEAD_DIM>
+template <int HEAD_DIM, bool WIDE_LOGITS>
 struct Consumer {
-    float o_acc[HEAD_DIM / 2];                               // O, unnormalised, in V's e4m3 units
-    float score[Config<HEAD_DIM>::BLOCK_KV / 2];             // S of the current tile, then its 2^8 p
+    float o_acc[HEAD_DIM / 2];  // O, unnormalised, in V's e4m3 units
+    typename ScoreType<Config<HEAD_DIM>::HALF_SCORES>::T score[Config<HEAD_DIM>::SCORE_REGS];  // S, then 2^8 p
     unsigned p_frag[Config<HEAD_DIM>::BLOCK_KV / MMA_K][4];  // P in e4m3, the A operand of P V
     float row_max[2], row_sum[2], rescale[2];
     const unsigned char *q_rows;  // the warpgroup's 64 rows of the Q tile
@@ -696,8 +903,8 @@ struct Consumer {
 };
 
 // Each V tile has its own scale: before P V of `tile` adds in that tile's units, O moves to them.
-template <int HEAD_DIM>
-__device__ float next_v_units(Consumer<HEAD_DIM> &c) {
+template <int HEAD_DIM, bool WIDE>
+__device__ float next_v_units(Consumer<HEAD_DIM, WIDE> &c) {
     const float ratio = c.v_descale / c.next_v_descale;
     c.v_descale = c.next_v_descale;
     return ratio;
@@ -710,12 +917,18 @@ enum MaskMode { MASK_IF_NEEDED, MASK_NONE, MASK_ALL };
 
 // Tile `tile` up to its probabilities: wait for its copy and for our turn, issue Q K^T (and, with
 // PV_IN_FLIGHT, P V of the previous tile right behind it), pass the turn, mask, softmax.
-template <int HEAD_DIM, bool PV_IN_FLIGHT, MaskMode MASK = MASK_IF_NEEDED>
-__device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
+template <int HEAD_DIM, bool PV_IN_FLIGHT, MaskMode MASK = MASK_IF_NEEDED, bool WIDE>
+__device__ void scores_and_softmax(Consumer<HEAD_DIM, WIDE> &c, const Smem &s, const Work &w, int tile) {
     typedef Config<HEAD_DIM> C;
     const int key0 = tile * C::BLOCK_KV;
     const float k_descale = descale_at(w.k_descales, tile);
-    c.next_v_descale = descale_at(w.v_descales, tile);  // with K's, long before O needs it
+    const float *v_descales = w.v_descales;
+    if (C::HALF_SCORES) {  // V's descales found from K's, one pointer fewer through the softmax (Q K^T)
+        int heads_tiles = (w.causal ? gridDim.x : gridDim.y) * ceil_div(w.seqlen, C::BLOCK_KV);
+        asm volatile("" : "+r"(heads_tiles));
+        v_descales = w.k_descales + heads_tiles;
+    }
+    c.next_v_descale = descale_at(v_descales, tile);  // with K's, long before O needs it
     mbarrier_wait(&s.kv_full[tile % C::STAGES], tile / C::STAGES % 2);
     wait_turn(c.group);
     issue_qk<HEAD_DIM>(c.score, c.q_rows, s.k_ring + tile % C::STAGES * C::K_BYTES);
@@ -729,12 +942,14 @@ __device__ void scores_and_softmax(Consumer<HEAD_DIM> &c, const Smem &s, const W
     const bool needs_mask = key0 + C::BLOCK_KV > w.seqlen || (w.causal && key0 + C::BLOCK_KV - 1 > c.group_query0);
     if (MASK == MASK_ALL || (MASK == MASK_IF_NEEDED && needs_mask))
         mask_scores(c.score, c.row0, key0 + 2 * (threadIdx.x % 4), w.seqlen, w.causal);
-    softmax_tile(c.score, c.row_max, c.row_sum, c.rescale, c.q_scale_log2 * k_descale);
+    if constexpr (C::HALF_SCORES)
+        softmax_tile<WIDE>(c.score, c.row_max, c.row_sum, c.rescale, c.q_scale_log2 * k_descale);
+    else softmax_tile(c.score, c.row_max, c.row_sum, c.rescale, c.q_scale_log2 * k_descale);
 }
 
 // O += P V for the tile whose P is in registers, waited for, then its stage released.
-template <int HEAD_DIM>
-__device__ void finish_pv(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile, bool issue) {
+template <int HEAD_DIM, bool WIDE>
+__device__ void finish_pv(Consumer<HEAD_DIM, WIDE> &c, const Smem &s, const Work &w, int tile, bool issue) {
     if (issue)
         issue_pv<HEAD_DIM>(c.o_acc, c.p_frag, s.v_ring + tile % Config<HEAD_DIM>::STAGES * Config<HEAD_DIM>::V_BYTES);
     wgmma_wait<0>();
@@ -745,8 +960,8 @@ __device__ void finish_pv(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, i
 
 // Tile tile-1's probabilities into the A operand of its P V, once the P V before it (tile-2,
 // if any) is done and O is rescaled.
-template <int HEAD_DIM>
-__device__ void previous_p_ready(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
+template <int HEAD_DIM, bool WIDE>
+__device__ void previous_p_ready(Consumer<HEAD_DIM, WIDE> &c, const Smem &s, const Work &w, int tile) {
     wgmma_wait<0>();
     hold_registers(c.o_acc);
     hold_registers(c.p_frag);
@@ -759,8 +974,8 @@ __device__ void previous_p_ready(Consumer<HEAD_DIM> &c, const Smem &s, const Wor
 // and P of tile ready for the next P V. SOFTMAX_UNDER_PV: the wait for tile-1's P V comes first in
 // the body (P of tile-1 is made ready at the top), where ptxas cannot move it above the softmax;
 // after the softmax in the same block, ptxas schedules it early, before the softmax.
-template <int HEAD_DIM, MaskMode MASK>
-__device__ void overlapped_tile(Consumer<HEAD_DIM> &c, const Smem &s, const Work &w, int tile) {
+template <int HEAD_DIM, MaskMode MASK, bool WIDE>
+__device__ void overlapped_tile(Consumer<HEAD_DIM, WIDE> &c, const Smem &s, const Work &w, int tile) {
     constexpr bool UNDER_PV = Config<HEAD_DIM>::SOFTMAX_UNDER_PV;
     if (UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, tile);
     scores_and_softmax<HEAD_DIM, true, MASK>(c, s, w, tile);
@@ -768,11 +983,11 @@ __device__ void overlapped_tile(Consumer<HEAD_DIM> &c, const Smem &s, const Work
 }
 
 // A consumer warpgroup: its 64 query rows against every key tile, then O and LSE.
-template <int HEAD_DIM>
+template <int HEAD_DIM, bool WIDE_LOGITS>
 __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_log2, __half *o, float *lse) {
     typedef Config<HEAD_DIM> C;
     const int lane = threadIdx.x % 32;
-    Consumer<HEAD_DIM> c;
+    Consumer<HEAD_DIM, WIDE_LOGITS> c;
     c.group = group;
     c.group_query0 = w.query0 + group * WARPGROUP_ROWS;
     c.row0 = c.group_query0 + threadIdx.x / 32 % 4 * 16 + lane / 4;
@@ -835,6 +1050,25 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
 }
 
 // --- The kernel ----------------------------------------------------------------------------
+// Whether a block's logits can pass HALF_MAX_LIMIT: |S| <= HEAD_DIM * QK_RANGE^2 in e4m3 units,
+// times Q's descale and the largest K descale among the tiles it reads. The same in every thread.
+template <int HEAD_DIM>
+__device__ bool logits_may_be_wide(const float *descales, int seqlen, int heads, float scale_log2e, int causal) {
+    typedef Config<HEAD_DIM> C;
+    static_assert(C::BLOCK_Q == Q_SCALE_ROWS, "one Q descale a block");
+    const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x, head = causal ? blockIdx.x : blockIdx.y;
+    const int q_scale_tiles = ceil_div(seqlen, Q_SCALE_ROWS), key_tiles = ceil_div(seqlen, C::BLOCK_KV);
+    const int kv_tiles = ceil_div(causal ? min(seqlen, (query_tile + 1) * C::BLOCK_Q) : seqlen, C::BLOCK_KV);
+    const float *k_descales = descales + heads * q_scale_tiles + head * key_tiles;
+    float k_descale = 0.0f;
+    for (int tile = threadIdx.x % 32; tile < kv_tiles; tile += 32)
+        k_descale = fmaxf(k_descale, __ldg(&k_descales[tile]));
+    for (int offset = 16; offset > 0; offset /= 2)
+        k_descale = fmaxf(k_descale, __shfl_xor_sync(0xffffffff, k_descale, offset));
+    const float reach = HEAD_DIM * C::QK_RANGE * C::QK_RANGE;
+    return reach * scale_log2e * descales[head * q_scale_tiles + query_tile] * k_descale > HALF_MAX_LIMIT;
+}
+
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
     attention_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
@@ -843,6 +1077,12 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
     typedef Config<HEAD_DIM> C;
     extern __shared__ unsigned char smem_raw[];
     const Smem s = smem_layout<HEAD_DIM>(smem_raw);
+    // fp16 scores: whether the block's logits may pass one HFMA2's reach, which picks the consumers'
+    // loop. Asked first, its loads overlap the setup (asked after it, ptxas spills in the loop).
+    bool wide = false;
+    if constexpr (C::HALF_SCORES)
+        if (!WARP_SPECIALISED || threadIdx.x >= WARPGROUP_THREADS)
+            wide = logits_may_be_wide<HEAD_DIM>(descales, seqlen, heads, scale_log2e, causal);
     const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
     Work w;
     w.k_map = &k_map;
@@ -877,8 +1117,8 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
         for (int slice = 0; slice < C::QK_SLICES; slice++)
             tma_load(s.q_tile + slice * C::BLOCK_Q * C::QK_SLICE, &q_map, s.q_full, slice * C::QK_SLICE, w.query0,
                      w.head);
-        if (!WARP_SPECIALISED)  // the ring's first tiles; release_stage refills it
-            for (int tile = 0; tile < min(C::STAGES, w.kv_tiles); tile++) load_kv_tile<HEAD_DIM>(s, w, tile);
+        // The ring's first tiles, at once; the producer (or release_stage) refills it.
+        for (int tile = 0; tile < min(C::STAGES, w.kv_tiles); tile++) load_kv_tile<HEAD_DIM>(s, w, tile);
     }
     __syncthreads();  // the barriers are initialised before anyone waits on them
 
@@ -890,7 +1130,9 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
         if (threadIdx.x == 0) produce<HEAD_DIM>(s, w);
     } else {
         setmaxnreg_inc<C::CONSUMER_REGISTERS>();
-        consume<HEAD_DIM>(s, w, warpgroup - WARP_SPECIALISED, q_scale_log2, o, lse);
+        if (!wide) consume<HEAD_DIM, false>(s, w, warpgroup - WARP_SPECIALISED, q_scale_log2, o, lse);
+        else if constexpr (C::HALF_SCORES)
+            consume<HEAD_DIM, true>(s, w, warpgroup - WARP_SPECIALISED, q_scale_log2, o, lse);
     }
 }
 
@@ -1020,6 +1262,9 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
 // and V per key tile of the head dim (1).
 static int fp8_scale_rows(int headdim, int which) { return which == 0 ? Q_SCALE_ROWS : key_tile(headdim); }
 
+// The largest |e4m3| Q and K are scaled to, by head dim (V's is always 448).
+static int fp8_qk_range(int headdim) { return (int)(headdim == 128 ? Config<128>::QK_RANGE : Config<64>::QK_RANGE); }
+
 const Chapter chapter = {
     "08_fp8",
     "FP8 e4m3 with dynamic scales on Hopper's wgmma fed by TMA: warp-specialised, softmax overlapped with the MMAs",
@@ -1030,6 +1275,7 @@ const Chapter chapter = {
     prepare,  // quantise Q, K, V to e4m3 (timed with the forward and on its own)
     forward,
     fp8_scale_rows,  // one scale per 128 rows of Q, per key tile of K and of V
+    fp8_qk_range,    // with fp16 scores (D = 128) Q and K are scaled to |x| <= 16
 };
 #else  // the same kernel reading the fp16 inputs, checked as the fp16 tensor-core chapters are
 const Chapter chapter = {

@@ -63,6 +63,7 @@ ABLATIONS = {
             ("PINGPONG", "ping-pong of the two consumer warpgroups"),
             ("INTRA_OVERLAP", "intra-warpgroup overlap (P V of tile j-1 issued with QK^T of j)"),
             ("WIDE_KEY_TILES", "192-key tiles (wgmma N = 192)"),
+            ("SCORES_F16", "S in fp16 at D = 128 (QK^T accumulated in fp16, softmax on half2, 256-key tiles)"),
         ],
     },
 }

@@ -56,6 +56,7 @@ static const PrecisionRule FP8_TC_RULE = {"fp8 (e4m3) tensor cores", "fp8", 3e-3
 static int fp8_scale_rows(int headdim, int which) {
     return chapter.fp8_scale_rows ? chapter.fp8_scale_rows(headdim, which) : 128;
 }
+static int fp8_qk_range(int headdim) { return chapter.fp8_qk_range ? chapter.fp8_qk_range(headdim) : 448; }
 
 static const PrecisionRule *precision_rule(Precision precision) {
     switch (precision) {  // no default: the compiler names a Precision left without a rule
@@ -339,8 +340,9 @@ static DataPaths data_paths(const Options *o) {
         format_path(p.ref_dir, sizeof p.ref_dir, "%s", p.data_dir);
     }
     snprintf(p.ref_tag, sizeof p.ref_tag, "c%d_s%.9g", s->causal, s->scale);
-    snprintf(p.floor_part, sizeof p.floor_part, "fp8floor%dx%d", fp8_scale_rows(s->headdim, 0),
-             fp8_scale_rows(s->headdim, 1));
+    const int qk_range = fp8_qk_range(s->headdim);  // named only where it is not e4m3's 448
+    snprintf(p.floor_part, sizeof p.floor_part, qk_range == 448 ? "fp8floor%dx%d" : "fp8floor%dx%dr%d",
+             fp8_scale_rows(s->headdim, 0), fp8_scale_rows(s->headdim, 1), qk_range);
     return p;
 }
 
@@ -389,13 +391,15 @@ static void prepare_data(const Options *o, const DataPaths *p) {
     argv[argc++] = scale;
     if (o->shape.causal) argv[argc++] = "--causal";
     if (!o->check) argv[argc++] = "--no-ref";
-    char q_rows[16], kv_rows[16];
+    char q_rows[16], kv_rows[16], qk_range[16];
     snprintf(q_rows, sizeof q_rows, "%d", fp8_scale_rows(o->shape.headdim, 0));
     snprintf(kv_rows, sizeof kv_rows, "%d", fp8_scale_rows(o->shape.headdim, 1));
+    snprintf(qk_range, sizeof qk_range, "%d", fp8_qk_range(o->shape.headdim));
     if (o->check && floors) {
         argv[argc++] = "--fp8-floor";
         argv[argc++] = q_rows;
         argv[argc++] = kv_rows;
+        argv[argc++] = qk_range;
     }
     argv[argc] = NULL;
 

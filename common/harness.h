@@ -49,6 +49,9 @@ typedef struct {
     // FP8 chapters: rows per quantisation scale of Q (which 0) and of K and V (1) at a head dim,
     // so that the check's floor quantises as the chapter does (left out: 128 each).
     int (*fp8_scale_rows)(int headdim, int which) = NULL;
+    // FP8 chapters: the largest |e4m3| value Q and K are scaled to at a head dim (V's: 448), for
+    // the same reason (left out: 448).
+    int (*fp8_qk_range)(int headdim) = NULL;
 } Chapter;
 
 extern const Chapter chapter;

@@ -10,17 +10,18 @@ computed in float64 from the very fp16 inputs the chapters get. Only NumPy is us
       Write DIR/q.npy, k.npy, v.npy (generated inputs, unless --input gives them), then
       DIR/ref_<tag>_rows.npy, _o.npy, _lse.npy with tag = c<causal>_s<F>. Files that already
       exist are kept (the cache), new ones are written atomically.
-      --fp8-floor QR KR also writes DIR/ref_<tag>_fp8floor<QR>x<KR>.npy: [rel L2 of O, max abs
-      error of LSE] that quantising Q, K, V to e4m3 alone causes, with one scale per QR rows of
-      Q and per KR rows of K and V in each (b, h), as the FP8 chapter quantises (the harness
-      passes the chapter's tiles): what it is measured against.
+      --fp8-floor QR KR [R] also writes DIR/ref_<tag>_fp8floor<QR>x<KR>[r<R>].npy: [rel L2 of
+      O, max abs error of LSE] that quantising Q, K, V to e4m3 alone causes, with one scale per
+      QR rows of Q and per KR rows of K and V in each (b, h), Q and K scaled to |x| <= R
+      (default 448, e4m3's largest; V always to 448), as the FP8 chapter quantises (the harness
+      passes the chapter's tiles and range): what it is measured against.
   reference.py inputs --out DIR --batch B --heads H --seqlen N --headdim D --seed S [--qk-std X]
                       [--outliers F]
       Only write inputs; --qk-std scales Q and K so that logits grow like X^2; --outliers
       sets a fraction F of the entries of Q and K to +-U(10, 100).
-  reference.py floor --input DIR [--causal] [--scale F] [--q-rows R] [--kv-rows R]
+  reference.py floor --input DIR [--causal] [--scale F] [--q-rows R] [--kv-rows R] [--qk-range R]
       Print the e4m3 input-quantisation floor of DIR's inputs, scales per (b, h) and per tile
-      (R rows of Q, of K and V; default the FP8 chapter's).
+      (R rows of Q, of K and V, Q and K to |x| <= R; default the FP8 chapter's).
 
 Small shapes are checked on every query row. Above FULL_PAIRS (query, key) pairs a
 deterministic sample of rows per (b, h) is used, so an N = 16k reference takes seconds.
@@ -36,8 +37,9 @@ FULL_PAIRS = 1 << 26      # B*H*N*N up to this: every query row is checked
 MIN_SAMPLED_ROWS = 8      # rows per (b, h) at the least when sampling
 CHUNK_BYTES = 256 << 20   # float64 scores held at once while computing the reference
 FP8_Q_ROWS = 128                   # the FP8 chapter's scale granularity as built by default: one
-FP8_KV_ROWS = {64: 128, 128: 192}  # scale per 128 rows of Q and one per key tile of K and of V (by
+FP8_KV_ROWS = {64: 128, 128: 256}  # scale per 128 rows of Q and one per key tile of K and of V (by
                                    # head dim), in each (b, h)
+FP8_QK_RANGE = {64: 448, 128: 16}  # and the |e4m3| Q and K are scaled to (16 where it keeps S in fp16)
 
 
 def make_inputs(batch, heads, seqlen, headdim, seed, qk_std=1.0, outliers=0.0):
@@ -100,10 +102,11 @@ def e4m3_encode(x):
     return np.where(np.isnan(rounded), 0x7F, codes).astype(np.uint8)
 
 
-def quantize_e4m3(x, block_rows=None):
-    """x [B, H, N, D] through e4m3 and back, as FP8 chapters quantise it: scale = 448 / amax
-    per (b, h) (or per block of block_rows rows), x * scale in float32, rounded to e4m3;
-    returns the float64 values the e4m3 codes stand for (code / scale)."""
+def quantize_e4m3(x, block_rows=None, to=E4M3_MAX):
+    """x [B, H, N, D] through e4m3 and back, as FP8 chapters quantise it: scale = to / amax
+    (to: 448, e4m3's largest, unless a chapter keeps its values smaller) per (b, h) (or per
+    block of block_rows rows), x * scale in float32, rounded to e4m3; returns the float64
+    values the e4m3 codes stand for (code / scale)."""
     batch, heads, seqlen, headdim = x.shape
     rows = block_rows or seqlen
     blocks = -(-seqlen // rows)
@@ -111,17 +114,19 @@ def quantize_e4m3(x, block_rows=None):
     padded[:, :, :seqlen] = x
     blocked = padded.reshape(batch, heads, blocks, rows * headdim)
     amax = np.abs(blocked).max(axis=-1, keepdims=True)
-    scale = np.where(amax > 0, np.float32(E4M3_MAX) / np.where(amax > 0, amax, 1), np.float32(1))
+    scale = np.where(amax > 0, np.float32(to) / np.where(amax > 0, amax, 1), np.float32(1))
     codes = e4m3_round(blocked * scale.astype(np.float32))
     out = (codes / scale.astype(np.float64)).reshape(batch, heads, blocks * rows, headdim)
     return out[:, :, :seqlen]
 
 
-def fp8_floor(q, k, v, rows, causal, scale, ref_o, ref_lse, q_rows=None, kv_rows=None):
+def fp8_floor(q, k, v, rows, causal, scale, ref_o, ref_lse, q_rows=None, kv_rows=None, qk_range=E4M3_MAX):
     """[rel L2 of O, max abs error of LSE] of exact attention on e4m3-quantised inputs against
     exact attention on the inputs themselves: the error no FP8 kernel can go below. Scales per
-    q_rows rows of Q and kv_rows rows of K and V (None: one per (b, h))."""
-    quantized = [quantize_e4m3(q, q_rows), quantize_e4m3(k, kv_rows), quantize_e4m3(v, kv_rows)]
+    q_rows rows of Q and kv_rows rows of K and V (None: one per (b, h)), Q and K scaled to
+    |x| <= qk_range, V to 448."""
+    quantized = [quantize_e4m3(q, q_rows, qk_range), quantize_e4m3(k, kv_rows, qk_range),
+                 quantize_e4m3(v, kv_rows)]
     o, lse = attention_reference(*quantized, rows, causal, scale)
     rel = np.linalg.norm(o - ref_o) / max(np.linalg.norm(ref_o), np.finfo(np.float64).tiny)
     return np.array([rel, np.abs(lse - ref_lse).max()], dtype=np.float64)
@@ -187,9 +192,10 @@ def load_inputs(folder):
     return arrays
 
 
-def fp8_floor_part(q_rows, kv_rows):
-    """The floor file's part of the name (the harness builds the same from the chapter's tiles)."""
-    return f"fp8floor{q_rows}x{kv_rows}"
+def fp8_floor_part(q_rows, kv_rows, qk_range=int(E4M3_MAX)):
+    """The floor file's part of the name (the harness builds the same from the chapter's tiles
+    and range; a range of 448 is not named)."""
+    return f"fp8floor{q_rows}x{kv_rows}" + (f"r{qk_range}" if qk_range != int(E4M3_MAX) else "")
 
 
 def ref_paths(folder, causal, scale_text, floor_rows=None):
@@ -241,8 +247,10 @@ def print_floor(args):
     rows = sample_rows(*q.shape[:3])
     o, lse = attention_reference(q, k, v, rows, args.causal, scale)
     kv_rows = args.kv_rows or FP8_KV_ROWS.get(q.shape[-1], 128)
-    for label, tiles in (("per (b, h)", (None, None)),
-                         (f"per {args.q_rows} rows of Q, {kv_rows} of K and V", (args.q_rows, kv_rows))):
+    qk_range = args.qk_range or FP8_QK_RANGE.get(q.shape[-1], int(E4M3_MAX))
+    for label, tiles in (("per (b, h)", (None, None, int(E4M3_MAX))),
+                         (f"per {args.q_rows} rows of Q, {kv_rows} of K and V, Q and K to |x| <= {qk_range}",
+                          (args.q_rows, kv_rows, qk_range))):
         rel, lse_err = fp8_floor(q, k, v, rows, args.causal, scale, o, lse, *tiles)
         print(f"e4m3 input floor, scales {label}: rel L2 of O {rel:.3e}, LSE max abs {lse_err:.3e}")
 
@@ -271,8 +279,9 @@ def parse_args(argv):
     prep.add_argument("--scale", required=True, help="softmax scale, as text (it names the files)")
     prep.add_argument("--causal", action="store_true")
     prep.add_argument("--no-ref", action="store_true", help="only the inputs")
-    prep.add_argument("--fp8-floor", nargs=2, type=positive_int, metavar=("Q_ROWS", "KV_ROWS"),
-                      help="also the e4m3 input-quantisation floor, scales per Q_ROWS rows of Q, KV_ROWS of K and V")
+    prep.add_argument("--fp8-floor", nargs="+", type=positive_int, metavar="Q_ROWS KV_ROWS [QK_RANGE]",
+                      help="also the e4m3 input-quantisation floor, scales per Q_ROWS rows of Q, KV_ROWS of K "
+                           "and V, Q and K to |x| <= QK_RANGE (default 448)")
     sub.choices["inputs"].add_argument("--qk-std", type=float, default=1.0)
     sub.choices["inputs"].add_argument("--outliers", type=float, default=0.0,
                                        help="fraction of Q and K entries set to +-U(10, 100)")
@@ -282,6 +291,7 @@ def parse_args(argv):
     floor.add_argument("--scale", help="softmax scale (default 1/sqrt(D))")
     floor.add_argument("--q-rows", type=positive_int, default=FP8_Q_ROWS)
     floor.add_argument("--kv-rows", type=positive_int, help="default: the FP8 chapter's key tile at this head dim")
+    floor.add_argument("--qk-range", type=positive_int, help="default: the FP8 chapter's at this head dim")
     args = parser.parse_args(argv)
     if args.command == "floor":
         return args
@@ -289,6 +299,10 @@ def parse_args(argv):
     if generated and None in (args.batch, args.heads, args.seqlen, args.headdim):
         parser.error("give --batch, --heads, --seqlen and --headdim (or --input)")
     if args.command == "prepare":
+        if args.fp8_floor and len(args.fp8_floor) not in (2, 3):
+            parser.error(f"--fp8-floor takes Q_ROWS KV_ROWS [QK_RANGE], got {len(args.fp8_floor)} numbers")
+        if args.fp8_floor and len(args.fp8_floor) == 2:
+            args.fp8_floor.append(int(E4M3_MAX))
         scale = float(args.scale)
         if not (scale > 0 and math.isfinite(scale)):
             parser.error(f"--scale must be a positive number, got {args.scale}")

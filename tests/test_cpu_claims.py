@@ -43,6 +43,8 @@ CLAIMS = {
                      r"\bcp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes",
                      r"\bmbarrier\.try_wait\.parity", r"\bmbarrier\.arrive\.expect_tx",
                      r"\bcvt\.rn\.satfinite\.e4m3x2\.f32", r"\bwgmma\.fence", r"\bwgmma\.wait_group",
+                     r"\bwgmma\.mma_async\.sync\.aligned\.m64n256k32\.f16\.e4m3\.e4m3",  # S in fp16 (D = 128)
+                     r"\bex2\.approx\.f16x2", r"\bcvt\.rn\.satfinite\.e4m3x2\.f16x2",
                      r"\bsetmaxnreg\.(inc|dec)\.sync\.aligned", r"\bbar\.arrive\b"],
             ptx_lacks=[PLAIN_MMA_PTX, r"\bwmma\.", r"\bcp\.async\.(ca|cg)\b"],
             sass_lacks=["HMMA", "HGMMA"], no_spills=True,
@@ -378,13 +380,13 @@ def test_fp8_chapter_fp16_operand_build(ctx):
 
 
 def test_fp8_chapter_256_key_build(ctx):
-    """08 with 256-key tiles at both head dims (the README's measured alternative, with two consumer
-    warpgroups at D = 64 as measured) builds on wgmma m64n256 for Q K^T. At D = 64 the
+    """08 with fp32 scores and 256-key tiles at both head dims (the README's measured alternative,
+    with two consumer warpgroups at D = 64 as measured) builds on wgmma m64n256 for Q K^T. At D = 64 the
     intra-warpgroup overlap still fits the registers (no spills); at D = 128 it does not, and
     -DINTRA_OVERLAP=0 is the build without spills there."""
     cuobjdump, env = sass_tools(ctx)
     results = []
-    wide = ["-DBLOCK_KV_D128=256", "-DBLOCK_KV_D64=256", "-DCONSUMERS_D64=2"]
+    wide = ["-DSCORES_F16=0", "-DBLOCK_KV_D128=256", "-DBLOCK_KV_D64=256", "-DCONSUMERS_D64=2"]
     for flags, clean_dims in ((wide, [64]), (wide + ["-DINTRA_OVERLAP=0"], [64, 128])):
         cubin = ctx.tmpdir() / f"08_kv256_{len(flags)}.cubin"
         proc = ctx.run([nvcc(), "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", *flags,
@@ -403,4 +405,37 @@ def test_fp8_chapter_256_key_build(ctx):
         assert len(kernels) == 2 and all("QGMMA.64x256x32" in k for k in kernels), \
             f"{' '.join(flags)}: expected QGMMA.64x256x32 in both attention kernels"
         results.append(f"{' '.join(flags)}: m64n256, no spills at D={clean_dims}")
+    return "; ".join(results)
+
+
+def test_fp8_scores_in_fp16(ctx):
+    """08 at D = 128 keeps S in fp16: Q K^T is a QGMMA with fp16 accumulators over 256 keys and the
+    exponentials are MUFU.EX2.F16; D = 64 keeps fp32 scores. -DSCORES_F16=0 is the fp32-score
+    kernel on 192-key tiles. Neither build spills."""
+    cuobjdump, env = sass_tools(ctx)
+    want = {1: {128: (["QGMMA.64x256x32.F16.E4M3.E4M3", "MUFU.EX2.F16"], ["QGMMA.64x256x32.F32", "QGMMA.64x192x32"]),
+                64: (["QGMMA.64x128x32.F32.E4M3.E4M3"], ["QGMMA.64x128x32.F16", "MUFU.EX2.F16"])},
+            0: {128: (["QGMMA.64x192x32.F32.E4M3.E4M3"], ["QGMMA.64x256x32", "MUFU.EX2.F16", ".F16.E4M3"])}}
+    results = []
+    for half, dims in want.items():
+        cubin = ctx.tmpdir() / f"08_scores_f16_{half}.cubin"
+        proc = ctx.run([nvcc(), "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", f"-DSCORES_F16={half}",
+                        "-gencode=arch=compute_90a,code=sm_90a", "-o", cubin, ctx.root / "08_fp8" / "attention.cu"],
+                       timeout=600)
+        assert proc.returncode == 0, f"nvcc -DSCORES_F16={half} failed:\n{proc.stderr}"
+        lines = proc.stderr.splitlines()
+        dump = ctx.run([cuobjdump, "--dump-sass", cubin], env=env, timeout=300)
+        assert dump.returncode == 0, f"cuobjdump failed on {cubin}:\n{dump.stderr}"
+        kernels = {k.split()[0]: k for k in re.split(r"Function : ", dump.stdout)[1:]
+                   if kernel_base_name(k.split()[0]) == "attention_kernel"}
+        for dim, (present, absent) in dims.items():
+            entry = [i for i, l in enumerate(lines) if "Function properties for" in l and f"attention_kernelILi{dim}E" in l]
+            assert entry and "0 bytes spill stores, 0 bytes spill loads" in lines[entry[0] + 1], \
+                f"-DSCORES_F16={half}, D={dim}: spills or no ptxas report"
+            text = next((t for name, t in kernels.items() if f"ILi{dim}E" in name), "")
+            assert text, f"-DSCORES_F16={half}: no attention_kernel<{dim}> in the SASS"
+            missing = [op for op in present if op not in text]
+            found = [op for op in absent if op in text]
+            assert not missing and not found, f"-DSCORES_F16={half}, D={dim}: lacks {missing}, has {found}"
+            results.append(f"SCORES_F16={half} D={dim}: {', '.join(present)}")
     return "; ".join(results)

@@ -8,6 +8,8 @@ folder, the others reuse it, and no two workers ever make the same folder at onc
   matrix        chapter x D {64,128} x causal x N {1,17,64,127,128,1000,1024,2048} x (B,H)
                 {(1,1),(2,3)}: exit 0 and status PASS
   large_logits  chapter x D x causal on `reference.py inputs --qk-std 4.5` (logits ~100)
+  huge_logits   FP8 chapters x causal, D = 128, on `--qk-std 20` (logits ~2000): past what one fp16
+                HFMA2 holds, where 08's softmax on fp16 scores recentres them first
   outliers      chapter x causal on `reference.py inputs --outliers 0.001` (0.1% of Q and K
                 entries +-U(10, 100)): the case FP8's per-(b, h) scales must survive
   output        chapter: --output's o.npy/lse.npy against float64 computed here
@@ -24,7 +26,7 @@ import unittest
 
 import numpy as np
 
-from reference import FP8_KV_ROWS, FP8_Q_ROWS, quantize_e4m3
+from reference import FP8_KV_ROWS, FP8_Q_ROWS, FP8_QK_RANGE, quantize_e4m3
 from results import HARNESS_FIELDS
 from test_cpu_cli import WORKSPACE
 
@@ -131,25 +133,25 @@ def matrix_case(chapter, b, h, n, d, causal):
 
 
 # --- large logits ------------------------------------------------------------------------------
-def large_logit_inputs(ctx, d):
+def large_logit_inputs(ctx, d, qk_std="4.5", least=50):
     def make():
-        out = ctx.tmpdir() / f"qk_std_4.5_d{d}"
-        proc = ctx.run([ctx.python, ctx.root / "common" / "reference.py", "inputs", "--qk-std", "4.5",
+        out = ctx.tmpdir() / f"qk_std_{qk_std}_d{d}"
+        proc = ctx.run([ctx.python, ctx.root / "common" / "reference.py", "inputs", "--qk-std", qk_std,
                         "--batch", "1", "--heads", "2", "--seqlen", "300", "--headdim", str(d), "--seed", "7",
                         "--out", out], timeout=300)
-        assert proc.returncode == 0, f"reference.py inputs --qk-std 4.5 failed: {proc.stderr.strip()}"
+        assert proc.returncode == 0, f"reference.py inputs --qk-std {qk_std} failed: {proc.stderr.strip()}"
         q, k = (np.load(out / f"{x}.npy").astype(np.float64) for x in "qk")
         biggest = np.abs(np.einsum("bhid,bhjd->bhij", q, k)).max() / math.sqrt(d)
-        assert biggest >= 50, f"qk_std 4.5 inputs reach |logit| {biggest:.1f} only: expected >= 50"
+        assert biggest >= least, f"qk_std {qk_std} inputs reach |logit| {biggest:.1f} only: expected >= {least}"
         return out
-    return ctx.once(("large_logit_inputs", d), make)
+    return ctx.once(("large_logit_inputs", d, qk_std), make)
 
 
-def large_logit_case(chapter, d, causal):
+def large_logit_case(chapter, d, causal, qk_std="4.5", least=50):
     def case(ctx):
-        folder = large_logit_inputs(ctx, d)
+        folder = large_logit_inputs(ctx, d, qk_std, least)
         proc, row = run_csv(ctx, chapter, ["--input", str(folder)] + (["--causal"] if causal else []))
-        shown = f"{chapter} --input <qk-std 4.5, B=1 H=2 N=300 D={d}>{' --causal' if causal else ''}"
+        shown = f"{chapter} --input <qk-std {qk_std}, B=1 H=2 N=300 D={d}>{' --causal' if causal else ''}"
         return check_row(ctx, chapter, proc, row, shown, 1, 2, 300, d, causal)
     return case
 
@@ -217,8 +219,9 @@ def output_case(chapter, b, h, n, d, causal):
         lse_err = float(np.abs(lse.astype(np.float64) - want_lse).max())
         tol, lse_tol = REL_L2_TOL.get(number), LSE_TOL
         if number in FP8:  # the floor: exact attention on the e4m3-quantised inputs
-            kv_rows = FP8_KV_ROWS[d]
-            quantized = (quantize_e4m3(x, rows) for x, rows in ((q, FP8_Q_ROWS), (k, kv_rows), (v, kv_rows)))
+            kv_rows, qk_range = FP8_KV_ROWS[d], FP8_QK_RANGE[d]
+            quantized = (quantize_e4m3(x, rows, to) for x, rows, to in
+                         ((q, FP8_Q_ROWS, qk_range), (k, kv_rows, qk_range), (v, kv_rows, 448.0)))
             floor_o, floor_lse = attention64(*quantized, causal, 1 / math.sqrt(d))
             floor = float(np.linalg.norm(floor_o - want_o) / np.linalg.norm(want_o))
             tol = FP8_FLOOR_FACTOR * floor + REL_L2_TOL[7]
@@ -288,6 +291,11 @@ def cases(ctx):
             for chapter in ctx.chapters:
                 name = f"large_logits[{chapter} D={d}{' causal' if causal else ''}]"
                 out.append((name, large_logit_case(chapter, d, causal), ("large_logits", d)))
+    for causal in (False, True):
+        for chapter in ctx.chapters:
+            if ctx.chapter_number(chapter) in FP8:
+                name = f"huge_logits[{chapter} D=128{' causal' if causal else ''}]"
+                out.append((name, large_logit_case(chapter, 128, causal, "20", 1500), ("large_logits", 128, "20")))
     for causal in (False, True):
         for chapter in ctx.chapters:
             name = f"outliers[{chapter}{' causal' if causal else ''}]"
