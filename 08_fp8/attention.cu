@@ -1051,11 +1051,10 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
 
 // --- The kernel ----------------------------------------------------------------------------
 // Whether a block's logits can pass HALF_MAX_LIMIT: |S| <= HEAD_DIM * QK_RANGE^2 in e4m3 units,
-// times Q's descale and the largest K descale among the tiles it reads. The same in every thread.
+// times the largest Q and K descales among the tiles it reads. The same in every thread.
 template <int HEAD_DIM>
 __device__ bool logits_may_be_wide(const float *descales, int seqlen, int heads, float scale_log2e, int causal) {
     typedef Config<HEAD_DIM> C;
-    static_assert(C::BLOCK_Q == Q_SCALE_ROWS, "one Q descale a block");
     const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x, head = causal ? blockIdx.x : blockIdx.y;
     const int q_scale_tiles = ceil_div(seqlen, Q_SCALE_ROWS), key_tiles = ceil_div(seqlen, C::BLOCK_KV);
     const int kv_tiles = ceil_div(causal ? min(seqlen, (query_tile + 1) * C::BLOCK_Q) : seqlen, C::BLOCK_KV);
@@ -1065,8 +1064,14 @@ __device__ bool logits_may_be_wide(const float *descales, int seqlen, int heads,
         k_descale = fmaxf(k_descale, __ldg(&k_descales[tile]));
     for (int offset = 16; offset > 0; offset /= 2)
         k_descale = fmaxf(k_descale, __shfl_xor_sync(0xffffffff, k_descale, offset));
+    const int q_tile0 = C::BLOCK_Q == Q_SCALE_ROWS ? query_tile : query_tile * C::BLOCK_Q / Q_SCALE_ROWS;
+    float q_descale = descales[head * q_scale_tiles + q_tile0];
+    if constexpr (C::BLOCK_Q > Q_SCALE_ROWS)  // three consumers: the block's rows span two of Q's scale tiles
+        q_descale =
+            fmaxf(q_descale, descales[head * q_scale_tiles +
+                                      min(((query_tile + 1) * C::BLOCK_Q - 1) / Q_SCALE_ROWS, q_scale_tiles - 1)]);
     const float reach = HEAD_DIM * C::QK_RANGE * C::QK_RANGE;
-    return reach * scale_log2e * descales[head * q_scale_tiles + query_tile] * k_descale > HALF_MAX_LIMIT;
+    return reach * scale_log2e * q_descale * k_descale > HALF_MAX_LIMIT;
 }
 
 template <int HEAD_DIM>
