@@ -889,6 +889,7 @@ __device__ void pass_turn(int group, int consumers) {
 }
 
 // What a consumer warpgroup keeps on chip; thread t holds rows row0 and row0 + 8 of each.
+// WIDE_LOGITS (fp16 scores only): its softmax checks every tile for logits past one HFMA2's reach.
 template <int HEAD_DIM, bool WIDE_LOGITS>
 struct Consumer {
     float o_acc[HEAD_DIM / 2];  // O, unnormalised, in V's e4m3 units
