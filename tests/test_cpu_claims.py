@@ -356,23 +356,40 @@ def test_mma_sync_e4m3_is_emulated_on_sm90(ctx):
             f"{sum(op == 'HMMA' for op, _ in ops['sm_90'])} x HMMA")
 
 
+def build_08_variant(ctx, flags):
+    """08 compiled for sm_90a with extra -D flags: (ptxas report lines, {head dim: SASS text of
+    its attention_kernel})."""
+    cuobjdump, env = sass_tools(ctx)
+    cubin = ctx.tmpdir() / "08_variant.cubin"
+    proc = ctx.run([nvcc(), "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", *flags,
+                    "-gencode=arch=compute_90a,code=sm_90a", "-o", cubin, ctx.root / "08_fp8" / "attention.cu"],
+                   timeout=600)
+    assert proc.returncode == 0, f"nvcc {' '.join(flags)} failed:\n{proc.stderr}"
+    dump = ctx.run([cuobjdump, "--dump-sass", cubin], env=env, timeout=300)
+    assert dump.returncode == 0, f"cuobjdump failed on {cubin}:\n{dump.stderr}"
+    kernels = {}
+    for text in re.split(r"Function : ", dump.stdout)[1:]:
+        name = text.split()[0]
+        if kernel_base_name(name) == "attention_kernel":
+            kernels[int(re.search(r"ILi(\d+)E", name).group(1))] = text
+    assert sorted(kernels) == [64, 128], f"{' '.join(flags)}: attention_kernel for D = {sorted(kernels)}, expected 64 and 128"
+    return proc.stderr.splitlines(), kernels
+
+
+def spill_report(lines, dim):
+    """ptxas's spill line for attention_kernel<dim> in a -Xptxas -v report."""
+    entry = [i for i, l in enumerate(lines) if "Function properties for" in l and f"attention_kernelILi{dim}E" in l]
+    assert entry and entry[0] + 1 < len(lines), f"no ptxas report for attention_kernel<{dim}>"
+    return lines[entry[0] + 1]
+
+
 def test_fp8_chapter_fp16_operand_build(ctx):
     """08 with -DFP16_OPERANDS=1 is the same kernel on fp16 operands: HGMMA (k16) instead of
     QGMMA in attention_kernel, the copies still on TMA, no e4m3 conversions, and no spills."""
-    cuobjdump, env = sass_tools(ctx)
-    cubin = ctx.tmpdir() / "08_fp16_operands.cubin"
-    proc = ctx.run([nvcc(), "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", "-DFP16_OPERANDS=1",
-                    "-gencode=arch=compute_90a,code=sm_90a", "-o", cubin, ctx.root / "08_fp8" / "attention.cu"],
-                   timeout=600)
-    assert proc.returncode == 0, f"nvcc -DFP16_OPERANDS=1 failed:\n{proc.stderr}"
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
+    lines, kernels = build_08_variant(ctx, ["-DFP16_OPERANDS=1"])
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", "\n".join(lines))
     assert spills and all(s == ("0", "0") for s in spills), f"spills in the fp16-operand build: {spills}"
-    dump = ctx.run([cuobjdump, "--dump-sass", cubin], env=env, timeout=300)
-    assert dump.returncode == 0, f"cuobjdump failed on {cubin}:\n{dump.stderr}"
-    kernels = re.split(r"Function : ", dump.stdout)[1:]
-    attention = [k for k in kernels if kernel_base_name(k.split()[0]) == "attention_kernel"]
-    assert len(attention) == 2, f"expected attention_kernel for D=64 and 128, found {len(attention)}"
-    for text in attention:
+    for text in kernels.values():
         ops = set(re.findall(r"\b(HGMMA|QGMMA|UTMALDG|F2FP\.SATFINITE\.E4M3)", text))
         assert {"HGMMA", "UTMALDG"} <= ops and not ops & {"QGMMA", "F2FP.SATFINITE.E4M3"}, \
             f"fp16-operand attention_kernel: expected HGMMA and UTMALDG, no QGMMA or e4m3 conversion, got {ops}"
@@ -384,25 +401,14 @@ def test_fp8_chapter_256_key_build(ctx):
     with two consumer warpgroups at D = 64 as measured) builds on wgmma m64n256 for Q K^T. At D = 64 the
     intra-warpgroup overlap still fits the registers (no spills); at D = 128 it does not, and
     -DINTRA_OVERLAP=0 is the build without spills there."""
-    cuobjdump, env = sass_tools(ctx)
     results = []
     wide = ["-DSCORES_F16=0", "-DBLOCK_KV_D128=256", "-DBLOCK_KV_D64=256", "-DCONSUMERS_D64=2"]
     for flags, clean_dims in ((wide, [64]), (wide + ["-DINTRA_OVERLAP=0"], [64, 128])):
-        cubin = ctx.tmpdir() / f"08_kv256_{len(flags)}.cubin"
-        proc = ctx.run([nvcc(), "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", *flags,
-                        "-gencode=arch=compute_90a,code=sm_90a", "-o", cubin, ctx.root / "08_fp8" / "attention.cu"],
-                       timeout=600)
-        assert proc.returncode == 0, f"nvcc {' '.join(flags)} failed:\n{proc.stderr}"
-        lines = proc.stderr.splitlines()
+        lines, kernels = build_08_variant(ctx, flags)
         for dim in clean_dims:
-            entry = [i for i, l in enumerate(lines) if "Function properties for" in l and f"attention_kernelILi{dim}E" in l]
-            assert entry, f"{' '.join(flags)}: no ptxas report for attention_kernel<{dim}>"
-            report = lines[entry[0] + 1]
+            report = spill_report(lines, dim)
             assert "0 bytes spill stores, 0 bytes spill loads" in report, f"{' '.join(flags)}, D={dim}: {report}"
-        dump = ctx.run([cuobjdump, "--dump-sass", cubin], env=env, timeout=300)
-        assert dump.returncode == 0, f"cuobjdump failed on {cubin}:\n{dump.stderr}"
-        kernels = [k for k in re.split(r"Function : ", dump.stdout)[1:] if kernel_base_name(k.split()[0]) == "attention_kernel"]
-        assert len(kernels) == 2 and all("QGMMA.64x256x32" in k for k in kernels), \
+        assert all("QGMMA.64x256x32" in k for k in kernels.values()), \
             f"{' '.join(flags)}: expected QGMMA.64x256x32 in both attention kernels"
         results.append(f"{' '.join(flags)}: m64n256, no spills at D={clean_dims}")
     return "; ".join(results)
@@ -412,28 +418,16 @@ def test_fp8_scores_in_fp16(ctx):
     """08 at D = 128 keeps S in fp16: Q K^T is a QGMMA with fp16 accumulators over 256 keys and the
     exponentials are MUFU.EX2.F16; D = 64 keeps fp32 scores. -DSCORES_F16=0 is the fp32-score
     kernel on 192-key tiles. Neither build spills."""
-    cuobjdump, env = sass_tools(ctx)
     want = {1: {128: (["QGMMA.64x256x32.F16.E4M3.E4M3", "MUFU.EX2.F16"], ["QGMMA.64x256x32.F32", "QGMMA.64x192x32"]),
                 64: (["QGMMA.64x128x32.F32.E4M3.E4M3"], ["QGMMA.64x128x32.F16", "MUFU.EX2.F16"])},
             0: {128: (["QGMMA.64x192x32.F32.E4M3.E4M3"], ["QGMMA.64x256x32", "MUFU.EX2.F16", ".F16.E4M3"])}}
     results = []
     for half, dims in want.items():
-        cubin = ctx.tmpdir() / f"08_scores_f16_{half}.cubin"
-        proc = ctx.run([nvcc(), "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", f"-DSCORES_F16={half}",
-                        "-gencode=arch=compute_90a,code=sm_90a", "-o", cubin, ctx.root / "08_fp8" / "attention.cu"],
-                       timeout=600)
-        assert proc.returncode == 0, f"nvcc -DSCORES_F16={half} failed:\n{proc.stderr}"
-        lines = proc.stderr.splitlines()
-        dump = ctx.run([cuobjdump, "--dump-sass", cubin], env=env, timeout=300)
-        assert dump.returncode == 0, f"cuobjdump failed on {cubin}:\n{dump.stderr}"
-        kernels = {k.split()[0]: k for k in re.split(r"Function : ", dump.stdout)[1:]
-                   if kernel_base_name(k.split()[0]) == "attention_kernel"}
+        lines, kernels = build_08_variant(ctx, [f"-DSCORES_F16={half}"])
         for dim, (present, absent) in dims.items():
-            entry = [i for i, l in enumerate(lines) if "Function properties for" in l and f"attention_kernelILi{dim}E" in l]
-            assert entry and "0 bytes spill stores, 0 bytes spill loads" in lines[entry[0] + 1], \
-                f"-DSCORES_F16={half}, D={dim}: spills or no ptxas report"
-            text = next((t for name, t in kernels.items() if f"ILi{dim}E" in name), "")
-            assert text, f"-DSCORES_F16={half}: no attention_kernel<{dim}> in the SASS"
+            report = spill_report(lines, dim)
+            assert "0 bytes spill stores, 0 bytes spill loads" in report, f"-DSCORES_F16={half}, D={dim}: {report}"
+            text = kernels[dim]
             missing = [op for op in present if op not in text]
             found = [op for op in absent if op in text]
             assert not missing and not found, f"-DSCORES_F16={half}, D={dim}: lacks {missing}, has {found}"

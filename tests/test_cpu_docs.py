@@ -51,40 +51,33 @@ def test_patches_apply_to_their_commit(ctx):
     """The measured variants kept as patches (docs/results/logs/*.patch) each apply to the source
     of the commit that added them, which the 08 README tells readers to check out. Needs the
     project's git history; without it (an export, a shallow clone) there is nothing to check."""
-    import pathlib
-    import shutil
-    import subprocess
-    import tempfile
     import unittest
     patches = sorted((ctx.root / "docs" / "results" / "logs").glob("*.patch"))
     assert patches, "no patches in docs/results/logs"
-    git = shutil.which("git")
 
-    def git_out(*args):
-        proc = subprocess.run([git, "-C", str(ctx.root), *args], capture_output=True, text=True)
-        return proc.stdout.strip() if proc.returncode == 0 else None
+    def git(*args, cwd=None):
+        try:
+            proc = ctx.run(["git", *args], cwd=cwd)
+        except FileNotFoundError:
+            return None
+        return proc.stdout if proc.returncode == 0 else None
 
-    if not git or git_out("rev-parse", "--is-shallow-repository") != "false":
+    if (git("rev-parse", "--is-shallow-repository") or "").strip() != "false":
         raise unittest.SkipTest("no full git history here: the patches' commits cannot be checked out")
     failed = []
     for patch in patches:
         relative = str(patch.relative_to(ctx.root))
-        added = git_out("log", "--diff-filter=A", "--format=%h", "--", relative)
-        if not added:  # not committed yet: it must apply to the working tree's source
-            added = "HEAD"
-        commit = added.splitlines()[-1]
-        paths = sorted(set(re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(), re.M)))
-        with tempfile.TemporaryDirectory() as tree:
-            subprocess.run([git, "init", "-q", tree], check=True)
-            for path in paths:
-                text = git_out("show", f"{commit}:{path}")
-                assert text is not None, f"{relative}: {path} is not in commit {commit}"
-                copy = pathlib.Path(tree) / path
-                copy.parent.mkdir(parents=True, exist_ok=True)
-                copy.write_text(text + "\n")
-            proc = subprocess.run([git, "-C", tree, "apply", "--check", str(patch)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                failed.append(f"{patch.name} at {commit}: {proc.stderr.strip()[:200]}")
+        added = git("log", "--diff-filter=A", "--format=%h", "--", relative).split()
+        commit = added[-1] if added else "HEAD"  # not committed yet: against the last commit
+        tree = ctx.tmpdir()
+        git("init", "-q", str(tree))
+        for path in sorted(set(re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(), re.M))):
+            text = git("show", f"{commit}:{path}")
+            assert text is not None, f"{relative}: {path} is not in commit {commit}"
+            (tree / path).parent.mkdir(parents=True, exist_ok=True)
+            (tree / path).write_text(text)
+        if git("apply", "--check", str(patch), cwd=tree) is None:
+            failed.append(f"{patch.name} at {commit}")
     assert not failed, f"patches that no longer apply to the commit that added them: {failed}"
     return f"{len(patches)} patches apply to their commits"
 
