@@ -751,22 +751,25 @@ __device__ float row_top(const unsigned (&score)[REGS], int r) {
 
 // Logits past HALF_MAX_LIMIT (rare): each row's scores minus a max, in place, in their own
 // units, so that the offset stays small. That max is the tile's own (exact: an fp16 score) where
-// it leads the row, otherwise the row's earlier max in this tile's units rounded down, the
-// remainder going into the offset. The row's reference never drifts.
+// it leads the row, otherwise the row's reference so far (row_max) in this tile's units rounded
+// down, the remainder going into the offset. The row's reference never drifts. Both sides of the
+// comparison are in the units the HFMA2 computes, the scale rounded to fp16: a max taken with
+// the fp32 scale differs from them by up to 2^-11 of it, which past ~10^4 is enough to push the
+// whole tile's p out of fp16's range.
 template <int REGS>
-__device__ void recentre_scores(unsigned (&score)[REGS], const float (&new_max)[2], __half scale_h, __half (&offset)[2],
+__device__ void recentre_scores(unsigned (&score)[REGS], const float (&row_max)[2], __half scale_h, __half (&offset)[2],
                                 float (&reference)[2]) {
     const float scale = __half2float(scale_h);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        const float max_here = new_max[r] == -INFINITY ? 0.0f : new_max[r];
-        const float top = row_top(score, r);  // again: the rare way keeps no registers for it
-        const bool tile_leads = top * scale >= max_here;
-        const float earlier = fminf(fmaxf(max_here / scale, -65504.0f), 65504.0f);
-        const __half max_scores = tile_leads ? __float2half_rn(top) : __float2half_rd(earlier);
-        const float gap = tile_leads ? 0.0f : max_here - __half2float(max_scores) * scale;
+        const float top = row_top(score, r);                // again: the rare way keeps no registers for it
+        const bool tile_leads = top * scale >= row_max[r];  // or the row starts here (row_max -inf)
+        const float earlier = fminf(fmaxf(row_max[r] / scale, -65504.0f), 65504.0f);
+        const __half max_scores =
+            tile_leads ? __float2half_rn(top == -INFINITY ? 0.0f : top) : __float2half_rd(earlier);  // empty: 0
+        const float gap = tile_leads ? 0.0f : row_max[r] - __half2float(max_scores) * scale;
         offset[r] = __float2half_rn(P_SCALE_LOG2 - gap);
-        reference[r] = tile_leads ? __half2float(max_scores) * scale : max_here;
+        reference[r] = tile_leads ? __half2float(max_scores) * scale : row_max[r];
 #pragma unroll
         for (int c = 0; c < REGS / 2; c++)
             score[2 * c + r] = as_bits(__hsub2(as_half2(score[2 * c + r]), __half2half2(max_scores)));
@@ -798,7 +801,7 @@ __device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float
         reference[r] = P_SCALE_LOG2 - __half2float(offset[r]);
         recentre |= fabsf(max_here) > HALF_MAX_LIMIT;
     }
-    if (WIDE_LOGITS && __any_sync(0xffffffff, recentre)) recentre_scores(score, new_max, scale_h, offset, reference);
+    if (WIDE_LOGITS && __any_sync(0xffffffff, recentre)) recentre_scores(score, row_max, scale_h, offset, reference);
     const __half2 scale2 = __half2half2(scale_h);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
