@@ -1054,28 +1054,18 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
 }
 
 // --- The kernel ----------------------------------------------------------------------------
-// Whether a block's logits can pass HALF_MAX_LIMIT: |S| <= HEAD_DIM * QK_RANGE^2 in e4m3 units,
-// times the largest Q and K descales among the tiles it reads. The same in every thread.
+// Whether a consumer's logits can pass HALF_MAX_LIMIT: |S| <= HEAD_DIM * QK_RANGE^2 in e4m3 units,
+// times its Q descale (in q_scale_log2, with the softmax scale) and the largest K descale among
+// the block's key tiles. The same in every lane of a warpgroup.
 template <int HEAD_DIM>
-__device__ bool logits_may_be_wide(const float *descales, int seqlen, int heads, float scale_log2e, int causal) {
-    typedef Config<HEAD_DIM> C;
-    const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x, head = causal ? blockIdx.x : blockIdx.y;
-    const int q_scale_tiles = ceil_div(seqlen, Q_SCALE_ROWS), key_tiles = ceil_div(seqlen, C::BLOCK_KV);
-    const int kv_tiles = ceil_div(causal ? min(seqlen, (query_tile + 1) * C::BLOCK_Q) : seqlen, C::BLOCK_KV);
-    const float *k_descales = descales + heads * q_scale_tiles + head * key_tiles;
+__device__ bool logits_may_be_wide(const Work &w, float q_scale_log2) {
     float k_descale = 0.0f;
-    for (int tile = threadIdx.x % 32; tile < kv_tiles; tile += 32)
-        k_descale = fmaxf(k_descale, __ldg(&k_descales[tile]));
+    for (int tile = threadIdx.x % 32; tile < w.kv_tiles; tile += 32)
+        k_descale = fmaxf(k_descale, descale_at(w.k_descales, tile));
     for (int offset = 16; offset > 0; offset /= 2)
         k_descale = fmaxf(k_descale, __shfl_xor_sync(0xffffffff, k_descale, offset));
-    const int q_tile0 = C::BLOCK_Q == Q_SCALE_ROWS ? query_tile : query_tile * C::BLOCK_Q / Q_SCALE_ROWS;
-    float q_descale = descales[head * q_scale_tiles + q_tile0];
-    if constexpr (C::BLOCK_Q > Q_SCALE_ROWS)  // three consumers: the block's rows span two of Q's scale tiles
-        q_descale =
-            fmaxf(q_descale, descales[head * q_scale_tiles +
-                                      min(((query_tile + 1) * C::BLOCK_Q - 1) / Q_SCALE_ROWS, q_scale_tiles - 1)]);
-    const float reach = HEAD_DIM * C::QK_RANGE * C::QK_RANGE;
-    return reach * scale_log2e * q_descale * k_descale > HALF_MAX_LIMIT;
+    const float reach = HEAD_DIM * Config<HEAD_DIM>::QK_RANGE * Config<HEAD_DIM>::QK_RANGE;
+    return reach * q_scale_log2 * k_descale > HALF_MAX_LIMIT;
 }
 
 template <int HEAD_DIM>
@@ -1086,12 +1076,6 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
     typedef Config<HEAD_DIM> C;
     extern __shared__ unsigned char smem_raw[];
     const Smem s = smem_layout<HEAD_DIM>(smem_raw);
-    // fp16 scores: whether the block's logits may pass one HFMA2's reach, which picks the consumers'
-    // loop. Asked first, its loads overlap the setup (asked after it, ptxas spills in the loop).
-    bool wide = false;
-    if constexpr (C::HALF_SCORES)
-        if (!WARP_SPECIALISED || threadIdx.x >= WARPGROUP_THREADS)
-            wide = logits_may_be_wide<HEAD_DIM>(descales, seqlen, heads, scale_log2e, causal);
     const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
     Work w;
     w.k_map = &k_map;
@@ -1114,6 +1098,12 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
     const float q_scale_log2 = scale_log2e * (FP16_OPERANDS ? 1.0f : descales[w.head * q_scale_tiles + q_scale_tile]);
     w.k_descales = FP16_OPERANDS ? NULL : kv_descales + w.head * key_tiles;  // fp16: no descales
     w.v_descales = FP16_OPERANDS ? NULL : kv_descales + (heads + w.head) * key_tiles;
+    // fp16 scores: whether a consumer's logits may pass one HFMA2's reach, which picks its loop.
+    // Asked before the setup, its loads overlap it (asked after it, ptxas spills in the loop);
+    // the producer does not ask, so thread 0 loads Q and fills the ring at once.
+    bool wide = false;
+    if constexpr (C::HALF_SCORES)
+        if (!WARP_SPECIALISED || threadIdx.x >= WARPGROUP_THREADS) wide = logits_may_be_wide<HEAD_DIM>(w, q_scale_log2);
 
     if (threadIdx.x == 0) {
         mbarrier_init(s.q_full, 1);
