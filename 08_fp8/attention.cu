@@ -751,22 +751,25 @@ __device__ float row_top(const unsigned (&score)[REGS], int r) {
 
 // Logits past HALF_MAX_LIMIT (rare): each row's scores minus a max, in place, in their own
 // units, so that the offset stays small. That max is the tile's own (exact: an fp16 score) where
-// it leads the row, otherwise the row's earlier max in this tile's units rounded down, the
-// remainder going into the offset. The row's reference never drifts.
+// it leads the row, otherwise the row's reference so far (row_max) in this tile's units rounded
+// down, the remainder going into the offset. The row's reference never drifts. Both sides of the
+// comparison are in the units the HFMA2 computes, the scale rounded to fp16: a max taken with
+// the fp32 scale differs from them by up to 2^-11 of it, which past ~10^4 is enough to push the
+// whole tile's p out of fp16's range.
 template <int REGS>
-__device__ void recentre_scores(unsigned (&score)[REGS], const float (&new_max)[2], __half scale_h, __half (&offset)[2],
+__device__ void recentre_scores(unsigned (&score)[REGS], const float (&row_max)[2], __half scale_h, __half (&offset)[2],
                                 float (&reference)[2]) {
     const float scale = __half2float(scale_h);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        const float max_here = new_max[r] == -INFINITY ? 0.0f : new_max[r];
-        const float top = row_top(score, r);  // again: the rare way keeps no registers for it
-        const bool tile_leads = top * scale >= max_here;
-        const float earlier = fminf(fmaxf(max_here / scale, -65504.0f), 65504.0f);
-        const __half max_scores = tile_leads ? __float2half_rn(top) : __float2half_rd(earlier);
-        const float gap = tile_leads ? 0.0f : max_here - __half2float(max_scores) * scale;
+        const float top = row_top(score, r);                // again: the rare way keeps no registers for it
+        const bool tile_leads = top * scale >= row_max[r];  // or the row starts here (row_max -inf)
+        const float earlier = fminf(fmaxf(row_max[r] / scale, -65504.0f), 65504.0f);
+        const __half max_scores =
+            tile_leads ? __float2half_rn(top == -INFINITY ? 0.0f : top) : __float2half_rd(earlier);  // empty: 0
+        const float gap = tile_leads ? 0.0f : row_max[r] - __half2float(max_scores) * scale;
         offset[r] = __float2half_rn(P_SCALE_LOG2 - gap);
-        reference[r] = tile_leads ? __half2float(max_scores) * scale : max_here;
+        reference[r] = tile_leads ? __half2float(max_scores) * scale : row_max[r];
 #pragma unroll
         for (int c = 0; c < REGS / 2; c++)
             score[2 * c + r] = as_bits(__hsub2(as_half2(score[2 * c + r]), __half2half2(max_scores)));
@@ -798,7 +801,7 @@ __device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float
         reference[r] = P_SCALE_LOG2 - __half2float(offset[r]);
         recentre |= fabsf(max_here) > HALF_MAX_LIMIT;
     }
-    if (WIDE_LOGITS && __any_sync(0xffffffff, recentre)) recentre_scores(score, new_max, scale_h, offset, reference);
+    if (WIDE_LOGITS && __any_sync(0xffffffff, recentre)) recentre_scores(score, row_max, scale_h, offset, reference);
     const __half2 scale2 = __half2half2(scale_h);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -1051,28 +1054,18 @@ __device__ void consume(const Smem &s, const Work &w, int group, float q_scale_l
 }
 
 // --- The kernel ----------------------------------------------------------------------------
-// Whether a block's logits can pass HALF_MAX_LIMIT: |S| <= HEAD_DIM * QK_RANGE^2 in e4m3 units,
-// times the largest Q and K descales among the tiles it reads. The same in every thread.
+// Whether a consumer's logits can pass HALF_MAX_LIMIT: |S| <= HEAD_DIM * QK_RANGE^2 in e4m3 units,
+// times its Q descale (in q_scale_log2, with the softmax scale) and the largest K descale among
+// the block's key tiles. The same in every lane of a warpgroup.
 template <int HEAD_DIM>
-__device__ bool logits_may_be_wide(const float *descales, int seqlen, int heads, float scale_log2e, int causal) {
-    typedef Config<HEAD_DIM> C;
-    const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x, head = causal ? blockIdx.x : blockIdx.y;
-    const int q_scale_tiles = ceil_div(seqlen, Q_SCALE_ROWS), key_tiles = ceil_div(seqlen, C::BLOCK_KV);
-    const int kv_tiles = ceil_div(causal ? min(seqlen, (query_tile + 1) * C::BLOCK_Q) : seqlen, C::BLOCK_KV);
-    const float *k_descales = descales + heads * q_scale_tiles + head * key_tiles;
+__device__ bool logits_may_be_wide(const Work &w, float q_scale_log2) {
     float k_descale = 0.0f;
-    for (int tile = threadIdx.x % 32; tile < kv_tiles; tile += 32)
-        k_descale = fmaxf(k_descale, __ldg(&k_descales[tile]));
+    for (int tile = threadIdx.x % 32; tile < w.kv_tiles; tile += 32)
+        k_descale = fmaxf(k_descale, descale_at(w.k_descales, tile));
     for (int offset = 16; offset > 0; offset /= 2)
         k_descale = fmaxf(k_descale, __shfl_xor_sync(0xffffffff, k_descale, offset));
-    const int q_tile0 = C::BLOCK_Q == Q_SCALE_ROWS ? query_tile : query_tile * C::BLOCK_Q / Q_SCALE_ROWS;
-    float q_descale = descales[head * q_scale_tiles + q_tile0];
-    if constexpr (C::BLOCK_Q > Q_SCALE_ROWS)  // three consumers: the block's rows span two of Q's scale tiles
-        q_descale =
-            fmaxf(q_descale, descales[head * q_scale_tiles +
-                                      min(((query_tile + 1) * C::BLOCK_Q - 1) / Q_SCALE_ROWS, q_scale_tiles - 1)]);
-    const float reach = HEAD_DIM * C::QK_RANGE * C::QK_RANGE;
-    return reach * scale_log2e * q_descale * k_descale > HALF_MAX_LIMIT;
+    const float reach = HEAD_DIM * Config<HEAD_DIM>::QK_RANGE * Config<HEAD_DIM>::QK_RANGE;
+    return reach * q_scale_log2 * k_descale > HALF_MAX_LIMIT;
 }
 
 template <int HEAD_DIM>
@@ -1083,12 +1076,6 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
     typedef Config<HEAD_DIM> C;
     extern __shared__ unsigned char smem_raw[];
     const Smem s = smem_layout<HEAD_DIM>(smem_raw);
-    // fp16 scores: whether the block's logits may pass one HFMA2's reach, which picks the consumers'
-    // loop. Asked first, its loads overlap the setup (asked after it, ptxas spills in the loop).
-    bool wide = false;
-    if constexpr (C::HALF_SCORES)
-        if (!WARP_SPECIALISED || threadIdx.x >= WARPGROUP_THREADS)
-            wide = logits_may_be_wide<HEAD_DIM>(descales, seqlen, heads, scale_log2e, causal);
     const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
     Work w;
     w.k_map = &k_map;
@@ -1111,6 +1098,12 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
     const float q_scale_log2 = scale_log2e * (FP16_OPERANDS ? 1.0f : descales[w.head * q_scale_tiles + q_scale_tile]);
     w.k_descales = FP16_OPERANDS ? NULL : kv_descales + w.head * key_tiles;  // fp16: no descales
     w.v_descales = FP16_OPERANDS ? NULL : kv_descales + (heads + w.head) * key_tiles;
+    // fp16 scores: whether a consumer's logits may pass one HFMA2's reach, which picks its loop.
+    // Asked before the setup, its loads overlap it (asked after it, ptxas spills in the loop);
+    // the producer does not ask, so thread 0 loads Q and fills the ring at once.
+    bool wide = false;
+    if constexpr (C::HALF_SCORES)
+        if (!WARP_SPECIALISED || threadIdx.x >= WARPGROUP_THREADS) wide = logits_may_be_wide<HEAD_DIM>(w, q_scale_log2);
 
     if (threadIdx.x == 0) {
         mbarrier_init(s.q_full, 1);

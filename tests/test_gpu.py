@@ -10,6 +10,9 @@ folder, the others reuse it, and no two workers ever make the same folder at onc
   large_logits  chapter x D x causal on `reference.py inputs --qk-std 4.5` (logits ~100)
   huge_logits   FP8 chapters x causal, D = 128, on `--qk-std 20` (logits ~2000): past what one fp16
                 HFMA2 holds, where 08's softmax on fp16 scores recentres them first
+  one_hot       FP8 chapters x causal, D = 128: q = k = 1000 e_(i mod 128), logits ~1.3e5 (log2)
+                at matching keys and 0 elsewhere: O must be the mean of those keys' v (through
+                --output, checked here; the LSE within fp16's rounding of the scale)
   outliers      chapter x causal on `reference.py inputs --outliers 0.001` (0.1% of Q and K
                 entries +-U(10, 100)): the case FP8's per-(b, h) scales must survive
   output        chapter: --output's o.npy/lse.npy against float64 computed here
@@ -183,6 +186,52 @@ def outlier_case(chapter, causal):
     return case
 
 
+# --- one-hot logits near 10^5 -----------------------------------------------------------------
+ONE_HOT_SHAPE = (1, 2, 300, 128)  # B, H, N, D
+ONE_HOT_SIZE = 1000.0  # q = k = ONE_HOT_SIZE e_(i mod D): matching logits 1000^2 / sqrt(128) ~ 88388
+
+
+def one_hot_inputs(ctx):
+    def make():
+        b, h, n, d = ONE_HOT_SHAPE
+        folder = ctx.tmpdir() / "one_hot"
+        folder.mkdir()
+        qk = np.zeros((b, h, n, d), np.float16)
+        qk[..., np.arange(n), np.arange(n) % d] = ONE_HOT_SIZE
+        np.save(folder / "q.npy", qk)
+        np.save(folder / "k.npy", qk)
+        np.save(folder / "v.npy", np.random.default_rng(5).standard_normal((b, h, n, d)).astype(np.float16))
+        return folder
+    return ctx.once(("one_hot_inputs",), make)
+
+
+def one_hot_case(chapter, causal):
+    """Row i's logits are ~1.3e5 (log2 units) at keys j = i mod 128 and 0 elsewhere: softmax
+    picks those keys evenly, and O is the mean of their v. Q and K quantise exactly (each row's
+    one value becomes 16), so O's floor is V's e4m3 rounding alone. The LSE carries the scale
+    as the kernel rounds it to fp16 for S in fp16, 2^-11 relative; it must be within 2^-10."""
+    def case(ctx):
+        b, h, n, d = ONE_HOT_SHAPE
+        folder, out = one_hot_inputs(ctx), ctx.tmpdir() / "one_hot_out"
+        proc, _ = run_csv(ctx, chapter, ["--input", str(folder), "--output", str(out), "--no-check"] +
+                          (["--causal"] if causal else []))
+        shown = f"{chapter} --input <one-hot Q = K, logits ~1.3e5 log2, B={b} H={h} N={n} D={d}>" \
+                f"{' --causal' if causal else ''}"
+        assert proc.returncode == 0, f"{shown}: exit {proc.returncode}: {proc.stderr.strip()[-300:]}"
+        o, lse = np.load(out / "o.npy").astype(np.float64), np.load(out / "lse.npy").astype(np.float64)
+        q, k, v = (np.load(folder / f"{x}.npy") for x in "qkv")
+        want_o, want_lse = attention64(q, k, v, causal, 1 / math.sqrt(d))
+        floor_o, _ = attention64(q, k, quantize_e4m3(v, FP8_KV_ROWS[d], 448.0), causal, 1 / math.sqrt(d))
+        floor = float(np.linalg.norm(floor_o - want_o) / np.linalg.norm(want_o))
+        rel = float(np.linalg.norm(o - want_o) / np.linalg.norm(want_o))
+        tol = FP8_FLOOR_FACTOR * floor + REL_L2_TOL[7]
+        assert np.isfinite(o).all() and rel <= tol, f"{shown}: O relative L2 error {rel:.3e}, expected <= {tol:.2e}"
+        lse_rel = float(np.abs(lse / want_lse - 1).max())
+        assert lse_rel <= 2.0 ** -10, f"{shown}: LSE relative error {lse_rel:.2e}, expected <= {2.0 ** -10:.2e}"
+        return f"rel_l2 {rel:.2e} (floor {floor:.2e}), LSE relative error {lse_rel:.1e}"
+    return case
+
+
 # --- --output against float64 computed here ----------------------------------------------------
 def output_inputs(ctx, b, h, n, d):
     def make():
@@ -296,6 +345,8 @@ def cases(ctx):
             if ctx.chapter_number(chapter) in FP8:
                 name = f"huge_logits[{chapter} D=128{' causal' if causal else ''}]"
                 out.append((name, large_logit_case(chapter, 128, causal, "20", 1500), ("large_logits", 128, "20")))
+                name = f"one_hot[{chapter} D=128{' causal' if causal else ''}]"
+                out.append((name, one_hot_case(chapter, causal), ("one_hot",)))
     for causal in (False, True):
         for chapter in ctx.chapters:
             name = f"outliers[{chapter}{' causal' if causal else ''}]"
