@@ -306,14 +306,14 @@ value = lambda flag: args[args.index(flag) + 1]
 if {todo}:
     sys.stderr.write("04_fused: TODO: exercise 04.online_softmax is not written yet (its EXERCISE_TODO stub ran)\\n")
     sys.exit(1)
-print("04_fused,%s,%s,%s,%s,%d,fp16,{ms},1.0,2.1e-04,PASS,5.7e-05,1.2e-06,1,0,,," % (
+print("04_fused,%s,%s,%s,%s,%d,fp16,{ms},1.0,2.1e-04,PASS,5.7e-05,1.2e-06,1,0,,{attend_ms},," % (
     value("--batch"), value("--heads"), value("--seqlen"), value("--headdim"), "--causal" in args))
 """
 
 
-def fake_binary(ctx, ms, todo=False):
+def fake_binary(ctx, ms, todo=False, attend_ms=""):
     path = ctx.tmpdir() / "04_fused"
-    path.write_text(FAKE.format(python=sys.executable, ms=ms, todo=todo))
+    path.write_text(FAKE.format(python=sys.executable, ms=ms, todo=todo, attend_ms=attend_ms))
     path.chmod(0o755)
     return str(path)
 
@@ -333,6 +333,13 @@ def test_grader_bookkeeping_on_stand_in_binaries(ctx):
     assert ratio is not None and abs(ratio - 1.5) < 1e-9 and "1.50x" in line, f"timing: ratio {ratio}, line {line!r}"
     ratio, line = ex.timing(fake_binary(ctx, 1.0, todo=True), fake_binary(ctx, 2.0), "04_fused", shape)
     assert ratio is None and "TODO: exercise" in line, f"timing of a copy that fails: {ratio}, {line!r}"
+    # Timed on the attention kernel alone: its column counts, not the whole forward's.
+    ratio, line = ex.timing(fake_binary(ctx, 3.0, attend_ms=1.0), fake_binary(ctx, 2.0, attend_ms=2.0), "04_fused",
+                            shape, "attend_ms")
+    assert ratio is not None and abs(ratio - 0.5) < 1e-9 and "attention kernel" in line, (
+        f"timing on attend_ms: ratio {ratio}, line {line!r}")
+    ratio, line = ex.timing(fake_binary(ctx, 3.0), fake_binary(ctx, 2.0), "04_fused", shape, "attend_ms")
+    assert ratio is None and "no attend_ms" in line, f"timing on a column the harness left empty: {ratio}, {line!r}"
     return line
 
 

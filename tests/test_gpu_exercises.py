@@ -57,7 +57,7 @@ def speed_case(chapter, name):
         status, _, note = ex.run_case(binary, chapter, ex.shape_args(REACH_EVERY_STUB) + ["--warmup", "0", "--iters", "1"])
         assert status == "PASS", f"{name}: its stub should be correct; {ex.shape_text(REACH_EVERY_STUB)}: {status} {note}"
         info = ex.EXERCISES[name]
-        ratio, line = ex.timing(binary, solution, chapter, info["shape"])
+        ratio, line = ex.timing(binary, solution, chapter, *ex.timed_as(info))
         assert ratio is not None, f"{name}: {line}"
         assert ratio > info["gate"], f"{name}: the untouched stub passes its own gate (<= {info['gate']:.2f}x): {line}"
         return line
