@@ -1,8 +1,9 @@
 // 08_fp8: 07's algorithm on Hopper's own datapath, in FP8. Q, K and V are quantised to e4m3
 // with scales found on the device (one per 128 rows of Q, one per key tile of K and of V),
-// both matrix products run on warpgroup MMA (wgmma: e4m3 in, fp32 accumulate), their tiles
-// arrive through the bulk tensor copy engine (TMA) completing on mbarriers, and P is converted
-// to e4m3 in registers and fed back as the A operand of the second product.
+// both matrix products run on warpgroup MMA (wgmma: e4m3 in; S accumulated in fp16 at D = 128
+// and in fp32 at D = 64, O in fp32), their tiles arrive through the bulk tensor copy engine
+// (TMA) completing on mbarriers, and P is converted to e4m3 in registers and fed back as the A
+// operand of the second product.
 //
 // Two kernels per forward. quantize_kernel: e4m3 copies of Q and K, and of V transposed (keys
 // fastest), each tile with its own scale, in one pass over the inputs. attention_kernel: one
@@ -10,7 +11,7 @@
 // only issues the copies, and consumer warpgroups of 64 query rows each that only compute (FP8:
 // 2 at D = 128, 3 at D = 64), taking turns on the tensor cores, each issuing a tile's Q K^T and
 // the previous tile's P V together. Shared memory: the Q tile and a ring of STAGES (K, V) tile
-// pairs of BLOCK_KV keys (FP8: 192 at D = 128, 128 at D = 64), in the swizzled layout TMA
+// pairs of BLOCK_KV keys (FP8: 256 at D = 128, 128 at D = 64), in the swizzled layout TMA
 // writes and wgmma reads. Registers: per consumer the 64 x BLOCK_KV scores, the 64 x HEAD_DIM
 // output accumulator, P in e4m3, and each row's running max and sum.
 #include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)

@@ -66,9 +66,9 @@ RECORD = ".exercise.json"  # beside a student copy: what make exercise wrote, to
 # A speed exercise passes when the copy takes at most `gate` x the chapter's time at `shape`
 # (B, H, N, D, causal), both timed in the same run: the whole forward (the harness's ms), or with
 # `timed="attend_ms"` the attention kernel alone, where the exercise changes only that kernel and
-# a pass before it (08's quantisation) would dilute the difference. `stub` says how slow the stub is and how that
-# is known: from a measurement in docs/results (the stub is code the chapter once was), or from
-# its access pattern where it was not timed.
+# a pass before it (08's quantisation) would dilute the difference. `stub` says how slow the stub
+# is and how that is known: from a measurement in docs/results (the stub is code the chapter once
+# was), or from its access pattern where it was not timed.
 HEADLINE, HEADLINE_D64 = (4, 16, 4096, 128, False), (4, 32, 4096, 64, False)
 EXERCISES = {
     "01.softmax": dict(kind="correctness", hint=(
@@ -716,7 +716,8 @@ def grade_gpu(chapter, build, names):
         gate, ratio = EXERCISES[name]["gate"], ratios[timed_as(EXERCISES[name])]
         ok = ratio is not None and ratio <= gate
         shown = f"{ratio:.2f}x" if ratio is not None else "no time"
-        say("speed", f"{'PASS' if ok else 'FAIL'} {name}: {shown} the chapter's time, gate <= {gate:.2f}x")
+        say("speed", f"{'PASS' if ok else 'FAIL'} {name}: {shown} the chapter's "
+                     f"{timed_what(timed_as(EXERCISES[name])[1])}, gate <= {gate:.2f}x")
         if not ok:
             failed.append(f"speed {name}")
     return failed

@@ -113,6 +113,15 @@ def check_row(ctx, chapter, proc, row, shown, b, h, n, d, causal):
     return f"rel_l2 {row['rel_l2']}"
 
 
+def fp8_floor_attention(q, k, v, causal, d):
+    """float64 O and LSE of exact attention on Q, K, V quantised as the FP8 chapter quantises them
+    (scales per tile, Q and K to its range): the check's floor."""
+    kv_rows, qk_range = FP8_KV_ROWS[d], FP8_QK_RANGE[d]
+    quantized = (quantize_e4m3(x, rows, to) for x, rows, to in
+                 ((q, FP8_Q_ROWS, qk_range), (k, kv_rows, qk_range), (v, kv_rows, 448.0)))
+    return attention64(*quantized, causal, 1 / math.sqrt(d))
+
+
 def attention64(q, k, v, causal, scale):
     """float64 O and LSE straight from the formula (shifted exp), independent of common/."""
     q, k, v = (x.astype(np.float64) for x in (q, k, v))
@@ -208,7 +217,7 @@ def one_hot_inputs(ctx):
 def one_hot_case(chapter, causal):
     """Row i's logits are ~1.3e5 (log2 units) at keys j = i mod 128 and 0 elsewhere: softmax
     picks those keys evenly, and O is the mean of their v. Q and K quantise exactly (each row's
-    one value becomes 16), so O's floor is V's e4m3 rounding alone. The LSE carries the scale
+    one value becomes 16), so O's floor is V's e4m3 rounding. The LSE carries the scale
     as the kernel rounds it to fp16 for S in fp16, 2^-11 relative; it must be within 2^-10."""
     def case(ctx):
         b, h, n, d = ONE_HOT_SHAPE
@@ -221,7 +230,7 @@ def one_hot_case(chapter, causal):
         o, lse = np.load(out / "o.npy").astype(np.float64), np.load(out / "lse.npy").astype(np.float64)
         q, k, v = (np.load(folder / f"{x}.npy") for x in "qkv")
         want_o, want_lse = attention64(q, k, v, causal, 1 / math.sqrt(d))
-        floor_o, _ = attention64(q, k, quantize_e4m3(v, FP8_KV_ROWS[d], 448.0), causal, 1 / math.sqrt(d))
+        floor_o, _ = fp8_floor_attention(q, k, v, causal, d)
         floor = float(np.linalg.norm(floor_o - want_o) / np.linalg.norm(want_o))
         rel = float(np.linalg.norm(o - want_o) / np.linalg.norm(want_o))
         tol = FP8_FLOOR_FACTOR * floor + REL_L2_TOL[7]
@@ -268,10 +277,7 @@ def output_case(chapter, b, h, n, d, causal):
         lse_err = float(np.abs(lse.astype(np.float64) - want_lse).max())
         tol, lse_tol = REL_L2_TOL.get(number), LSE_TOL
         if number in FP8:  # the floor: exact attention on the e4m3-quantised inputs
-            kv_rows, qk_range = FP8_KV_ROWS[d], FP8_QK_RANGE[d]
-            quantized = (quantize_e4m3(x, rows, to) for x, rows, to in
-                         ((q, FP8_Q_ROWS, qk_range), (k, kv_rows, qk_range), (v, kv_rows, 448.0)))
-            floor_o, floor_lse = attention64(*quantized, causal, 1 / math.sqrt(d))
+            floor_o, floor_lse = fp8_floor_attention(q, k, v, causal, d)
             floor = float(np.linalg.norm(floor_o - want_o) / np.linalg.norm(want_o))
             tol = FP8_FLOOR_FACTOR * floor + REL_L2_TOL[7]
             lse_tol = FP8_FLOOR_FACTOR * float(np.abs(floor_lse - want_lse).max()) + LSE_TOL
