@@ -10,10 +10,12 @@
 // block per (query tile, b*h), heaviest causal tiles first (as 05); a producer warpgroup that
 // only issues the copies, and consumer warpgroups of 64 query rows each that only compute (FP8:
 // 2 at D = 128, 3 at D = 64), taking turns on the tensor cores, each issuing a tile's Q K^T and
-// the previous tile's P V together. Shared memory: the Q tile and a ring of STAGES (K, V) tile
-// pairs of BLOCK_KV keys (FP8: 256 at D = 128, 128 at D = 64), in the swizzled layout TMA
-// writes and wgmma reads. Registers: per consumer the 64 x BLOCK_KV scores, the 64 x HEAD_DIM
-// output accumulator, P in e4m3, and each row's running max and sum.
+// the previous tile's P V together. With S in fp16, one exponential in five is a polynomial on
+// the FMA units, beside the special-function unit that computes the rest. Shared memory: the Q
+// tile and a ring of STAGES (K, V) tile pairs of BLOCK_KV keys (FP8: 256 at D = 128, 128 at D =
+// 64), in the swizzled layout TMA writes and wgmma reads. Registers: per consumer the 64 x
+// BLOCK_KV scores, the 64 x HEAD_DIM output accumulator, P in e4m3, and each row's running max
+// and sum.
 #include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)
 #include <cudaTypedefs.h>
 #include <cuda_fp8.h>
@@ -36,8 +38,14 @@
 #ifndef INTRA_OVERLAP
 #define INTRA_OVERLAP 1  // P V of tile j-1 runs while the softmax of tile j does
 #endif
+#ifndef SPLIT_EXP2
+#define SPLIT_EXP2 1  // fp16 scores: one 8-key chunk in EXP2_FMA_EVERY_F16 has its exponentials on the FMA units
+#endif
+#ifndef EXP2_FMA_EVERY_F16
+#define EXP2_FMA_EVERY_F16 5  // chosen by a sweep (README)
+#endif
 #ifndef EXP2_FMA_EVERY
-#define EXP2_FMA_EVERY 0  // every Nth 8-key chunk's exponentials on the FMA units (0: all on MUFU)
+#define EXP2_FMA_EVERY 0  // fp32 scores: every Nth 8-key chunk's exponentials on the FMA units (0: all on MUFU)
 #endif
 #ifndef FP16_OPERANDS
 #define FP16_OPERANDS 0  // 1: the same kernel on fp16 operands (no quantisation): what wgmma buys without FP8
@@ -735,6 +743,37 @@ __device__ __half2 exp2_approx_h2(__half2 x) {
     return as_half2(y);
 }
 
+// A half2 from its bits, as a constant the compiler can fold into an instruction.
+__device__ __half2 half2_of_bits(unsigned bits) {
+    __half2_raw raw;
+    raw.x = (unsigned short)(bits & 0xffff);
+    raw.y = (unsigned short)(bits >> 16);
+    return __half2(raw);
+}
+
+// 2^x of two halves on the FMA units (SPLIT_EXP2), as exp2_fma does for one float, two at a time:
+// x = j + f, 2^f by a cubic in half2 (relative error 6e-4, fp16's own rounding is 5e-4), times 2^j
+// made in the exponent bits. Adding 1536 (1.5 * 2^10) leaves x rounded to the integer j in the
+// low mantissa bits of each half, 0x6600 + j, and (bits - 0x65F1) << 10 is then the half 2^j
+// (exponent field j + 15) in both lanes at once. x <= -15 gives 0 (exponent field 0): e4m3's P
+// holds nothing that small (2^-15 of p's 2^8 scale) anyway.
+__device__ __half2 exp2_fma_h2(__half2 x) {
+    const __half2 rounder = half2_of_bits(0x66006600u);  // 1536
+    x = __hmax2(x, half2_of_bits(0xcb80cb80u));          // -15
+    const __half2 shifted = __hadd2(x, rounder);
+    const __half2 f = __hsub2(x, __hsub2(shifted, rounder));                         // in [-1/2, 1/2]
+    __half2 p = __hfma2(half2_of_bits(0x2b0d2b0du), f, half2_of_bits(0x33c333c3u));  // 0.05509 f + 0.2426
+    p = __hfma2(p, f, half2_of_bits(0x398c398cu));                                   // ... + 0.6934
+    p = __hfma2(p, f, half2_of_bits(0x3c003c00u));                                   // ... + 1
+    const unsigned two_to_j = (as_bits(shifted) - 0x65f165f1u) << 10;
+    return __hmul2(p, as_half2(two_to_j));
+}
+
+// Whether the exponentials of fp16 scores' 8-key chunk c go to the FMA units (SPLIT_EXP2).
+__device__ constexpr bool half_exp2_on_fma(int c) {
+    return SPLIT_EXP2 && EXP2_FMA_EVERY_F16 > 0 && (c + 1) % (EXP2_FMA_EVERY_F16 > 0 ? EXP2_FMA_EVERY_F16 : 1) == 0;
+}
+
 // The exponent s * scale + (8 - max) as one HFMA2 needs the offset 8 - max in fp16 to within 1
 // (|max| < 2^11 in log2 units) and a finite scale.
 #define HALF_MAX_LIMIT 2000.0f
@@ -778,7 +817,8 @@ __device__ void recentre_scores(unsigned (&score)[REGS], const float (&row_max)[
 }
 
 // The same on fp16 scores, two keys an instruction: the row max on half2, 2^x as two
-// MUFU.EX2.F16, the sums on half2 (two chains). The exponent is one HFMA2, s * scale + offset,
+// MUFU.EX2.F16 (in one 8-key chunk of five, a cubic on the FMA units instead, which runs beside
+// the special-function unit), the sums on half2 (two chains). The exponent is one HFMA2, s * scale + offset,
 // with the offset 8 - max rounded to fp16 downwards; that rounded value becomes the row's
 // reference (row_max), so p stays <= 2^8 and the sums and O agree with it. For logits past
 // ~1400 (natural units), where fp16 cannot hold that offset closely, a warp first recentres its
@@ -812,7 +852,8 @@ __device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float
         __half2 sum[2] = {};
 #pragma unroll
         for (int c = 0; c < REGS / 2; c++) {
-            const __half2 p = exp2_approx_h2(__hfma2(as_half2(score[2 * c + r]), scale2, offset2));
+            const __half2 x = __hfma2(as_half2(score[2 * c + r]), scale2, offset2);
+            const __half2 p = half_exp2_on_fma(c) ? exp2_fma_h2(x) : exp2_approx_h2(x);
             score[2 * c + r] = as_bits(p);
             sum[c % 2] = __hadd2(sum[c % 2], p);
         }

@@ -64,6 +64,7 @@ ABLATIONS = {
             ("INTRA_OVERLAP", "intra-warpgroup overlap (P V of tile j-1 issued with QK^T of j)"),
             ("WIDE_KEY_TILES", "192-key tiles (wgmma N = 192)"),
             ("SCORES_F16", "S in fp16 at D = 128 (QK^T accumulated in fp16, softmax on half2, 256-key tiles)"),
+            ("SPLIT_EXP2", "exponentials split (one 8-key chunk in 5 as a half2 cubic on the FMA units)"),
         ],
     },
 }

@@ -416,7 +416,8 @@ def test_fp8_chapter_256_key_build(ctx):
 
 def test_fp8_scores_in_fp16(ctx):
     """08 at D = 128 keeps S in fp16: Q K^T is a QGMMA with fp16 accumulators over 256 keys and the
-    exponentials are MUFU.EX2.F16; D = 64 keeps fp32 scores. -DSCORES_F16=0 is the fp32-score
+    exponentials are MUFU.EX2.F16, about one in five a polynomial on the FMA units instead (SPLIT_EXP2);
+    D = 64 keeps fp32 scores. -DSCORES_F16=0 is the fp32-score
     kernel on 192-key tiles. Neither build spills."""
     want = {1: {128: (["QGMMA.64x256x32.F16.E4M3.E4M3", "MUFU.EX2.F16"], ["QGMMA.64x256x32.F32", "QGMMA.64x192x32"]),
                 64: (["QGMMA.64x128x32.F32.E4M3.E4M3"], ["QGMMA.64x128x32.F16", "MUFU.EX2.F16"])},
@@ -432,4 +433,13 @@ def test_fp8_scores_in_fp16(ctx):
             found = [op for op in absent if op in text]
             assert not missing and not found, f"-DSCORES_F16={half}, D={dim}: lacks {missing}, has {found}"
             results.append(f"SCORES_F16={half} D={dim}: {', '.join(present)}")
+            # The split exponentials (fp16 scores only): each polynomial ends in one HMUL2 (by 2^j),
+            # which nothing else in the kernel uses, in place of two MUFU.EX2.F16.
+            polys, mufu_pairs = text.count("HMUL2"), text.count("MUFU.EX2.F16") / 2
+            if half and dim == 128:
+                share = polys / (polys + mufu_pairs)
+                assert 0.1 < share < 0.3, f"D=128: {polys} exp2 polynomials beside {mufu_pairs:.0f} MUFU pairs"
+                results.append(f"{share:.0%} of the half2 exponentials on the FMA units")
+            else:
+                assert polys == 0, f"-DSCORES_F16={half}, D={dim}: {polys} HMUL2 with fp32 scores"
     return "; ".join(results)

@@ -4,17 +4,61 @@ The model follows `softmax_tile` and `recentre_scores` on `unsigned` scores step
 their roundings: the scores and p in float16, the scale rounded to fp16 for the one HFMA2 that
 computes the exponent, the offset 8 - max rounded down to fp16 and used as the row's reference,
 and, past HALF_MAX_LIMIT, the recentring of the scores in their own units. MUFU.EX2.F16 is
-modelled as exp2 rounded to fp16. Random rows of 1-16 tiles of 256 keys, scores up to fp16's
+modelled as exp2 rounded to fp16; the chunks whose exponentials run on the FMA units
+(`exp2_fma_h2`, one 8-key chunk in EXP2_FMA_EVERY_F16) follow its half-precision steps, with the
+constants and the period read from the kernel's source. Random rows of 1-16 tiles of 256 keys, scores up to fp16's
 32768 and scales from 0.001 to 10, some keys masked: logits from ~0 to ~3e5 in log2 units.
 
 This checks the algorithm, not the kernel's code (the GPU suite runs the kernel on logits
 ~1900 and on a constructed one-hot case near 10^5); a change to either is a change to both.
 """
+import re
+from pathlib import Path
+
 import numpy as np
 
 F16 = np.float16
 P_SCALE_LOG2, HALF_MAX_LIMIT, HALF_SCALE_LIMIT = 8.0, 2000.0, 32768.0
 KEYS = 256
+SOURCE = Path(__file__).resolve().parent.parent / "08_fp8" / "attention.cu"
+
+
+def kernel_exp2_fma():
+    """exp2_fma_h2's half constants (rounder, floor, then the cubic's c3, c2, c1, c0) and the period
+    EXP2_FMA_EVERY_F16, as the kernel's source has them."""
+    text = SOURCE.read_text()
+    body = text[text.index("__device__ __half2 exp2_fma_h2"):]
+    body = body[:body.index("\n}\n")]
+    words = re.findall(r"half2_of_bits\(0x([0-9a-f]{8})u\)", body)
+    assert len(words) == 6 and all(w[:4] == w[4:] for w in words), f"exp2_fma_h2's constants: {words}"
+    every = int(re.search(r"#define EXP2_FMA_EVERY_F16 (\d+)", text).group(1))
+    return [np.array(int(w[4:], 16), np.uint16).view(F16) for w in words], every
+
+
+EXP2_CONSTANTS, EXP2_FMA_EVERY_F16 = kernel_exp2_fma()
+
+
+def hfma(a, b, c):
+    """One HFMA2 lane: a * b + c rounded once to fp16."""
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(F16)
+
+
+def exp2_fma_h2(x):
+    """exp2_fma_h2, step by step in fp16: 2^x = 2^f (a cubic) times 2^j made in the exponent bits."""
+    rounder, floor, c3, c2, c1, c0 = EXP2_CONSTANTS
+    x = np.maximum(np.asarray(x, F16), floor)
+    shifted = (x + rounder).astype(F16)
+    f = (x - (shifted - rounder).astype(F16)).astype(F16)
+    p = hfma(hfma(hfma(c3, f, c2), f, c1), f, c0)
+    two_to_j = ((shifted.view(np.uint16).astype(np.int64) - 0x65F1) << 10).astype(np.uint16).view(F16)
+    return (p.astype(np.float64) * two_to_j.astype(np.float64)).astype(F16)
+
+
+def on_fma(keys):
+    """Whether each key's exponential runs on the FMA units: 8-key chunk c with (c + 1) % period == 0."""
+    if EXP2_FMA_EVERY_F16 <= 0:
+        return np.zeros(keys, bool)
+    return (np.arange(keys) // 8 + 1) % EXP2_FMA_EVERY_F16 == 0
 
 
 def half_down(x):
@@ -47,6 +91,8 @@ def softmax_tile(scores, row_max, row_sum, scale_log2, recentring=True):
     rescale = np.exp2(row_max - reference)
     exponent = (scores.astype(np.float64) * scale_h + float(offset)).astype(F16)  # one HFMA2
     p = np.exp2(exponent.astype(np.float64)).astype(F16)  # MUFU.EX2.F16
+    fma = on_fma(len(p))
+    p[fma] = exp2_fma_h2(exponent[fma])  # the FMA units' share
     row_max = -np.inf if new_max == -np.inf else reference
     return p, row_max, row_sum * rescale + float(p.astype(np.float64).sum()), rescale
 
@@ -110,3 +156,19 @@ def test_without_recentring_wide_rows_fail():
     """The rows past the limit are the ones that need the recentring: without it they lose."""
     wide = errors(300, recentring=False)[True]
     assert wide[1] > 0.1 or not np.isfinite(wide[1]), f"wide rows pass without recentring (O error {wide[1]:.3g})"
+
+
+def test_exp2_fma_h2_accuracy():
+    """The half2 polynomial: within 7e-4 of 2^x over fp16's normal range up to p's 2^8 scale (fp16
+    itself rounds at 4.9e-4), exact at the integers (the row's max gives 2^8), exactly 0 from
+    -15.5 down (masked keys)."""
+    x = np.linspace(-14, 8.49, 200001).astype(F16)
+    rel = np.abs(exp2_fma_h2(x).astype(np.float64) / np.exp2(x.astype(np.float64)) - 1)
+    assert rel.max() < 7e-4, f"exp2_fma_h2: relative error {rel.max():.3g}"
+    ints = np.arange(-14, 9).astype(F16)
+    assert np.array_equal(exp2_fma_h2(ints).astype(np.float64), np.exp2(ints.astype(np.float64))), "not exact at integers"
+    low = np.array([-15.5, -16, -100, -60000, -np.inf], F16)
+    assert not exp2_fma_h2(low).any(), f"exp2_fma_h2 of {low}: {exp2_fma_h2(low)}"
+    share = on_fma(KEYS).mean()
+    assert 0 < share < 0.5, f"one 8-key chunk in {EXP2_FMA_EVERY_F16} on the FMA units: {share:.3f} of the keys"
+    return f"max relative error {rel.max():.2e}; {share:.0%} of a tile's exponentials on the FMA units"
