@@ -535,10 +535,8 @@ __device__ float exp2_fma(float x) {
     return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
 }
 
-// Whether the exponentials of 8-key chunk c go to the FMA units (EXP2_FMA_EVERY).
-__device__ constexpr bool exp2_on_fma(int c) {
-    return EXP2_FMA_EVERY > 0 && (c + 1) % (EXP2_FMA_EVERY > 0 ? EXP2_FMA_EVERY : 1) == 0;
-}
+// Whether the exponentials of 8-key chunk c go to the FMA units: one chunk in `every` (0: none).
+__device__ constexpr bool exp2_on_fma(int c, int every) { return every > 0 && (c + 1) % every == 0; }
 
 __device__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
@@ -729,7 +727,7 @@ __device__ void softmax_tile(float (&score)[SCORES], float (&row_max)[2], float 
             for (int e = 0; e < 2; e++) {
                 float *x = &score[4 * c + 2 * r + e];
                 const float power = fmaf(*x, scale_log2, P_SCALE_LOG2 - base);
-                *x = exp2_on_fma(c) ? exp2_fma(power) : exp2_approx(power);
+                *x = exp2_on_fma(c, EXP2_FMA_EVERY) ? exp2_fma(power) : exp2_approx(power);
                 tile_sum[e] += *x;
             }
         row_sum[r] = row_sum[r] * rescale[r] + (tile_sum[0] + tile_sum[1]);
@@ -743,14 +741,6 @@ __device__ __half2 exp2_approx_h2(__half2 x) {
     return as_half2(y);
 }
 
-// A half2 from its bits, as a constant the compiler can fold into an instruction.
-__device__ __half2 half2_of_bits(unsigned bits) {
-    __half2_raw raw;
-    raw.x = (unsigned short)(bits & 0xffff);
-    raw.y = (unsigned short)(bits >> 16);
-    return __half2(raw);
-}
-
 // 2^x of two halves on the FMA units (SPLIT_EXP2), as exp2_fma does for one float, two at a time:
 // x = j + f, 2^f by a cubic in half2 (relative error 6e-4, fp16's own rounding is 5e-4), times 2^j
 // made in the exponent bits. Adding 1536 (1.5 * 2^10) leaves x rounded to the integer j in the
@@ -758,20 +748,15 @@ __device__ __half2 half2_of_bits(unsigned bits) {
 // (exponent field j + 15) in both lanes at once. x <= -15 gives 0 (exponent field 0): e4m3's P
 // holds nothing that small (2^-15 of p's 2^8 scale) anyway.
 __device__ __half2 exp2_fma_h2(__half2 x) {
-    const __half2 rounder = half2_of_bits(0x66006600u);  // 1536
-    x = __hmax2(x, half2_of_bits(0xcb80cb80u));          // -15
+    const __half2 rounder = as_half2(0x66006600u);  // 1536
+    x = __hmax2(x, as_half2(0xcb80cb80u));          // -15
     const __half2 shifted = __hadd2(x, rounder);
-    const __half2 f = __hsub2(x, __hsub2(shifted, rounder));                         // in [-1/2, 1/2]
-    __half2 p = __hfma2(half2_of_bits(0x2b0d2b0du), f, half2_of_bits(0x33c333c3u));  // 0.05509 f + 0.2426
-    p = __hfma2(p, f, half2_of_bits(0x398c398cu));                                   // ... + 0.6934
-    p = __hfma2(p, f, half2_of_bits(0x3c003c00u));                                   // ... + 1
+    const __half2 f = __hsub2(x, __hsub2(shifted, rounder));               // in [-1/2, 1/2]
+    __half2 p = __hfma2(as_half2(0x2b0d2b0du), f, as_half2(0x33c333c3u));  // 0.05509 f + 0.2426
+    p = __hfma2(p, f, as_half2(0x398c398cu));                              // ... + 0.6934
+    p = __hfma2(p, f, as_half2(0x3c003c00u));                              // ... + 1
     const unsigned two_to_j = (as_bits(shifted) - 0x65f165f1u) << 10;
     return __hmul2(p, as_half2(two_to_j));
-}
-
-// Whether the exponentials of fp16 scores' 8-key chunk c go to the FMA units (SPLIT_EXP2).
-__device__ constexpr bool half_exp2_on_fma(int c) {
-    return SPLIT_EXP2 && EXP2_FMA_EVERY_F16 > 0 && (c + 1) % (EXP2_FMA_EVERY_F16 > 0 ? EXP2_FMA_EVERY_F16 : 1) == 0;
 }
 
 // The exponent s * scale + (8 - max) as one HFMA2 needs the offset 8 - max in fp16 to within 1
@@ -853,7 +838,7 @@ __device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float
 #pragma unroll
         for (int c = 0; c < REGS / 2; c++) {
             const __half2 x = __hfma2(as_half2(score[2 * c + r]), scale2, offset2);
-            const __half2 p = half_exp2_on_fma(c) ? exp2_fma_h2(x) : exp2_approx_h2(x);
+            const __half2 p = exp2_on_fma(c, SPLIT_EXP2 ? EXP2_FMA_EVERY_F16 : 0) ? exp2_fma_h2(x) : exp2_approx_h2(x);
             score[2 * c + r] = as_bits(p);
             sum[c % 2] = __hadd2(sum[c % 2], p);
         }

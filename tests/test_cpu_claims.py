@@ -358,13 +358,22 @@ def test_mma_sync_e4m3_is_emulated_on_sm90(ctx):
 
 def build_08_variant(ctx, flags):
     """08 compiled for sm_90a with extra -D flags: (ptxas report lines, {head dim: SASS text of
-    its attention_kernel})."""
+    its attention_kernel}). Without flags that is the chapter as the build made it: its binary and
+    build log are read, not compiled a second time."""
     cuobjdump, env = sass_tools(ctx)
-    cubin = ctx.tmpdir() / "08_variant.cubin"
-    proc = ctx.run([nvcc(), "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", *flags,
-                    "-gencode=arch=compute_90a,code=sm_90a", "-o", cubin, ctx.root / "08_fp8" / "attention.cu"],
-                   timeout=600)
-    assert proc.returncode == 0, f"nvcc {' '.join(flags)} failed:\n{proc.stderr}"
+    if flags:
+        cubin = ctx.tmpdir() / "08_variant.cubin"
+        proc = ctx.run([nvcc(), "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", *flags,
+                        "-gencode=arch=compute_90a,code=sm_90a", "-o", cubin, ctx.root / "08_fp8" / "attention.cu"],
+                       timeout=600)
+        assert proc.returncode == 0, f"nvcc {' '.join(flags)} failed:\n{proc.stderr}"
+        report = proc.stderr
+    else:
+        cubin = ctx.require_binary("08_fp8")
+        log = cubin.parent / "08_fp8.log"
+        if not log.is_file():
+            raise unittest.SkipTest(f"{ctx.rel(log)} missing: the multiarch build did not run")
+        report = log.read_text(errors="replace")
     dump = ctx.run([cuobjdump, "--dump-sass", cubin], env=env, timeout=300)
     assert dump.returncode == 0, f"cuobjdump failed on {cubin}:\n{dump.stderr}"
     kernels = {}
@@ -373,7 +382,7 @@ def build_08_variant(ctx, flags):
         if kernel_base_name(name) == "attention_kernel":
             kernels[int(re.search(r"ILi(\d+)E", name).group(1))] = text
     assert sorted(kernels) == [64, 128], f"{' '.join(flags)}: attention_kernel for D = {sorted(kernels)}, expected 64 and 128"
-    return proc.stderr.splitlines(), kernels
+    return report.splitlines(), kernels
 
 
 def spill_report(lines, dim):
@@ -424,7 +433,7 @@ def test_fp8_scores_in_fp16(ctx):
             0: {128: (["QGMMA.64x192x32.F32.E4M3.E4M3"], ["QGMMA.64x256x32", "MUFU.EX2.F16", ".F16.E4M3"])}}
     results = []
     for half, dims in want.items():
-        lines, kernels = build_08_variant(ctx, [f"-DSCORES_F16={half}"])
+        lines, kernels = build_08_variant(ctx, [] if half else ["-DSCORES_F16=0"])  # 1: the chapter's default
         for dim, (present, absent) in dims.items():
             report = spill_report(lines, dim)
             assert "0 bytes spill stores, 0 bytes spill loads" in report, f"-DSCORES_F16={half}, D={dim}: {report}"

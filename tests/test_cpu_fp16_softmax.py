@@ -29,7 +29,7 @@ def kernel_exp2_fma():
     text = SOURCE.read_text()
     body = text[text.index("__device__ __half2 exp2_fma_h2"):]
     body = body[:body.index("\n}\n")]
-    words = re.findall(r"half2_of_bits\(0x([0-9a-f]{8})u\)", body)
+    words = re.findall(r"as_half2\(0x([0-9a-f]{8})u\)", body)
     assert len(words) == 6 and all(w[:4] == w[4:] for w in words), f"exp2_fma_h2's constants: {words}"
     every = int(re.search(r"#define EXP2_FMA_EVERY_F16 (\d+)", text).group(1))
     return [np.array(int(w[4:], 16), np.uint16).view(F16) for w in words], every
