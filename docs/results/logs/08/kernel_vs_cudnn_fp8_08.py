@@ -1,5 +1,5 @@
-# How docs/results/logs/kernel_vs_cudnn_fp8_08.csv was measured, on the GPU machine from the repository root after
-# `make` and with the cuDNN frontend on PYTHONPATH: python3 docs/results/logs/kernel_vs_cudnn_fp8_08.py OUT.csv
+# How docs/results/logs/08/kernel_vs_cudnn_fp8_08.csv was measured, on the GPU machine from the repository root after
+# `make` and with the cuDNN frontend on PYTHONPATH: python3 docs/results/logs/08/kernel_vs_cudnn_fp8_08.py OUT.csv
 # The attention kernel alone (08, inputs already in e4m3) beside cuDNN's FP8 attention, per bench shape,
 # interleaved: 3 rounds, in each one 08 run (median of 20) then cuDNN (median of 20) per shape.
 import csv, os, statistics, subprocess, sys
