@@ -6,6 +6,7 @@
 #include "npy.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <spawn.h>
 #include <stdarg.h>
@@ -22,6 +23,7 @@ extern char **environ;
 enum { EXIT_PASS = 0, EXIT_FAILED = 1, EXIT_USAGE = 2, EXIT_SKIP = 77 };
 
 static const char *const INPUT_NAMES[3] = {"q.npy", "k.npy", "v.npy"};  // in an --input folder or the cache
+static const char *const OUTPUT_NAMES[2] = {"o.npy", "lse.npy"};        // what --output DIR gets, all of it
 
 #ifndef FA_ROOT
 #define FA_ROOT "."
@@ -82,6 +84,16 @@ static void die(int code, const char *fmt, ...) {
     exit(code);
 }
 
+// `text` as a message shows it: one line, control characters and the like escaped C-style
+// (npy_printable). Anything a message echoes that came from outside (a flag or its value, a path,
+// an environment variable) goes through it; up to 8 in one message.
+static const char *shown(const char *text) {
+    static char buffers[8][4 * 4096 + 8];
+    static unsigned next;
+    char *out = buffers[next++ % 8];
+    return npy_printable(text, out, sizeof buffers[0]);
+}
+
 #define CUDA_CHECK(call)                                                                                           \
     do {                                                                                                           \
         cudaError_t err_ = (call);                                                                                 \
@@ -134,16 +146,45 @@ static void print_help(void) {
         chapter.name, chapter.adds);
 }
 
-// One rule for numbers: an optional '-' and decimal digits, nothing else (no spaces, no '+').
+// One rule for every number on the command line: decimal digits after an optional '-' (a value out
+// of the flag's range, negative ones included, is then refused as such), and for --scale an optional
+// fraction and exponent as well (0.125, .5, 2., 1e-3, 1.5E+2). Nothing else: no spaces, no '+' in
+// front, no hex, no inf or nan.
+static int is_decimal(const char *text, int fraction_and_exponent) {
+    const char *c = text + (*text == '-');
+    size_t digits = 0;
+    for (; *c >= '0' && *c <= '9'; c++) digits++;
+    if (fraction_and_exponent && *c == '.')
+        for (c++; *c >= '0' && *c <= '9'; c++) digits++;
+    if (!digits) return 0;
+    if (fraction_and_exponent && (*c == 'e' || *c == 'E')) {
+        c += c[1] == '+' || c[1] == '-' ? 2 : 1;
+        if (!(*c >= '0' && *c <= '9')) return 0;
+        while (*c >= '0' && *c <= '9') c++;
+    }
+    return *c == 0;
+}
+
 static long long parse_int(const char *flag, const char *text, long long lo, long long hi) {
-    const char *digits = text[0] == '-' ? text + 1 : text;
-    int well_formed = *digits != 0;
-    for (const char *c = digits; *c; c++) well_formed &= *c >= '0' && *c <= '9';
-    char *end;
+    if (!is_decimal(text, 0))
+        die(EXIT_USAGE, "%s expects a whole number in decimal digits, got '%s'", flag, shown(text));
     errno = 0;
-    long long v = well_formed ? strtoll(text, &end, 10) : 0;
-    if (!well_formed || *end || errno) die(EXIT_USAGE, "%s expects a whole number, got '%s'", flag, text);
-    if (v < lo || v > hi) die(EXIT_USAGE, "%s must be between %lld and %lld (got %lld)", flag, lo, hi, v);
+    long long v = strtoll(text, NULL, 10);  // ERANGE: beyond any range a flag has
+    if (errno || v < lo || v > hi)
+        die(EXIT_USAGE, "%s must be between %lld and %lld (got %s)", flag, lo, hi, shown(text));
+    return v;
+}
+
+static float parse_scale(const char *text) {
+    if (!is_decimal(text, 1))
+        die(EXIT_USAGE,
+            "--scale expects a decimal number such as 0.125 or 1e-3 (no spaces, no '+' in front, no hex, "
+            "inf or nan), got '%s'",
+            shown(text));
+    float v = strtof(text, NULL);
+    // Positive and normal: a subnormal scale (below ~1.2e-38) loses its precision in fp32.
+    if (!(v > 0) || !isnormal(v))
+        die(EXIT_USAGE, "--scale expects a positive number between 1.2e-38 and 3.4e38, got '%s'", shown(text));
     return v;
 }
 
@@ -157,19 +198,22 @@ static Options parse_args(int argc, char **argv) {
     o.warmup = 2;
     o.iters = 10;
     o.check = 1;
+    static const char *const with_value[] = {"--batch", "--heads",  "--seqlen", "--headdim", "--scale",
+                                             "--seed",  "--warmup", "--iters",  "--input",   "--output"};
+    static const char *const switches[] = {"--causal", "--no-check", "--csv", "--dry-run", "--help"};
     for (int i = 1; i < argc; i++) {
         char flag[64];
-        const char *arg = argv[i], *value = NULL, *eq = strchr(arg, '=');
-        if (strncmp(arg, "--", 2) != 0) die(EXIT_USAGE, "unexpected argument '%s' (see --help)", arg);
+        const char *arg = strcmp(argv[i], "-h") == 0 ? "--help" : argv[i], *value = NULL, *eq = strchr(arg, '=');
+        if (strncmp(arg, "--", 2) != 0) die(EXIT_USAGE, "unexpected argument '%s' (see --help)", shown(arg));
         size_t flag_len = eq ? (size_t)(eq - arg) : strlen(arg);
-        if (flag_len >= sizeof flag) die(EXIT_USAGE, "unknown option '%s' (see --help)", arg);
+        if (flag_len >= sizeof flag) die(EXIT_USAGE, "unknown option '%s' (see --help)", shown(arg));
         memcpy(flag, arg, flag_len);
         flag[flag_len] = 0;
-        static const char *const with_value[] = {"--batch", "--heads",  "--seqlen", "--headdim", "--scale",
-                                                 "--seed",  "--warmup", "--iters",  "--input",   "--output"};
-        int takes_value = 0;
+        int takes_value = 0, known = 0;
         for (size_t k = 0; k < sizeof with_value / sizeof *with_value; k++)
             takes_value |= strcmp(flag, with_value[k]) == 0;
+        for (size_t k = 0; k < sizeof switches / sizeof *switches; k++) known |= strcmp(flag, switches[k]) == 0;
+        if (!takes_value && !known) die(EXIT_USAGE, "unknown option '%s' (see --help)", shown(flag));
         if (takes_value) {
             if (eq) value = eq + 1;
             else if (i + 1 < argc) value = argv[++i];
@@ -191,19 +235,12 @@ static Options parse_args(int argc, char **argv) {
         else if (!strcmp(flag, "--iters")) o.iters = (int)parse_int(flag, value, 1, 100000);
         else if (!strcmp(flag, "--input")) o.input_dir = value;
         else if (!strcmp(flag, "--output")) o.output_dir = value;
-        else if (!strcmp(flag, "--scale")) {
-            char *end;
-            o.shape.scale = strtof(value, &end);
-            // Positive and normal: a subnormal scale (below ~1.2e-38) loses its precision in fp32.
-            if (end == value || *end || !(o.shape.scale > 0) || !isnormal(o.shape.scale))
-                die(EXIT_USAGE, "--scale expects a positive number between 1.2e-38 and 3.4e38, got '%s'", value);
-            o.scale_given = 1;
-        } else if (!strcmp(flag, "--causal")) o.shape.causal = 1;
+        else if (!strcmp(flag, "--scale")) o.shape.scale = parse_scale(value), o.scale_given = 1;
+        else if (!strcmp(flag, "--causal")) o.shape.causal = 1;
         else if (!strcmp(flag, "--no-check")) o.check = 0;
         else if (!strcmp(flag, "--csv")) o.csv = 1;
         else if (!strcmp(flag, "--dry-run")) o.dry_run = 1;
-        else if (!strcmp(flag, "--help") || !strcmp(flag, "-h")) print_help(), exit(EXIT_PASS);
-        else die(EXIT_USAGE, "unknown option '%s' (see --help)", flag);
+        else if (!strcmp(flag, "--help")) print_help(), exit(EXIT_PASS);
     }
     return o;
 }
@@ -255,11 +292,12 @@ static void format_path(char *out, size_t len, const char *fmt, ...) {
     va_start(ap, fmt);
     int n = vsnprintf(out, len, fmt, ap);
     va_end(ap);
-    if (n < 0 || (size_t)n >= len) die(EXIT_USAGE, "path too long: %s...", out);
+    if (n < 0 || (size_t)n >= len)
+        die(EXIT_USAGE, "path too long (%zu bytes at most): %s...; give a shorter one", len - 1, shown(out));
 }
 
 static void join(char *out, size_t len, const char *dir, const char *file) {
-    format_path(out, len, "%s/%s", dir, file);
+    format_path(out, len, *dir && dir[strlen(dir) - 1] == '/' ? "%s%s" : "%s/%s", dir, file);
 }
 
 static int file_exists(const char *path) {
@@ -273,20 +311,18 @@ static void shape_from_input(Options *o) {
     char path[4096], err[1024];
     for (int i = 0; i < 3; i++) {
         join(path, sizeof path, o->input_dir, INPUT_NAMES[i]);
-        if (npy_read_header(path, &h[i], err, sizeof err)) die(EXIT_USAGE, "%s", err);
-        if (h[i].dtype != NPY_F16)
-            die(EXIT_USAGE, "%s: dtype is %s, expected float16 (cast with .astype(np.float16))", path,
-                npy_dtype_name(h[i].dtype));
-        if (h[i].ndim != 4) die(EXIT_USAGE, "%s: %d-D array, expected 4-D [B, H, N, D]", path, h[i].ndim);
+        // fp16 alone: any other dtype is refused naming '<f2' and the NumPy line that casts to it.
+        if (npy_read_header_of(path, NPY_F16, &h[i], err, sizeof err)) die(EXIT_USAGE, "%s", err);
+        if (h[i].ndim != 4) die(EXIT_USAGE, "%s: %d-D array, expected 4-D [B, H, N, D]", shown(path), h[i].ndim);
         for (int d = 0; d < 4; d++) {
             if (h[i].shape[d] < 1 || h[i].shape[d] > 2147483647)
-                die(EXIT_USAGE, "%s: dimension %d is %lld, expected 1 .. 2^31-1", path, d, h[i].shape[d]);
+                die(EXIT_USAGE, "%s: dimension %d is %lld, expected 1 .. 2^31-1", shown(path), d, h[i].shape[d]);
             if (h[i].shape[d] != h[0].shape[d])
                 die(EXIT_USAGE,
                     "%s has shape (%lld, %lld, %lld, %lld) but q.npy has (%lld, %lld, %lld, %lld): "
                     "q, k, v must share one [B, H, N, D] shape",
-                    path, h[i].shape[0], h[i].shape[1], h[i].shape[2], h[i].shape[3], h[0].shape[0], h[0].shape[1],
-                    h[0].shape[2], h[0].shape[3]);
+                    shown(path), h[i].shape[0], h[i].shape[1], h[i].shape[2], h[i].shape[3], h[0].shape[0],
+                    h[0].shape[1], h[0].shape[2], h[0].shape[3]);
         }
     }
     int dims[4] = {(int)h[0].shape[0], (int)h[0].shape[1], (int)h[0].shape[2], (int)h[0].shape[3]};
@@ -303,7 +339,7 @@ static void shape_from_input(Options *o) {
 // FNV-1a over a file's bytes: names the reference cache of --input data.
 static uint64_t hash_file(const char *path, uint64_t h) {
     FILE *f = fopen(path, "rb");
-    if (!f) die(EXIT_USAGE, "cannot open %s: %s", path, strerror(errno));
+    if (!f) die(EXIT_USAGE, "cannot open %s: %s", shown(path), strerror(errno));
     unsigned char buf[1 << 16];
     size_t n;
     while ((n = fread(buf, 1, sizeof buf, f)) > 0)
@@ -411,7 +447,7 @@ static void prepare_data(const Options *o, const DataPaths *p) {
         die(EXIT_USAGE,
             "could not prepare inputs with '%s %s' (%s); run 'make' to set up Python with NumPy, "
             "or set FA_PYTHON",
-            python, script, rc ? strerror(rc) : "it failed, see above");
+            shown(python), shown(script), rc ? strerror(rc) : "it failed, see above");
 }
 
 // Load dir/file, refusing another dtype or shape (a negative dimension matches any).
@@ -424,7 +460,7 @@ static void *load_array(const char *dir, const char *file, NpyDtype dtype, int n
     if (npy_load(path, dtype, &h, &data, err, sizeof err)) die(EXIT_USAGE, "%s", err);
     int ok = h.ndim == ndim;
     for (int i = 0; ok && i < ndim; i++) ok = shape[i] < 0 || h.shape[i] == shape[i];
-    if (!ok) die(EXIT_USAGE, "%s: unexpected shape (stale cache? delete it and rerun)", path);
+    if (!ok) die(EXIT_USAGE, "%s: unexpected shape (stale cache? delete it and rerun)", shown(path));
     if (header) *header = h;
     return data;
 }
@@ -457,7 +493,7 @@ static CheckResult check_outputs(const Options *o, const DataPaths *p, const __h
     long long nrows = h.shape[0];
     for (long long i = 0; i < nrows; i++)
         if (rows[i] < 0 || rows[i] >= s->seqlen)
-            die(EXIT_USAGE, "%s/%s: row %lld out of range (stale cache? delete it and rerun)", p->ref_dir, file,
+            die(EXIT_USAGE, "%s/%s: row %lld out of range (stale cache? delete it and rerun)", shown(p->ref_dir), file,
                 (long long)rows[i]);
     long long o_shape[4] = {s->batch, s->heads, nrows, s->headdim};
     snprintf(file, sizeof file, "ref_%s_o.npy", p->ref_tag);
@@ -626,27 +662,125 @@ static float time_forward(const Options *o, const AttnArgs *args, cudaStream_t s
     return median;
 }
 
-// --output DIR is checked before any work: a folder we can write into, or one we can create.
-static void check_output_dir(const char *dir) {
-    struct stat st;
-    if (stat(dir, &st) == 0) {
-        if (!S_ISDIR(st.st_mode)) die(EXIT_USAGE, "--output %s exists and is not a folder: give a folder", dir);
-        if (access(dir, W_OK | X_OK) != 0)
-            die(EXIT_USAGE, "--output %s: cannot write into it: %s", dir, strerror(errno));
+// A file or folder with no write permission bit at all, one its owner marked read-only, is not
+// written: not even by a user whose privileges would let it be (root), as a user expects.
+static int marked_read_only(const struct stat *st) { return (st->st_mode & (S_IWUSR | S_IWGRP | S_IWOTH)) == 0; }
+
+// Where the symbolic link at path points, for a message.
+static const char *link_target(const char *path, char *out, size_t len) {
+    ssize_t n = readlink(path, out, len - 1);
+    out[n < 0 ? 0 : n] = 0;
+    return out;
+}
+
+// What is wrong with writing OUTPUT_NAMES[i] into the existing folder dir, into problem (empty:
+// nothing). It must be a regular file this user may write, not marked read-only, or not exist in a
+// folder that takes a new file: that one is created and removed again, which tells for certain.
+static void check_output_file(const char *dir, int i, struct stat *st, int *exists, char *problem, size_t len) {
+    char path[4096], target[4096];
+    struct stat lst;
+    join(path, sizeof path, dir, OUTPUT_NAMES[i]);
+    *exists = 0;
+    int missing = lstat(path, &lst) != 0;
+    if (missing) {
+        int fd = errno == ENOENT ? open(path, O_WRONLY | O_CREAT | O_EXCL, 0644) : -1;
+        if (fd >= 0) {
+            close(fd);
+            unlink(path);
+            return;
+        }
+        // EEXIST: another run made it meanwhile; then it is checked as any existing file.
+        if (errno != EEXIST || lstat(path, &lst) != 0) {
+            snprintf(problem, len, "--output: %s cannot be created: %s; give a folder you can write to", shown(path),
+                     strerror(errno));
+            return;
+        }
+    }
+    if (S_ISLNK(lst.st_mode) && stat(path, st) != 0) {
+        snprintf(problem, len,
+                 "--output: %s is a dangling symbolic link (to %s, %s): remove it, or point it at a file, "
+                 "or give another folder",
+                 shown(path), shown(link_target(path, target, sizeof target)), strerror(errno));
         return;
     }
-    if (errno != ENOENT) die(EXIT_USAGE, "--output %s: %s", dir, strerror(errno));
-    char parent[4096];
-    format_path(parent, sizeof parent, "%s", dir);
-    char *slash = strrchr(parent, '/');
-    while (slash && slash > parent && slash[1] == 0) *slash = 0, slash = strrchr(parent, '/');  // "a/b/" -> "a/b"
-    if (!slash) strcpy(parent, ".");
-    else if (slash == parent) parent[1] = 0;  // "/x": the root
-    else *slash = 0;
-    if (stat(parent, &st) != 0 || !S_ISDIR(st.st_mode))
-        die(EXIT_USAGE, "--output %s cannot be created: %s is not an existing folder", dir, parent);
-    if (access(parent, W_OK | X_OK) != 0)
-        die(EXIT_USAGE, "--output %s cannot be created in %s: %s", dir, parent, strerror(errno));
+    if (!S_ISLNK(lst.st_mode)) *st = lst;
+    *exists = 1;
+    if (S_ISDIR(st->st_mode))
+        snprintf(problem, len, "--output: %s is a directory: remove it, or give another folder", shown(path));
+    else if (!S_ISREG(st->st_mode))
+        snprintf(problem, len,
+                 "--output: %s is not a regular file (a FIFO, socket or device): remove it, or give another folder",
+                 shown(path));
+    else if (marked_read_only(st))
+        snprintf(problem, len,
+                 "--output: %s is read-only (no write permission): make it writable (chmod u+w), remove it, "
+                 "or give another folder",
+                 shown(path));
+    else {
+        int fd = open(path, O_WRONLY | O_NONBLOCK);  // no O_TRUNC: the check changes nothing in it
+        if (fd < 0)
+            snprintf(problem, len, "--output: %s cannot be written: %s; remove it, or give another folder", shown(path),
+                     strerror(errno));
+        else close(fd);
+    }
+}
+
+// --output DIR is checked before any work, on what a run will really write: DIR itself (an existing
+// folder, or one to make in an existing folder: it is made now), then each of OUTPUT_NAMES in it. A
+// folder made here is removed again, refused or not, so that a run that stops before writing (a
+// refusal, --dry-run, no GPU) leaves nothing behind; write_outputs makes it again.
+static void check_output_dir(const char *dir) {
+    struct stat st;
+    char target[4096];
+    if (lstat(dir, &st) == 0 && S_ISLNK(st.st_mode) && stat(dir, &st) != 0)
+        die(EXIT_USAGE, "--output %s is a dangling symbolic link (to %s): remove it, or give another folder",
+            shown(dir), shown(link_target(dir, target, sizeof target)));
+    int made = 0;
+    if (stat(dir, &st) == 0) {
+        if (!S_ISDIR(st.st_mode)) die(EXIT_USAGE, "--output %s exists and is not a folder: give a folder", shown(dir));
+        if (marked_read_only(&st))
+            die(EXIT_USAGE,
+                "--output %s is a read-only folder (no write permission): make it writable (chmod u+w), "
+                "or give another folder",
+                shown(dir));
+        if (access(dir, W_OK | X_OK) != 0)
+            die(EXIT_USAGE, "--output %s: cannot write into it: %s", shown(dir), strerror(errno));
+    } else {
+        if (errno != ENOENT) die(EXIT_USAGE, "--output %s: %s", shown(dir), strerror(errno));
+        char parent[4096];
+        format_path(parent, sizeof parent, "%s", dir);
+        char *slash = strrchr(parent, '/');
+        while (slash && slash > parent && slash[1] == 0) *slash = 0, slash = strrchr(parent, '/');  // "a/b/" -> "a/b"
+        if (!slash) strcpy(parent, ".");
+        else if (slash == parent) parent[1] = 0;  // "/x": the root
+        else *slash = 0;
+        if (stat(parent, &st) != 0 || !S_ISDIR(st.st_mode))
+            die(EXIT_USAGE, "--output %s cannot be created: %s is not an existing folder", shown(dir), shown(parent));
+        if (marked_read_only(&st))
+            die(EXIT_USAGE,
+                "--output %s cannot be created: %s is a read-only folder (no write permission); give a folder "
+                "you can write to",
+                shown(dir), shown(parent));
+        if (access(parent, W_OK | X_OK) != 0)
+            die(EXIT_USAGE, "--output %s cannot be created in %s: %s", shown(dir), shown(parent), strerror(errno));
+        if (mkdir(dir, 0755) != 0)  // what tells for certain: /proc, say, refuses here and only here
+            die(EXIT_USAGE, "--output %s cannot be created in %s: %s; give a folder you can write to", shown(dir),
+                shown(parent), strerror(errno));
+        made = 1;
+    }
+    char problem[8192] = "";
+    struct stat file[2];
+    int exists[2] = {0, 0};
+    for (int i = 0; i < 2 && !*problem; i++) check_output_file(dir, i, &file[i], &exists[i], problem, sizeof problem);
+    if (!*problem && exists[0] && exists[1] && file[0].st_dev == file[1].st_dev && file[0].st_ino == file[1].st_ino) {
+        char paths[2][4096];
+        for (int i = 0; i < 2; i++) join(paths[i], sizeof paths[i], dir, OUTPUT_NAMES[i]);
+        snprintf(problem, sizeof problem,
+                 "--output: %s and %s are the same file (a link): one would overwrite the other; remove the link",
+                 shown(paths[0]), shown(paths[1]));
+    }
+    if (made) rmdir(dir);
+    if (*problem) die(EXIT_USAGE, "%s", problem);
 }
 
 // Q, K, V from dir into host memory, in the validated shape.
@@ -670,18 +804,19 @@ static void check_finite(const char *dir, const AttnShape *s, __half *const host
             die(EXIT_USAGE,
                 "%s/%s holds %zu NaN or Inf value%s, the first at [%zu, %zu, %zu, %zu]: attention "
                 "is undefined on them; replace them (np.nan_to_num) or find where they came from",
-                dir, INPUT_NAMES[i], bad, bad == 1 ? "" : "s", b, h, n, d);
+                shown(dir), INPUT_NAMES[i], bad, bad == 1 ? "" : "s", b, h, n, d);
         }
     }
 }
 
+// OUTPUT_NAMES, in the folder check_output_dir accepted.
 static void write_outputs(const char *dir, const AttnShape *s, const __half *out, const float *lse) {
     char path[4096], err[1024];
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST) die(EXIT_USAGE, "cannot create %s: %s", dir, strerror(errno));
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) die(EXIT_USAGE, "cannot create %s: %s", shown(dir), strerror(errno));
     long long shape[4] = {s->batch, s->heads, s->seqlen, s->headdim};
-    join(path, sizeof path, dir, "o.npy");
+    join(path, sizeof path, dir, OUTPUT_NAMES[0]);
     if (npy_save(path, NPY_F16, 4, shape, out, err, sizeof err)) die(EXIT_FAILED, "%s", err);
-    join(path, sizeof path, dir, "lse.npy");
+    join(path, sizeof path, dir, OUTPUT_NAMES[1]);
     if (npy_save(path, NPY_F32, 3, shape, lse, err, sizeof err)) die(EXIT_FAILED, "%s", err);
 }
 
@@ -808,7 +943,11 @@ int main(int argc, char **argv) {
             printf("  parts     prepare %.4f ms (%.0f%% of the forward), attention alone %.4f ms = %.2f TFLOP/s\n",
                    prepare_ms, 100.0 * prepare_ms / ms, attend_ms, forward_flops(s) / (attend_ms * 1e-3) / 1e12);
         printf("  device    %.1f MB allocated: Q, K, V, O, LSE and the workspace\n", device_bytes / 1e6);
-        if (o.output_dir) printf("  output    %s/o.npy, %s/lse.npy\n", o.output_dir, o.output_dir);
+        if (o.output_dir) {
+            char path[2][4096];
+            for (int i = 0; i < 2; i++) join(path[i], sizeof path[i], o.output_dir, OUTPUT_NAMES[i]);
+            printf("  output    %s, %s\n", shown(path[0]), shown(path[1]));
+        }
     }
     for (int i = 0; i < 3; i++) CUDA_CHECK(cudaFree(dev_in[i]));
     CUDA_CHECK(cudaFree(args.o));

@@ -4,6 +4,7 @@
 //   npy_tool dump FILE                  print every element's bits as hex, one a line
 //   npy_tool write FILE DTYPE DIM...    write a deterministic pattern (DTYPE: f2 f4 f8 i8)
 //   npy_tool roundtrip IN OUT           load IN (its own dtype) and save it as OUT
+//   npy_tool load FILE DTYPE            load FILE as DTYPE (f2 f4 f8 i8), print "count <n>"
 //
 // Exit codes: 0 done, 2 the reader or writer refused (its message on stderr), 3 bad usage.
 // The pattern of element i, exactly representable so that NumPy can recompute it bit for bit:
@@ -17,7 +18,8 @@
 #include <string.h>
 
 static int usage(void) {
-    fprintf(stderr, "usage: npy_tool info FILE | dump FILE | write FILE DTYPE DIM... | roundtrip IN OUT\n");
+    fprintf(stderr,
+            "usage: npy_tool info FILE | dump FILE | write FILE DTYPE DIM... | roundtrip IN OUT | load FILE DTYPE\n");
     return 3;
 }
 
@@ -111,10 +113,23 @@ static int roundtrip(const char *in, const char *out) {
     return rc ? refused(err) : 0;
 }
 
+static int load_as(const char *path, const char *dtype_text) {
+    NpyDtype dtype;
+    if (parse_dtype(dtype_text, &dtype)) return usage();
+    NpyHeader h;
+    char err[1024];
+    void *data;
+    if (npy_load(path, dtype, &h, &data, err, sizeof err)) return refused(err);
+    printf("count %zu\n", h.count);
+    free(data);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "info") == 0) return info(argv[2]);
     if (argc == 3 && strcmp(argv[1], "dump") == 0) return dump(argv[2]);
     if (argc >= 4 && strcmp(argv[1], "write") == 0) return write_pattern(argv[2], argv[3], argc - 4, argv + 4);
     if (argc == 4 && strcmp(argv[1], "roundtrip") == 0) return roundtrip(argv[2], argv[3]);
+    if (argc == 4 && strcmp(argv[1], "load") == 0) return load_as(argv[2], argv[3]);
     return usage();
 }

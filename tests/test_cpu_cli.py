@@ -82,6 +82,53 @@ def truncated_v(folder):
     return folder
 
 
+def output_with(folder, name, kind):
+    """An --output folder whose `name` (o.npy or lse.npy) is a directory, a dangling symbolic link (to
+    a file in a missing folder, or to a missing file in this one), a read-only file, a FIFO, or a
+    link to the folder's other output (kind "same": lse.npy -> o.npy)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    if kind == "dir":
+        path.mkdir()
+    elif kind == "dangling":
+        path.symlink_to(folder / "gone" / name)
+    elif kind == "dangling here":
+        path.symlink_to(folder / "elsewhere.npy")
+    elif kind == "read-only":
+        path.write_bytes(b"keep me")
+        path.chmod(0o444)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "same":
+        (folder / "o.npy").write_bytes(b"old")
+        path.symlink_to(folder / "o.npy")
+    return folder
+
+
+def read_only_folder(folder):
+    folder.mkdir(parents=True)
+    folder.chmod(0o555)
+    return folder
+
+
+def npy_with_header(folder, dict_text, tail=b"\n"):
+    """q.npy whose header is dict_text padded with spaces and ended by `tail` (k, v are fine)."""
+    write_qkv(folder)
+    data = np.zeros((1, 2, 16, 64), np.float16).tobytes()
+    body = dict_text.encode()
+    length = -(-(10 + len(body) + len(tail)) // 64) * 64 - 10
+    header = body.ljust(length - len(tail)) + tail
+    (folder / "q.npy").write_bytes(b"\x93NUMPY\x01\x00" + length.to_bytes(2, "little") + header + data)
+    return folder
+
+
+Q_DICT = "{'descr': '<f2', 'fortran_order': False, 'shape': (1, 2, 16, 64), }"
+# What --input takes, said exactly, and how to get there from any other dtype.
+CAST_TO_FP16 = [r"'<f2'", r"float16", r"np\.save\(", r"np\.load\(", r"\.astype\(np\.float16\)"]
+# The one rule of --scale: decimal, optional fraction and exponent; no space, '+', hex, inf or nan.
+SCALE_FORM = [r"--scale", r"decimal"]
+
+
 # (label, args given the case's temporary folder, regexes the stderr must all match)
 BAD = [
     ("headdim 96", lambda t: ["--headdim", "96"], [r"\b96\b", r"\b64\b", r"\b128\b"]),
@@ -98,7 +145,20 @@ BAD = [
     ("input k.npy missing", lambda t: ["--input", write_qkv(t / "in", k=None)],
      [r"k\.npy", r"(cannot open|no such|not found|missing)"]),
     ("input float32", lambda t: ["--input", write_qkv(t / "in", dtype=np.float32)],
-     [r"q\.npy", r"float32", r"float16"]),
+     [r"q\.npy", r"float32", *CAST_TO_FP16]),
+    # A dtype the .npy reader has no name for is refused as --input's, not as the reader's: the
+    # message names what --input takes, not types that --input would refuse next.
+    ("input int32", lambda t: ["--input", write_qkv(t / "in", dtype=np.int32)],
+     [r"q\.npy", r"'<i4'", *CAST_TO_FP16], r"float32|float64|int64"),
+    ("input big-endian fp16", lambda t: ["--input", write_qkv(t / "in", dtype=">f2")],
+     [r"q\.npy", r"'>f2'", r"little-endian", *CAST_TO_FP16]),
+    ("input float64, --dry-run", lambda t: ["--dry-run", "--input", write_qkv(t / "in", dtype=np.float64)],
+     [r"q\.npy", r"float64", *CAST_TO_FP16]),
+    # A header is a dict literal, then only spaces and a newline (NumPy refuses anything else there).
+    ("input q.npy header has text after its dict", lambda t: ["--input", npy_with_header(t / "in", Q_DICT + " x")],
+     [r"q\.npy", r"after", r"header"]),
+    ("input q.npy header has a NUL after its dict", lambda t: ["--input", npy_with_header(t / "in", Q_DICT + "\0")],
+     [r"q\.npy", r"after", r"\\x00"]),
     ("input 3-D", lambda t: ["--input", write_qkv(t / "in", shape=(2, 16, 64))],
      [r"q\.npy", r"(3-D|3 dim|three)", r"(4-D|\[B, ?H, ?N, ?D\])"]),
     ("input k of another shape",
@@ -128,6 +188,35 @@ BAD = [
      [r"--output", r"not a folder"]),
     ("output parent missing", lambda t: ["--output", t / "no" / "such" / "out"],
      [r"--output", r"cannot be created", r"no.such"]),
+    # What --output will really write, o.npy and lse.npy, must be writable: each is checked, and the
+    # message names the file and what is wrong with it.
+    ("output o.npy is a directory", lambda t: ["--output", output_with(t / "out", "o.npy", "dir")],
+     [lambda t: re.escape(str(t / "out" / "o.npy")), r"is a directory"]),
+    ("output lse.npy is a directory, --dry-run",
+     lambda t: ["--dry-run", "--output", output_with(t / "out", "lse.npy", "dir")],
+     [lambda t: re.escape(str(t / "out" / "lse.npy")), r"is a directory"]),
+    ("output o.npy is a dangling symlink", lambda t: ["--output", output_with(t / "out", "o.npy", "dangling")],
+     [lambda t: re.escape(str(t / "out" / "o.npy")), r"dangling symbolic link"]),
+    ("output o.npy is a dangling symlink into its folder",
+     lambda t: ["--output", output_with(t / "out", "o.npy", "dangling here")],
+     [lambda t: re.escape(str(t / "out" / "o.npy")), r"dangling symbolic link"]),
+    ("output o.npy is read-only", lambda t: ["--output", output_with(t / "out", "o.npy", "read-only")],
+     [lambda t: re.escape(str(t / "out" / "o.npy")), r"read-only"]),
+    ("output lse.npy is read-only, --dry-run",
+     lambda t: ["--dry-run", "--output", output_with(t / "out", "lse.npy", "read-only")],
+     [lambda t: re.escape(str(t / "out" / "lse.npy")), r"read-only"]),
+    ("output o.npy is a FIFO", lambda t: ["--output", output_with(t / "out", "o.npy", "fifo")],
+     [lambda t: re.escape(str(t / "out" / "o.npy")), r"not a regular file"]),
+    ("output lse.npy is o.npy", lambda t: ["--output", output_with(t / "out", "lse.npy", "same")],
+     [r"lse\.npy", r"o\.npy", r"same file"]),
+    ("output folder is read-only", lambda t: ["--output", read_only_folder(t / "out")],
+     [lambda t: re.escape(str(t / "out")), r"read-only"]),
+    ("output folder cannot be made (under /proc)", lambda t: ["--output", "/proc/fa-harness-no-such-output"],
+     [r"/proc/fa-harness-no-such-output", r"cannot be created"]),
+    # A folder whose mode allows it, where the file system still refuses (only making it tells).
+    ("output folder cannot be made (under /sys/kernel)",
+     lambda t: ["--output", "/sys/kernel/fa-harness-no-such-output"],
+     [r"/sys/kernel/fa-harness-no-such-output", r"cannot be created"]),
     # One rule for numbers, and values that are empty or meaningless.
     ("input empty", lambda t: ["--input="], [r"--input", r"empty"]),
     ("output empty", lambda t: ["--output="], [r"--output", r"empty"]),
@@ -135,7 +224,38 @@ BAD = [
     ("headdim trailing space", lambda t: ["--headdim", "64 "], [r"--headdim", r"whole number"]),
     ("headdim plus sign", lambda t: ["--headdim", "+64"], [r"--headdim", r"whole number"]),
     ("scale subnormal", lambda t: ["--scale", "1e-40"], [r"--scale", r"1e-40", r"positive"]),
+    ("scale leading space", lambda t: ["--scale", " 0.125"], [*SCALE_FORM, r"' 0\.125'"]),
+    ("scale trailing space", lambda t: ["--scale", "0.125 "], [*SCALE_FORM, r"'0\.125 '"]),
+    ("scale plus sign", lambda t: ["--scale", "+0.125"], [*SCALE_FORM, r"'\+0\.125'"]),
+    ("scale hex", lambda t: ["--scale", "0x1p-3"], [*SCALE_FORM, r"'0x1p-3'"]),
+    ("scale inf", lambda t: ["--scale", "inf"], [*SCALE_FORM, r"'inf'"]),
+    ("scale nan", lambda t: ["--scale=nan"], [*SCALE_FORM, r"'nan'"]),
+    ("scale a dot alone", lambda t: ["--scale", "."], [*SCALE_FORM, r"'\.'"]),
+    ("scale exponent without digits", lambda t: ["--scale", "1e"], [*SCALE_FORM, r"'1e'"]),
+    ("scale -0.125", lambda t: ["--scale", "-0.125"], [r"--scale", r"-0\.125", r"positive"]),
+    ("scale overflows fp32", lambda t: ["--scale", "1e39"], [r"--scale", r"1e39", r"positive"]),
+    ("batch beyond any integer", lambda t: ["--batch", "99999999999999999999"],
+     [r"--batch", r"99999999999999999999", AT_LEAST_1]),
+    ("unknown flag with a value", lambda t: ["--frobnicate=1"], [r"--frobnicate", r"unknown", r"--help"], r"takes no"),
+    # What is echoed is escaped (C style), so that the message stays on one line whatever was typed.
+    ("scale with a newline", lambda t: ["--scale", "0.1\n25"], [*SCALE_FORM, r"'0\.1\\n25'"]),
+    ("heads with a tab", lambda t: ["--heads", "1\t6"], [r"--heads", r"'1\\t6'"]),
+    ("heads with a backslash", lambda t: ["--heads", "1\\n"], [r"--heads", r"'1\\\\n'"]),
+    ("unknown flag with an escape sequence", lambda t: ["--frob\x1b[2J"], [r"'--frob\\x1b\[2J'", r"unknown"]),
+    ("stray argument with a newline", lambda t: ["a\nb"], [r"'a\\nb'", r"unexpected"]),
+    ("input folder with a newline", lambda t: ["--input", t / "no\nsuch"],
+     [lambda t: re.escape(str(t)) + r"/no\\nsuch", r"(cannot open|no such)"]),
+    ("input folder with a carriage return, float32",
+     lambda t: ["--input", write_qkv(t / "in\rx", dtype=np.float32)],
+     [lambda t: re.escape(str(t)) + r"/in\\rx/q\.npy", r"float32"]),
+    ("output folder with a newline", lambda t: ["--output", t / "a\nb" / "out"],
+     [lambda t: re.escape(str(t)) + r"/a\\nb/out", r"cannot be created"]),
+    ("output o.npy a directory, folder with a newline", lambda t: ["--output", output_with(t / "x\ny", "o.npy", "dir")],
+     [lambda t: re.escape(str(t)) + r"/x\\ny/o\.npy", r"is a directory"]),
 ]
+
+# --scale values that follow the rule: accepted, and the plan shows the value (as %.6g of the fp32).
+GOOD_SCALES = ["0.125", "1e-3", "1E-3", ".5", "2.", "1.5e+2", "0125e-4", "3.4e38", "1.2e-38"]
 
 
 def human_bytes(n):
@@ -151,14 +271,16 @@ def run_binary(ctx, binary, args, cache):
     return ctx.run([binary, *args], env={**NO_GPU, "FA_CACHE": cache}, timeout=60)
 
 
-def bad_input_case(chapter, label, make_args, patterns):
+def bad_input_case(chapter, label, make_args, patterns, unwanted=None):
+    """Exit 2 before any GPU work, with a one-line message matching every pattern (and not
+    `unwanted`, a regex of what the message must not say)."""
     def case(ctx):
         binary = ctx.require_binary(chapter)
         tmp = ctx.tmpdir()
         cache = tmp / "cache"
         args = [str(a) for a in make_args(tmp)]
         proc = run_binary(ctx, binary, args, cache)
-        shown = f"{chapter} {' '.join(args)}"
+        shown = f"{chapter} {' '.join(map(repr, args))}"
         assert proc.returncode == 2, (
             f"{shown}: expected exit 2 (bad usage/input, refused before any GPU work), got "
             f"{proc.returncode}; stdout {proc.stdout.strip()!r} stderr {proc.stderr.strip()!r}")
@@ -170,17 +292,69 @@ def bad_input_case(chapter, label, make_args, patterns):
             if not re.search(pattern, message, re.IGNORECASE):
                 missing.append(pattern)
         assert not missing, f"{shown}: the message {message!r} does not match {missing}"
+        assert len(message.splitlines()) == 1, f"{shown}: expected a one-line message, got {message!r}"
+        assert not unwanted or not re.search(unwanted, message, re.IGNORECASE), (
+            f"{shown}: the message {message!r} should not match {unwanted!r}")
         assert not proc.stdout.strip(), f"{shown}: refusal printed on stdout: {proc.stdout.strip()!r}"
         assert not cache.exists() or not any(cache.iterdir()), (
             f"{shown}: refused, but only after preparing data in FA_CACHE: {sorted(p.name for p in cache.iterdir())}")
     return case
 
 
+def good_scale_case(chapter):
+    def case(ctx):
+        binary = ctx.require_binary(chapter)
+        for value in GOOD_SCALES:
+            proc = run_binary(ctx, binary, ["--dry-run", "--scale", value], ctx.tmpdir())
+            assert proc.returncode == 0, (
+                f"{chapter} --dry-run --scale {value!r}: exit {proc.returncode}: {proc.stderr.strip()}")
+            want = f"scale {float(np.float32(float(value))):.6g},"
+            assert want in proc.stdout, f"{chapter} --scale {value!r}: the plan does not show {want!r}:\n{proc.stdout}"
+    return case
+
+
+def output_untouched_case(chapter):
+    """The --output check leaves nothing behind, whether it refuses or accepts: refused (lse.npy a
+    directory), the file it tried for o.npy is gone; accepted but nothing written (--dry-run, or no
+    GPU: exit 77), no folder made and an existing o.npy unchanged."""
+    def case(ctx):
+        binary = ctx.require_binary(chapter)
+        tmp = ctx.tmpdir()
+        cache = tmp / "cache"
+        small = ["--batch", "1", "--heads", "1", "--seqlen", "16", "--headdim", "64", "--no-check"]
+        out = output_with(tmp / "refused", "lse.npy", "dir")
+        proc = run_binary(ctx, binary, ["--output", out, *small], cache)
+        assert proc.returncode == 2, f"{chapter} --output (lse.npy a directory): exit {proc.returncode}, expected 2"
+        left = sorted(p.name for p in out.iterdir())
+        assert left == ["lse.npy"], f"{chapter}: refused --output {out}, but left {left} in it (expected only lse.npy)"
+        for extra, code in ((["--dry-run"], 0), ([], 77)):
+            fresh = tmp / f"fresh{len(extra)}"
+            proc = run_binary(ctx, binary, [*extra, "--output", fresh, *small], cache)
+            assert proc.returncode == code, (
+                f"{chapter} {' '.join(extra)} --output {fresh}: exit {proc.returncode}, expected {code}: "
+                f"{proc.stderr.strip()}")
+            assert not fresh.exists(), f"{chapter} {' '.join(extra)} --output: wrote nothing, but made {fresh}"
+            kept = tmp / f"kept{len(extra)}"
+            kept.mkdir()
+            (kept / "o.npy").write_bytes(b"old")
+            proc = run_binary(ctx, binary, [*extra, "--output", kept, *small], cache)
+            assert proc.returncode == code, f"{chapter} --output {kept}: exit {proc.returncode}, expected {code}"
+            left = sorted(p.name for p in kept.iterdir())
+            assert left == ["o.npy"] and (kept / "o.npy").read_bytes() == b"old", (
+                f"{chapter} {' '.join(extra)} --output: wrote nothing, but the folder now holds {left} "
+                f"(o.npy {(kept / 'o.npy').read_bytes()[:16]!r})")
+    return case
+
+
 def help_case(chapter):
     def case(ctx):
         binary = ctx.require_binary(chapter)
+        short = run_binary(ctx, binary, ["-h"], ctx.tmpdir())
+        assert short.returncode == 0, (
+            f"{chapter} -h: exit {short.returncode}, expected 0 (as --help): {short.stderr.strip()}")
         proc = run_binary(ctx, binary, ["--help"], ctx.tmpdir())
         assert proc.returncode == 0, f"{chapter} --help: exit {proc.returncode}, expected 0: {proc.stderr.strip()}"
+        assert short.stdout == proc.stdout, f"{chapter}: -h and --help print different texts"
         missing = [o for o in OPTIONS if not re.search(re.escape(o) + r"\b", proc.stdout)]
         assert not missing, f"{chapter} --help does not list {missing}"
         for code in ("77", "2"):
@@ -227,8 +401,10 @@ def cases(ctx):
     out = []
     for chapter in ctx.chapters:
         number = ctx.chapter_number(chapter)
-        for label, make_args, patterns in BAD:
-            out.append((f"bad_input[{chapter}: {label}]", bad_input_case(chapter, label, make_args, patterns)))
+        for label, make_args, *patterns in BAD:
+            out.append((f"bad_input[{chapter}: {label}]", bad_input_case(chapter, label, make_args, *patterns)))
+        out.append((f"good_scale[{chapter}]", good_scale_case(chapter)))
+        out.append((f"output_untouched[{chapter}]", output_untouched_case(chapter)))
         out.append((f"help[{chapter}]", help_case(chapter)))
         kind = "fused" if number >= 4 else "n2"
         for shape in DRY_RUN_SHAPES[kind]:

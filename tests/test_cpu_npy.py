@@ -309,3 +309,98 @@ def test_refuses_a_shape_that_overflows(ctx):
     """A header whose element count overflows size_t is refused by the reader itself."""
     huge = "{'descr': '<f2', 'fortran_order': False, 'shape': (4294967296, 4294967296, 16), }"
     check_refused(ctx, write_bytes(ctx, "huge.npy", header_bytes(huge, b"\0" * 16)), "more elements")
+
+
+def raw_header_bytes(header, data=b""):
+    """A version 1.0 .npy file whose header is exactly `header` (bytes), then data."""
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + data
+
+
+F4_DICT = "{'descr': '<f4', 'fortran_order': False, 'shape': (3,), }"
+
+
+def test_refuses_text_after_the_header_dict(ctx):
+    """The header is the dict literal, then only spaces and one final newline (NEP 1's padding);
+    NumPy refuses text there. The message says what follows the dict."""
+    data = np.arange(3, dtype=np.float32).tobytes()
+    check_reads(ctx, write_bytes(ctx, "padded.npy", header_bytes(F4_DICT, data)), np.arange(3, dtype=np.float32))
+    check_reads(ctx, write_bytes(ctx, "lead.npy", header_bytes(" " + F4_DICT, data)), np.arange(3, dtype=np.float32))
+    check_refused(ctx, write_bytes(ctx, "word.npy", header_bytes(F4_DICT + " x", data)), "after", "'x'", "newline")
+    check_refused(ctx, write_bytes(ctx, "dict2.npy", header_bytes(F4_DICT + "{}", data)), "after", "'{}'")
+    check_refused(ctx, write_bytes(ctx, "nul.npy", header_bytes(F4_DICT + "\0", data)), "after", "'\\x00'")
+    check_refused(ctx, write_bytes(ctx, "comment.npy", header_bytes(F4_DICT + " # note", data)), "after", "# note")
+    body = F4_DICT.encode()
+    check_refused(ctx, write_bytes(ctx, "nl_inside.npy", raw_header_bytes(body + b"\n".ljust(118 - len(body)) + b"\n",
+                                                                           data)), "after", "'\\n'")
+    check_refused(ctx, write_bytes(ctx, "tab.npy", raw_header_bytes(body.ljust(116) + b"\t\n", data)), "after", "'\\t'")
+    check_refused(ctx, write_bytes(ctx, "no_nl.npy", raw_header_bytes(body.ljust(118), data)), "newline")
+
+
+def test_shape_is_a_tuple_of_plain_integers(ctx):
+    """The shape as NumPy reads it: a tuple (one element needs its comma), of decimal integers
+    without leading zeros; this reader takes digits only (no sign)."""
+    data = np.arange(3, dtype=np.float32).tobytes()
+    for shape in ["(3,)", "( 3 , )", "(1, 3)", "(1, 3,)"]:
+        text = F4_DICT.replace("(3,)", shape)
+        check_reads(ctx, write_bytes(ctx, "ok.npy", header_bytes(text, data)),
+                    np.arange(3, dtype=np.float32).reshape(eval(shape)))
+    for shape, why in [("(3)", "not a tuple"), ("(03,)", "malformed shape"), ("(+3,)", "malformed shape"),
+                       ("(3.0,)", "malformed shape"), ("(,)", "malformed shape")]:
+        text = F4_DICT.replace("(3,)", shape)
+        check_refused(ctx, write_bytes(ctx, "bad.npy", header_bytes(text, data)), why)
+
+
+def run_bytes(ctx, *args):
+    """npy_tool with its stderr as bytes (what a terminal would receive)."""
+    import subprocess
+    return subprocess.run([os.fsencode(str(a)) for a in [tool(ctx), *args]], capture_output=True, timeout=60)
+
+
+def test_messages_escape_what_they_echo(ctx):
+    """Paths and header text are echoed C-style escaped (\\n, \\t, \\\\, \\xNN), valid UTF-8 as it is:
+    a message is one line of text whatever the file's name or header holds."""
+    if os.fsencode("é") != "é".encode():
+        raise unittest.SkipTest("the file system encoding is not UTF-8")
+    folder = ctx.tmpdir()
+    bad_magic = b"\x93NUMPZ\x01\x00\x06\x00{}   \n"
+    for name, shown in [("bad\nname.npy", rb"bad\nname.npy"), ("tab\there.npy", rb"tab\there.npy"),
+                        ("back\\n.npy", rb"back\\n.npy"), ("esc\x1b[2J.npy", rb"esc\x1b[2J.npy"),
+                        ("caf\u00e9.npy", "café.npy".encode()), ("ls\u2028.npy", rb"ls\xe2\x80\xa8.npy"),
+                        ("c1\u009b.npy", rb"c1\xc2\x9b.npy"), (os.fsdecode(b"raw\xff.npy"), rb"raw\xff.npy")]:
+        path = folder / name
+        path.write_bytes(bad_magic)
+        for mode in ("info", "dump"):
+            proc = run_bytes(ctx, mode, path)
+            message = proc.stderr.rstrip(b"\n")
+            assert proc.returncode == 2, f"{mode} {name!r}: exit {proc.returncode}, expected 2"
+            assert b"\n" not in message and b"\r" not in message, f"{mode} {name!r}: not one line: {message!r}"
+            assert shown in message and b"bad magic" in message, f"{mode} {name!r}: expected {shown!r} in {message!r}"
+            assert len(message.decode("utf-8").splitlines()) == 1, f"{mode} {name!r}: not one line: {message!r}"
+    data = np.arange(3, dtype=np.float32).tobytes()
+    for text, shown in [(F4_DICT.replace("<f4", "<f\n4"), "'<f\\n4'"),
+                        (F4_DICT.replace("'descr'", "'de\tscr'"), "'de\\tscr'"),
+                        (F4_DICT + "\x1b[2J", "\\x1b[2J")]:
+        check_refused(ctx, write_bytes(ctx, "h.npy", header_bytes(text, data)), shown)
+
+
+def test_load_names_the_dtype_it_takes_and_how_to_cast(ctx):
+    """npy_load of a file of another dtype, one this reader knows or not, names the dtype it takes
+    ('<f2' float16, ...) and the NumPy line that casts to it."""
+    folder = ctx.tmpdir()
+    cases = [("f2", np.arange(4, dtype=np.int32), "<i4", "float16", "np.float16"),
+             ("f2", np.arange(4, dtype=np.float32), "<f4", "float16", "np.float16"),
+             ("f2", np.arange(4, dtype=">f2"), ">f2", "float16", "np.float16"),
+             ("f4", np.arange(4, dtype=np.float16), "<f2", "float32", "np.float32"),
+             ("i8", np.arange(4, dtype=np.uint8), "|u1", "int64", "np.int64")]
+    for want, array, descr, name, np_name in cases:
+        path = write_numpy(folder / f"{descr[1:]}_as_{want}.npy", array)
+        proc = run_tool(ctx, "load", path, want)
+        message = proc.stderr.strip()
+        assert proc.returncode == 2, f"load {path.name} {want}: exit {proc.returncode}, expected 2: {message!r}"
+        wanted = [str(path), f"'{descr}'", f"'<{want}'", name, f"np.save(", f"np.load(", f".astype({np_name})"]
+        missing = [k for k in wanted if k not in message]
+        assert not missing and len(message.splitlines()) == 1, f"load {path.name} {want}: {message!r} lacks {missing}"
+    path = write_numpy(folder / "ok.npy", np.arange(4, dtype=np.float16))
+    proc = run_tool(ctx, "load", path, "f2")
+    assert proc.returncode == 0 and proc.stdout.split() == ["count", "4"], (
+        f"load ok.npy f2: exit {proc.returncode}, stdout {proc.stdout!r} stderr {proc.stderr!r}")
