@@ -5,7 +5,8 @@ import re
 import shutil
 import unittest
 
-SOURCES = ["[0-9][0-9]_*/attention.cu", "common/*.cu", "common/*.c", "common/*.h", "tests/*.c", "tests/fixtures/*.cu"]
+SOURCES = ["[0-9][0-9]_*/attention.cu", "common/*.cu", "common/*.c", "common/*.h", "tests/*.c", "tests/fixtures/*.cu",
+           "tools/*.cu"]
 
 
 def test_sources_are_formatted(ctx):

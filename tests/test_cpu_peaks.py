@@ -1,0 +1,93 @@
+"""`make peaks` (tools/peaks.cu) measures what it says, checked in the code the compiler made (no
+GPU needed): built by the Makefile's rule for ARCH=sm_90 (sm_90a code, no compiler warnings),
+each of its kernels holds the instruction whose rate it reports: FFMA in the fp32 kernel, HMMA in
+the mma.sync one, HGMMA (fp16) and QGMMA (e4m3) in the two wgmma ones, which ptxas did not
+serialise. Without a GPU the program says so in one line and exits 77. SASS from cuobjdump, found
+or fetched as test_cpu_claims does (skipped with the reason when neither works)."""
+import re
+import shlex
+import unittest
+
+from test_cpu_claims import kernel_base_name, sass_tools
+
+# kernel (function name, template arguments dropped; <FP8> told apart by its mangled name) -> opcodes
+PEAK_KERNELS = {
+    "ffma_kernel": ["FFMA"],
+    "mma_sync_kernel": ["HMMA"],
+    "wgmma_kernel<0>": ["HGMMA", "WARPGROUP"],
+    "wgmma_kernel<1>": ["QGMMA", "WARPGROUP"],
+}
+# ptxas's notes that it serialised the wgmmas or fenced them itself: the rate would then not be the
+# tensor cores' (C7514 and C7519 in its -v report).
+SERIALISED = re.compile(r"\((C7514|C7519)\)[^\n]*")
+
+
+def build(ctx):
+    """BUILD/peaks made by `make BUILD=<tmp> ARCH=sm_90 BUILD/peaks`, and its compiler log."""
+    def make():
+        folder = ctx.tmpdir()
+        target = folder / "peaks"
+        proc = ctx.run(shlex.split(ctx.make) + ["--no-print-directory", f"BUILD={folder}", "ARCH=sm_90", str(target)],
+                       timeout=900)
+        assert proc.returncode == 0, f"make {target} failed:\n{proc.stdout}{proc.stderr}"
+        log = (folder / "peaks.log").read_text(errors="replace")
+        return target, log, proc.stdout
+    return ctx.once("peaks_build", make)
+
+
+def test_peaks_builds_for_sm90a_without_warnings(ctx):
+    binary, log, output = build(ctx)
+    assert "sm_90a" in output, f"make built tools/peaks.cu for another target than sm_90a:\n{output}"
+    archs = set(re.findall(r"Compiling entry function '[^']+' for '(sm_\w+)'", log))
+    assert archs == {"sm_90a"}, f"ptxas compiled peaks for {sorted(archs)}, expected sm_90a alone"
+    warnings = [line for line in log.splitlines() if "warning" in line.lower()]
+    assert not warnings, f"compiler warnings: {warnings[:5]}"
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    assert spills and all(s == "0" for s in spills), f"ptxas spill stores in peaks: {spills}"
+    serialised = [m.group(0) for m in SERIALISED.finditer(log)]
+    assert not serialised, f"ptxas serialised or fenced the wgmmas itself: {serialised[:2]}"
+    return f"{binary.name}: sm_90a, {len(spills)} kernels, no warnings, no spills"
+
+
+def test_peaks_kernels_hold_their_instructions(ctx):
+    binary, _, _ = build(ctx)
+    cuobjdump, env = sass_tools(ctx)
+    proc = ctx.run([cuobjdump, "--dump-sass", binary], env=env, timeout=300)
+    assert proc.returncode == 0, f"cuobjdump --dump-sass failed on {binary}:\n{proc.stderr}"
+    functions, current = {}, None
+    for line in proc.stdout.splitlines():
+        header = re.match(r"\s*Function\s*:\s*(\S+)", line)
+        if header:
+            mangled = header.group(1)
+            fp8 = re.search(r"ILi(\d)E", mangled)
+            current = functions.setdefault(kernel_base_name(mangled) + (f"<{fp8.group(1)}>" if fp8 else ""), {})
+            continue
+        op = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(\S*)", line)
+        if op and current is not None:
+            current[op.group(1)] = current.get(op.group(1), 0) + 1
+            if op.group(1) in ("HGMMA", "QGMMA"):
+                current.setdefault("shapes", set()).add(op.group(1) + op.group(2))
+    found = []
+    for kernel, opcodes in PEAK_KERNELS.items():
+        assert kernel in functions, f"no {kernel} in the SASS of {binary}; functions: {sorted(functions)}"
+        missing = [op for op in opcodes if not functions[kernel].get(op)]
+        assert not missing, f"{kernel} lacks {missing} in its SASS"
+        found.append(f"{kernel}: {opcodes[0]} x {functions[kernel][opcodes[0]]}")
+    tensor = [op for op in ("HMMA", "HGMMA", "QGMMA") if functions["ffma_kernel"].get(op)]
+    assert not tensor, f"ffma_kernel runs tensor-core instructions: {tensor}"
+    shapes = functions["wgmma_kernel<0>"]["shapes"] | functions["wgmma_kernel<1>"]["shapes"]
+    assert shapes == {"HGMMA.64x256x16.F32", "QGMMA.64x256x32.F32.E4M3.E4M3"}, f"wgmma shapes in the SASS: {sorted(shapes)}"
+    return "; ".join(found)
+
+
+def test_peaks_without_gpu_exits_77(ctx):
+    if ctx.gpu:
+        raise unittest.SkipTest("a GPU is present: `make peaks` measures it instead")
+    binary, _, _ = build(ctx)
+    logs = ctx.tmpdir()
+    proc = ctx.run([binary, logs], timeout=120)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 77 and len(lines) == 1, (
+        f"peaks without a GPU: exit {proc.returncode}, output {proc.stdout!r}{proc.stderr!r}; expected 77 and one line")
+    assert not list(logs.iterdir()), f"peaks wrote {sorted(p.name for p in logs.iterdir())} without a GPU"
+    return lines[0]
