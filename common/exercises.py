@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Graded exercises cut from the chapters' own code (make exercise, make grade).
+"""Graded exercises cut from the chapters' own code (make exercise, make grade, make handout).
 
-`make exercise` writes a student copy of a chapter; `make grade` builds and grades it.
+`make exercise` writes a student copy of a chapter; `make grade` builds and grades it; `make
+handout` packs a copy with what grades it, and no solution, for a class.
 
-  exercises.py list                                   every exercise: chapter, name, kind, gate, task
+  exercises.py list                                   every exercise: chapter, name, kind, grading, task
   exercises.py make CHAPTER [--only NAME,...] [--force]         (make exercise CH=04 [EX=..] [FORCE=1])
   exercises.py grade CHAPTER --build DIR [--make CMD]           (make grade CH=04)
+  exercises.py handout CHAPTER --out DIR                        (make handout CH=04)
 
-The chapter is the solution: an exercise is a block of lines of NN_name/attention.cu between
-comment markers, so the chapter compiles to the same code with or without them.
+The chapter is the solution: an exercise is made of one or more blocks of lines of
+NN_name/attention.cu between comment markers, so the chapter compiles to the same code with or
+without them.
 
     <indent>// EXERCISE NN.name BEGIN: <the task, one line>
     <the solution: the chapter's own lines>
@@ -16,36 +19,74 @@ comment markers, so the chapter compiles to the same code with or without them.
     <indent>// <one line of the stub, commented out>
     <indent>// EXERCISE END
 
-NN is the chapter's number; names are unique. The student copy (exercises/NN_name/attention.cu)
-has each chosen block replaced by a region that keeps the task, adds the hint (and, for speed,
-the gate) from EXERCISES below, and holds the stub:
+NN is the chapter's number. The same name may open several blocks in the file (helpers the
+solution needs elsewhere, say): at least one of them has the task (the first that has one is the
+exercise's main part, where its region shows the hint); the others may be a bare
+`// EXERCISE NN.name BEGIN`, and any of them may have a STUB. The student copy
+(exercises/NN_name/attention.cu) has every block of each chosen exercise replaced by a region;
+the main one keeps the task and adds the hint (and how the exercise is graded) from EXERCISES
+below; each holds its stub:
 
-  no STUB lines (correctness exercises): EXERCISE_TODO("NN.name"); the macro (common/harness.h)
-      compiles to a store of the name, and a run whose kernel reaches it fails with "TODO:
-      exercise NN.name is not written yet". Blocks are chosen so that their absence cannot make a
-      loop run forever or an access leave its buffer: a stub fails, it never crashes or hangs.
-  STUB lines (every speed exercise has them): those lines, uncommented, are the stub: code that
-      is correct but slow. The student makes it faster than the gate in EXERCISES, measured
-      against the chapter in the same run.
+  STUB lines (every speed exercise has them, in one of its blocks at least): those lines,
+      uncommented: code that is correct but slow.
+  no STUB lines, inside a function, in a correctness exercise: EXERCISE_TODO("NN.name"); the
+      macro (common/harness.h) compiles to a store of the name, and a run whose kernel reaches
+      it fails with "TODO: exercise NN.name is not written yet". Blocks are chosen so that their
+      absence cannot make a loop run forever or an access leave its buffer: a stub fails, it
+      never crashes or hangs.
+  no STUB lines otherwise (a part at file scope, or a part of a speed exercise): nothing: the
+      student writes there what their solution needs, or nothing.
 
     <indent>// EXERCISE NN.name TODO: <task>         ("TODO (speed):" for a speed exercise)
-    <indent>// Hint: ... (Gate: ...) Grade: make grade CH=NN ...
+    <indent>// Hint: ... Graded: ... Grade: make grade CH=NN ...
     <the stub>
     <indent>// EXERCISE END
 
 Blocks not chosen (EX=) stay as in the chapter, markers included. Putting each chosen block back
-in place of its region (restore) gives the chapter byte for byte; the tests check it.
+in place of its region (restore; the k-th region of a name takes the k-th block of that name)
+gives the chapter byte for byte; the tests check it.
 
 `make grade` builds the student copy with the Makefile's own rule and flags into
-BUILD/exercises/NN_name and grades it: the stubs left (EXERCISE_TODO in the source), the
-chapter's compiled-code claims (tests/test_cpu_claims.py), and, when a GPU is there, the GPU
-matrix below, compute-sanitizer racecheck at one small shape (when installed), and its time
-beside the chapter's (BUILD/NN_name) with each speed exercise's gate. Without a GPU the GPU
-part is skipped with one line, and the verdict is that of what could be checked: a copy with
-EXERCISE_TODO left fails (exit 1), a copy whose static checks pass exits 0.
+BUILD/exercises/NN_name and grades it. What decides the grade:
+
+  static    the build (no warning), no EXERCISE_TODO left, and each exercise's checks of the
+            compiled code (`ptx_has` in EXERCISES: the PTX of the copy, made with the build's
+            flags, must contain an instruction that the exercise's solution alone produces)
+  GPU       the matrix below (the head dims the exercises run at), compute-sanitizer racecheck at
+            one small shape, and each speed exercise's `gate`: its time against the chapter's
+            (BUILD/NN_name), the two run alternately in the same grade (a speed exercise graded
+            by its compiled code instead has its time shown beside the chapter's, no gate)
+
+The chapter's claims about its compiled code (tests/test_cpu_claims.py) are checked too: one
+that fails fails the grade; one that cannot be checked here (no cuobjdump, no sm_90 code in the
+build) is named beside the verdict, since no exercise is decided by it. The verdict is the last
+line:
+
+  PASS      (exit 0) every check that decides the grade ran and passed
+  FAIL      (exit 1) a check failed: the copy does not build, a stub is left, a claim or a check
+            of the compiled code fails, a run of the matrix fails, racecheck finds a hazard, or a
+            speed exercise misses its gate
+  UNGRADED  (exit 77, the harness's skip code) nothing failed, but a check that decides the
+            grade could not run here: it names which and why (no usable GPU, compute-sanitizer
+            missing, no reference solution to time against in a hand-out)
+
+make itself reports a recipe's exit 77 as "Error 77" and exits 2.
+
+`make handout CH=NN` writes BUILD/handout/NN_name.tar.gz, one folder, handout-NN_name/: the
+student copy of the chapter with every exercise cut (exercises/NN_name/, as make exercise writes
+it), the same copy at NN_name/attention.cu with a note on top (the Makefile finds a chapter by
+that file; make exercise FORCE=1 there copies it over the student's to start again), common/
+(the harness and this grader), the tests/ modules the grader imports, the Makefile,
+requirements.txt, the docs/ pages the hints name, and HANDOUT.md (what is there, how it is
+graded, each exercise's task and hint). Not in it: the chapter's own source (the solution), its
+README (which quotes the solution), any other chapter, docs/results. Unpacked, `make grade CH=NN`
+grades the copy as in the tutorial, except that a speed gate has no reference to time against:
+such an exercise is UNGRADED there (its time is still shown); grade it in a full checkout.
 """
 import argparse
+import ast
 import hashlib
+import io
 import json
 import os
 import re
@@ -53,6 +94,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import textwrap
 import unittest
@@ -62,20 +104,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDENT_DIR = os.path.join(ROOT, "exercises")
 RECORD = ".exercise.json"  # beside a student copy: what make exercise wrote, to spot later edits
 
-# --- The exercises: kind, hint and (speed) gate; the task is the BEGIN line in the chapter ---------
-# A speed exercise passes when the copy takes at most `gate` x the chapter's time at `shape`
-# (B, H, N, D, causal), both timed in the same run: the whole forward (the harness's ms), or with
-# `timed="attend_ms"` the attention kernel alone, where the exercise changes only that kernel and
-# a pass before it (08's quantisation) would dilute the difference. `stub` says how slow the stub
-# is and how that is known: from a measurement in docs/results (the stub is code the chapter once
-# was), or from its access pattern where it was not timed.
+# --- The exercises: kind, hint and grading; the task is the BEGIN line in the chapter --------------
+# kind "correctness": its stub is EXERCISE_TODO; the GPU matrix grades it. kind "speed": its stub
+# is correct but slow code; it must stay correct (the matrix) and get fast, graded by one of:
+#   gate=G, shape=(B, H, N, D, causal): the copy takes at most G x the chapter's time at `shape`,
+#       both timed in the same run: the whole forward (the harness's ms), or with
+#       `timed="attend_ms"` the attention kernel alone, where the exercise changes only that
+#       kernel and a pass before it (08's quantisation) would dilute the difference;
+#   ptx_has=[...] (below) with shape=: the compiled code shows the mechanism that makes it fast,
+#       where the gain is too close to the run-to-run noise for a gate to mean anything; its time
+#       at `shape` beside the chapter's is shown for information.
+# `stub` says how slow the stub is and how that is known: from a measurement in docs/results (the
+# stub is code the chapter once was), or from its access pattern where it was not timed.
+# Any exercise may also have:
+#   ptx_has=[dict(pattern, shown, found, means, todo)]: the PTX of the copy (made with the build's
+#       flags) must match `pattern`, a regular expression; `shown` is the instruction as a student
+#       would grep for it, `found` a pattern whose matches are listed when `pattern` has none,
+#       `means` what the instruction is for and `todo` what to do when it is missing;
+#   dims=(64,): the head dims the exercise's code runs at, when not both (the matrix runs these);
+#   wrong=(old, new): a wrong solution, the chapter's block with `old` replaced by `new` once; the
+#       GPU tests check that the grade's matrix fails it.
 HEADLINE, HEADLINE_D64 = (4, 16, 4096, 128, False), (4, 32, 4096, 64, False)
 EXERCISES = {
     "01.softmax": dict(kind="correctness", hint=(
-        "The warp's row is blockIdx.x * SOFTMAX_WARPS + threadIdx.x / WARP_SIZE (return if >= rows). "
-        "Three passes over it, the lanes striding by WARP_SIZE: the max (combine lanes with warp_max), "
-        "the sum of expf(s - max) (warp_sum), then P = expf(s - max) * (1 / sum) in place; lane 0 "
-        "writes lse[row] = max + logf(sum).")),
+        "Each warp takes one row: row = blockIdx.x * SOFTMAX_WARPS + threadIdx.x / WARP_SIZE, and the "
+        "warp returns if row >= rows. Make three passes over the row, the lanes striding by WARP_SIZE: "
+        "the max (combine the lanes with warp_max), the sum of expf(s - max) (warp_sum), then P = "
+        "expf(s - max) * (1 / sum) in place. Lane 0 writes lse[row] = max + logf(sum).")),
     "01.pv_columns": dict(kind="speed", gate=1.10, shape=(1, 16, 2048, 128, False), hint=(
         "In the stub a warp's lanes take 32 queries of one column: each load of P touches 32 rows "
         "(32 sectors) while every lane reads the same V element. Give thread d = threadIdx.x of "
@@ -104,10 +159,13 @@ EXERCISES = {
         "measured as 02 (the same softmax): 30.8 ms against 03's 28.95 ms at D=64, 1.06x "
         "(docs/results/NVIDIA_H200.csv)")),
     "04.online_softmax": dict(kind="correctness", hint=(
-        "For each row i of the thread: scores times scale_log2 (log2 units), their max, the row's max "
-        "over its 16 threads (row_group_max); base = the new max, or 0 while it is -inf; rescale = "
-        "exp2f(row_max[i] - base) multiplies row_sum[i] and o_acc[i][*]; then score = exp2f(score - "
-        "base), added to row_sum[i]. The recurrence: docs/concepts.md.")),
+        "For each row i of the thread, multiply its scores by scale_log2 (log2 units) and take their "
+        "max; the row's new max is the larger of row_max[i] and row_group_max of that (the max over "
+        "the row's 16 threads). Let base be the new max, or 0 while it is still -inf (a row that has "
+        "seen no key). Multiply row_sum[i] and o_acc[i][*] by rescale = exp_score(row_max[i] - base), "
+        "store the new max in row_max[i], then replace each score by exp_score(score - base) and add "
+        "it to row_sum[i]. The recurrence is in docs/concepts.md, \"The FlashAttention recurrence\"."),
+        wrong=("row_sum[i] *= rescale;", "row_sum[i] += rescale;")),
     "04.k_layout": dict(kind="speed", gate=1.10, shape=HEADLINE, hint=(
         "The stub stages K as it lies in memory, [key][dim]: the 16 threads of a row then read keys "
         "HEAD_DIM floats apart, all in one bank, one float at a time. Stage it transposed, [dim][key] "
@@ -125,22 +183,24 @@ EXERCISES = {
         "measured as 04 causal (every tile computed, the upper ones masked): 16.4 ms against 8.12, "
         "2.0x (docs/results/NVIDIA_H200.csv)")),
     "06.softmax_rows": dict(kind="correctness", hint=(
-        "Lanes 2r and 2r + 1 (pair_lane) share row r: each reads its 32 scores (float4 columns "
-        "4 * (2i + pair_lane)), through masked_score on the tiles that need the mask (ragged: key0 + "
-        "BLOCK_KV > seqlen; causal diagonal: key0 + BLOCK_KV - 1 > query0); the row max over the pair "
-        "(__shfl_xor_sync 1) times scale_log2; rescale = exp2_approx(row_max - base); P = "
-        "exp2_approx(score * scale_log2 - base) as fp16 over the row, after a __syncwarp(); lane 0 of "
-        "the pair stores factor_warp[row] = rescale.")),
+        "Lanes 2r and 2r + 1 of the warp share row r (pair_lane says which of the two a lane is). Each "
+        "reads its 32 scores, the float4 columns 4 * (2i + pair_lane), through masked_score on the "
+        "tiles that need the mask (ragged: key0 + BLOCK_KV > seqlen; causal, the diagonal: key0 + "
+        "BLOCK_KV - 1 > query0). Take the row max over the pair with __shfl_xor_sync(..., 1), times "
+        "scale_log2, and rescale = exp2_approx(row_max - base). After a __syncwarp(), write P = "
+        "exp2_approx(score * scale_log2 - base) over the row as fp16; lane 0 of the pair stores "
+        "factor_warp[row] = rescale.")),
     "06.load_tile": dict(kind="speed", gate=1.03, shape=(4, 16, 4096, 128, True), hint=(
         "The stub's trip count depends on threadIdx.x, and each 16-byte chunk is bounds-checked and "
         "stored before the next is loaded. Give every thread the same chunks at constant offsets (rows "
         "t / CHUNKS + k * THREADS / CHUNKS), load four before storing four, and check bounds only on "
         "a tile that crosses seqlen."), stub=(
         "measured (the chapter's earlier loads): 1.546 ms against 1.434 causal, 1.078x, and 1.067x "
-        "non-causal (docs/results/logs/variants_06_07_run4.csv)")),
+        "non-causal (docs/results/logs/07/variants_06_07_run4.csv)")),
     "07.mask_scores": dict(kind="correctness", hint=(
-        "Lane element score[mt][nt][2r + e] holds query row0 + 16 mt + 8 r and key key0 + 8 nt + e "
-        "(mma_16x8x16's comment): -inf where the key is >= seqlen or, causal, after the query.")),
+        "Element score[mt][nt][2r + e] of a lane holds query row0 + 16 mt + 8 r and key key0 + 8 nt + e "
+        "(see the comment of mma_16x8x16). Set it to -inf where the key is >= seqlen or, causal, where "
+        "the key comes after the query.")),
     "07.ring": dict(kind="correctness", hint=(
         "Tile `tile` has landed once at most STAGES - 2 younger commit groups are pending "
         "(__pipeline_wait_prior); one __syncthreads() then covers every thread's copies and the slot "
@@ -153,36 +213,63 @@ EXERCISES = {
         "offsets; check bounds only on a tile that crosses seqlen (zero-fill with the src_size "
         "argument)."), stub=(
         "measured (the chapter's earlier copies): 1.834 ms against 1.612 at D=64, 1.138x "
-        "(docs/results/logs/variants_06_07_run4.csv)")),
-    "08.pack_p": dict(kind="correctness", hint=(
+        "(docs/results/logs/07/variants_06_07_run4.csv)")),
+    "08.pack_p": dict(kind="correctness", dims=(64,), hint=(
+        "This pack_p, for fp32 scores, runs at D = 64 only: at D = 128 the chapter keeps S in fp16 and "
+        "packs P with the other pack_p, below it, so the grade runs the D = 64 half of the matrix. "
         "The Q K^T accumulator gives this thread, per 8-key chunk c, keys 8c + 2t and 8c + 2t + 1 of "
         "rows g and g + 8 (score[4c + 2r + e], t = lane % 4). Register i of k32 step kk takes the two "
         "pairs of chunks c = 4 kk + 2 (i / 2) and c + 1 of row g + 8 (i % 2), packed by pack_e4m3x4: "
-        "key_slot stored Vt so that these are the A operand's positions 4t..4t+3.")),
-    "08.intra_overlap": dict(kind="speed", gate=1.03, shape=HEADLINE, timed="attend_ms", hint=(
-        "The stub waits for each tile's P V before the next tile's Q K^T. Peel tile 0 (its softmax, "
-        "rescale, pack); then per tile j issue Q K^T of j and P V of j-1 in one turn "
-        "(scores_and_softmax<HEAD_DIM, true>), and only after j's softmax wait for that P V "
-        "(finish_pv(..., false)), rescale O and pack P; issue and finish the last P V after the loop."), stub=(
+        "key_slot stored Vt so that these are the A operand's positions 4t..4t+3."),
+        wrong=("pack_e4m3x4(score[4 * chunk + 2 * r], score[4 * chunk + 2 * r + 1],",
+               "pack_e4m3x4(score[4 * chunk + 2 * r + 1], score[4 * chunk + 2 * r],")),
+    "08.intra_overlap": dict(kind="speed", shape=HEADLINE, timed="attend_ms", ptx_has=[dict(
+        pattern=r"\bwgmma\.wait_group\.sync\.aligned\s+1\s*;", shown="wgmma.wait_group.sync.aligned 1",
+        found=r"\bwgmma\.wait_group\.sync\.aligned\s+\d+",
+        means=("a wait for all but the latest group of warpgroup products: with the P V of tile j-1 "
+               "issued behind the Q K^T of tile j, it waits for Q K^T alone and lets P V run on during "
+               "tile j's softmax"),
+        todo=("Issue the P V of tile j-1 in the same turn as the Q K^T of tile j "
+              "(scores_and_softmax<HEAD_DIM, true>), as the hint says"))], hint=(
+        "Peel tile 0: its Q K^T and "
+        "softmax alone (scores_and_softmax<HEAD_DIM, false>), then rescale O and pack its P. Then, "
+        "for each tile j from 1: issue the Q K^T of j and the P V of j-1 in one turn "
+        "(scores_and_softmax<HEAD_DIM, true>, which waits for Q K^T alone); only after j's softmax "
+        "wait for that P V (wgmma_wait<0>) and release its stage (release_stage of j-1); rescale O and pack the P of j. "
+        "After the loop, issue and finish the last P V (finish_pv of tile w.kv_tiles - 1). What "
+        "speed needs: the wait for P V must come after the softmax in program order, and where "
+        "ptxas cannot move it up: in the softmax's own basic block it may schedule the wait before "
+        "the softmax, while at the top of the next iteration it stays after it (make sass CH=08 "
+        "shows where the WARPGROUP.DEPBAR went); and no branch between the two waits, or ptxas "
+        "waits at the join: decide the mask by loop (MASK_NONE for the tiles that need none, "
+        "MASK_ALL for the rest), and do not put the second product under an if (tile > 0)."), stub=(
         "measured: the chapter with -DINTRA_OVERLAP=0, its attention kernel 0.587 ms against 0.565 "
-        "at B=4 H=16 N=4096 D=128, 1.04x (docs/results/logs/ablation_08.csv)")),
+        "at B=4 H=16 N=4096 D=128, 1.04x, and 1.05x at D=64, within a shared GPU's noise for a gate "
+        "(docs/results/logs/08/ablation_08.csv)")),
 }
 # Where a copy's time is shown when no speed exercise names a shape (B, H, N, D, causal).
 TIME_SHAPE = {1: (1, 16, 2048, 128, False)}
 DEFAULT_TIME_SHAPE = HEADLINE
-# The compact GPU matrix: D x causal x N (1, one ragged tile, whole tiles, many and ragged) x (B, H).
-MATRIX = [(b, h, n, d, causal) for d in (64, 128) for causal in (False, True) for n in (1, 77, 256, 1000)
+# The compact GPU matrix: D x causal x N (1, one ragged tile, whole tiles, many and ragged) x (B, H);
+# a grade runs the D that its exercises run at (`dims`; both when any of them has none).
+HEAD_DIMS = (64, 128)
+MATRIX = [(b, h, n, d, causal) for d in HEAD_DIMS for causal in (False, True) for n in (1, 77, 256, 1000)
           for b, h in ((1, 1), (2, 3))]
 RACECHECK_SHAPE = (1, 1, 130, 128, True)
 RUN_TIMEOUT_S = 300
 TIME_ROUNDS = 2  # the chapter and the copy timed alternately, best median of each
 
-BEGIN = re.compile(r"^(?P<indent>[ \t]*)// EXERCISE (?P<name>\d\d\.\w+) BEGIN: (?P<task>\S.*?)\s*$")
+BEGIN = re.compile(r"^(?P<indent>[ \t]*)// EXERCISE (?P<name>\d\d\.\w+) BEGIN(?:: (?P<task>\S.*?))?\s*$")
 STUB = re.compile(r"^[ \t]*// EXERCISE (?P<name>\d\d\.\w+) STUB\s*$")
 END = re.compile(r"^[ \t]*// EXERCISE END\s*$")
 REGION = re.compile(r"^(?P<indent>[ \t]*)// EXERCISE (?P<name>\d\d\.\w+) TODO(?: \(speed\))?: ")
 ANY_MARKER = re.compile(r"//\s*EXERCISE\b")
 TODO_CALL = re.compile(r'^\s*EXERCISE_TODO\("(\d\d\.\w+)"\)', re.M)
+# The first lines of a hand-out's NN_name/attention.cu: the student copy stands in for the chapter.
+STANDIN_NOTE = ("// HAND-OUT: not the chapter and not your copy. This hand-out holds no solution: this file is the\n"
+                "// student copy as handed out, here so that the Makefile finds the chapter; edit {copy}.\n")
+STANDIN_FIRST = "// HAND-OUT: not the chapter"
+HANDOUT_GUIDE = "HANDOUT.md"
 
 
 class MarkerError(ValueError):
@@ -209,6 +296,16 @@ def chapter_source(chapter, root=ROOT):
         return f.read()
 
 
+def is_standin(text):
+    """Whether a chapter's attention.cu is a hand-out's stand-in (the student copy, no solution)."""
+    return text.startswith(STANDIN_FIRST)
+
+
+def standin_copy(text):
+    """The student copy a stand-in holds: the stand-in without its note."""
+    return text.split("\n", STANDIN_NOTE.count("\n"))[-1]
+
+
 # --- Markers -------------------------------------------------------------------------------------
 def uncomment(line):
     """A commented-out stub line as code: '    // x = 1;' -> '    x = 1;' ('    //' -> '')."""
@@ -222,8 +319,9 @@ def uncomment(line):
 
 
 def parse(text, where="attention.cu"):
-    """The EXERCISE blocks of a chapter source: [dict(name, task, indent, start, end, stub)] with
-    start/end the indices of the BEGIN and END lines, stub the uncommented STUB lines or None."""
+    """The EXERCISE blocks of a chapter source, in file order: [dict(name, task, indent, start, end,
+    stub)] with task None on a bare BEGIN, start/end the indices of the BEGIN and END lines, stub
+    the uncommented STUB lines or None."""
     lines, blocks, block = text.splitlines(keepends=True), [], None
     for i, line in enumerate(lines):
         begin, stub, end = BEGIN.match(line), STUB.match(line), END.match(line)
@@ -249,34 +347,74 @@ def parse(text, where="attention.cu"):
             blocks.append(block)
             block = None
         elif ANY_MARKER.search(line) and not REGION.match(line):
-            raise MarkerError(f"{where}:{i + 1}: not an EXERCISE marker: {line.strip()!r} (BEGIN: <task>, STUB, END)")
+            raise MarkerError(f"{where}:{i + 1}: not an EXERCISE marker: {line.strip()!r} "
+                              "(BEGIN: <task>, a bare BEGIN, STUB, END)")
     if block:
         raise MarkerError(f"{where}:{block['start'] + 1}: EXERCISE {block['name']} BEGIN has no END")
     return blocks
 
 
+def exercise_parts(blocks):
+    """{name: its blocks in file order}, the names in the order they first appear."""
+    parts = {}
+    for b in blocks:
+        parts.setdefault(b["name"], []).append(b)
+    return parts
+
+
+def main_part(parts):
+    """The block of an exercise that carries its task: the first with task text (None if none)."""
+    return next((b for b in parts if b["task"]), None)
+
+
+def tasks(blocks):
+    """{name: task} of each exercise of a chapter."""
+    return {name: main_part(parts)["task"] for name, parts in exercise_parts(blocks).items() if main_part(parts)}
+
+
 def check_blocks(blocks, chapter, table=EXERCISES):
     """Raise MarkerError unless the blocks are well-formed for `chapter` and match the table."""
-    seen = set()
-    for b in blocks:
-        where = f"{chapter}/attention.cu:{b['start'] + 1}"
-        if b["name"] in seen:
-            raise MarkerError(f"{where}: exercise {b['name']} is marked twice")
-        seen.add(b["name"])
-        if b["name"][:2] != chapter[:2]:
-            raise MarkerError(f"{where}: exercise {b['name']} is in chapter {chapter}: names start with {chapter[:2]}.")
-        info = table.get(b["name"])
+    for name, parts in exercise_parts(blocks).items():
+        where = f"{chapter}/attention.cu:{parts[0]['start'] + 1}"
+        if name[:2] != chapter[:2]:
+            raise MarkerError(f"{where}: exercise {name} is in chapter {chapter}: names start with {chapter[:2]}.")
+        info = table.get(name)
         if not info:
-            raise MarkerError(f"{where}: exercise {b['name']} has no entry in common/exercises.py EXERCISES")
-        if info["kind"] == "speed" and b["stub"] is None:
-            raise MarkerError(f"{where}: speed exercise {b['name']} needs STUB lines (its slow, correct code)")
-        if b["stub"] is None and not b["indent"]:
-            raise MarkerError(f"{where}: {b['name']}: an EXERCISE_TODO stub needs a block inside a function")
+            raise MarkerError(f"{where}: exercise {name} has no entry in common/exercises.py EXERCISES")
+        main = main_part(parts)
+        if not main:
+            raise MarkerError(f"{where}: exercise {name}: none of its {len(parts)} block(s) has a task "
+                              f"(// EXERCISE {name} BEGIN: <the task>)")
+        where = f"{chapter}/attention.cu:{main['start'] + 1}"
+        if info["kind"] == "speed" and all(b["stub"] is None for b in parts):
+            raise MarkerError(f"{where}: speed exercise {name} needs STUB lines (its slow, correct code) in one "
+                              "of its blocks")
+        if info["kind"] == "correctness" and not any(b["stub"] is None and b["indent"] for b in parts):
+            raise MarkerError(f"{where}: {name}: an EXERCISE_TODO stub needs a block inside a function, without "
+                              "STUB lines")
+        if info["kind"] == "speed" and not (info.get("gate") or info.get("ptx_has")):
+            raise MarkerError(f"{where}: speed exercise {name} needs a gate or a ptx_has check in EXERCISES")
 
 
 def solution_lines(text, block):
     """The lines a block spans in the chapter, its markers included."""
     return text.splitlines(keepends=True)[block["start"]:block["end"] + 1]
+
+
+def wrong_solution(text, name, table=EXERCISES):
+    """The chapter with exercise `name`'s `wrong` substitution made in its blocks: a solution that
+    compiles and is wrong (MarkerError unless `old` occurs exactly once in those blocks)."""
+    old, new = table[name]["wrong"]
+    lines = text.splitlines(keepends=True)
+    spans = [(b["start"], b["end"]) for b in parse(text) if b["name"] == name]
+    hits = [(start, end) for start, end in spans if old in "".join(lines[start:end + 1])]
+    count = sum("".join(lines[start:end + 1]).count(old) for start, end in spans)
+    if count != 1:
+        raise MarkerError(f"{name}: its wrong solution's {old!r} occurs {count} times in its blocks, expected once: "
+                          "update `wrong` in EXERCISES")
+    start, end = hits[0]
+    lines[start:end + 1] = ["".join(lines[start:end + 1]).replace(old, new)]
+    return "".join(lines)
 
 
 # --- The student copy ----------------------------------------------------------------------------
@@ -285,50 +423,82 @@ def shape_text(shape):
     return f"B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
 
 
-def region_lines(block, chapter, ending="\n", table=EXERCISES):
-    """The student copy's lines in place of a block."""
+def part_body(block, kind, ending="\n"):
+    """What a region holds in place of a block: its stub lines, EXERCISE_TODO or nothing."""
+    if block["stub"] is not None:
+        return list(block["stub"])
+    if kind == "correctness" and block["indent"]:
+        return [f'{block["indent"]}EXERCISE_TODO("{block["name"]}");{ending}']
+    return []
+
+
+def region_lines(block, chapter, ending="\n", table=EXERCISES, part=(1, 1), main_at=1, guide=None):
+    """The student copy's lines in place of a block, part `part` = (k, n) of its exercise, whose
+    main part (task and hint) is part `main_at`; `guide`: where the exercise is described."""
     info, name, indent = table[block["name"]], block["name"], block["indent"]
     speed = info["kind"] == "speed"
+    k, n = part
+    body = part_body(block, info["kind"], ending)
     wrap = textwrap.TextWrapper(width=100 - len(indent), initial_indent="", subsequent_indent="  ")
-    lines = [f"// EXERCISE {name} TODO{' (speed)' if speed else ''}: {block['task']}"]
-    lines += [f"// {line}" for line in wrap.wrap("Hint: " + info["hint"])]
-    if speed:
-        lines.append(f"// Gate: {gate_text(info)}.")
-        lines.append("// The code below is correct but slow: make it fast.")
-    lines.append(f"// Grade: make grade CH={chapter[:2]}; the exercise: {chapter}/README.md, Exercises.")
-    out = [indent + line + ending for line in lines]
-    out += block["stub"] if block["stub"] is not None else [f'{indent}EXERCISE_TODO("{name}");{ending}']
-    return out + [f"{indent}// EXERCISE END{ending}"]
+    guide = guide or f"{chapter}/README.md, Exercises"
+    if block["stub"] is not None and speed:
+        says = "The code below is correct but slow: make it fast."
+    elif not body:
+        says = "Your copy has no code here: write here what your solution needs, or nothing."
+    else:
+        says = ""
+    if k != main_at:
+        lines = [f"// EXERCISE {name} TODO{' (speed)' if speed else ''}: "
+                 + (block["task"] or f"part {k} of {n} of this exercise") + "."]
+        text = f"Part {k} of {n} of exercise {name}: its task and hint are in part {main_at}, "
+        text += f"{'below' if main_at > k else 'above'}. {says}"
+        lines += [f"// {line}" for line in wrap.wrap(text)]
+    else:
+        lines = [f"// EXERCISE {name} TODO{' (speed)' if speed else ''}: {block['task']}"]
+        text = [f"Hint: {info['hint']}", f"Graded: {grading_text(info)}."]
+        if n > 1:
+            text.append(f"This is part {k} of the {n} regions of this exercise (search for EXERCISE {name}). {says}")
+        elif says:
+            text.append(says)
+        for paragraph in text:
+            lines += [f"// {line}" for line in wrap.wrap(paragraph)]
+        lines.append(f"// Grade: make grade CH={chapter[:2]}; the exercise: {guide}.")
+    return [indent + line + ending for line in lines] + body + [f"{indent}// EXERCISE END{ending}"]
 
 
 def select(blocks, only):
-    """The blocks named in `only` ('online_update' or '04.online_update'; None: all)."""
+    """The blocks of the exercises named in `only` ('online_update' or '04.online_update'; None:
+    all), every block of each."""
     if not only:
         return blocks
     wanted, chosen = [w.strip() for w in only], []
     for w in wanted:
         hits = [b for b in blocks if w in (b["name"], b["name"].split(".", 1)[1])]
         if not hits:
-            names = ", ".join(b["name"] for b in blocks) or "none"
+            names = ", ".join(exercise_parts(blocks)) or "none"
             raise MarkerError(f"no exercise '{w}' in this chapter; its exercises: {names}")
         chosen += [b for b in hits if b not in chosen]
     return chosen
 
 
-def student_copy(text, chapter, only=None):
-    """(the student copy of a chapter source, the names of its exercises)."""
+def student_copy(text, chapter, only=None, guide=None, table=EXERCISES):
+    """(the student copy of a chapter source, the names of its exercises in file order)."""
     blocks = parse(text, f"{chapter}/attention.cu")
-    check_blocks(blocks, chapter)
+    check_blocks(blocks, chapter, table)
     chosen = select(blocks, only)
+    parts = exercise_parts(blocks)
     lines = text.splitlines(keepends=True)
     for block in sorted(chosen, key=lambda b: b["start"], reverse=True):
+        mine = parts[block["name"]]
         ending = lines[block["start"]][len(lines[block["start"]].rstrip("\r\n")):] or "\n"
-        lines[block["start"]:block["end"] + 1] = region_lines(block, chapter, ending)
-    return "".join(lines), [b["name"] for b in sorted(chosen, key=lambda b: b["start"])]
+        lines[block["start"]:block["end"] + 1] = region_lines(
+            block, chapter, ending, table, part=(mine.index(block) + 1, len(mine)),
+            main_at=mine.index(main_part(mine)) + 1, guide=guide)
+    return "".join(lines), list(dict.fromkeys(b["name"] for b in sorted(chosen, key=lambda b: b["start"])))
 
 
 def regions(text):
-    """The exercise regions of a student copy: [(name, first line index, END line index)]."""
+    """The exercise regions of a student copy, in file order: [(name, first line index, END line index)]."""
     lines, out, open_region = text.splitlines(keepends=True), [], None
     for i, line in enumerate(lines):
         found = REGION.match(line)
@@ -341,11 +511,17 @@ def regions(text):
 
 
 def restore(student_text, chapter_text):
-    """The student copy with each region replaced by the chapter's block of that name."""
-    blocks = {b["name"]: b for b in parse(chapter_text)}
+    """The student copy with each region replaced by the chapter's block of that name: the k-th
+    region of a name by its k-th block."""
+    parts = exercise_parts(parse(chapter_text))
     lines = student_text.splitlines(keepends=True)
-    for name, first, last in reversed(regions(student_text)):
-        lines[first:last + 1] = solution_lines(chapter_text, blocks[name])
+    found, seen = regions(student_text), {}
+    numbered = []
+    for name, first, last in found:
+        numbered.append((parts[name][seen.get(name, 0)], first, last))
+        seen[name] = seen.get(name, 0) + 1
+    for block, first, last in reversed(numbered):
+        lines[first:last + 1] = solution_lines(chapter_text, block)
     return "".join(lines)
 
 
@@ -371,8 +547,17 @@ def link_common(student_dir):
 
 def write_copy(chapter, only=None, force=False, student_dir=STUDENT_DIR, root=ROOT):
     """Write exercises/<chapter>/attention.cu; (path, names). Refuses to overwrite a copy that
-    differs from what was written last (the student's work) unless force."""
-    text, names = student_copy(chapter_source(chapter, root), chapter, only)
+    differs from what was written last (the student's work) unless force. In a hand-out (the
+    chapter is a stand-in) the copy is the one handed out, every exercise cut."""
+    source = chapter_source(chapter, root)
+    if is_standin(source):
+        if only:
+            raise MarkerError(f"this hand-out holds {chapter} with every exercise cut and no solution, so EX= "
+                              "cannot choose some of them: leave EX= out")
+        text = standin_copy(source)
+        names = list(dict.fromkeys(name for name, _, _ in regions(text)))
+    else:
+        text, names = student_copy(source, chapter, only)
     if not names:
         raise MarkerError(f"{chapter} has no exercises (chapters with some: {exercise_chapters(root)})")
     folder = os.path.join(student_dir, chapter)
@@ -398,16 +583,38 @@ def timed_as(info):
     return info["shape"], info.get("timed", "ms")
 
 
+def timed_what(column):
+    return "attention kernel's time" if column == "attend_ms" else "time"
+
+
 def gate_text(info):
     """"at most 1.10x the chapter's time at B=4 ...": a speed exercise's gate in words."""
     return f"at most {info['gate']:.2f}x the chapter's {timed_what(timed_as(info)[1])} at {shape_text(info['shape'])}"
 
 
+def dims_text(info):
+    dims = info.get("dims", HEAD_DIMS)
+    return "D " + " and ".join(map(str, dims)) if len(dims) > 1 else f"D = {dims[0]} only"
+
+
+def grading_text(info):
+    """How an exercise is graded, in words (the student copy's 'Graded:' line, make exercise, list)."""
+    matrix = (f"your copy must compute attention correctly on the GPU matrix ({dims_text(info)}), with no race that "
+              "compute-sanitizer racecheck finds")
+    if info["kind"] == "correctness":
+        return matrix + (f", and its PTX must contain {', '.join(c['shown'] for c in info['ptx_has'])}"
+                         if info.get("ptx_has") else "")
+    if info.get("gate"):
+        return f"{matrix}, and take {gate_text(info)}, the two timed in the same run"
+    checks = ", ".join(c["shown"] for c in info["ptx_has"])
+    return (f"{matrix}, and the PTX of your build must contain {checks}, which only the overlapped code "
+            f"produces; your {timed_what(timed_as(info)[1])} at {shape_text(info['shape'])} is shown "
+            "beside the chapter's for information (no gate: the gain is close to the run-to-run noise)")
+
+
 def describe(name, table=EXERCISES):
     info = table[name]
-    if info["kind"] == "speed":
-        return f"speed, gate: {gate_text(info)}"
-    return "correctness"
+    return f"{info['kind']}: {grading_text(info)}"
 
 
 def command_make(args):
@@ -418,23 +625,29 @@ def command_make(args):
         path, names = write_copy(chapter, args.only.split(",") if args.only else None, args.force)
     except (MarkerError, FileExistsError) as exc:
         return fail(2, f"make exercise: {exc}")
-    tasks = {b["name"]: b["task"] for b in parse(chapter_source(chapter))}
+    source = chapter_source(chapter)
+    found = {} if is_standin(source) else tasks(parse(source))
     print(f"{os.path.relpath(path, ROOT)}: the student copy of {chapter}, {len(names)} exercise(s) to do:")
     for name in names:
-        print(f"  {name} ({describe(name)}): {tasks[name]}")
-    print(f"Edit it, then: make grade CH={chapter[:2]}  (the exercises: {chapter}/README.md, \"Exercises\")")
+        print(f"  {name} ({describe(name)})" + (f": {found[name]}" if name in found else ""))
+    guide = HANDOUT_GUIDE if is_standin(source) else f'{chapter}/README.md, "Exercises"'
+    print(f"Edit it, then: make grade CH={chapter[:2]}  (the exercises: {guide})")
     return 0
 
 
 def exercise_chapters(root=ROOT):
-    return " ".join(c[:2] for c in chapters(root) if parse(chapter_source(c, root)))
+    return " ".join(c[:2] for c in chapters(root)
+                    if not is_standin(chapter_source(c, root)) and parse(chapter_source(c, root)))
 
 
 def command_list(_args):
     for chapter in chapters():
-        for block in parse(chapter_source(chapter), chapter):
-            info = EXERCISES[block["name"]]
-            print(f"{block['name']:18} {describe(block['name'])}\n{'':18} task: {block['task']}")
+        source = chapter_source(chapter)
+        if is_standin(source):
+            continue
+        for name, task in tasks(parse(source, chapter)).items():
+            info = EXERCISES[name]
+            print(f"{name:18} {describe(name)}\n{'':18} task: {task}")
             if info["kind"] == "speed":
                 print(f"{'':18} the stub: {info['stub']}")
     return 0
@@ -469,7 +682,7 @@ def build_copy(chapter, build, make):
         proc = subprocess.run(cmd, cwd=ROOT, env=make_env(), capture_output=True, text=True, errors="replace",
                               timeout=900)
     except subprocess.TimeoutExpired:
-        return False, f"{shlex.join(cmd)}: timed out"
+        return False, f"{shlex.join(cmd)} ran for more than 900 s and was stopped"
     return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
 
 
@@ -491,7 +704,7 @@ class ClaimContext:
             return subprocess.run([str(c) for c in cmd], cwd=str(cwd or self.root), env=full_env,
                                   capture_output=True, text=True, errors="replace", timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"timed out after {timeout} s: {shlex.join(map(str, cmd))}") from None
+            raise AssertionError(f"{shlex.join(map(str, cmd))} ran for more than {timeout} s and was stopped") from None
 
     def once(self, key, fn):
         if key not in self.cache:
@@ -507,7 +720,7 @@ class ClaimContext:
     def require_binary(self, chapter, native=False):
         path = self.binary(chapter)
         if not path.is_file():
-            raise unittest.SkipTest(f"{path} not built")
+            raise unittest.SkipTest(f"{self.rel(path)} is not built")
         return path
 
     def rel(self, path):
@@ -525,7 +738,9 @@ def sass_tools():
     for name in ("cuobjdump", "nvdisasm"):
         found[name] = claims.find_tool(type("Repo", (), {"root": Path(ROOT)}), name)
         if not found[name]:
-            return None, f"{name} not found (PATH, next to nvcc, .cache/tools; make test fetches it)"
+            return None, (f"{name} was not found on PATH, next to nvcc or in .cache/tools: install the CUDA "
+                          "toolkit's cuobjdump and nvdisasm and put them on PATH (in a full checkout, make test "
+                          "fetches them)")
     path = os.path.dirname(found["nvdisasm"]) + os.pathsep + os.environ.get("PATH", "")
     return (found["cuobjdump"], {"PATH": path}), None
 
@@ -544,7 +759,9 @@ def claim_checks(chapter, build):
     if tools:  # the SASS claims read sm_90 code: a copy built for another GPU alone has none
         listing = ctx.run([tools[0], "--list-elf", ctx.binary(chapter)], env=tools[1], timeout=120).stdout
         if claims.SASS_ARCH not in listing:
-            ctx.cache["sass_tools"] = (None, f"no {claims.SASS_ARCH} code in the build (ARCH=...): SASS claims need it")
+            ctx.cache["sass_tools"] = (None, f"your build has no {claims.SASS_ARCH} code (the Makefile's ARCH "
+                                             f"picked another GPU), and these claims read {claims.SASS_ARCH} "
+                                             "code: build with ARCH=multi to check them")
     out = []
     try:
         for name, fn in claims.claim_cases(chapter, int(chapter[:2]), adds):
@@ -558,6 +775,169 @@ def claim_checks(chapter, build):
     finally:
         ctx.close()
     return out
+
+
+# The chapters' claims in words: what each PTX pattern and SASS opcode of tests/test_cpu_claims.py
+# is (the tests check that every claim of a chapter with exercises has its words here).
+PTX_WORDS = {
+    r"\.shared\b": "shared memory (.shared)",
+    r"\bw?mma\.": "tensor-core matrix instructions (wmma.* or mma.*)",
+    r"\bld\.shared": "loads from shared memory (ld.shared)",
+    r"\bst\.shared": "stores to shared memory (st.shared)",
+    r"\bex2\.approx": "the hardware's base-2 exponential (ex2.approx, which exp2f compiles to)",
+    r"\bwmma\.mma\.sync": "WMMA tensor-core products (wmma.mma.sync, from nvcuda::wmma::mma_sync)",
+    r"\bcp\.async": "asynchronous copies from global to shared memory (cp.async)",
+    r"\bldmatrix": "ldmatrix loads of MMA fragments from shared memory",
+    r"(?<![\w.])mma\.sync": "warp-level MMA instructions (mma.sync)",
+    r"\bwgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3":
+        "FP8 warpgroup products into fp32 (wgmma.mma_async...m64nNk32.f32.e4m3.e4m3)",
+    r"\bcp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes":
+        "TMA tile copies that complete on an mbarrier (cp.async.bulk.tensor.3d...)",
+    r"\bmbarrier\.try_wait\.parity": "waits on an mbarrier's phase (mbarrier.try_wait.parity)",
+    r"\bmbarrier\.arrive\.expect_tx": "mbarrier arrivals that expect a TMA copy's bytes (mbarrier.arrive.expect_tx)",
+    r"\bcvt\.rn\.satfinite\.e4m3x2\.f32": "conversions of fp32 pairs to e4m3 (cvt.rn.satfinite.e4m3x2.f32, as pack_e4m3x4 does)",
+    r"\bwgmma\.fence": "fences before the warpgroup products (wgmma.fence)",
+    r"\bwgmma\.wait_group": "waits for warpgroup products (wgmma.wait_group)",
+    r"\bwgmma\.mma_async\.sync\.aligned\.m64n256k32\.f16\.e4m3\.e4m3":
+        "Q K^T into fp16 scores at D = 128 (wgmma.mma_async...m64n256k32.f16.e4m3.e4m3)",
+    r"\bex2\.approx\.f16x2": "the exponential of fp16 pairs (ex2.approx.f16x2)",
+    r"\bcvt\.rn\.satfinite\.e4m3x2\.f16x2": "conversions of fp16 pairs to e4m3 (cvt.rn.satfinite.e4m3x2.f16x2)",
+    r"\bsetmaxnreg\.(inc|dec)\.sync\.aligned": "register hand-overs between warpgroups (setmaxnreg)",
+    r"\bbar\.arrive\b": "named-barrier arrivals (bar.arrive: the consumers' turns)",
+    r"\bwmma\.": "WMMA instructions (wmma.*)",
+    r"\bcp\.async\.(ca|cg)\b": "per-thread asynchronous copies (cp.async.ca or .cg), which TMA replaces here",
+    r"\bcuda(Malloc|Free)\w*\s*\(": "calls of cudaMalloc or cudaFree",
+}
+SASS_WORDS = {
+    "FFMA": "fp32 fused multiply-adds (FFMA)", "HMMA": "fp16 tensor-core products (HMMA)",
+    "LDS": "shared-memory loads (LDS)", "STS": "shared-memory stores (STS)",
+    "LDGSTS": "asynchronous global-to-shared copies (LDGSTS)", "LDSM": "ldmatrix loads (LDSM)",
+    "HGMMA": "fp16 warpgroup products (HGMMA)", "QGMMA": "FP8 warpgroup products (QGMMA)",
+    "UTMALDG": "TMA loads (UTMALDG)", "SYNCS": "mbarrier operations (SYNCS)",
+    "WARPGROUP": "warpgroup arrivals and waits (WARPGROUP)", "USETMAXREG": "register hand-overs (USETMAXREG)",
+}
+# What to do when a claim that a chapter's own code meets fails on a copy.
+LOST = ("The chapter's code has it and yours lost it: that happens while an exercise is not written, when "
+        "the compiler drops code whose result is never used, or when the work is done another way than "
+        "the hint's: follow the hint of the exercise that does this work")
+GAINED = ("The chapter's code does without it: find the code of yours that brings it in and write that "
+          "work the way the hint says")
+CLAIM_TODO = {
+    r"\bex2\.approx": ("Only the softmax's exponentials produce it: write them with the chapter's exponential "
+                       "(exp_score, exp2f, or exp2_approx: see the hint), on scores in log2 units"),
+}
+
+
+def claim_words(name, note):
+    """A claim's failure as a sentence: what was expected, what was found, what to do."""
+    what = re.sub(r"^claims\[[^:]*: (.*)\]$", r"\1", name)
+    first = note.splitlines()[0] if note else ""
+
+    def found(pattern, fallback=None):
+        match = re.search(pattern, first)
+        return match.group(1).strip() if match else (fallback or f"what its check says: {first}")
+    kind = re.match(r"PTX (has|lacks) /(.*)/$", what)
+    if kind:
+        words = PTX_WORDS.get(kind[2], f"instructions matching /{kind[2]}/")
+        if kind[1] == "has":
+            return f"Expected {words} in the PTX of your build, as the chapter has; found none. {CLAIM_TODO.get(kind[2], LOST)}."
+        times, example = found(r"(\d+ times), expected", "some"), found(r"e\.g\. (.*)$", "?")
+        return f"Expected no {words} in the PTX of your build, as the chapter has none; found {times}, e.g. {example}. {GAINED}."
+    kind = re.match(r"SASS (has|lacks) (\w+)$", what)
+    if kind:
+        words = SASS_WORDS.get(kind[2], kind[2])
+        if kind[1] == "has":
+            return f"Expected {words} in the sm_90 machine code (SASS) of your build; found none. {LOST}."
+        holders = found(r"SASS, in (.*)$", "some function")
+        return f"Expected no {words} in the sm_90 machine code (SASS) of your build; found them in {holders}. {GAINED}."
+    kind = re.match(r"SASS of \*(\w+)\* has (.*)$", what)
+    if kind:
+        opcodes = ", ".join(SASS_WORDS.get(op.strip(), op.strip()) for op in kind[2].split(","))
+        lacking = found(r"(\S+ lacks \[.*?\])", "that it lacks some")
+        return f"Expected the sm_90 machine code of {kind[1]} to have {opcodes}; found {lacking}. {LOST}."
+    kind = re.match(r"(\d+) kernel function$", what)
+    if kind:
+        kernels = found(r": (\d+ kernel functions \[.*?\])")
+        return (f"Expected {kind[1]} kernel functions, as the chapter has; found {kernels}. "
+                "Keep the chapter's kernels: the exercises change code inside them, not their number.")
+    kind = re.match(r"a kernel named \*(\w+)\*$", what)
+    if kind:
+        return (f"Expected a kernel whose name contains '{kind[1]}', as the chapter's does; found "
+                f"{found(r'kernels: (.*)$')}. Keep the chapter's kernel names.")
+    kind = re.match(r"(\d+) launch in the source$", what)
+    if kind:
+        count = found(r"has (\d+) ")
+        return (f"Expected {kind[1]} kernel launch (<<<...>>>) in the source, as the chapter has; found "
+                f"{count}. Keep the chapter's launches: the exercises change code inside the kernels.")
+    kind = re.match(r"source lacks /(.*)/$", what)
+    if kind:
+        words = PTX_WORDS.get(kind[1], f"code matching /{kind[1]}/")
+        return (f"Expected no {words} in the source, since the harness owns device memory; found "
+                f"{found(r': (.*)$')}. Use the workspace the harness allocates (args->workspace) instead.")
+    if what.startswith("no register spills"):
+        return ("Expected no register spills, as the chapter has none (ptxas's report in the build's .log); "
+                f"found {found(r'spill stores in (.*)$')}. Keep fewer values live at once: arrays indexed by "
+                "loop counters the compiler cannot unroll, or extra copies of the accumulators, spill.")
+    return f"Expected the chapter's claim '{what}' to hold; {first or 'it failed'}."
+
+
+def ptx_arch(chapter, words):
+    """The virtual arch of a chapter's PTX: compute_90a for the sm_90a chapter, else the build's first."""
+    import_tests()
+    import test_cpu_claims as claims
+    if int(chapter[:2]) in claims.PTX_ARCH_OF:
+        return claims.PTX_ARCH_OF[int(chapter[:2])]
+    found = re.search(r"arch=(compute_\w+)", " ".join(words))
+    return found.group(1) if found else "compute_90"
+
+
+def ptx_command(words, chapter, source, out):
+    """nvcc -ptx of `source` with a compile line's words (BUILD/.flags: nvcc, then its flags)."""
+    keep, skip = [], False
+    for word in words[1:]:
+        if skip:
+            skip = False
+        elif word in ("-gencode", "-Xptxas"):
+            skip = True
+        elif not word.startswith(("-gencode", "-Xptxas")):
+            keep.append(word)
+    return [words[0]] + keep + [f"-arch={ptx_arch(chapter, words)}", "-ptx", "-o", str(out), str(source)]
+
+
+def copy_ptx(chapter, build):
+    """(the PTX text of the student copy, made with the build's flags, comments out; None) or
+    (None, why it could not be made)."""
+    flags = os.path.join(ROOT, build, ".flags")
+    try:
+        with open(flags) as f:
+            words = shlex.split(f.read())
+    except OSError as exc:
+        return None, f"{os.path.relpath(flags, ROOT)} could not be read ({exc.strerror}): build with make first"
+    with tempfile.TemporaryDirectory(prefix="fa-ptx-") as tmp:
+        out = os.path.join(tmp, f"{chapter}.ptx")
+        cmd = ptx_command(words, chapter, os.path.join("exercises", chapter, "attention.cu"), out)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, errors="replace", timeout=900)
+        except subprocess.TimeoutExpired:
+            return None, "nvcc -ptx ran for more than 900 s and was stopped"
+        if proc.returncode != 0:
+            lines = (proc.stdout + proc.stderr).strip().splitlines()
+            return None, f"nvcc -ptx failed (exit {proc.returncode}): {lines[-1] if lines else 'no output'}"
+        with open(out) as f:
+            return re.sub(r"//[^\n]*", "", f.read()), None
+
+
+def ptx_check(check, ptx):
+    """(ok, sentence) of one ptx_has check on a PTX text."""
+    hits = len(re.findall(check["pattern"], ptx))
+    if hits:
+        return True, f"the PTX of your build has {check['shown']} ({hits} times): {check['means']}."
+    counts = {}
+    for match in re.findall(check.get("found", r"(?!)"), ptx):
+        counts[re.sub(r"\s+", " ", match)] = counts.get(re.sub(r"\s+", " ", match), 0) + 1
+    seen = (", ".join(f"{text} ({n} times)" for text, n in sorted(counts.items())) if counts else "nothing like it")
+    return False, (f"Expected {check['shown']} in the PTX of your build, {check['means']}; found none "
+                   f"(of its kind it has: {seen}). {check['todo']}.")
 
 
 # --- make grade: the GPU part --------------------------------------------------------------------
@@ -576,20 +956,36 @@ def run_case(binary, chapter, args, timeout=RUN_TIMEOUT_S):
     return classify(chapter, code, out, err)
 
 
-def probe_gpu(solution, chapter):
-    """(usable, reason): the chapter's binary on a tiny shape; exit 77 is no usable GPU."""
-    status, _, note = run_case(solution, chapter, shape_args((1, 1, 16, 64, False)) + ["--no-check", "--iters", "1",
-                                                                                      "--warmup", "0"])
+def probe_gpu(binary, chapter):
+    """(usable, reason): a binary of the chapter on a tiny shape; exit 77 is no usable GPU."""
+    status, _, note = run_case(binary, chapter, shape_args((1, 1, 16, 64, False)) + ["--no-check", "--iters", "1",
+                                                                                    "--warmup", "0"])
     return status != "skipped", note or status
 
 
-def matrix(student, chapter):
-    """One line per MATRIX case; the number that failed."""
+def matrix_dims(names, table=EXERCISES):
+    """The head dims a grade's matrix runs: those its exercises run at (both if any has no `dims`)."""
+    dims = set()
+    for name in names:
+        dims |= set(table[name].get("dims", HEAD_DIMS))
+    return tuple(d for d in HEAD_DIMS if d in dims) or HEAD_DIMS
+
+
+def matrix_cases(names, table=EXERCISES):
+    """The MATRIX cases a grade of these exercises runs."""
+    dims = matrix_dims(names, table)
+    return [shape for shape in MATRIX if shape[3] in dims]
+
+
+def matrix(student, chapter, cases=MATRIX, failures=None):
+    """One line per case; the number that failed (their shapes appended to `failures`)."""
     failed = 0
-    for shape in MATRIX:
+    for shape in cases:
         status, row, note = run_case(student, chapter, shape_args(shape) + ["--warmup", "0", "--iters", "1"])
         ok = status == "PASS"
         failed += not ok
+        if not ok and failures is not None:
+            failures.append(shape)
         detail = f"rel_l2 {row['rel_l2']:.2e}" if row and row["rel_l2"] is not None else ""
         detail += f", lse_err {row['lse_err']:.2e}" if row and row["lse_err"] is not None else ""
         reason = "; ".join(x for x in (detail, note) if x)
@@ -598,12 +994,13 @@ def matrix(student, chapter):
 
 
 def racecheck(student, chapter):
-    """('pass'|'fail'|'skip', note): compute-sanitizer racecheck at RACECHECK_SHAPE."""
+    """('pass'|'fail'|'skip', sentence): compute-sanitizer racecheck at RACECHECK_SHAPE."""
     import_tests()
     from test_sanitize import check_summary, find_sanitizer
     sanitizer = find_sanitizer()
     if not sanitizer:
-        return "skip", "compute-sanitizer not found (PATH, next to nvcc, /usr/local/cuda)"
+        return "skip", ("compute-sanitizer was not found (on PATH, next to nvcc, in /usr/local/cuda): install it "
+                        "with the CUDA toolkit, or put it on PATH, to check the copy for races")
     args = shape_args(RACECHECK_SHAPE) + ["--warmup", "0", "--iters", "1"]
     run_case(student, chapter, args)  # makes the shape's inputs and reference outside the sanitizer
     cmd = [sanitizer, "--tool", "racecheck", "--error-exitcode", "99", "--target-processes", "application-only",
@@ -611,47 +1008,113 @@ def racecheck(student, chapter):
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return "fail", f"timed out after {RUN_TIMEOUT_S} s"
+        return "fail", (f"racecheck at {shape_text(RACECHECK_SHAPE)} ran for more than {RUN_TIMEOUT_S} s and was "
+                        "stopped: the copy may wait forever on a barrier some threads never reach")
     output = proc.stdout + proc.stderr
     if "RACECHECK SUMMARY" not in output and proc.returncode != 99:
         lines = [l for l in output.splitlines() if l.strip()]
-        return "skip", f"racecheck did not run here (exit {proc.returncode}): {lines[-1] if lines else 'no output'}"
+        return "skip", (f"compute-sanitizer racecheck did not run here (exit {proc.returncode}; it said: "
+                        f"{lines[-1].strip() if lines else 'nothing'})")
     try:
         check_summary("racecheck", output, f"racecheck {shape_text(RACECHECK_SHAPE)}")
     except AssertionError as exc:
         hazards = [l for l in output.splitlines() if l.startswith("=========")][:12]
-        return "fail", "\n".join([str(exc)] + hazards)
-    return "pass", f"{shape_text(RACECHECK_SHAPE)}: 0 hazards"
+        return "fail", "\n".join([
+            f"compute-sanitizer racecheck found hazards at {shape_text(RACECHECK_SHAPE)}: threads read and write "
+            "the same shared memory with no barrier between them. Find the accesses it names below and put a "
+            "__syncthreads() (or the chapter's barrier) between them.", str(exc)] + hazards)
+    return "pass", f"compute-sanitizer racecheck finds no hazard at {shape_text(RACECHECK_SHAPE)}"
 
 
-def timed_what(column):
-    return "attention kernel" if column == "attend_ms" else "time"
+def time_copy(student, solution, chapter, shape, column="ms"):
+    """{ratio, line, failed}: the copy's time (the row's `column`) beside the chapter's, the two run
+    alternately TIME_ROUNDS times, the best median of each counting; ratio None when either could
+    not be timed (failed: 'yours', 'chapter' or 'column'). solution None: the copy alone."""
+    best, what, where = {}, timed_what(column), shape_text(shape)
+    runs = [("yours", student)] if solution is None else [("chapter", solution), ("yours", student)]
+    for _ in range(TIME_ROUNDS):
+        for who, binary in runs:
+            status, row, note = run_case(binary, chapter, shape_args(shape))
+            said = f"{status}{': ' + note if note else ''}"
+            if status != "PASS":
+                if who == "yours":
+                    return dict(ratio=None, failed="yours", line=(
+                        f"{where}: your copy was not timed: its run there failed ({said}); fix that run first"))
+                return dict(ratio=None, failed="chapter", line=(
+                    f"{where}: not timed: the chapter's own run failed ({said}), so there is nothing to compare "
+                    "with: rebuild the chapter with make"))
+            if row.get(column) is None:
+                return dict(ratio=None, failed="column", line=(
+                    f"{where}: not timed: the harness's CSV row has no {column} (the {what}): rebuild the copy and "
+                    "the chapter with this tree's harness (make)"))
+            best[who] = min(best.get(who, row[column]), row[column])
+    how = f"the best of {TIME_ROUNDS} runs{' taken alternately' if solution else ''}, each the median of 10"
+    if solution is None:
+        return dict(ratio=None, failed=None, line=f"{where}: your {what} {best['yours']:.3f} ms ({how})")
+    ratio = best["yours"] / best["chapter"]
+    return dict(ratio=ratio, failed=None, line=(
+        f"{where}: your {what} {best['yours']:.3f} ms, the chapter's {best['chapter']:.3f} ms ({how}): {ratio:.2f}x"))
 
 
 def timing(student, solution, chapter, shape, column="ms"):
-    """(ratio or None, line): the copy's time (the row's `column`) beside the chapter's, the two
-    run alternately TIME_ROUNDS times; the best median of each counts."""
-    best = {}
-    for _ in range(TIME_ROUNDS):
-        for who, binary in (("chapter", solution), ("yours", student)):
-            status, row, note = run_case(binary, chapter, shape_args(shape))
-            if status != "PASS":
-                shown = "your copy" if who == "yours" else "the chapter"
-                return None, f"{shape_text(shape)}: not timed: {shown}: {status}{': ' + note if note else ''}"
-            if row.get(column) is None:
-                return None, f"{shape_text(shape)}: not timed: the harness printed no {column}"
-            best[who] = min(best.get(who, row[column]), row[column])
-    ratio = best["yours"] / best["chapter"]
-    what = "" if column == "ms" else f" ({timed_what(column)})"
-    return ratio, (f"{shape_text(shape)}{what}: yours {best['yours']:.3f} ms, the chapter's {best['chapter']:.3f} ms "
-                   f"(best of {TIME_ROUNDS} alternate runs, each the median of 10): {ratio:.2f}x")
+    """(ratio or None, line): time_copy's ratio and line."""
+    timed = time_copy(student, solution, chapter, shape, column)
+    return timed["ratio"], timed["line"]
 
 
 # --- make grade ----------------------------------------------------------------------------------
+class Checks:
+    """A grade's checks: [(what, outcome, why, decides)]; outcome 'pass', 'fail' or 'not run';
+    `what` names the check in words ("the GPU matrix"), `why` says why one did not run."""
+
+    def __init__(self):
+        self.items = []
+
+    def add(self, what, outcome, why="", decides=True):
+        assert outcome in ("pass", "fail", "not run"), outcome
+        self.items.append((what, outcome, why, decides))
+
+    def failed(self):
+        return [what for what, outcome, _, _ in self.items if outcome == "fail"]
+
+    def not_run(self, decides=True):
+        return [(what, why) for what, outcome, why, d in self.items if outcome == "not run" and d == decides]
+
+
+def cap(text):
+    return text[:1].upper() + text[1:]
+
+
+def words_list(items):
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def grouped(pairs):
+    """'a and b: why; c: why2' for [(what, why)], checks with one reason together."""
+    by_why = {}
+    for what, why in pairs:
+        by_why.setdefault(why, []).append(what)
+    return "; ".join(f"{words_list(whats)} ({why})" for why, whats in by_why.items())
+
+
+def verdict(chapter, checks):
+    """(exit code, the verdict line): FAIL 1, UNGRADED 77, PASS 0."""
+    failed, missing, unchecked = checks.failed(), checks.not_run(True), checks.not_run(False)
+    if failed:
+        return 1, (f"FAIL {chapter}: {len(failed)} check(s) failed: {words_list(failed)}. The lines above say what "
+                   f"was expected and what to do; fix that, then run make grade CH={chapter[:2]} again.")
+    if missing:
+        return 77, (f"UNGRADED {chapter}: nothing failed, but what decides the grade did not run here: "
+                    f"{grouped(missing)}. No PASS without it: run make grade CH={chapter[:2]} where that can run.")
+    extra = f" Not checked here, and not needed for the grade: {grouped(unchecked)}." if unchecked else ""
+    return 0, f"PASS {chapter}: every check that decides the grade ran and passed.{extra}"
+
+
 def copy_exercises(chapter, text):
     """The exercises a student copy holds: from make exercise's record, else from its regions."""
     record = read_record(os.path.join(STUDENT_DIR, chapter)) or {}
-    names = record.get("exercises") or [name for name, _, _ in regions(text)]
+    names = record.get("exercises") or list(dict.fromkeys(name for name, _, _ in regions(text)))
     return [n for n in names if n in EXERCISES]
 
 
@@ -662,65 +1125,137 @@ def say(label, text):
         print(f"  {'':9} {line}")
 
 
-def grade_static(chapter, build, make, text):
-    """Build, stubs, claims: the failed check names."""
-    failed = []
+def grade_static(chapter, build, make, text, names, checks):
+    """The build, the stubs left, the exercises' PTX checks and the chapter's claims, into checks."""
+    copy = os.path.relpath(os.path.join(STUDENT_DIR, chapter, "attention.cu"), ROOT)
     ok, output = build_copy(chapter, build, make)
     if not ok:
-        say("build", "FAIL: the copy does not build with the Makefile's flags (warnings count):\n" +
+        say("build", f"FAIL: {copy} does not build with the Makefile's flags, where a warning counts as an "
+                     "error. Fix the first error or warning in the compiler's output (its last 40 lines):\n" +
             "\n".join(output.splitlines()[-40:]))
-        return ["build"]
-    say("build", f"{os.path.relpath(os.path.join(STUDENT_DIR, chapter, 'attention.cu'), ROOT)} -> "
-        f"{build}/exercises/{chapter}: ok (the Makefile's nvcc line, no warnings)")
-    todo = sorted(set(TODO_CALL.findall(text)))
+        checks.add("the build", "fail")
+        return
+    say("build", f"{copy} builds with the Makefile's flags, without a warning, into {build}/exercises/{chapter}.")
+    checks.add("the build", "pass")
+    todo = list(dict.fromkeys(TODO_CALL.findall(text)))
     for name in todo:
-        say("stubs", f"TODO: exercise {name} is not written yet (its EXERCISE_TODO is still in the source)")
+        say("stubs", f"FAIL: exercise {name} is not written yet: its EXERCISE_TODO(\"{name}\") is still in the "
+                     "source. Write the exercise in its region, in place of that line.")
     if todo:
-        failed.append("stubs")
+        checks.add(f"the stubs ({words_list(todo)} not written yet)", "fail")
     else:
-        say("stubs", "none left")
+        say("stubs", "No EXERCISE_TODO is left in the source.")
+        checks.add("the stubs", "pass")
+    with_ptx = [n for n in names if EXERCISES[n].get("ptx_has")]
+    if with_ptx:
+        ptx, why = copy_ptx(chapter, build)
+        for name in with_ptx:
+            for check in EXERCISES[name]["ptx_has"]:
+                what = f"the PTX check of {name} ({check['shown']})"
+                if ptx is None:
+                    say("ptx", f"{name}: not run: the PTX of your copy could not be made: {why}")
+                    checks.add(what, "not run", f"the PTX could not be made: {why}")
+                    continue
+                passed, sentence = ptx_check(check, ptx)
+                say("ptx", f"{name}: {'PASS' if passed else 'FAIL'}: {sentence}")
+                checks.add(what, "pass" if passed else "fail")
     results = claim_checks(chapter, build)
     count = {kind: sum(r[1] == kind for r in results) for kind in ("pass", "fail", "skip")}
-    why_skipped = "; ".join(sorted({note for _, outcome, note in results if outcome == "skip"}))
-    say("claims", f"{count['pass']} of {len(results)} pass (tests/test_cpu_claims.py's claims on {chapter})"
-        + (f", {count['skip']} skipped: {why_skipped}" if count["skip"] else ""))
-    bad = [r for r in results if r[1] == "fail"]
-    for name, _, note in bad:
-        say("", f"FAIL {name}: {note.splitlines()[0]}")
-    if bad:
-        failed.append("claims")
-    return failed
+    say("claims", f"{count['pass']} of the chapter's {len(results)} claims about its compiled code hold for your "
+                  "copy (tests/test_cpu_claims.py).")
+    for name, _, note in (r for r in results if r[1] == "fail"):
+        say("", f"FAIL: {claim_words(name, note)}")
+    skipped = {}
+    for name, _, note in (r for r in results if r[1] == "skip"):
+        skipped.setdefault(re.sub(r"^no SASS: ", "", note), []).append(name)
+    for why, which in skipped.items():
+        say("", f"{len(which)} not checked here: {why}.")
+        checks.add(f"{len(which)} of the chapter's claims", "not run", why, decides=False)
+    checks.add("the chapter's claims", "fail" if count["fail"] else "pass")
 
 
-def grade_gpu(chapter, build, names):
-    """Matrix, racecheck, time and gates: the failed check names."""
-    student = os.path.join(ROOT, build, "exercises", chapter)
-    solution = os.path.join(ROOT, build, chapter)
-    failed = []
-    print(f"  matrix    {len(MATRIX)} runs (D 64/128, causal or not, N 1/77/256/1000, B,H 1,1 and 2,3):")
-    bad = matrix(student, chapter)
-    say("", f"{len(MATRIX) - bad} of {len(MATRIX)} pass")
+def gpu_checks(names):
+    """What the GPU part decides, in words."""
+    return ["the GPU matrix", "racecheck"] + [f"the speed gate of {n}" for n in names if EXERCISES[n].get("gate")]
+
+
+def gpu_not_run(names, reason, checks):
+    """No usable GPU: one line, and each check of the GPU part not run."""
+    whats = gpu_checks(names)
+    say("gpu", f"not run: the harness finds no usable CUDA GPU here ({reason}). {cap(words_list(whats))} need one.")
+    for what in whats:
+        checks.add(what, "not run", f"they need a CUDA GPU, and the harness finds none usable here: {reason}")
+
+
+def grade_gpu(chapter, student, solution, names, checks, race=racecheck, no_solution=""):
+    """The matrix, racecheck, times and gates into checks; solution None: no reference to time
+    against (`no_solution` says why)."""
+    cases = matrix_cases(names)
+    dims = matrix_dims(names)
+    only = [f"{n} runs at D = {EXERCISES[n]['dims'][0]} only" for n in names if EXERCISES[n].get("dims")]
+    print(f"  matrix    {len(cases)} runs against the reference (D {' and '.join(map(str, dims))}"
+          f"{' only: ' + ', '.join(only) if len(dims) < len(HEAD_DIMS) else ''}; causal or not; N 1, 77, 256 and "
+          "1000; B,H 1,1 and 2,3):")
+    failures = []
+    bad = matrix(student, chapter, cases, failures)
     if bad:
-        failed.append("matrix")
-    outcome, note = racecheck(student, chapter)
-    say("racecheck", f"{outcome.upper()}: {note}")
-    if outcome == "fail":
-        failed.append("racecheck")
+        first = failures[0]
+        say("", f"FAIL: {bad} of the {len(cases)} runs do not match the reference (the lines above say how far off, "
+                "or why the run failed). Start with the smallest: "
+                f"{os.path.relpath(student, ROOT)} {' '.join(shape_args(first))}")
+    else:
+        say("", f"All {len(cases)} runs match the reference.")
+    checks.add("the GPU matrix", "fail" if bad else "pass")
+    outcome, note = race(student, chapter)
+    say("racecheck", {"pass": "PASS: ", "fail": "FAIL: ", "skip": "not run: "}[outcome] + note)
+    checks.add("racecheck", {"pass": "pass", "fail": "fail", "skip": "not run"}[outcome], note)
     speed = [n for n in names if EXERCISES[n]["kind"] == "speed"]
     timed = [timed_as(EXERCISES[n]) for n in speed] or [(TIME_SHAPE.get(int(chapter[:2]), DEFAULT_TIME_SHAPE), "ms")]
-    ratios = {}
+    results = {}
     for shape, column in dict.fromkeys(timed):
-        ratios[shape, column], line = timing(student, solution, chapter, shape, column)
-        say("time", line)
+        results[shape, column] = time_copy(student, solution, chapter, shape, column)
+        gated = [n for n in speed if EXERCISES[n].get("gate") and timed_as(EXERCISES[n]) == (shape, column)]
+        info = "" if gated else " (for information: no gate)"
+        missing = f"; the speed comparison is unavailable: {no_solution}" if solution is None else ""
+        say("time", results[shape, column]["line"] + info + missing)
     for name in speed:
-        gate, ratio = EXERCISES[name]["gate"], ratios[timed_as(EXERCISES[name])]
-        ok = ratio is not None and ratio <= gate
-        shown = f"{ratio:.2f}x" if ratio is not None else "no time"
-        say("speed", f"{'PASS' if ok else 'FAIL'} {name}: {shown} the chapter's "
-                     f"{timed_what(timed_as(EXERCISES[name])[1])}, gate <= {gate:.2f}x")
-        if not ok:
-            failed.append(f"speed {name}")
-    return failed
+        info = EXERCISES[name]
+        if not info.get("gate"):
+            continue
+        what, timed_result = f"the speed gate of {name}", results[timed_as(info)]
+        ratio, limit = timed_result["ratio"], f"at most {info['gate']:.2f}x the chapter's {timed_what(timed_as(info)[1])}"
+        if solution is None:
+            say("speed", f"{name}: not run: its gate ({limit}) needs the chapter's time, and {no_solution}.")
+            checks.add(what, "not run", f"{no_solution}: grade the copy in a full checkout of the tutorial")
+        elif ratio is not None:
+            ok = ratio <= info["gate"]
+            say("speed", f"{'PASS' if ok else 'FAIL'} {name}: your copy takes {ratio:.2f}x the chapter's "
+                         f"{timed_what(timed_as(info)[1])} at {shape_text(info['shape'])}; the gate is {limit}"
+                         + ("." if ok else ": make it faster (the hint in its region says where the time goes)."))
+            checks.add(what, "pass" if ok else "fail")
+        elif timed_result["failed"] == "yours":
+            say("speed", f"FAIL {name}: your copy could not be timed at {shape_text(info['shape'])}, since its run "
+                         "there failed (above); the gate needs a correct run.")
+            checks.add(what, "fail")
+        else:
+            say("speed", f"{name}: not run: {timed_result['line']}.")
+            checks.add(what, "not run", timed_result["line"])
+
+
+def reference_solution(chapter, build, names):
+    """(the chapter's binary to time against, None) or (None, why there is none)."""
+    source = chapter_source(chapter)
+    if is_standin(source):
+        return None, (f"this hand-out has no reference solution ({chapter}/attention.cu here is the student copy "
+                      "as handed out)")
+    try:
+        marked = exercise_parts(parse(source, f"{chapter}/attention.cu"))
+    except MarkerError as exc:
+        return None, f"the chapter's markers do not parse ({exc})"
+    missing = [n for n in names if n not in marked]
+    if missing:
+        return None, f"{chapter}/attention.cu has no solution for {words_list(missing)}"
+    return os.path.join(ROOT, build, chapter), None
 
 
 def command_grade(args):
@@ -729,25 +1264,234 @@ def command_grade(args):
         return fail(2, f"make grade: no chapter '{args.chapter}' (e.g. CH=04; chapters: {' '.join(chapters())})")
     path = os.path.join(STUDENT_DIR, chapter, "attention.cu")
     if not os.path.isfile(path):
-        return fail(2, f"make grade: no student copy {os.path.relpath(path, ROOT)}: make exercise CH={chapter[:2]} first")
+        return fail(2, f"make grade: there is no student copy {os.path.relpath(path, ROOT)}: write one with "
+                       f"make exercise CH={chapter[:2]} first")
     with open(path) as f:
         text = f.read()
     names = copy_exercises(chapter, text)
     shown = ", ".join(f"{n} ({EXERCISES[n]['kind']})" for n in names) or "none recorded"
     print(f"grade {chapter}: {os.path.relpath(path, ROOT)}, exercises {shown}")
-    failed = grade_static(chapter, args.build, args.make, text)
-    gpu_note = None
-    if "build" not in failed:
-        usable, reason = probe_gpu(os.path.join(ROOT, args.build, chapter), chapter)
+    checks = Checks()
+    grade_static(chapter, args.build, args.make, text, names, checks)
+    if "the build" not in checks.failed():
+        solution, no_solution = reference_solution(chapter, args.build, names)
+        probe = os.path.join(ROOT, args.build, chapter)
+        usable, reason = probe_gpu(probe, chapter)
         if usable:
-            failed += grade_gpu(chapter, args.build, names)
+            grade_gpu(chapter, os.path.join(ROOT, args.build, "exercises", chapter), solution, names, checks,
+                      no_solution=no_solution)
         else:
-            gpu_note = f"skipped: {reason}: the matrix, racecheck, timing and speed gates need a GPU"
-            say("gpu", gpu_note)
-    verdict = "FAIL" if failed else "PASS"
-    detail = f"{len(failed)} check(s) failed: {', '.join(failed)}" if failed else "every check that ran passed"
-    print(f"{verdict} {chapter}: {detail}{'; the GPU part was skipped' if gpu_note else ''}")
-    return 1 if failed else 0
+            gpu_not_run(names, reason, checks)
+    code, line = verdict(chapter, checks)
+    print(line)
+    return code
+
+
+# --- make handout --------------------------------------------------------------------------------
+# The modules make grade runs (the grader, the harness's runner, the claims, racecheck): a hand-out
+# holds the tests/ modules among them and among what they import.
+GRADER_MODULES = ("exercises", "stages", "test_cpu_claims", "test_sanitize")
+MIN_SOLUTION_LINE = 16  # shorter solution lines ("}", "#pragma unroll") say nothing of the solution
+
+
+def imported_modules(path):
+    """The top-level names of every module a Python file imports, at any depth in it."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def grader_tests(root=ROOT):
+    """The file names of the tests/ modules that make grade imports, directly or not."""
+    todo, seen, found = list(GRADER_MODULES), set(), []
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for folder in ("tests", "common"):
+            path = os.path.join(root, folder, f"{name}.py")
+            if os.path.isfile(path):
+                if folder == "tests":
+                    found.append(f"{name}.py")
+                todo += sorted(imported_modules(path))
+                break
+    return sorted(found)
+
+
+def docs_named(names, root=ROOT, table=EXERCISES):
+    """The docs/ pages the exercises' hints name, and the figures those pages show."""
+    pages = sorted({page for n in names for page in re.findall(r"docs/[\w./-]+\.md", table[n]["hint"])})
+    out = []
+    for page in pages:
+        if os.path.isfile(os.path.join(root, page)):
+            out.append(page)
+            with open(os.path.join(root, page)) as f:
+                for figure in re.findall(r"\]\((figures/[^)\s]+)\)", f.read()):
+                    if os.path.isfile(os.path.join(root, "docs", figure)):
+                        out.append(f"docs/{figure}")
+    return list(dict.fromkeys(out))
+
+
+def solution_lines_of(source, names):
+    """The solution's own lines of these exercises: each block's lines between BEGIN and its STUB
+    or END, stripped, those of MIN_SOLUTION_LINE characters or more."""
+    lines = source.splitlines()
+    out = []
+    for b in parse(source):
+        if b["name"] in names:
+            stop = b["stub_at"] if b["stub_at"] is not None else b["end"]
+            out += [l.strip() for l in lines[b["start"] + 1:stop] if len(l.strip()) >= MIN_SOLUTION_LINE]
+    return list(dict.fromkeys(out))
+
+
+def leaked_lines(source, copy, names, files):
+    """[(path, line)]: solution lines (those the student copy does not hold, even inside a line of its
+    own) found in the files' text."""
+    secret = [l for l in solution_lines_of(source, names) if l not in copy]
+    out = []
+    for path, data in files.items():
+        if isinstance(data, bytes):
+            text = data.decode(errors="replace")
+            out += [(path, l) for l in secret if l in text]
+    return out
+
+
+def handout_guide(chapter, names, files, copy):
+    """HANDOUT.md: what the hand-out holds, how it is graded, each exercise."""
+    import_tests()
+    from chapters import read_chapter, runs_on
+    number = chapter[:2]
+    try:
+        with tempfile.NamedTemporaryFile("w", suffix=".cu", delete=False) as f:
+            f.write(copy)
+        gpus = runs_on(read_chapter(f.name))
+    except ValueError:
+        gpus = "the GPUs the chapter names"
+    finally:
+        os.unlink(f.name)
+    found = tasks(parse(chapter_source(chapter)))
+    docs = [p for p in files if p.startswith("docs/") and p.endswith(".md")]
+    gated = [n for n in names if EXERCISES[n].get("gate")]
+    lines = [
+        f"# {chapter}: exercises, a hand-out", "",
+        f"One chapter of the FlashAttention tutorial as exercises: your copy of `{chapter}/attention.cu` with "
+        f"{len(names)} exercise(s) cut out, and what grades it. It holds no solution.", "",
+        "## What is here", "",
+        f"- `exercises/{chapter}/attention.cu`: your copy. Each exercise is a region that starts at "
+        "`// EXERCISE NN.name TODO` and ends at `// EXERCISE END`; write your code there.",
+        f"- `{chapter}/attention.cu`: the same copy as handed out, with a note on top. The Makefile finds a "
+        f"chapter by that file: do not edit it. `make exercise CH={number} FORCE=1` copies it over yours, to "
+        "start again.",
+        "- `common/`: the harness (inputs, the NumPy reference, the check, the timing) and the grader, "
+        "`common/exercises.py`; `tests/`: the checks of the compiled code and the racecheck that the grader runs.",
+    ]
+    if docs:
+        lines.append(f"- {', '.join(f'`{p}`' for p in docs)}: what the hints refer to.")
+    lines += [
+        "- `Makefile` and `requirements.txt` (NumPy: when the system's Python has none, make sets up `.venv` "
+        "with it).", "",
+        "## Grading", "",
+        f"`make grade CH={number}` builds your copy with the Makefile's flags (nvcc, from the CUDA toolkit) into "
+        f"`build/exercises/{chapter}` and grades it: the build (no warning), no stub left, the checks of the "
+        "compiled code, and, on an NVIDIA GPU (this chapter runs on " + gpus + "), runs against the NumPy "
+        "reference, compute-sanitizer racecheck and your time. The last line is the verdict: PASS (exit 0), "
+        "FAIL (exit 1), or UNGRADED: nothing failed, but a check that decides the grade could not run here, "
+        "for example without a GPU (the grader exits 77, which make reports as \"Error 77\").",
+    ]
+    if gated:
+        lines += ["",
+                  f"This hand-out cannot grade {words_list(gated)}: a speed gate compares your time with the "
+                  "chapter's solution, timed in the same run, and the solution is not here. Your time is shown, "
+                  f"and the grade says UNGRADED. To grade it, copy `exercises/{chapter}/attention.cu` into "
+                  f"`exercises/{chapter}/` of a full checkout of the tutorial and run `make grade CH={number}` there."]
+    lines += ["", "## The exercises"]
+    for name in names:
+        info = EXERCISES[name]
+        lines += ["", f"### `{name}` ({info['kind']})", "", f"Task: {found.get(name, '')}.", "",
+                  f"Hint: {info['hint']}", "", f"Graded: {grading_text(info)}."]
+    return "\n".join(lines) + "\n"
+
+
+def handout_files(chapter, root=ROOT):
+    """({path in the hand-out: bytes, or a str: a symbolic link's target}, the exercise names)."""
+    source = chapter_source(chapter, root)
+    if is_standin(source):
+        raise MarkerError(f"{chapter}/attention.cu is a hand-out's stand-in, not the chapter: make a hand-out "
+                          "from a full checkout of the tutorial")
+    copy, names = student_copy(source, chapter, guide=HANDOUT_GUIDE)
+    files = {}
+
+    def add(rel):
+        with open(os.path.join(root, rel), "rb") as f:
+            files[rel] = f.read()
+    for rel in ("Makefile", "requirements.txt"):
+        add(rel)
+    for name in sorted(os.listdir(os.path.join(root, "common"))):
+        if os.path.isfile(os.path.join(root, "common", name)) and not name.endswith(".pyc"):
+            add(f"common/{name}")
+    for name in grader_tests(root):
+        add(f"tests/{name}")
+    for page in docs_named(names, root):
+        add(page)
+    student = f"exercises/{chapter}/attention.cu"
+    files[f"{chapter}/attention.cu"] = (STANDIN_NOTE.format(copy=student) + copy).encode()
+    files[student] = copy.encode()
+    files[f"exercises/{chapter}/{RECORD}"] = json.dumps(
+        {"chapter": chapter, "exercises": names, "sha256": digest(copy)}, indent=1).encode()
+    files["exercises/common"] = "../common"
+    files[HANDOUT_GUIDE] = handout_guide(chapter, names, files, copy).encode()
+    leaks = leaked_lines(source, copy, names, files)
+    if leaks:
+        raise MarkerError(f"the hand-out would hold solution lines, e.g. {leaks[0][0]}: {leaks[0][1]!r}: "
+                          "leave that file out")
+    return files, names
+
+
+def write_handout(chapter, out_dir, root=ROOT):
+    """OUT/NN_name.tar.gz, one folder handout-NN_name/; (its path, the exercise names)."""
+    files, names = handout_files(chapter, root)
+    top = f"handout-{chapter}"
+    out_dir = os.path.join(root, out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{chapter}.tar.gz")
+    partial = f"{path}.part{os.getpid()}"
+    with tarfile.open(partial, "w:gz") as tar:
+        for folder in sorted({os.path.dirname(f"{top}/{rel}") for rel in files} | {top}):
+            entry = tarfile.TarInfo(folder)
+            entry.type, entry.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(entry)
+        for rel, data in sorted(files.items()):
+            entry = tarfile.TarInfo(f"{top}/{rel}")
+            if isinstance(data, str):
+                entry.type, entry.linkname, entry.mode = tarfile.SYMTYPE, data, 0o777
+                tar.addfile(entry)
+            else:
+                entry.size, entry.mode = len(data), 0o644
+                tar.addfile(entry, io.BytesIO(data))
+    os.replace(partial, path)
+    return path, names
+
+
+def command_handout(args):
+    chapter = find_chapter(args.chapter)
+    if not chapter:
+        return fail(2, f"make handout: no chapter '{args.chapter}' (e.g. CH=04; chapters: {' '.join(chapters())})")
+    try:
+        path, names = write_handout(chapter, args.out)
+    except MarkerError as exc:
+        return fail(2, f"make handout: {exc}")
+    shown = os.path.relpath(path, ROOT) if not os.path.isabs(args.out) else path
+    print(f"{shown}: a hand-out of {chapter}'s {len(names)} exercise(s) ({', '.join(names)}), without their "
+          f"solution. Unpack it (tar xzf {os.path.basename(path)}), then in handout-{chapter}/ run "
+          f"make grade CH={chapter[:2]}; {HANDOUT_GUIDE} there says what it holds.")
+    return 0
 
 
 def main(argv=None):
@@ -762,8 +1506,12 @@ def main(argv=None):
     graded.add_argument("chapter")
     graded.add_argument("--build", default="build", help="make's BUILD folder")
     graded.add_argument("--make", default="make", help="the make command")
+    handed = sub.add_parser("handout", help="a hand-out of a chapter's exercises, without their solution")
+    handed.add_argument("chapter")
+    handed.add_argument("--out", default=os.path.join("build", "handout"), help="the folder of the .tar.gz")
     args = parser.parse_args(argv)
-    return {"list": command_list, "make": command_make, "grade": command_grade}[args.command](args)
+    return {"list": command_list, "make": command_make, "grade": command_grade,
+            "handout": command_handout}[args.command](args)
 
 
 if __name__ == "__main__":

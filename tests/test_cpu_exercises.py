@@ -1,31 +1,48 @@
-"""The graded exercises (common/exercises.py, `make exercise`, `make grade`), without a GPU.
+"""The graded exercises (common/exercises.py, `make exercise`, `make grade`, `make handout`), without a GPU.
 
-  markers        every chapter's EXERCISE markers are well-formed (BEGIN/STUB/END paired, names
-                 unique and NN.-prefixed, each in the EXERCISES table and back), 01-07 have a
-                 correctness and a speed exercise each, and malformed markers are refused
+  markers        every chapter's EXERCISE markers are well-formed (BEGIN/STUB/END paired, each
+                 exercise in one chapter, NN.-prefixed, with a task, in the EXERCISES table and
+                 back), 01-08 have a correctness and a speed exercise each, and malformed markers
+                 are refused; an exercise of several blocks is cut and put back whole
   restore        each student copy (all exercises, and each one alone) with the chapter's blocks
                  put back is the chapter, byte for byte
   compiles       each of those copies compiles for sm_90 with the chapter's flags (the Makefile's
                  BUILD/.flags line, ARCH=sm_90), without a warning (nvcc -c, in parallel)
   sass           the markers are comments: each chapter with its markers taken out compiles to
                  the same sm_90 SASS, instruction for instruction (cuobjdump, addresses dropped)
-  readme         each chapter README states each exercise, its make commands and its gate
+  ptx_check      each exercise's `ptx_has` check holds on the chapter's PTX and fails on the
+                 copy with that exercise's stub (nvcc -ptx with the Makefile's flags)
+  dims           an exercise that runs at some head dims only (`dims`, 08.pack_p: D = 64): its
+                 `wrong` solution changes the PTX of the kernels at those dims and of no other, so
+                 that the grade's matrix, which runs those dims, runs the exercise's code
+  readme         each chapter README states each exercise, its make commands and its gate (or,
+                 for an exercise graded by its compiled code, the instruction it checks)
+  words          what the grade prints is made of sentences: every claim of a chapter with
+                 exercises has its words, docs cited by a hint exist, `wrong` solutions apply
   make           in a copy of the repository (the real exercises/ is never touched), with
                  CUDA_VISIBLE_DEVICES= (no GPU): `make exercise` writes the copy and refuses to
                  overwrite an edited one; `make grade` on the untouched copy builds it, names the
-                 TODO, prints one line saying the GPU part is skipped and exits non-zero; on the
-                 copy with the solution put back it passes the static part and exits 0
-  grader         the GPU part's bookkeeping (matrix lines, the TODO message, timing ratios and
-                 gates) on stand-in binaries that print the harness's CSV
+                 TODO, prints one line saying the GPU part did not run and fails; on the copy with
+                 a wrong solution (it compiles, its static checks pass) it says UNGRADED, never
+                 PASS, and exits 77
+  grader         the GPU part's bookkeeping (matrix lines, the TODO message, timing ratios) and
+                 the verdicts (PASS, FAIL, UNGRADED with exit 77) on stand-in binaries that print
+                 the harness's CSV
+  handout        `make handout CH=04` packs the copy, the harness, the grader, the Makefile and
+                 no solution line, no other chapter, no chapter README, no docs/results; unpacked
+                 with the solution put back, `make grade CH=04` there builds and says UNGRADED
+                 (exit 77) without a GPU
 """
 import contextlib
 import io
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import unittest
 
 import exercises as ex
@@ -44,7 +61,7 @@ def marked_chapters(ctx):
 def variants(ctx, chapter):
     """[(label, only)]: every exercise at once, then each alone."""
     blocks = ex.parse(ex.chapter_source(chapter, ctx.root), chapter)
-    return [("all", None)] + [(b["name"], [b["name"]]) for b in blocks]
+    return [("all", None)] + [(name, [name]) for name in ex.exercise_parts(blocks)]
 
 
 def nvcc_flags(ctx):
@@ -88,9 +105,9 @@ def test_markers_well_formed(ctx):
     for chapter in ctx.chapters:
         blocks = ex.parse(ex.chapter_source(chapter, ctx.root), f"{chapter}/attention.cu")
         ex.check_blocks(blocks, chapter)
-        for b in blocks:
-            assert b["name"] not in found, f"{b['name']} is marked in {found.get(b['name'])} and {chapter}"
-            found[b["name"]] = chapter
+        for name in ex.exercise_parts(blocks):
+            assert name not in found, f"{name} is marked in {found.get(name)} and {chapter}"
+            found[name] = chapter
     orphans = sorted(set(ex.EXERCISES) - set(found))
     assert not orphans, f"EXERCISES has entries no chapter marks: {orphans}"
     for number in EXERCISE_CHAPTERS:
@@ -99,8 +116,14 @@ def test_markers_well_formed(ctx):
             f"chapter {number:02d} has exercises of kinds {sorted(kinds)}, expected a correctness and a speed one")
     for name, info in ex.EXERCISES.items():
         if info["kind"] == "speed":
-            assert info["gate"] > 1 and len(info["shape"]) == 5 and info["stub"], (
-                f"{name}: a speed exercise needs a gate above 1, a shape (B, H, N, D, causal) and what makes the stub slow")
+            assert len(info["shape"]) == 5 and info["stub"], (
+                f"{name}: a speed exercise needs a shape (B, H, N, D, causal) and what makes the stub slow")
+            assert (info.get("gate") or 0) > 1 or info.get("ptx_has"), (
+                f"{name}: a speed exercise is graded by a gate above 1 or by a ptx_has check of its compiled code")
+        for check in info.get("ptx_has", []):
+            missing = {"pattern", "shown", "means", "todo"} - set(check)
+            assert not missing, f"{name}: its ptx_has check lacks {sorted(missing)}"
+        assert set(info.get("dims", ex.HEAD_DIMS)) <= set(ex.HEAD_DIMS), f"{name}: dims {info['dims']}"
     return f"{len(found)} exercises in {len(set(found.values()))} chapters"
 
 
@@ -112,10 +135,16 @@ BAD_MARKERS = {
     "stub line not commented": "{\n    // EXERCISE 04.a BEGIN: x\n    y();\n    // EXERCISE 04.a STUB\n"
                                "    z();\n    // EXERCISE END\n}\n",
     "misspelt marker": "{\n    // EXERCISE 04.a BEGINS: x\n    y();\n    // EXERCISE END\n}\n",
+    "BEGIN: with no task": "{\n    // EXERCISE 04.a BEGIN:\n    y();\n    // EXERCISE END\n}\n",
 }
 BAD_BLOCKS = {
-    "a name marked twice": "{\n    // EXERCISE 04.a BEGIN: x\n    // EXERCISE END\n"
-                           "    // EXERCISE 04.a BEGIN: x\n    // EXERCISE END\n}\n",
+    "no block of a name with a task": "{\n    // EXERCISE 04.a BEGIN\n    y();\n    // EXERCISE END\n"
+                                      "    // EXERCISE 04.a BEGIN\n    z();\n    // EXERCISE END\n}\n",
+    "a speed exercise without a stub in any part": (
+        "// EXERCISE 04.s BEGIN: x\nint x;\n// EXERCISE END\n{\n    // EXERCISE 04.s BEGIN\n    y();\n"
+        "    // EXERCISE END\n}\n"),
+    "a correctness exercise with no part inside a function": (
+        "// EXERCISE 04.a BEGIN: x\nint x;\n// EXERCISE END\n// EXERCISE 04.a BEGIN\nint y;\n// EXERCISE END\n"),
     "another chapter's name": "{\n    // EXERCISE 05.a BEGIN: x\n    y();\n    // EXERCISE END\n}\n",
     "not in the table": "{\n    // EXERCISE 04.zz BEGIN: x\n    y();\n    // EXERCISE END\n}\n",
     "a speed exercise without a stub": "{\n    // EXERCISE 04.s BEGIN: x\n    y();\n    // EXERCISE END\n}\n",
@@ -145,6 +174,55 @@ def test_uncomment():
         assert ex.uncomment(commented) == code, f"uncomment({commented!r}) = {ex.uncomment(commented)!r}, expected {code!r}"
 
 
+SEVERAL = {"04.s": dict(kind="speed", hint="h", gate=1.1, shape=(1, 1, 1, 64, False), stub="s"),
+           "04.a": dict(kind="correctness", hint="h")}
+SEVERAL_TEXT = ("// EXERCISE 04.s BEGIN\n"  # part 1 of 04.s: file scope, no task, no stub: nothing
+                "int helper() { return 1; }\n"
+                "// EXERCISE END\n"
+                "void f() {\n"
+                "    // EXERCISE 04.s BEGIN: make it fast\n"  # part 2: the task, the stub
+                "    fast_path();\n"
+                "    // EXERCISE 04.s STUB\n"
+                "    // slow_path();\n"
+                "    // EXERCISE END\n"
+                "    // EXERCISE 04.a BEGIN: do a\n"
+                "    a_itself();\n"
+                "    // EXERCISE END\n"
+                "    // EXERCISE 04.a BEGIN\n"  # part 2 of 04.a: in a function: EXERCISE_TODO
+                "    a_again();\n"
+                "    // EXERCISE END\n"
+                "    // EXERCISE 04.s BEGIN\n"  # part 3 of 04.s: a stub of its own
+                "    more_fast();\n"
+                "    // EXERCISE 04.s STUB\n"
+                "    // more_slow();\n"
+                "    // EXERCISE END\n"
+                "}\n")
+
+
+def test_an_exercise_of_several_blocks():
+    for ending in ("\n", "\r\n"):
+        text = SEVERAL_TEXT.replace("\n", ending)
+        blocks = ex.parse(text)
+        ex.check_blocks(blocks, "04_fused", SEVERAL)
+        assert [b["task"] for b in blocks] == [None, "make it fast", "do a", None, None], blocks
+        copy, names = ex.student_copy(text, "04_fused", table=SEVERAL)
+        assert names == ["04.s", "04.a"], f"the copy's exercises: {names}"
+        assert [r[0] for r in ex.regions(copy)] == ["04.s", "04.s", "04.a", "04.a", "04.s"], ex.regions(copy)
+        gone = [w for w in ("helper", "fast_path", "a_itself", "a_again", "more_fast") if w in copy]
+        assert not gone, f"solution lines left in the copy: {gone}\n{copy}"
+        for stub in ("    slow_path();", "    more_slow();"):
+            assert stub + ending in copy, f"the stub {stub!r} is not in the copy:\n{copy}"
+        assert ex.TODO_CALL.findall(copy) == ["04.a", "04.a"], f"EXERCISE_TODO: {ex.TODO_CALL.findall(copy)}"
+        assert "part 1 of 3" in copy and "part 2, below" in copy, f"part 1 should point at the task:\n{copy}"
+        assert ex.restore(copy, text) == text, f"several blocks put back differ from the source:\n{copy}"
+        for only in (["04.a"], ["s"]):
+            copy, names = ex.student_copy(text, "04_fused", only, table=SEVERAL)
+            assert ex.restore(copy, text) == text, f"{only}: put back, it differs from the source:\n{copy}"
+            kept = "04.s" if only == ["04.a"] else "04.a"
+            assert copy.count(f"// EXERCISE {kept} BEGIN") == text.count(f"// EXERCISE {kept} BEGIN"), (
+                f"{only}: the blocks of {kept}, not chosen, should keep their markers:\n{copy}")
+
+
 # --- restore, compiles, sass, readme (cases) -----------------------------------------------------
 def restore_case(chapter, label, only):
     def case(ctx):
@@ -152,8 +230,9 @@ def restore_case(chapter, label, only):
         copy, names = ex.student_copy(source, chapter, only)
         assert copy != source and names, f"{chapter} {label}: the student copy is the chapter itself"
         todo = set(ex.TODO_CALL.findall(copy))
-        blocks = {b["name"]: b for b in ex.parse(source)}
-        wanted = {n for n in names if blocks[n]["stub"] is None}
+        parts = ex.exercise_parts(ex.parse(source))
+        wanted = {n for n in names if ex.EXERCISES[n]["kind"] == "correctness"
+                  and any(b["stub"] is None and b["indent"] for b in parts[n])}
         assert todo == wanted, f"{chapter} {label}: EXERCISE_TODO stubs for {sorted(todo)}, expected {sorted(wanted)}"
         back = ex.restore(copy, source)
         assert back == source, f"{chapter} {label}: the copy with its solutions put back differs from the chapter"
@@ -220,15 +299,76 @@ def readme_case(chapter):
         readme = (ctx.root / chapter / "README.md").read_text()
         section = readme.split("## Exercises", 1)[1] if "## Exercises" in readme else ""
         assert section, f"{chapter}/README.md has no '## Exercises' section"
-        for block in ex.parse(ex.chapter_source(chapter, ctx.root), chapter):
-            name, info = block["name"], ex.EXERCISES[block["name"]]
+        for name in ex.exercise_parts(ex.parse(ex.chapter_source(chapter, ctx.root), chapter)):
+            info = ex.EXERCISES[name]
             assert f"`{name}`" in section, f"{chapter}/README.md, Exercises: no entry for `{name}`"
             entry = section.split(f"`{name}`", 1)[1][:2500]
             for needed in (f"make exercise CH={chapter[:2]}", f"make grade CH={chapter[:2]}"):
                 assert needed in section, f"{chapter}/README.md, Exercises: '{needed}' is not stated"
-            if info["kind"] == "speed":
+            if info.get("gate"):
                 gate = f"{info['gate']:.2f}x"
                 assert gate in entry, f"{chapter}/README.md, `{name}`: its gate ({gate}) is not stated"
+            for check in info.get("ptx_has", []):
+                mnemonic = check["shown"].split(".")[0] + "." + check["shown"].split(".")[1].split()[0]
+                assert mnemonic in entry, (f"{chapter}/README.md, `{name}`: the instruction its grade looks for in "
+                                           f"the PTX ({check['shown']}) is not named (expected '{mnemonic}')")
+    return case
+
+
+def ptx_check_case(chapter, name):
+    def case(ctx):
+        source = ex.chapter_source(chapter, ctx.root)
+        stub, _ = ex.student_copy(source, chapter, [name])
+        folder = write_tree(ctx, {f"chapter/{chapter}/attention.cu": source, f"stub/{chapter}/attention.cu": stub})
+        ptx = {}
+        for side in ("chapter", "stub"):
+            out = folder / f"{side}.ptx"
+            cmd = ex.ptx_command(nvcc_flags(ctx), chapter, folder / side / chapter / "attention.cu", out)
+            proc = ctx.run(cmd, timeout=600)
+            assert proc.returncode == 0, f"{side} of {name}: nvcc -ptx failed:\n{(proc.stdout + proc.stderr)[-2000:]}"
+            ptx[side] = re.sub(r"//[^\n]*", "", out.read_text())
+        for check in ex.EXERCISES[name]["ptx_has"]:
+            ok, chapter_says = ex.ptx_check(check, ptx["chapter"])
+            assert ok, f"{chapter}: the chapter's own PTX fails the check of {name}: {chapter_says}"
+            ok, stub_says = ex.ptx_check(check, ptx["stub"])
+            assert not ok, f"{name}: the untouched stub passes its own PTX check: {stub_says}"
+        return chapter_says
+    return case
+
+
+def ptx_by_head_dim(text):
+    """{head dim (None: no template dim): the kernels' instructions}, debug lines and the file's
+    internal-linkage hash left out (they change with the path and text, not with the code)."""
+    out, dim = {}, "?"
+    for line in re.sub(r"//[^\n]*", "", text).splitlines():
+        entry = re.match(r"\s*(?:\.visible\s+|\.weak\s+)*\.entry\s+(\S+?)\(?$", line.strip())
+        if entry:
+            found = re.search(r"ILi(64|128)E", entry.group(1))
+            dim = int(found.group(1)) if found else None
+        if line.strip().startswith((".loc", ".file", ".b8", ".b32", ".section")) or not line.strip():
+            continue
+        out.setdefault(dim, []).append(re.sub(r"_INTERNAL_[0-9a-f]+_", "_INTERNAL_", line.strip()))
+    return out
+
+
+def dims_case(chapter, name):
+    def case(ctx):
+        source = ex.chapter_source(chapter, ctx.root)
+        folder = write_tree(ctx, {f"chapter/{chapter}/attention.cu": source,
+                                  f"wrong/{chapter}/attention.cu": ex.wrong_solution(source, name)})
+        ptx = {}
+        for side in ("chapter", "wrong"):
+            out = folder / f"{side}.ptx"
+            proc = ctx.run(ex.ptx_command(nvcc_flags(ctx), chapter, folder / side / chapter / "attention.cu", out),
+                           timeout=600)
+            assert proc.returncode == 0, f"{side} of {name}: nvcc -ptx failed:\n{(proc.stdout + proc.stderr)[-2000:]}"
+            ptx[side] = ptx_by_head_dim(out.read_text())
+        dims = set(ex.EXERCISES[name]["dims"])
+        changed = {d for d in set(ptx["chapter"]) | set(ptx["wrong"]) if ptx["chapter"].get(d) != ptx["wrong"].get(d)}
+        assert changed & dims, f"{name}: its wrong solution changes no kernel at D {sorted(dims)}, where it runs"
+        assert changed <= dims, (f"{name} runs at D {sorted(dims)} alone, but its wrong solution changes the code at "
+                                 f"{sorted(changed - dims, key=str)} too: the grade's matrix must run those")
+        return f"the wrong solution changes the kernels at D {sorted(changed)} only"
     return case
 
 
@@ -240,7 +380,63 @@ def cases(ctx):
             out.append((f"compiles[{chapter}: {label}]", compile_case(chapter, label, only)))
         out.append((f"sass_unchanged_by_markers[{chapter}]", sass_case(chapter)))
         out.append((f"readme_states_exercises[{chapter}]", readme_case(chapter)))
+        for name in ex.exercise_parts(ex.parse(ex.chapter_source(chapter, ctx.root), chapter)):
+            if ex.EXERCISES[name].get("ptx_has"):
+                out.append((f"ptx_check[{name}]", ptx_check_case(chapter, name)))
+            if ex.EXERCISES[name].get("dims") and ex.EXERCISES[name].get("wrong"):
+                out.append((f"dims[{name}]", dims_case(chapter, name)))
     return out
+
+
+# --- words: what the grade prints -----------------------------------------------------------------
+def test_every_claim_has_words(ctx):
+    import test_cpu_claims as claims
+    checked = 0
+    for chapter in marked_chapters(ctx):
+        for name, _ in claims.claim_cases(chapter, int(chapter[:2]), "what it adds"):
+            sentence = ex.claim_words(name, "")
+            assert sentence.startswith("Expected") and "matching /" not in sentence and "claim '" not in sentence, (
+                f"{name}: no words for this claim in common/exercises.py (PTX_WORDS, SASS_WORDS, claim_words): "
+                f"{sentence!r}")
+            checked += 1
+    failure = ex.claim_words("claims[04_fused: PTX has /\\bex2\\.approx/]",
+                             "04_fused (adds): its PTX has no /\\bex2\\.approx/, expected some")
+    assert "/" not in failure.split(".")[0] and "base-2 exponential" in failure, f"in words: {failure!r}"
+    failure = ex.claim_words("claims[01_naive: PTX lacks /\\.shared\\b/]",
+                             "01_naive (adds): its PTX has /\\.shared\\b/ 3 times, expected none; e.g. 'ld.shared.f32 x;'")
+    assert "found 3 times, e.g. 'ld.shared.f32 x;'" in failure, f"what was found, in words: {failure!r}"
+    return f"{checked} claims"
+
+
+def test_hints_cite_what_exists(ctx):
+    for name, info in ex.EXERCISES.items():
+        for text in (info["hint"], info.get("stub", "")):
+            for path in re.findall(r"docs/[\w./-]+\.(?:md|csv|txt)", text):
+                assert (ctx.root / path).is_file(), f"{name} cites {path}, which does not exist"
+
+
+def test_wrong_solutions_apply(ctx):
+    found = 0
+    for chapter in marked_chapters(ctx):
+        source = ex.chapter_source(chapter, ctx.root)
+        for name in ex.exercise_parts(ex.parse(source)):
+            if ex.EXERCISES[name].get("wrong"):
+                wrong = ex.wrong_solution(source, name)
+                assert wrong != source and ex.parse(wrong), f"{name}: its wrong solution changes nothing"
+                found += 1
+    assert found, "no exercise has a wrong solution to check the grade with"
+    return f"{found} wrong solutions"
+
+
+def test_matrix_runs_the_exercises_head_dims():
+    only = ex.matrix_cases(["08.pack_p"])
+    assert {s[3] for s in only} == {64}, f"08.pack_p runs at D = 64 alone; its matrix has D {sorted({s[3] for s in only})}"
+    assert {s[2] for s in only} == {1, 77, 256, 1000} and {s[4] for s in only} == {False, True}, only
+    both = ex.matrix_cases(["08.pack_p", "08.intra_overlap"])
+    assert {s[3] for s in both} == {64, 128}, f"a copy of both 08 exercises runs D {sorted({s[3] for s in both})}"
+    for name, info in ex.EXERCISES.items():
+        dims = {s[3] for s in ex.matrix_cases([name])}
+        assert set(info.get("dims", ex.HEAD_DIMS)) <= dims, f"{name}: runs at {info.get('dims')}, its matrix at {dims}"
 
 
 # --- make exercise / make grade, no GPU, in a copy of the repository ------------------------------
@@ -277,10 +473,14 @@ def test_make_exercise_and_grade_without_gpu(ctx):
     graded = make_in(ctx, copy, "grade", "CH=04")
     out = graded.stdout
     assert graded.returncode != 0, f"make grade on the untouched copy: exit 0, expected a failure:\n{out}"
-    assert "TODO: exercise 04.online_softmax is not written yet" in out, f"make grade: no TODO line:\n{out}"
-    skip_lines = [line for line in out.splitlines() if line.split()[:2] == ["gpu", "skipped:"]]
-    assert len(skip_lines) == 1, f"make grade without a GPU: expected one line saying the GPU part is skipped:\n{out}"
-    assert "build" in out and ": ok" in out, f"make grade: the copy should build:\n{out}"
+    assert "exercise 04.online_softmax is not written yet" in out, f"make grade: no TODO line:\n{out}"
+    assert out.splitlines()[-1].startswith(f"FAIL {chapter}:"), f"make grade: the verdict should be FAIL:\n{out}"
+    skip_lines = [line for line in out.splitlines() if line.split()[:3] == ["gpu", "not", "run:"]]
+    assert len(skip_lines) == 1, f"make grade without a GPU: expected one line saying the GPU part did not run:\n{out}"
+    assert "builds with the Makefile's flags" in out, f"make grade: the copy should build:\n{out}"
+    # The claim the stub breaks, in words: what was expected, what was found, what to do.
+    assert "Expected the hardware's base-2 exponential" in out and "/\\b" not in out, (
+        f"make grade: a failed claim should be a sentence, not a pattern:\n{out}")
 
     student.write_text(student.read_text() + "// mine\n")
     refused = make_in(ctx, copy, "exercise", "CH=04")
@@ -290,12 +490,20 @@ def test_make_exercise_and_grade_without_gpu(ctx):
     forced = make_in(ctx, copy, "exercise", "CH=04", "EX=online_softmax", "FORCE=1")
     assert forced.returncode == 0, f"make exercise FORCE=1: exit {forced.returncode}: {forced.stderr.strip()}"
 
-    student.write_text(ex.restore(student.read_text(), ex.chapter_source(chapter, ctx.root)))
-    solved = make_in(ctx, copy, "grade", "CH=04")
-    assert solved.returncode == 0, f"make grade on the copy with its solution put back: exit {solved.returncode}:\n" \
-                                   f"{solved.stdout}{solved.stderr[-2000:]}"
-    assert "PASS" in solved.stdout.splitlines()[-1], f"make grade: the verdict should be PASS:\n{solved.stdout}"
-    return skip_lines[0].strip()
+    # A wrong solution that compiles, with every static check passing: without a GPU nothing that
+    # decides its grade ran, so the verdict is UNGRADED (exit 77), never PASS.
+    wrong = ex.wrong_solution(ex.chapter_source(chapter, ctx.root), "04.online_softmax")
+    student.write_text(ex.restore(student.read_text(), wrong))
+    graded = make_in(ctx, copy, "grade", "CH=04")
+    out, last = graded.stdout, (graded.stdout.splitlines() or [""])[-1]
+    assert last.startswith(f"UNGRADED {chapter}:"), (
+        f"make grade on a wrong solution without a GPU: the verdict should be UNGRADED:\n{out}{graded.stderr[-2000:]}")
+    assert "the GPU matrix" in last and "CUDA GPU" in last, f"UNGRADED should name what did not run and why: {last}"
+    assert "Error 77" in graded.stderr, f"make grade: the grader should exit 77 (make: 'Error 77'): {graded.stderr!r}"
+    direct = ctx.run([sys.executable, "common/exercises.py", "grade", chapter, "--build", "build", "--make", ctx.make],
+                     env={"CUDA_VISIBLE_DEVICES": "", "PYTHON_SYS": sys.executable}, cwd=copy, timeout=900)
+    assert direct.returncode == 77, f"exercises.py grade: exit {direct.returncode}, expected 77:\n{direct.stdout}"
+    return last
 
 
 # --- the grader's GPU bookkeeping on stand-in binaries ------------------------------------------------
@@ -306,14 +514,17 @@ value = lambda flag: args[args.index(flag) + 1]
 if {todo}:
     sys.stderr.write("04_fused: TODO: exercise 04.online_softmax is not written yet (its EXERCISE_TODO stub ran)\\n")
     sys.exit(1)
-print("04_fused,%s,%s,%s,%s,%d,fp16,{ms},1.0,2.1e-04,PASS,5.7e-05,1.2e-06,1,0,,{attend_ms},," % (
+print("04_fused,%s,%s,%s,%s,%d,fp16,{ms},1.0,2.1e-04,{status},5.7e-05,1.2e-06,1,0,,{attend_ms},," % (
     value("--batch"), value("--heads"), value("--seqlen"), value("--headdim"), "--causal" in args))
+if "{status}" == "FAIL":
+    sys.stderr.write("04_fused: rel_l2 2.1e-04 is above the tolerance\\n")
+    sys.exit(1)
 """
 
 
-def fake_binary(ctx, ms, todo=False, attend_ms=""):
+def fake_binary(ctx, ms, todo=False, attend_ms="", status="PASS"):
     path = ctx.tmpdir() / "04_fused"
-    path.write_text(FAKE.format(python=sys.executable, ms=ms, todo=todo, attend_ms=attend_ms))
+    path.write_text(FAKE.format(python=sys.executable, ms=ms, todo=todo, attend_ms=attend_ms, status=status))
     path.chmod(0o755)
     return str(path)
 
@@ -341,6 +552,125 @@ def test_grader_bookkeeping_on_stand_in_binaries(ctx):
     ratio, line = ex.timing(fake_binary(ctx, 3.0), fake_binary(ctx, 2.0), "04_fused", shape, "attend_ms")
     assert ratio is None and "no attend_ms" in line, f"timing on a column the harness left empty: {ratio}, {line!r}"
     return line
+
+
+def grade_on(ctx, names, student, solution, race=("pass", "no hazard"), static=(("the build", "pass"),),
+             gpu=True, no_solution="this hand-out has no reference solution"):
+    """(exit code, verdict line, what was printed) of a grade whose GPU part runs stand-ins."""
+    checks = ex.Checks()
+    for what, outcome, *why in static:
+        checks.add(what, outcome, *why, decides=not why)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        if gpu:
+            ex.grade_gpu("04_fused", student, solution, names, checks, race=lambda s, c: race, no_solution=no_solution)
+        else:
+            ex.gpu_not_run(names, "no CUDA driver found", checks)
+    code, line = ex.verdict("04_fused", checks)
+    return code, line, out.getvalue()
+
+
+def test_grade_verdicts_on_stand_in_binaries(ctx):
+    names = ["04.k_layout", "04.online_softmax"]
+    good, solution = fake_binary(ctx, 1.0), fake_binary(ctx, 1.0)
+    expect = [  # (what, arguments, exit code, words of the verdict, words of the output)
+        ("no GPU, static checks pass", dict(gpu=False), 77,
+         ["UNGRADED 04_fused", "the GPU matrix", "racecheck", "the speed gate of 04.k_layout", "no CUDA driver found"],
+         ["gpu       not run:"]),
+        ("no GPU, a claim fails", dict(gpu=False, static=(("the build", "pass"), ("the chapter's claims", "fail"))), 1,
+         ["FAIL 04_fused", "the chapter's claims"], []),
+        ("everything passes", {}, 0, ["PASS 04_fused"], ["All 32 runs match", "PASS 04.k_layout"]),
+        ("wrong results", dict(student=fake_binary(ctx, 1.0, status="FAIL")), 1, ["FAIL 04_fused", "the GPU matrix"],
+         ["32 of the 32 runs do not match", "--batch 1 --heads 1 --seqlen 1 --headdim 64"]),
+        ("a stub left", dict(student=fake_binary(ctx, 1.0, todo=True)), 1, ["FAIL 04_fused", "the GPU matrix"],
+         ["TODO: exercise 04.online_softmax is not written yet", "FAIL 04.k_layout: your copy could not be timed"]),
+        ("too slow", dict(student=fake_binary(ctx, 3.0)), 1, ["FAIL 04_fused", "the speed gate of 04.k_layout"],
+         ["3.00x the chapter's time", "at most 1.10x"]),
+        ("no racecheck", dict(race=("skip", "compute-sanitizer was not found")), 77,
+         ["UNGRADED 04_fused", "racecheck (compute-sanitizer was not found)"], ["racecheck not run:"]),
+        ("a race", dict(race=("fail", "racecheck found hazards")), 1, ["FAIL 04_fused", "racecheck"], []),
+        ("no solution to time against", dict(solution=None), 77,
+         ["UNGRADED 04_fused", "the speed gate of 04.k_layout", "this hand-out has no reference solution"],
+         ["your time 1.000 ms", "the speed comparison is unavailable"]),
+        ("SASS claims not checked", dict(static=(("the build", "pass"), ("5 of the chapter's claims", "not run",
+                                                                         "cuobjdump was not found"))), 0,
+         ["PASS 04_fused", "Not checked here", "cuobjdump was not found"], []),
+        ("graded by its PTX, timed for information", dict(names=["08.intra_overlap"], student=fake_binary(
+            ctx, 1.0, attend_ms=0.6), solution=fake_binary(ctx, 1.0, attend_ms=0.5)), 0, ["PASS 04_fused"],
+         ["1.20x (for information: no gate)", "attention kernel"]),
+    ]
+    for label, args, code, verdict_words, output_words in expect:
+        args = dict(dict(names=names, student=good, solution=solution), **args)
+        got, line, out = grade_on(ctx, args.pop("names"), args.pop("student"), args.pop("solution"), **args)
+        assert got == code, f"{label}: exit {got}, expected {code}: {line}\n{out}"
+        missing = [w for w in verdict_words if w not in line] + [w for w in output_words if w not in out]
+        assert not missing, f"{label}: {missing} not said:\n{out}{line}"
+        assert (code == 0) == line.startswith("PASS"), f"{label}: {line}"
+    return f"{len(expect)} verdicts"
+
+
+# --- make handout ----------------------------------------------------------------------------------
+def test_handout_holds_no_solution_and_grades(ctx):
+    copy = repo_copy(ctx)
+    chapter = "04_fused"
+    made = make_in(ctx, copy, "handout", "CH=04")
+    assert made.returncode == 0, f"make handout CH=04: exit {made.returncode}: {made.stderr.strip()}"
+    tarball = copy / "build" / "handout" / f"{chapter}.tar.gz"
+    assert tarball.is_file() and f"{chapter}.tar.gz" in made.stdout, f"make handout: {made.stdout!r}, no {tarball}"
+    unpacked = ctx.tmpdir()
+    with tarfile.open(tarball) as tar:
+        members = tar.getmembers()
+        tar.extractall(unpacked, filter="tar") if hasattr(tarfile, "data_filter") else tar.extractall(unpacked)
+    top = f"handout-{chapter}"
+    assert all(m.name == top or m.name.startswith(top + "/") for m in members), "the hand-out should be one folder"
+    folder = unpacked / top
+    names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    for needed in ("Makefile", "requirements.txt", "HANDOUT.md", "common/exercises.py", "common/harness.cu",
+                   "common/reference.py", "tests/test_cpu_claims.py", "tests/test_sanitize.py",
+                   f"exercises/{chapter}/attention.cu", f"exercises/{chapter}/.exercise.json",
+                   f"{chapter}/attention.cu"):
+        assert needed in names, f"the hand-out lacks {needed}, which make grade needs: {names}"
+    others = [n for n in names if re.match(r"\d\d_", n) and not n.startswith(f"{chapter}/")]
+    assert not others, f"the hand-out holds other chapters: {others}"
+    assert names.count(f"{chapter}/attention.cu") == 1 and not [n for n in names if n.endswith("README.md")], (
+        f"the hand-out should hold no README (a chapter's quotes its solution): {names}")
+    assert not [n for n in names if n.startswith("docs/results")], "the hand-out holds docs/results"
+
+    # No solution line anywhere: each line of the exercise blocks (BEGIN to STUB or END) of every
+    # chapter, this one's and the later ones', that the student copy does not hold itself.
+    source = ex.chapter_source(chapter, ctx.root)
+    handed = (folder / "exercises" / chapter / "attention.cu").read_text()
+    secret = set()
+    for other in marked_chapters(ctx):
+        text = ex.chapter_source(other, ctx.root)
+        lines = text.splitlines()
+        for block in ex.parse(text):
+            stop = block["stub_at"] if block["stub_at"] is not None else block["end"]
+            secret |= {l.strip() for l in lines[block["start"] + 1:stop] if len(l.strip()) > 12}
+    secret = {l for l in secret if l not in handed}  # generic lines the copy holds too, if inside a line
+    assert secret, "no solution lines to look for"
+    leaks = [(n, l) for n in names if (folder / n).is_file()
+             for l in sorted(secret) if l in (folder / n).read_text(errors="replace")]
+    assert not leaks, f"solution lines in the hand-out: {leaks[:5]}"
+    standin = (folder / chapter / "attention.cu").read_text()
+    assert ex.is_standin(standin) and not re.search(r"// EXERCISE \d\d\.\w+ BEGIN", standin), (
+        f"{chapter}/attention.cu in the hand-out should be the student copy with a note on top")
+    record = json.loads((folder / "exercises" / chapter / ".exercise.json").read_text())
+    assert record["exercises"] == ["04.k_layout", "04.online_softmax"], record
+
+    # Graded there with the solution put back: it builds, and without a GPU it says UNGRADED.
+    student = folder / "exercises" / chapter / "attention.cu"
+    student.write_text(ex.restore(handed, source))
+    graded = make_in(ctx, folder, "grade", "CH=04")
+    last = (graded.stdout.splitlines() or [""])[-1]
+    assert "builds with the Makefile's flags" in graded.stdout and last.startswith(f"UNGRADED {chapter}:"), (
+        f"make grade in the hand-out, the solution put back: expected a build and UNGRADED:\n{graded.stdout}"
+        f"{graded.stderr[-3000:]}")
+    assert "Error 77" in graded.stderr, f"make grade in the hand-out: expected exit 77: {graded.stderr[-500:]!r}"
+    again = make_in(ctx, folder, "exercise", "CH=04", "FORCE=1")
+    assert again.returncode == 0 and student.read_text() == handed, (
+        f"make exercise FORCE=1 in the hand-out should give back the copy handed out: {again.stderr.strip()}")
+    return f"{len(names)} files, {len(secret)} solution lines absent; {last[:60]}..."
 
 
 def test_student_copies_of_this_checkout_are_ignored(ctx):
