@@ -30,10 +30,10 @@ endif
 # Chapters built on Hopper's arch-specific features (wgmma) target sm_90a alone, whatever ARCH says:
 # sm_90a code runs on sm_90 only, and the chapter says so (exit 77) on any other GPU.
 SM90A_CHAPTERS := 08_fp8
-# A chapter's other builds from the same source, BUILD/<chapter>.<dtype>: 08 on fp16 operands,
-# which separates what Hopper's datapath buys from what FP8 buys (its rows say fp16).
-VARIANTS := 08_fp8.fp16
-$(addprefix $(BUILD)/,$(SM90A_CHAPTERS) $(VARIANTS)) $(addprefix $(BUILD)/exercises/,$(SM90A_CHAPTERS)): \
+# 08 is built in steps (08.1 ... 08.5, `#if STEP == k` in its source): BUILD/08_fp8.stepK for each
+# step but the last, which is the chapter, BUILD/08_fp8. Each is a bench row of its own.
+STEP_BUILDS := $(foreach k,1 2 3 4,08_fp8.step$(k))
+$(addprefix $(BUILD)/,$(SM90A_CHAPTERS) $(STEP_BUILDS)) $(addprefix $(BUILD)/exercises/,$(SM90A_CHAPTERS)): \
     private GENCODE := -gencode=arch=compute_90a,code=sm_90a
 
 EXTRA_NVFLAGS ?=   # e.g. -DBLOCK_KV_D128=64 to try another tile size in 07
@@ -47,7 +47,7 @@ COMMON_OBJ := $(BUILD)/common/harness.o $(BUILD)/common/npy.o
 .PHONY: all run test bench compare sanitize diff profile sass exercise grade ablation help clean FORCE
 .DEFAULT_GOAL := all
 
-all: $(addprefix $(BUILD)/,$(CHAPTERS) $(VARIANTS)) $(PY_DEPS)
+all: $(addprefix $(BUILD)/,$(CHAPTERS) $(STEP_BUILDS)) $(PY_DEPS)
 
 # Rebuild when the flags change (ARCH=..., a moved checkout).
 $(BUILD)/.flags: FORCE
@@ -74,9 +74,9 @@ $(BUILD)/%: %/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)/.flags
 	@echo "nvcc  $< -> $@ ($(if $(filter $*,$(SM90A_CHAPTERS)),sm_90a,$(ARCH)))"
 	@$(call compile,-o $@ $< $(COMMON_OBJ))
 
-$(BUILD)/08_fp8.fp16: 08_fp8/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)/.flags
-	@echo "nvcc  $< -> $@ (sm_90a, -DFP16_OPERANDS=1)"
-	@$(call compile,-DFP16_OPERANDS=1 -o $@ $< $(COMMON_OBJ))
+$(BUILD)/08_fp8.step%: 08_fp8/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)/.flags
+	@echo "nvcc  $< -> $@ (sm_90a, step 08.$*)"
+	@$(call compile,-DSTEP=$* -o $@ $< $(COMMON_OBJ))
 
 .venv/.ready: requirements.txt
 	@echo "setting up .venv with NumPy (the system Python lacks it)"
@@ -99,21 +99,23 @@ compare: all
 sanitize: all
 	@$(PYTHON) tests/run.py --build $(BUILD) --make '$(MAKE)' --suite sanitize
 
-# A chapter's folder from its number: 4, 04 and 04_fused all name 04_fused (empty if none).
-chapter_dir = $(firstword $(patsubst %/attention.cu,%,$(wildcard $(1)_*/attention.cu 0$(1)_*/attention.cu $(1)/attention.cu)))
+# A chapter's folder from its number: 4, 04 and 04_fused all name 04_fused (empty if none); a step
+# such as 08.3 names its chapter's folder.
+chapter_dir = $(firstword $(patsubst %/attention.cu,%,$(wildcard $(call chapter_of,$(1))_*/attention.cu 0$(call chapter_of,$(1))_*/attention.cu $(call chapter_of,$(1))/attention.cu)))
+chapter_of = $(firstword $(subst ., ,$(1)))
 no_chapter = { echo "make $@: no chapter '$(1)' (name one by its number, e.g. $(2)=04; chapters: $(CHAPTERS))" >&2; exit 2; }
 
 A ?= 04
 B ?= 05
 # The chapters as their defaults compile them (ablation switches' off branches left out; plain
-# Python, no NumPy); RAW=1: the files as they are.
+# Python, no NumPy), a step such as 08.3 as that step compiles it; RAW=1: the files as they are.
 diff:
 	@test -n "$(call chapter_dir,$(A))" || $(call no_chapter,$(A),A)
 	@test -n "$(call chapter_dir,$(B))" || $(call no_chapter,$(B),B)
 ifeq ($(RAW),1)
 	@diff -u $(call chapter_dir,$(A))/attention.cu $(call chapter_dir,$(B))/attention.cu; test $$? -le 1
 else
-	@$(PYTHON_SYS) common/ablation.py diff $(call chapter_dir,$(A)) $(call chapter_dir,$(B))
+	@$(PYTHON_SYS) common/ablation.py diff $(A) $(B)
 endif
 
 # cuobjdump from PATH, next to nvcc, or where `make test` fetched it (.cache/tools); it needs
@@ -130,14 +132,23 @@ profile: all
 	ncu --clock-control none --set full --launch-count 3 \
 	    $(BUILD)/$(call chapter_dir,$(CH)) --warmup 0 --iters 1 --no-check --batch 4 --heads 16 --seqlen 4096
 
+# The SASS of one architecture (the build's, sm_90 for a multi-architecture build; 08: sm_90a), all
+# kernels or those whose name contains KERNEL (make sass CH=07 KERNEL=attention); a step: CH=08.3.
+SASS_ARCH ?= $(if $(filter multi,$(ARCH)),sm_90,$(ARCH))
+sass_binary = $(BUILD)/$(call chapter_dir,$(CH))$(if $(findstring .,$(CH)),$(if $(filter 5,$(lastword $(subst ., ,$(CH)))),,.step$(lastword $(subst ., ,$(CH)))))
 sass: all
 	@test -n "$(call chapter_dir,$(CH))" || $(call no_chapter,$(CH),CH)
 	@test -n "$(CUOBJDUMP)" || { echo "make sass: cuobjdump not found (CUDA toolkit); 'make test' fetches one into .cache/tools" >&2; exit 2; }
-	@PATH="$(dir $(CUOBJDUMP)):$$PATH" $(CUOBJDUMP) --dump-sass $(BUILD)/$(call chapter_dir,$(CH))
+	@test -f $(sass_binary) || { echo "make sass: $(sass_binary) not built: no such step (08's are 08.1 ... 08.5)" >&2; exit 2; }
+	@PATH="$(dir $(CUOBJDUMP)):$$PATH" $(CUOBJDUMP) --dump-sass \
+	    -arch $(if $(filter $(call chapter_dir,$(CH)),$(SM90A_CHAPTERS)),sm_90a,$(SASS_ARCH)) $(sass_binary) | \
+	    awk -v k='$(KERNEL)' '/Function :/ { show = (k == "" || index($$0, k) > 0) } k == "" || show'
 
 # Graded exercises (common/exercises.py): a student copy of a chapter in exercises/ (EX= one
-# exercise, or a comma-separated list; FORCE=1 overwrites a copy you have edited), then its grade.
-# The copy builds with the rule above, as BUILD/exercises/NN_name, with this Makefile's flags.
+# exercise, or a comma-separated list; FORCE=1 overwrites a copy you have edited), then its grade:
+# PASS, FAIL, or UNGRADED (the grader's exit 77) when a check that decides it could not run here
+# (no GPU, say). The copy builds with the rule above, as BUILD/exercises/NN_name, with this
+# Makefile's flags.
 exercise: $(PY_DEPS)
 	@test -n "$(call chapter_dir,$(CH))" || $(call no_chapter,$(CH),CH)
 	@$(PYTHON) common/exercises.py make $(call chapter_dir,$(CH))$(if $(EX), --only $(EX))$(if $(filter-out 0,$(FORCE)), --force)
@@ -147,11 +158,35 @@ grade: $(PY_DEPS)
 	@$(MAKE) --no-print-directory -s $(BUILD)/$(call chapter_dir,$(CH))
 	@$(PYTHON) common/exercises.py grade $(call chapter_dir,$(CH)) --build $(BUILD) --make '$(MAKE)'
 
+# A hand-out for a class: BUILD/handout/NN_name.tar.gz, one folder with the student copy of the
+# chapter (every exercise cut), the harness, the grader and this Makefile, and no solution: there,
+# `make grade CH=NN` grades the copy (a speed gate, which times the solution, says UNGRADED).
+.PHONY: handout
+handout: $(PY_DEPS)
+	@test -n "$(call chapter_dir,$(CH))" || $(call no_chapter,$(CH),CH)
+	@$(PYTHON) common/exercises.py handout $(call chapter_dir,$(CH)) --out $(BUILD)/handout
+
 # Each idea of a chapter on its own (common/ablation.py): its -D switches built, checked and timed
-# in one run -> docs/results/logs/ablation_NN.csv and the table in the chapter's README.
+# in one run -> docs/results/logs/NN/ablation_NN.csv and the table in the chapter's README.
 ablation: $(PY_DEPS)
 	@test -n "$(call chapter_dir,$(CH))" || $(call no_chapter,$(CH),CH)
 	@$(PYTHON) common/ablation.py run $(call chapter_dir,$(CH)) --build $(BUILD) --make '$(MAKE)'
+
+# The ceilings docs/design.md quotes, measured on this GPU by tools/peaks.cu: fp32 FFMA, fp16
+# mma.sync, wgmma fp16 and e4m3 (sm_90a: built so when ARCH is sm_90; skipped in one line on other
+# GPUs) and the device copy; the table also goes to docs/results/logs/common/peaks_<gpu>.log.
+# Without a GPU it says so in one line (exit 77 of the program) and writes nothing.
+.PHONY: peaks
+ifneq ($(filter sm_90 sm_90a,$(ARCH)),)
+$(BUILD)/peaks: private GENCODE := -gencode=arch=compute_90a,code=sm_90a
+endif
+$(BUILD)/peaks: tools/peaks.cu $(BUILD)/.flags
+	@echo "nvcc  $< -> $@ ($(if $(filter sm_90 sm_90a,$(ARCH)),sm_90a,$(ARCH)))"
+	@$(call compile,-o $@ $<)
+
+peaks: $(BUILD)/peaks
+	@mkdir -p docs/results/logs/common
+	@$(BUILD)/peaks docs/results/logs/common; rc=$$?; test $$rc -eq 0 -o $$rc -eq 77
 
 help:
 	@echo "make            build every chapter into $(BUILD)/ (ARCH=$(ARCH); ARCH=sm_90, sm_80, multi...)"
@@ -160,11 +195,13 @@ help:
 	@echo "make bench      the benchmark sweep -> docs/results/ (CSV, Markdown, plot) and README table"
 	@echo "make compare    PyTorch SDPA anchors on the bench shapes (needs PyTorch)"
 	@echo "make sanitize   compute-sanitizer memcheck/racecheck/synccheck/initcheck, every chapter"
-	@echo "make diff A=04 B=05   the one idea chapter B adds over chapter A (RAW=1: with the ablation switches)"
-	@echo "make profile CH=04    Nsight Compute on one chapter;  make sass CH=04   its SASS"
+	@echo "make diff A=04 B=05   the one idea chapter B adds over chapter A (A=07 B=08.1, A=08.1 B=08.2 ...: 08's steps)"
+	@echo "make profile CH=04    Nsight Compute on one chapter;  make sass CH=04 [KERNEL=name]   its SASS (one arch)"
 	@echo "make exercise CH=04 [EX=name] [FORCE=1]   a student copy of the chapter's exercises -> exercises/"
-	@echo "make grade CH=04      build and grade exercises/NN_name/attention.cu (its GPU part needs a GPU)"
+	@echo "make grade CH=04      build and grade exercises/NN_name/attention.cu: PASS, FAIL, or UNGRADED (exit 77) where no GPU runs it"
+	@echo "make handout CH=04    the copy, the grader and no solution -> $(BUILD)/handout/NN_name.tar.gz (for a class)"
 	@echo "make ablation CH=07   each idea of 04, 07 or 08 switched off, checked and timed in one run (GPU)"
+	@echo "make peaks      this GPU's ceilings (FFMA, mma.sync, wgmma, copy) -> docs/results/logs/common/ (GPU)"
 	@echo "make clean      remove build/ and the input/reference cache"
 	@echo "chapters: $(CHAPTERS)"
 

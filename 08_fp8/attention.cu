@@ -1,21 +1,15 @@
-// 08_fp8: 07's algorithm on Hopper's own datapath, in FP8. Q, K and V are quantised to e4m3
-// with scales found on the device (one per 128 rows of Q, one per key tile of K and of V),
-// both matrix products run on warpgroup MMA (wgmma: e4m3 in; S accumulated in fp16 at D = 128
-// and in fp32 at D = 64, O in fp32), their tiles arrive through the bulk tensor copy engine
-// (TMA) completing on mbarriers, and P is converted to e4m3 in registers and fed back as the A
-// operand of the second product.
+// 08_fp8: 07's algorithm on Hopper's own datapath, built in five steps (STEP, below). Both
+// matrix products run on warpgroup MMA (wgmma: operands in shared memory, accumulators in
+// registers), their tiles arrive through the bulk tensor copy engine (TMA) completing on
+// mbarriers, and P goes back into the tensor cores from registers. From 08.4 on, Q, K and V are
+// quantised to e4m3 first (a scale per tile, found on the device) and both products run in FP8.
 //
-// Two kernels per forward. quantize_kernel: e4m3 copies of Q and K, and of V transposed (keys
-// fastest), each tile with its own scale, in one pass over the inputs. attention_kernel: one
-// block per (query tile, b*h), heaviest causal tiles first (as 05); a producer warpgroup that
-// only issues the copies, and consumer warpgroups of 64 query rows each that only compute (FP8:
-// 2 at D = 128, 3 at D = 64), taking turns on the tensor cores, each issuing a tile's Q K^T and
-// the previous tile's P V together. With S in fp16, one exponential in five is a polynomial on
-// the FMA units, beside the special-function unit that computes the rest. Shared memory: the Q
-// tile and a ring of STAGES (K, V) tile pairs of BLOCK_KV keys (FP8: 256 at D = 128, 128 at D =
-// 64), in the swizzled layout TMA writes and wgmma reads. Registers: per consumer the 64 x
-// BLOCK_KV scores, the 64 x HEAD_DIM output accumulator, P in e4m3, and each row's running max
-// and sum.
+// attention_kernel: one block per (query tile, b*h), heaviest causal tiles first (as 05), one
+// consumer warpgroup per 64 query rows; from 08.2 on, a producer warpgroup that only issues the
+// copies beside them. Shared memory: the Q tile and a ring of STAGES (K, V) tile pairs of
+// BLOCK_KV keys, in the swizzled layout TMA writes and wgmma reads. Registers: per consumer the
+// 64 x BLOCK_KV scores, the 64 x HEAD_DIM output accumulator, P as the A operand of P V, and each
+// row's running max and sum. quantize_kernel (08.4 on): the e4m3 copies and their scales.
 #include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)
 #include <cudaTypedefs.h>
 #include <cuda_fp8.h>
@@ -23,82 +17,62 @@
 
 #include "../common/harness.h"
 
-#define WARPGROUP_THREADS 128
-#define WARPGROUP_ROWS 64  // query rows per consumer warpgroup: wgmma's M
-#define Q_SCALE_ROWS 128   // rows of Q per quantisation scale, whatever a block's query tile
-
-// The steps that overlap copies, softmax and matrix products, each a compile-time switch so
-// that what it is worth can be measured (-DPINGPONG=0 ...).
+// --- Configuration -------------------------------------------------------------------------
+// The chapter's steps, each a build (make build/08_fp8.stepN; 5 is the chapter) and a diff of
+// its own (make diff A=08.1 B=08.2). Each idea is a switch that its step turns on.
+#ifndef STEP
+#define STEP 5
+#endif
 #ifndef WARP_SPECIALISED
-#define WARP_SPECIALISED 1  // a producer warpgroup only copies; the two consumer warpgroups only compute
+#define WARP_SPECIALISED (STEP >= 2)  // 08.2: a producer warpgroup only copies; the consumers only compute
 #endif
 #ifndef PINGPONG
-#define PINGPONG 1  // the consumers take turns issuing their products (named barriers)
+#define PINGPONG (STEP >= 3)  // 08.3: the consumers take turns issuing their products (named barriers)
 #endif
 #ifndef INTRA_OVERLAP
-#define INTRA_OVERLAP 1  // P V of tile j-1 runs while the softmax of tile j does
+#define INTRA_OVERLAP (STEP >= 3)  // 08.3: P V of tile j-1 runs while the softmax of tile j does
+#endif
+#ifndef FP8_OPERANDS
+#define FP8_OPERANDS (STEP >= 4)  // 08.4: Q, K, V quantised to e4m3 with per-tile scales; FP8 wgmma
+#endif
+#ifndef FP16_SCORES
+#define FP16_SCORES (STEP >= 5)  // 08.5: at D = 128, Q K^T accumulates S in fp16; softmax on half2
 #endif
 #ifndef SPLIT_EXP2
-#define SPLIT_EXP2 1  // fp16 scores: one 8-key chunk in EXP2_FMA_EVERY_F16 has its exponentials on the FMA units
+#define SPLIT_EXP2 (STEP >= 5)  // 08.5: some exponentials on the FMA units, beside the MUFU unit
 #endif
-#ifndef EXP2_FMA_EVERY_F16
-#define EXP2_FMA_EVERY_F16 5  // chosen by a sweep (README)
-#endif
-#ifndef EXP2_FMA_EVERY
-#define EXP2_FMA_EVERY 0  // fp32 scores: every Nth 8-key chunk's exponentials on the FMA units (0: all on MUFU)
-#endif
-#ifndef FP16_OPERANDS
-#define FP16_OPERANDS 0  // 1: the same kernel on fp16 operands (no quantisation): what wgmma buys without FP8
-#endif
-#ifndef WIDE_KEY_TILES
-#define WIDE_KEY_TILES 1  // FP8 at D = 128: 192 keys per tile (256 with SCORES_F16), not 128
-#endif
-#ifndef SCORES_F16
-#define SCORES_F16 1  // FP8 at D = 128: Q K^T accumulates S in fp16, and the softmax runs on half2
-#endif
-// Keys per tile (wgmma's N for Q K^T) and consumer warpgroups per block, by head dim: chosen by
-// measurement (256-key tiles, -DBLOCK_KV_D128=256 -DBLOCK_KV_D64=256, are measured in the README).
-#define WIDE_KEYS_D128 (SCORES_F16 ? 256 : 192)  // FP8's wide tile: 256 keys fit only with fp16 scores
-#ifndef BLOCK_KV_D128
-#define BLOCK_KV_D128 (WIDE_KEY_TILES && !FP16_OPERANDS ? WIDE_KEYS_D128 : 128)
-#endif
-#ifndef BLOCK_KV_D64
-#define BLOCK_KV_D64 128
-#endif
-#ifndef CONSUMERS_D128
-#define CONSUMERS_D128 2
-#endif
-#ifndef CONSUMERS_D64
-#define CONSUMERS_D64 (FP16_OPERANDS ? 2 : 3)
-#endif
-#ifndef STAGES_D128
-#define STAGES_D128 3  // (K, V) tile pairs in flight, by head dim: chosen by a sweep
-#endif
-#ifndef STAGES_D64
+
+#define WARPGROUP_THREADS 128
+#define WARPGROUP_ROWS 64  // query rows per consumer warpgroup: wgmma's M
+#define STAGES_D128 3      // (K, V) tile pairs in flight, by head dim: chosen by a sweep
 #define STAGES_D64 4
+#if FP8_OPERANDS
+#define ELEMENT_BYTES 1  // of an operand: e4m3
+#else
+#define ELEMENT_BYTES 2  // of an operand: fp16
 #endif
-// Where a consumer waits for its own P V of tile j-1 (INTRA_OVERLAP): 1, at the top of the next
-// loop iteration, so tile j's softmax runs under it; 0, after tile j's softmax, where ptxas
-// schedules that wait before the softmax. By head dim and type: chosen by measurement (README).
-#ifndef SOFTMAX_UNDER_PV_D128
-#define SOFTMAX_UNDER_PV_D128 0
-#endif
-#ifndef SOFTMAX_UNDER_PV_D64
-#define SOFTMAX_UNDER_PV_D64 (!FP16_OPERANDS)
-#endif
-// setmaxnreg: the producer keeps few registers (the consumers' share is in Config).
-#define PRODUCER_REGISTERS 24
-#define ELEMENT_BYTES (FP16_OPERANDS ? 2 : 1)  // of an operand: e4m3 or fp16
-#define KSTEP_BYTES 32                         // of the reduced dimension per wgmma, for every type
-#define MMA_K (KSTEP_BYTES / ELEMENT_BYTES)    // elements of it: 32 e4m3 or 16 fp16
-#define SLICE_BYTES 128                        // the widest swizzle: longer rows are stored as 128-byte slices
-#define E4M3_MAX 448.0f                        // the largest finite e4m3 value
-#define QK_RANGE_F16 16                        // with fp16 scores: |q|, |k| <= 16, so |S| <= 128 * 16 * 16
-#define P_SCALE_LOG2 8.0f                      // P is stored as 256 p: [0, 256] keeps p >= 2^-14 in e4m3's normal range
+#define KSTEP_BYTES 32                       // of the reduced dimension per wgmma, for every type
+#define MMA_K (KSTEP_BYTES / ELEMENT_BYTES)  // elements of it: 32 e4m3 or 16 fp16
+#define SLICE_BYTES 128                      // the widest swizzle: longer rows are stored as 128-byte slices
+#define P_SCALE_LOG2 8.0f                    // P is stored as 256 p: small p stay normal numbers (e4m3: p >= 2^-14)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
+#if WARP_SPECIALISED
+#define PRODUCER_REGISTERS 24  // setmaxnreg: the producer keeps few registers (the consumers' share is in Config)
+#endif
+#if FP8_OPERANDS
+#define Q_SCALE_ROWS 128  // rows of Q per quantisation scale, whatever a block's query tile
+#define E4M3_MAX 448.0f   // the largest finite e4m3 value
+#endif
+#if FP16_SCORES
+#define QK_RANGE_F16 16  // with fp16 scores: |q|, |k| <= 16, so |S| <= 128 * 16 * 16
+#endif
+#if SPLIT_EXP2
+#define EXP2_FMA_PERIOD 5  // one 8-key chunk in this many has its exponentials on the FMA units (a sweep)
+#endif
 
-template <bool HALF>
+#if FP16_SCORES
+template <bool FP16>
 struct ScoreType {
     typedef float T;
 };
@@ -106,44 +80,1068 @@ template <>
 struct ScoreType<true> {
     typedef unsigned T;  // two fp16 scores, adjacent columns of a row
 };
+#endif
 
 template <int HEAD_DIM>
 struct Config {
-    static constexpr int CONSUMERS = HEAD_DIM == 128 ? CONSUMERS_D128 : CONSUMERS_D64;
+#if FP8_OPERANDS
+    static constexpr int CONSUMERS = HEAD_DIM == 128 ? 2 : 3;  // consumer warpgroups per block: measured
+#else
+    static constexpr int CONSUMERS = 2;
+#endif
     static constexpr int BLOCK_Q = CONSUMERS * WARPGROUP_ROWS;  // query rows per block
-    static constexpr int BLOCK_KV = HEAD_DIM == 128 ? BLOCK_KV_D128 : BLOCK_KV_D64;
-    static constexpr int THREADS = (CONSUMERS + WARP_SPECIALISED) * WARPGROUP_THREADS;
-    static constexpr int CONSUMER_WARPS = CONSUMERS * WARPGROUP_THREADS / 32;
+    // Keys per tile (wgmma's N for Q K^T): as many as the score registers allow, by measurement.
+#if FP16_SCORES
+    static constexpr int BLOCK_KV = HEAD_DIM == 128 ? 256 : 128;  // fp16 scores: half the registers
+#else
+#if FP8_OPERANDS
+    static constexpr int BLOCK_KV = HEAD_DIM == 128 ? 192 : 128;
+#else
+    static constexpr int BLOCK_KV = 128;
+#endif
+#endif
+#if WARP_SPECIALISED
+    static constexpr int THREADS = (CONSUMERS + 1) * WARPGROUP_THREADS;  // the producer, then the consumers
     // setmaxnreg: the consumers get the rest of the 64K registers, in steps of 8 (2: 240, 3: 160).
     static constexpr int CONSUMER_REGISTERS = (65536 / WARPGROUP_THREADS - PRODUCER_REGISTERS) / CONSUMERS / 8 * 8;
+    static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * CONSUMERS * WARPGROUP_THREADS <= 65536,
+                  "the register file holds both roles");
+#else
+    static constexpr int THREADS = CONSUMERS * WARPGROUP_THREADS;
+#endif
+    static constexpr int CONSUMER_WARPS = CONSUMERS * WARPGROUP_THREADS / 32;
     static constexpr int STAGES = HEAD_DIM == 128 ? STAGES_D128 : STAGES_D64;
-    static constexpr bool SOFTMAX_UNDER_PV = HEAD_DIM == 128 ? SOFTMAX_UNDER_PV_D128 : SOFTMAX_UNDER_PV_D64;
+#if INTRA_OVERLAP
+    // Where a consumer waits for its own P V of tile j-1: true, at the top of the next loop
+    // iteration, so tile j's softmax runs under it; false, after tile j's softmax, where ptxas
+    // schedules that wait before the softmax. Chosen by measurement.
+#if FP8_OPERANDS
+    static constexpr bool SOFTMAX_UNDER_PV = HEAD_DIM == 64;
+#else
+    static constexpr bool SOFTMAX_UNDER_PV = false;
+#endif
+#endif
+#if FP16_SCORES
     // S in fp16 (FP8 at D = 128): half the score registers, two scores an instruction in the softmax.
-    static constexpr bool HALF_SCORES = SCORES_F16 && HEAD_DIM == 128 && !FP16_OPERANDS;
-    static constexpr int SCORE_REGS = HALF_SCORES ? BLOCK_KV / 4 : BLOCK_KV / 2;  // a thread's, for 64 x BLOCK_KV
-    static constexpr float QK_RANGE = HALF_SCORES ? QK_RANGE_F16 : E4M3_MAX;      // Q, K quantised to |x| <= this
+    static constexpr bool SCORES_ARE_FP16 = HEAD_DIM == 128;
+    static constexpr int SCORE_REGS = SCORES_ARE_FP16 ? BLOCK_KV / 4 : BLOCK_KV / 2;  // a thread's, for 64 x BLOCK_KV
+    static constexpr float QK_RANGE = SCORES_ARE_FP16 ? QK_RANGE_F16 : E4M3_MAX;      // Q, K quantised to |x| <= this
+#else
+    static constexpr int SCORE_REGS = BLOCK_KV / 2;  // a thread's, for 64 x BLOCK_KV
+#if FP8_OPERANDS
+    static constexpr float QK_RANGE = E4M3_MAX;      // Q, K quantised to |x| <= this
+#endif
+#endif
     static constexpr int Q_BYTES = BLOCK_Q * HEAD_DIM * ELEMENT_BYTES;
     static constexpr int K_BYTES = BLOCK_KV * HEAD_DIM * ELEMENT_BYTES;
     static constexpr int V_BYTES = HEAD_DIM * BLOCK_KV * ELEMENT_BYTES;
-    // Rows of Q and K (HEAD_DIM elements) and of Vt (BLOCK_KV keys) are stored in slices of at
-    // most 128 bytes, each slice a [rows][slice] tile in its swizzle: one TMA box each. (fp16
-    // operands: V is stored as K is, and V_SLICE(S) are unused.)
+    // Rows of Q and K (HEAD_DIM elements) are stored in slices of at most 128 bytes, each slice a
+    // [rows][slice] tile in its swizzle: one TMA box each.
     static constexpr int QK_SLICE = HEAD_DIM * ELEMENT_BYTES < SLICE_BYTES ? HEAD_DIM * ELEMENT_BYTES : SLICE_BYTES;
+    static constexpr int QK_SLICES = HEAD_DIM * ELEMENT_BYTES / QK_SLICE;
+#if FP8_OPERANDS
+    // Vt's rows (BLOCK_KV keys) likewise, in slices of 128 or 64 bytes.
     static constexpr int V_SLICE = BLOCK_KV * ELEMENT_BYTES % SLICE_BYTES == 0 ? SLICE_BYTES : 64;
-    static constexpr int QK_SLICES = HEAD_DIM * ELEMENT_BYTES / QK_SLICE, V_SLICES = BLOCK_KV * ELEMENT_BYTES / V_SLICE;
+    static constexpr int V_SLICES = BLOCK_KV * ELEMENT_BYTES / V_SLICE;
+    static_assert(BLOCK_KV % 64 == 0, "Vt's rows are whole 64-byte slices");
+    static_assert(Q_SCALE_ROWS <= BLOCK_KV, "the quantisation's block, sized for a key tile, holds Q's scale tile");
+#endif
     static constexpr int BARRIERS = 1 + 2 * STAGES;  // Q full, K/V full and empty
     static constexpr int SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_BYTES + V_BYTES) + BARRIERS * 8;
     static_assert(SMEM_BYTES <= 227 * 1024, "Q and the ring exceed the 227 KiB of shared memory a block can have");
-    static_assert(HEAD_DIM % MMA_K == 0 && BLOCK_KV % MMA_K == 0, "whole wgmma k-steps");
-    static_assert(BLOCK_KV % 64 == 0 && BLOCK_KV <= 256, "Vt's rows are whole 64-byte slices; wgmma's N <= 256");
+    static_assert(HEAD_DIM % MMA_K == 0 && BLOCK_KV % MMA_K == 0 && BLOCK_KV <= 256, "whole wgmma k-steps; N <= 256");
     static_assert(Q_BYTES % 1024 == 0 && K_BYTES % 1024 == 0 && V_BYTES % 1024 == 0,
                   "every tile starts 1024-byte aligned, as the 128-byte swizzle needs");
-    static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * CONSUMERS * WARPGROUP_THREADS <= 65536,
-                  "the register file holds both roles");
-    static_assert(Q_SCALE_ROWS <= BLOCK_KV, "the quantisation's block, sized for a key tile, holds Q's scale tile");
 };
 
-// --- Quantisation: e4m3 copies, one scale per tile of each (b, h) and tensor ----------------
+// --- Hopper's asynchronous machinery, as the PTX ISA documents it --------------------------
+__device__ unsigned smem_address(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// An mbarrier completes a phase once `count` threads have arrived and every byte announced with
+// expect_tx has landed; waiters name the phase parity they wait for.
+__device__ void mbarrier_init(uint64_t *barrier, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(barrier)), "r"(count));
+}
+
+__device__ void mbarrier_arrive_expect_bytes(uint64_t *barrier, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(barrier)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ void mbarrier_arrive(uint64_t *barrier) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(barrier)) : "memory");
+}
+
+__device__ void mbarrier_wait(uint64_t *barrier, int phase) {
+    unsigned done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(smem_address(barrier)), "r"(phase)
+            : "memory");
+    } while (!done);
+}
+
+// TMA: copy the box at (x, y, z) of a tensor map into shared memory; its bytes count towards
+// the barrier's transaction. Rows outside the tensor arrive as zeros.
+__device__ void tma_load(void *dst, const CUtensorMap *map, uint64_t *barrier, int x, int y, int z) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(smem_address(dst)),
+        "l"(map), "r"(smem_address(barrier)), "r"(x), "r"(y), "r"(z)
+        : "memory");
+}
+
+// A wgmma operand in shared memory: a K-major tile whose rows are row_bytes (64 or 128) long,
+// swizzled as TMA wrote it. Fields: start address, leading byte offset (unused by swizzled
+// K-major tiles: 1), stride byte offset (8 rows, one swizzle atom), swizzle mode; all >> 4.
+__device__ uint64_t smem_descriptor_at(unsigned address, int row_bytes) {
+    const uint64_t mode = row_bytes == 128 ? 1 : 2;  // 128-byte or 64-byte swizzle
+    return (uint64_t)(address & 0x3FFFF) >> 4 | 1ull << 16 | (uint64_t)(8 * row_bytes >> 4) << 32 | mode << 62;
+}
+
+__device__ uint64_t smem_descriptor(const void *tile, int row_bytes) {
+    return smem_descriptor_at(smem_address(tile), row_bytes);
+}
+
+#if !FP8_OPERANDS
+// fp16 operands: V as it lies in memory, [keys][dims], read MN-major (wgmma's transpose bit, which
+// 16-bit types have): rows of 128 bytes (64 dims) swizzled as TMA wrote them, 8-row groups of keys
+// 1024 bytes apart (stride byte offset), 64-dim column blocks block_bytes apart (leading byte offset).
+__device__ uint64_t smem_descriptor_mn_major(const void *tile, int block_bytes) {
+    return (uint64_t)(smem_address(tile) & 0x3FFFF) >> 4 | (uint64_t)(block_bytes >> 4) << 16 |
+           (uint64_t)(8 * SLICE_BYTES >> 4) << 32 | 1ull << 62;
+}
+#endif
+
+// wgmma runs asynchronously: fence (operand registers ready), issue, commit, wait.
+__device__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int PENDING>  // wait until at most PENDING committed groups are still running
+__device__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of wgmma operands across the async region.
+template <int COUNT>
+__device__ void hold_registers(float (&acc)[COUNT]) {
+#pragma unroll
+    for (int i = 0; i < COUNT; i++) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+#if FP16_SCORES
+template <int COUNT>
+__device__ void hold_registers(unsigned (&acc)[COUNT]) {
+#pragma unroll
+    for (int i = 0; i < COUNT; i++) asm volatile("" : "+r"(acc[i])::"memory");
+}
+#endif
+
+template <int FRAGS>
+__device__ void hold_registers(unsigned (&frag)[FRAGS][4]) {
+#pragma unroll
+    for (int i = 0; i < FRAGS; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) asm volatile("" : "+r"(frag[i][j])::"memory");
+}
+
+#if WARP_SPECIALISED
+// setmaxnreg: a warpgroup gives registers back to the SM or takes more (sm_90a).
+template <int REGISTERS>
+__device__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+
+template <int REGISTERS>
+__device__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+#endif
+
+#define ACC8(d, i)                                                                                              \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+        "+f"(d[i + 7])
+#define ACC32(d, i) ACC8(d, i), ACC8(d, i + 8), ACC8(d, i + 16), ACC8(d, i + 24)
+#define REGS32                                                               \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define REGS64                                                                      \
+    REGS32                                                                          \
+    ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
+    "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+
+// The instruction's k and types, and its trailing immediates: with A in registers, scale-d (1:
+// accumulate) first; then scale-a and scale-b (1: no negation), and for 16-bit types whether A
+// (shared A only) and B are transposed (0: K-major; 1: B, V, is read MN-major).
+#if FP8_OPERANDS
+#define WGMMA_K_TYPES "k32.f32.e4m3.e4m3"
+#define WGMMA_SHARED_A_IMM "1, 1"
+#define WGMMA_REGISTER_A_IMM "1, 1, 1"
+#else
+#define WGMMA_K_TYPES "k16.f32.f16.f16"
+#define WGMMA_SHARED_A_IMM "1, 1, 0, 0"
+#define WGMMA_REGISTER_A_IMM "1, 1, 1, 1"
+#endif
+
+// d (64 x 128 fp32) = A (64 x MMA_K, shared) * B (MMA_K x 128, shared) [+ d if accumulate].
+// Thread t of the warpgroup holds d rows 16 (t/32) + t%32/4 (+8), columns 8c + 2 (t%4) (+1).
+__device__ void wgmma_64x128_shared_a(float (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128" WGMMA_K_TYPES " {" REGS64 "}, %64, %65, acc, " WGMMA_SHARED_A_IMM
+        ";\n}\n"
+        : ACC32(d, 0), ACC32(d, 32)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+#if FP8_OPERANDS
+#if !FP16_SCORES
+#define REGS96                                                                           \
+    REGS64                                                                               \
+    ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+
+// The same, 192 columns wide (FP8's key tile at D = 128).
+__device__ void wgmma_64x192_shared_a(float (&d)[96], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192" WGMMA_K_TYPES " {" REGS96 "}, %96, %97, acc, " WGMMA_SHARED_A_IMM
+        ";\n}\n"
+        : ACC32(d, 0), ACC32(d, 32), ACC32(d, 64)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+#endif
+#endif
+
+// S (64 x BLOCK_KV, SCORES = BLOCK_KV / 2 a thread) [+]= Q K^T's k-step.
+template <int SCORES>
+__device__ void wgmma_qk(float (&score)[SCORES], uint64_t q_desc, uint64_t k_desc, int accumulate) {
+#if FP8_OPERANDS
+#if !FP16_SCORES
+    if constexpr (SCORES == 96) wgmma_64x192_shared_a(score, q_desc, k_desc, accumulate);
+    else
+#endif
+#endif
+        wgmma_64x128_shared_a(score, q_desc, k_desc, accumulate);
+}
+
+#if FP16_SCORES
+// S in fp16: the same product for 256 keys accumulated in fp16, each register holding the two
+// adjacent columns that fp32 keeps in two (e4m3 operands only).
+#define ACCH8(d, i)                                                                                             \
+    "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), "+r"(d[i + 6]), \
+        "+r"(d[i + 7])
+#define ACCH32(d, i) ACCH8(d, i), ACCH8(d, i + 8), ACCH8(d, i + 16), ACCH8(d, i + 24)
+
+__device__ void wgmma_64x256_f16_shared_a(unsigned (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 {" REGS64 "}, %64, %65, acc, 1, 1;\n}\n"
+        : ACCH32(d, 0), ACCH32(d, 32)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+template <int REGS>
+__device__ void wgmma_qk(unsigned (&score)[REGS], uint64_t q_desc, uint64_t k_desc, int accumulate) {
+    static_assert(REGS == 64, "a wgmma of Q K^T in fp16 for 256 keys");
+    wgmma_64x256_f16_shared_a(score, q_desc, k_desc, accumulate);
+}
+#endif
+
+// d (64 x N fp32) += A (64 x MMA_K in registers: 4 x 4 bytes per thread) * B (MMA_K x N, shared).
+__device__ void wgmma_64x128_register_a(float (&d)[64], const unsigned (&a)[4], uint64_t b_desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128" WGMMA_K_TYPES " {" REGS64
+                 "}, {%64, %65, %66, %67}, %68, " WGMMA_REGISTER_A_IMM ";\n"
+                 : ACC32(d, 0), ACC32(d, 32)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+}
+
+__device__ void wgmma_64x64_register_a(float (&d)[32], const unsigned (&a)[4], uint64_t b_desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64" WGMMA_K_TYPES " {" REGS32
+                 "}, {%32, %33, %34, %35}, %36, " WGMMA_REGISTER_A_IMM ";\n"
+                 : ACC32(d, 0)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+}
+
+template <int HEAD_DIM>
+__device__ void wgmma_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p)[4], uint64_t v_desc) {
+    if constexpr (HEAD_DIM == 128) wgmma_64x128_register_a(o_acc, p, v_desc);
+    else wgmma_64x64_register_a(o_acc, p, v_desc);
+}
+
+// --- The block's shared memory and work ---------------------------------------------------
+struct Smem {
+    unsigned char *q_tile;  // [BLOCK_Q][HEAD_DIM]
+    unsigned char *k_ring;  // [STAGES][BLOCK_KV][HEAD_DIM]
+    unsigned char *v_ring;  // [STAGES][BLOCK_KV][HEAD_DIM]; FP8: Vt, [STAGES][HEAD_DIM][BLOCK_KV]
+    uint64_t *q_full, *kv_full, *kv_empty;
+};
+
+template <int HEAD_DIM>
+__device__ Smem smem_layout(unsigned char *raw) {
+    typedef Config<HEAD_DIM> Cfg;
+    Smem smem;
+    smem.q_tile = (unsigned char *)(((uintptr_t)raw + 1023) & ~(uintptr_t)1023);
+    smem.k_ring = smem.q_tile + Cfg::Q_BYTES;
+    smem.v_ring = smem.k_ring + Cfg::STAGES * Cfg::K_BYTES;
+    smem.q_full = (uint64_t *)(smem.v_ring + Cfg::STAGES * Cfg::V_BYTES);
+    smem.kv_full = smem.q_full + 1;
+    smem.kv_empty = smem.kv_full + Cfg::STAGES;
+    return smem;
+}
+
+// What a block works on, and where its copies come from.
+struct Work {
+    const CUtensorMap *k_map, *v_map;
+#if FP8_OPERANDS
+    const float *k_descales, *v_descales;  // one per key tile of this (b, h)
+#endif
+    int head, query0, kv_tiles, seqlen, causal;
+};
+
+#if FP8_OPERANDS
+// A tile's descale: what its e4m3 values are multiplied by to give the fp16 inputs back.
+__device__ float descale_at(const float *descales, int tile) { return __ldg(&descales[tile]); }
+#endif
+
+// --- The producer: TMA copies into the ring -------------------------------------------------
+// The K and V tiles of `tile` into their ring stage; its full barrier completes once all bytes
+// have landed.
+template <int HEAD_DIM>
+__device__ void load_kv_tile(const Smem &smem, const Work &w, int tile) {
+    typedef Config<HEAD_DIM> Cfg;
+    const int stage = tile % Cfg::STAGES;
+    mbarrier_arrive_expect_bytes(&smem.kv_full[stage], Cfg::K_BYTES + Cfg::V_BYTES);
+    for (int slice = 0; slice < Cfg::QK_SLICES; slice++)
+        tma_load(smem.k_ring + stage * Cfg::K_BYTES + slice * Cfg::BLOCK_KV * Cfg::QK_SLICE, w.k_map,
+                 &smem.kv_full[stage], slice * Cfg::QK_SLICE, tile * Cfg::BLOCK_KV, w.head);
+#if FP8_OPERANDS
+    // Vt: [slice][dim][128 bytes of keys]
+    for (int slice = 0; slice < Cfg::V_SLICES; slice++)
+        tma_load(smem.v_ring + stage * Cfg::V_BYTES + slice * HEAD_DIM * Cfg::V_SLICE, w.v_map, &smem.kv_full[stage],
+                 tile * Cfg::BLOCK_KV * ELEMENT_BYTES + slice * Cfg::V_SLICE, 0, w.head);
+#else
+    // V in K's layout: [slice][key][128 bytes of dims]
+    for (int slice = 0; slice < Cfg::QK_SLICES; slice++)
+        tma_load(smem.v_ring + stage * Cfg::V_BYTES + slice * Cfg::BLOCK_KV * Cfg::QK_SLICE, w.v_map,
+                 &smem.kv_full[stage], slice * Cfg::QK_SLICE, tile * Cfg::BLOCK_KV, w.head);
+#endif
+}
+
+#if WARP_SPECIALISED
+// The producer warpgroup's one thread: every (K, V) tile pair, each into a stage once it is empty.
+template <int HEAD_DIM>
+__device__ void produce(const Smem &smem, const Work &w) {
+    constexpr int STAGES = Config<HEAD_DIM>::STAGES;
+    for (int tile = STAGES; tile < w.kv_tiles; tile++) {  // the first STAGES are loaded with Q
+        mbarrier_wait(&smem.kv_empty[tile % STAGES], (tile / STAGES - 1) % 2);
+        load_kv_tile<HEAD_DIM>(smem, w, tile);
+    }
+}
+#endif
+
+// A consumer is done with the stage of `tile`: each of its warps arrives on the stage's empty
+// barrier.
+template <int HEAD_DIM>
+__device__ void release_stage(const Smem &smem, const Work &w, int tile) {
+    constexpr int STAGES = Config<HEAD_DIM>::STAGES;
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbarrier_arrive(&smem.kv_empty[tile % STAGES]);
+#if !WARP_SPECIALISED
+    // No producer: thread 0 refills the stage with the tile STAGES ahead, once every warp has let go of it.
+    if (threadIdx.x == 0 && tile + STAGES < w.kv_tiles) {
+        mbarrier_wait(&smem.kv_empty[tile % STAGES], tile / STAGES % 2);
+        load_kv_tile<HEAD_DIM>(smem, w, tile + STAGES);
+    }
+#endif
+    __syncwarp();
+}
+
+// --- The consumers: scores, softmax, P, P V -------------------------------------------------
+// Where k-step ks (32 bytes of every row) of a tile starts: in slice ks * 32 / slice_bytes,
+// each slice being slice_stride bytes (all the tile's rows) long.
+__device__ int kstep_offset(int slice_stride, int slice_bytes, int ks) {
+    return ks * KSTEP_BYTES / slice_bytes * slice_stride + ks * KSTEP_BYTES % slice_bytes;
+}
+
+__device__ const unsigned char *kstep(const unsigned char *tile, int slice_stride, int slice_bytes, int ks) {
+    return tile + kstep_offset(slice_stride, slice_bytes, ks);
+}
+
+// S = Q K^T for the warpgroup's 64 rows: HEAD_DIM / MMA_K wgmmas, issued, not waited for.
+template <int HEAD_DIM, typename Score>
+__device__ void issue_qk(Score (&score)[Config<HEAD_DIM>::SCORE_REGS], const unsigned char *q_rows,
+                         const unsigned char *k_tile) {
+    typedef Config<HEAD_DIM> Cfg;
+    unsigned q_address = smem_address(q_rows);
+#if FP16_SCORES
+    // Q's descriptors are the same every tile. With fp16 scores they are rebuilt here from one
+    // 32-bit address, rather than held in eight registers through the softmax, where 256 scores
+    // and the overlap leave none to spare (the empty asm keeps them from being hoisted).
+    if (Cfg::SCORES_ARE_FP16) asm volatile("" : "+r"(q_address));
+#endif
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++)
+        wgmma_qk(score,
+                 smem_descriptor_at(q_address + kstep_offset(Cfg::BLOCK_Q * Cfg::QK_SLICE, Cfg::QK_SLICE, ks),
+                                    Cfg::QK_SLICE),
+                 smem_descriptor(kstep(k_tile, Cfg::BLOCK_KV * Cfg::QK_SLICE, Cfg::QK_SLICE, ks), Cfg::QK_SLICE),
+                 ks > 0);
+    wgmma_commit();
+}
+
+// O += P V: P from registers, V from shared memory (fp16: V, MN-major; FP8: Vt, K-major); issued.
+template <int HEAD_DIM>
+__device__ void issue_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p_frag)[Config<HEAD_DIM>::BLOCK_KV / MMA_K][4],
+                         const unsigned char *v_tile) {
+    typedef Config<HEAD_DIM> Cfg;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Cfg::BLOCK_KV / MMA_K; kk++)
+#if FP8_OPERANDS
+        wgmma_pv<HEAD_DIM>(o_acc, p_frag[kk],
+                           smem_descriptor(kstep(v_tile, HEAD_DIM * Cfg::V_SLICE, Cfg::V_SLICE, kk), Cfg::V_SLICE));
+#else
+        wgmma_pv<HEAD_DIM>(
+            o_acc, p_frag[kk],
+            smem_descriptor_mn_major(v_tile + kk * MMA_K * Cfg::QK_SLICE, Cfg::BLOCK_KV * Cfg::QK_SLICE));
+#endif
+    wgmma_commit();
+}
+
+// Online softmax on the accumulators (as 07), in log2 units.
+__device__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+
+__device__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// Accumulator element j of a thread: row row0 + 8 (j%4/2), column col0 + 8 (j/4) + j%2.
+template <int SCORES>
+__device__ void mask_scores(float (&score)[SCORES], int row0, int col0, int seqlen, int causal) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int query = row0 + 8 * r;
+        const int key_limit = causal ? min(seqlen, query + 1) : seqlen;  // first hidden key
+#pragma unroll
+        for (int chunk = 0; chunk < SCORES / 4; chunk++)
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                if (col0 + 8 * chunk + e >= key_limit) score[4 * chunk + 2 * r + e] = -INFINITY;
+    }
+}
+
+// One score tile: the new row max, the factor that rescales the old sum and O (O is the
+// caller's: it may still be in flight), and the scores turned into 2^8 p.
+template <int SCORES>
+__device__ void softmax_tile(float (&score)[SCORES], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
+                             float scale_log2) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        // Two running maxima and two running sums per row, not one: shorter dependency chains.
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int chunk = 0; chunk < SCORES / 4; chunk++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) tile_max[e] = fmaxf(tile_max[e], score[4 * chunk + 2 * r + e]);
+        const float new_max = fmaxf(row_max[r], quad_max(fmaxf(tile_max[0], tile_max[1])) * scale_log2);
+        const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key yet stays empty
+        rescale[r] = exp2_approx(row_max[r] - base);
+        row_max[r] = new_max;
+        float tile_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int chunk = 0; chunk < SCORES / 4; chunk++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float *x = &score[4 * chunk + 2 * r + e];
+                *x = exp2_approx(fmaf(*x, scale_log2, P_SCALE_LOG2 - base));
+                tile_sum[e] += *x;
+            }
+        row_sum[r] = row_sum[r] * rescale[r] + (tile_sum[0] + tile_sum[1]);
+    }
+}
+
+#if FP16_SCORES
+__device__ __half2 as_half2(unsigned bits) { return *(__half2 *)&bits; }
+__device__ unsigned as_bits(__half2 h) { return *(unsigned *)&h; }
+
+// The same on fp16 scores: register i holds row 8 (i % 2), columns 8 (i / 2) and the one after.
+template <int REGS>
+__device__ void mask_scores(unsigned (&score)[REGS], int row0, int col0, int seqlen, int causal) {
+    const __half minus_inf = __ushort_as_half(0xfc00);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int query = row0 + 8 * r;
+        const int key_limit = causal ? min(seqlen, query + 1) : seqlen;
+#pragma unroll
+        for (int chunk = 0; chunk < REGS / 2; chunk++) {
+            __half2 x = as_half2(score[2 * chunk + r]);
+            if (col0 + 8 * chunk >= key_limit) x.x = minus_inf;
+            if (col0 + 8 * chunk + 1 >= key_limit) x.y = minus_inf;
+            score[2 * chunk + r] = as_bits(x);
+        }
+    }
+}
+
+// 2^x of two halves: two MUFU.EX2.F16 (cuda_fp16's h2exp2 goes through fp32 on sm_90).
+__device__ __half2 exp2_approx_h2(__half2 x) {
+    unsigned y;
+    asm("ex2.approx.f16x2 %0, %1;\n" : "=r"(y) : "r"(as_bits(x)));
+    return as_half2(y);
+}
+
+#if SPLIT_EXP2
+// 2^x of two halves on the FMA units, for when the MUFU unit (16 ex2 a cycle per SM) is the
+// limit: x = j + f, 2^f by a cubic in half2 (relative error 6e-4, fp16's own rounding is 5e-4),
+// times 2^j made in the exponent bits. Adding 1536 (1.5 * 2^10) leaves x rounded to the integer
+// j in the low mantissa bits of each half, 0x6600 + j, and (bits - 0x65F1) << 10 is then the
+// half 2^j (exponent field j + 15) in both lanes at once. x <= -15 gives 0 (exponent field 0):
+// e4m3's P holds nothing that small (2^-15 of p's 2^8 scale) anyway.
+__device__ __half2 exp2_fma_h2(__half2 x) {
+    const __half2 rounder = as_half2(0x66006600u);  // 1536
+    x = __hmax2(x, as_half2(0xcb80cb80u));          // -15
+    const __half2 shifted = __hadd2(x, rounder);
+    const __half2 f = __hsub2(x, __hsub2(shifted, rounder));               // in [-1/2, 1/2]
+    __half2 p = __hfma2(as_half2(0x2b0d2b0du), f, as_half2(0x33c333c3u));  // 0.05509 f + 0.2426
+    p = __hfma2(p, f, as_half2(0x398c398cu));                              // ... + 0.6934
+    p = __hfma2(p, f, as_half2(0x3c003c00u));                              // ... + 1
+    const unsigned two_to_j = (as_bits(shifted) - 0x65f165f1u) << 10;
+    return __hmul2(p, as_half2(two_to_j));
+}
+
+// Whether the exponentials of 8-key chunk `chunk` go to the FMA units: one chunk in EXP2_FMA_PERIOD.
+__device__ constexpr bool exp2_on_fma(int chunk) { return (chunk + 1) % EXP2_FMA_PERIOD == 0; }
+#endif
+
+// The exponent s * scale + (8 - max) as one HFMA2 needs the offset 8 - max in fp16 to within 1
+// (|max| < 2^11 in log2 units) and a finite scale.
+#define HALF_MAX_LIMIT 2000.0f
+#define HALF_SCALE_LIMIT 32768.0f
+
+// The largest score of row r (0: row0, 1: row0 + 8) of the quad's fp16 tile.
+template <int REGS>
+__device__ float row_top(const unsigned (&score)[REGS], int r) {
+    __half2 tile_max[2] = {as_half2(0xfc00fc00u), as_half2(0xfc00fc00u)};
+#pragma unroll
+    for (int chunk = 0; chunk < REGS / 2; chunk++)
+        tile_max[chunk % 2] = __hmax2(tile_max[chunk % 2], as_half2(score[2 * chunk + r]));
+    const __half2 both = __hmax2(tile_max[0], tile_max[1]);
+    return quad_max(fmaxf(__low2float(both), __high2float(both)));
+}
+
+// Logits past HALF_MAX_LIMIT (rare): each row's scores minus a max, in place, in their own
+// units, so that the offset stays small. That max is the tile's own (exact: an fp16 score) where
+// it leads the row, otherwise the row's reference so far (row_max) in this tile's units rounded
+// down, the remainder going into the offset. The row's reference never drifts. Both sides of the
+// comparison are in the units the HFMA2 computes, the scale rounded to fp16: a max taken with
+// the fp32 scale differs from them by up to 2^-11 of it, which past ~10^4 is enough to push the
+// whole tile's p out of fp16's range.
+template <int REGS>
+__device__ void recentre_scores(unsigned (&score)[REGS], const float (&row_max)[2], __half scale_h, __half (&offset)[2],
+                                float (&reference)[2]) {
+    const float scale = __half2float(scale_h);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const float top = row_top(score, r);                // again: the rare way keeps no registers for it
+        const bool tile_leads = top * scale >= row_max[r];  // or the row starts here (row_max -inf)
+        const float earlier = fminf(fmaxf(row_max[r] / scale, -65504.0f), 65504.0f);
+        const __half max_scores =
+            tile_leads ? __float2half_rn(top == -INFINITY ? 0.0f : top) : __float2half_rd(earlier);  // empty: 0
+        const float gap = tile_leads ? 0.0f : row_max[r] - __half2float(max_scores) * scale;
+        offset[r] = __float2half_rn(P_SCALE_LOG2 - gap);
+        reference[r] = tile_leads ? __half2float(max_scores) * scale : row_max[r];
+#pragma unroll
+        for (int chunk = 0; chunk < REGS / 2; chunk++)
+            score[2 * chunk + r] = as_bits(__hsub2(as_half2(score[2 * chunk + r]), __half2half2(max_scores)));
+    }
+}
+
+// The same on fp16 scores, two keys an instruction: the row max on half2, 2^x as two
+// MUFU.EX2.F16 (SPLIT_EXP2: in one 8-key chunk of EXP2_FMA_PERIOD, a cubic on the FMA units
+// instead, which runs beside the special-function unit), the sums on half2 (two chains). The
+// exponent is one HFMA2, s * scale + offset, with the offset 8 - max rounded to fp16 downwards;
+// that rounded value becomes the row's reference (row_max), so p stays <= 2^8 and the sums and O
+// agree with it. For logits past ~1400 (natural units), where fp16 cannot hold that offset
+// closely, a warp first recentres its scores (above); only WIDE_LOGITS warpgroups, whose inputs
+// can reach that far, check for it (a branch here, between the waits for Q K^T and for P V,
+// costs 5%). The scale is capped at 32768, about what fp16 holds safely: only inputs with |q|
+// and |k| in the thousands reach it, and their softmax is then computed with the capped scale.
+template <bool WIDE_LOGITS, int REGS>
+__device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
+                             float scale_log2) {
+    const float scale = fminf(scale_log2, HALF_SCALE_LIMIT);  // the scores' scale from here on
+    const __half scale_h = __float2half_rn(scale);
+    float new_max[2], reference[2];  // the row's max logit; the reference p is taken against
+    __half offset[2];
+    bool recentre = false;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        new_max[r] = fmaxf(row_max[r], row_top(score, r) * scale);
+        const float max_here = new_max[r] == -INFINITY ? 0.0f : new_max[r];  // an empty row stays empty
+        offset[r] = __float2half_rd(P_SCALE_LOG2 - max_here);
+        reference[r] = P_SCALE_LOG2 - __half2float(offset[r]);
+        recentre |= fabsf(max_here) > HALF_MAX_LIMIT;
+    }
+    if (WIDE_LOGITS && __any_sync(0xffffffff, recentre)) recentre_scores(score, row_max, scale_h, offset, reference);
+    const __half2 scale2 = __half2half2(scale_h);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        rescale[r] = exp2_approx(row_max[r] - reference[r]);
+        row_max[r] = new_max[r] == -INFINITY ? new_max[r] : reference[r];
+        const __half2 offset2 = __half2half2(offset[r]);
+        __half2 sum[2] = {};
+#pragma unroll
+        for (int chunk = 0; chunk < REGS / 2; chunk++) {
+            const __half2 x = __hfma2(as_half2(score[2 * chunk + r]), scale2, offset2);
+#if SPLIT_EXP2
+            const __half2 p = exp2_on_fma(chunk) ? exp2_fma_h2(x) : exp2_approx_h2(x);
+#else
+            const __half2 p = exp2_approx_h2(x);
+#endif
+            score[2 * chunk + r] = as_bits(p);
+            sum[chunk % 2] = __hadd2(sum[chunk % 2], p);
+        }
+        float tile_sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 2; i++) tile_sum += __low2float(sum[i]) + __high2float(sum[i]);
+        row_sum[r] = row_sum[r] * rescale[r] + tile_sum;
+    }
+}
+#endif
+
+__device__ unsigned pack_half2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *(unsigned *)&h;
+}
+
+#if FP8_OPERANDS
+// Four fp32 values to four e4m3 bytes, the first in the lowest byte.
+__device__ unsigned pack_e4m3x4(float a, float b, float c, float d) {
+    unsigned lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+    unsigned hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+    return lo | hi << 16;
+}
+
+// P to e4m3, in the A-operand layout: per 32 keys, rows g and g+8 of keys 2t, 2t+1, 2t+8, 2t+9
+// of each 16, which Vt's key_slot order turns into positions 4t..4t+3.
+template <int SCORES>
+__device__ void pack_p(const float (&score)[SCORES], unsigned (&p_frag)[2 * SCORES / MMA_K][4]) {
+    // EXERCISE 08.pack_p BEGIN: P into the e4m3 A-operand registers of P V from fp32 scores (D = 64 only), in place, in Vt's key_slot order
+#pragma unroll
+    for (int kk = 0; kk < 2 * SCORES / MMA_K; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int chunk = 4 * kk + 2 * (i / 2), r = i % 2;  // n8 chunks chunk, chunk + 1; row g + 8r
+            p_frag[kk][i] = pack_e4m3x4(score[4 * chunk + 2 * r], score[4 * chunk + 2 * r + 1],
+                                        score[4 * chunk + 4 + 2 * r], score[4 * chunk + 4 + 2 * r + 1]);
+        }
+    // EXERCISE END
+}
+
+#if FP16_SCORES
+// The same from fp16 scores: fp32 chunks c and c + 1 of row r are registers 2c + r and 2c + 2 + r.
+template <int REGS>
+__device__ void pack_p(const unsigned (&score)[REGS], unsigned (&p_frag)[4 * REGS / MMA_K][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4 * REGS / MMA_K; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int chunk = 4 * kk + 2 * (i / 2), r = i % 2;
+            const __half2_raw lo = *(const __half2_raw *)&score[2 * chunk + r];
+            const __half2_raw hi = *(const __half2_raw *)&score[2 * chunk + 2 + r];
+            p_frag[kk][i] = (unsigned)__nv_cvt_halfraw2_to_fp8x2(lo, __NV_SATFINITE, __NV_E4M3) |
+                            (unsigned)__nv_cvt_halfraw2_to_fp8x2(hi, __NV_SATFINITE, __NV_E4M3) << 16;
+        }
+}
+#endif
+#else
+// P to fp16, in the A-operand layout, which for 16-bit types is the accumulator's own: per 16
+// keys (n8 chunks c, c + 1), rows g and g + 8 of keys 2t, 2t+1 of each chunk. V keeps key order.
+template <int SCORES>
+__device__ void pack_p(const float (&score)[SCORES], unsigned (&p_frag)[2 * SCORES / MMA_K][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 2 * SCORES / MMA_K; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int chunk = 2 * kk + i / 2, r = i % 2;  // n8 chunk `chunk`, row g + 8r
+            p_frag[kk][i] = pack_half2(score[4 * chunk + 2 * r], score[4 * chunk + 2 * r + 1]);
+        }
+}
+#endif
+
+// O times each row's rescale (FP8: and the change of V's units, next_v_units), before the next P V.
+template <int HEAD_DIM, typename Warpgroup>
+__device__ void rescale_output(Warpgroup &wg) {
+#if FP8_OPERANDS
+    const float v_units = next_v_units(wg);
+    const float factor[2] = {wg.rescale[0] * v_units, wg.rescale[1] * v_units};
+#else
+    const float factor[2] = {wg.rescale[0], wg.rescale[1]};
+#endif
+#pragma unroll
+    for (int chunk = 0; chunk < HEAD_DIM / 8; chunk++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) wg.o_acc[4 * chunk + j] *= factor[j / 2];
+}
+
+#if PINGPONG
+// Ping-pong: consumer warpgroup g issues its matrix products only after the one before it (g - 1,
+// in a ring) has issued its own (named barrier 1 + g: g's 128 threads wait, that one's 128
+// arrive), so that one warpgroup's softmax runs while the others' products keep the tensor cores
+// busy.
+__device__ void wait_turn(int group) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "n"(2 * WARPGROUP_THREADS) : "memory");
+}
+
+__device__ void pass_turn(int group, int consumers) {
+    const int next = consumers == 2 ? 1 - group : (group + 1) % consumers;  // the next warpgroup in the ring
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + next), "n"(2 * WARPGROUP_THREADS) : "memory");
+}
+#endif
+
+// What a consumer warpgroup keeps on chip; thread t holds rows row0 and row0 + 8 of each.
+#if FP16_SCORES
+template <int HEAD_DIM, bool WIDE>  // WIDE: its softmax checks every tile for logits past one HFMA2's reach
+#else
+template <int HEAD_DIM>
+#endif
+struct Consumer {
+#if FP16_SCORES
+    static constexpr bool WIDE_LOGITS = WIDE;
+#endif
+    float o_acc[HEAD_DIM / 2];  // O, unnormalised (FP8: in V's e4m3 units)
+#if FP16_SCORES
+    typename ScoreType<Config<HEAD_DIM>::SCORES_ARE_FP16>::T score[Config<HEAD_DIM>::SCORE_REGS];  // S, then 2^8 p
+#else
+    float score[Config<HEAD_DIM>::SCORE_REGS];  // S, then 2^8 p
+#endif
+    unsigned p_frag[Config<HEAD_DIM>::BLOCK_KV / MMA_K][4];  // P, the A operand of P V
+    float row_max[2], row_sum[2], rescale[2];
+    const unsigned char *q_rows;  // the warpgroup's 64 rows of the Q tile
+    int group, group_query0, row0;
+    float score_scale_log2;  // the softmax scale in log2 units (FP8: times Q's descale; K's is per tile)
+#if FP8_OPERANDS
+    float v_descale;       // O is kept in the units of the last V tile it accumulated
+    float next_v_descale;  // V's descale of the tile whose scores were computed last
+#endif
+};
+
+#if FP8_OPERANDS
+// Each V tile has its own scale: before P V of `tile` adds in that tile's units, O moves to them.
+template <typename Warpgroup>
+__device__ float next_v_units(Warpgroup &wg) {
+    const float ratio = wg.v_descale / wg.next_v_descale;
+    wg.v_descale = wg.next_v_descale;
+    return ratio;
+}
+#endif
+
+#if INTRA_OVERLAP
+// Whether a tile's scores are masked: decided here at run time, or by the caller's loop. With a
+// P V in flight the caller decides: a branch between the two waits makes ptxas wait for the P V
+// at its join, before the softmax it should overlap.
+enum MaskMode { MASK_IF_NEEDED, MASK_NONE, MASK_ALL };
+
+// Tile `tile` up to its probabilities: wait for its copy and for our turn, issue Q K^T (and, with
+// PV_IN_FLIGHT, P V of the previous tile right behind it), pass the turn, mask, softmax.
+template <int HEAD_DIM, bool PV_IN_FLIGHT, MaskMode MASK = MASK_IF_NEEDED, typename Warpgroup>
+#else
+// Tile `tile` up to its probabilities: wait for its copy, Q K^T, mask, softmax.
+template <int HEAD_DIM, typename Warpgroup>
+#endif
+__device__ void scores_and_softmax(Warpgroup &wg, const Smem &smem, const Work &w, int tile) {
+    typedef Config<HEAD_DIM> Cfg;
+    const int key0 = tile * Cfg::BLOCK_KV;
+#if FP8_OPERANDS
+    const float k_descale = descale_at(w.k_descales, tile);
+    const float *v_descales = w.v_descales;
+#if FP16_SCORES
+    if (Cfg::SCORES_ARE_FP16) {  // V's descales found from K's, one pointer fewer through the softmax (Q K^T)
+        int heads_tiles = (w.causal ? gridDim.x : gridDim.y) * ceil_div(w.seqlen, Cfg::BLOCK_KV);
+        asm volatile("" : "+r"(heads_tiles));
+        v_descales = w.k_descales + heads_tiles;
+    }
+#endif
+    wg.next_v_descale = descale_at(v_descales, tile);  // with K's, long before O needs it
+#endif
+    mbarrier_wait(&smem.kv_full[tile % Cfg::STAGES], tile / Cfg::STAGES % 2);
+#if PINGPONG
+    wait_turn(wg.group);
+#endif
+    issue_qk<HEAD_DIM>(wg.score, wg.q_rows, smem.k_ring + tile % Cfg::STAGES * Cfg::K_BYTES);
+#if INTRA_OVERLAP
+    if (PV_IN_FLIGHT) issue_pv<HEAD_DIM>(wg.o_acc, wg.p_frag, smem.v_ring + (tile - 1) % Cfg::STAGES * Cfg::V_BYTES);
+#endif
+#if PINGPONG
+    // Every wait_turn has its pass_turn: the last warpgroup passed one turn before the loop.
+    const bool last_group = Cfg::CONSUMERS == 2 ? wg.group != 0 : wg.group == Cfg::CONSUMERS - 1;
+    if (!last_group || tile < w.kv_tiles - 1) pass_turn(wg.group, Cfg::CONSUMERS);
+#endif
+#if INTRA_OVERLAP
+    if (PV_IN_FLIGHT) wgmma_wait<1>();  // S is in (groups complete in order); P V may still run
+    else wgmma_wait<0>();
+#else
+    wgmma_wait<0>();
+#endif
+    hold_registers(wg.score);
+    const bool needs_mask = key0 + Cfg::BLOCK_KV > w.seqlen || (w.causal && key0 + Cfg::BLOCK_KV - 1 > wg.group_query0);
+#if INTRA_OVERLAP
+    if (MASK == MASK_ALL || (MASK == MASK_IF_NEEDED && needs_mask))
+#else
+    if (needs_mask)
+#endif
+        mask_scores(wg.score, wg.row0, key0 + 2 * (threadIdx.x % 4), w.seqlen, w.causal);
+#if FP8_OPERANDS
+    const float scale_log2 = wg.score_scale_log2 * k_descale;  // K's descale is the tile's
+#else
+    const float scale_log2 = wg.score_scale_log2;
+#endif
+#if FP16_SCORES
+    if constexpr (Cfg::SCORES_ARE_FP16)
+        softmax_tile<Warpgroup::WIDE_LOGITS>(wg.score, wg.row_max, wg.row_sum, wg.rescale, scale_log2);
+    else
+#endif
+        softmax_tile(wg.score, wg.row_max, wg.row_sum, wg.rescale, scale_log2);
+}
+
+// O += P V for the tile whose P is in registers, waited for, then its stage released.
+template <int HEAD_DIM, typename Warpgroup>
+__device__ void finish_pv(Warpgroup &wg, const Smem &smem, const Work &w, int tile) {
+    issue_pv<HEAD_DIM>(wg.o_acc, wg.p_frag, smem.v_ring + tile % Config<HEAD_DIM>::STAGES * Config<HEAD_DIM>::V_BYTES);
+    wgmma_wait<0>();
+    hold_registers(wg.o_acc);
+    hold_registers(wg.p_frag);
+    release_stage<HEAD_DIM>(smem, w, tile);
+}
+
+#if INTRA_OVERLAP
+// EXERCISE 08.intra_overlap BEGIN: issue the P V of tile j-1 behind the Q K^T of tile j: it runs during j's softmax
+// Tile tile-1's probabilities into the A operand of its P V, once the P V before it (tile-2,
+// if any) is done and O is rescaled.
+template <int HEAD_DIM, typename Warpgroup>
+__device__ void previous_p_ready(Warpgroup &wg, const Smem &smem, const Work &w, int tile) {
+    wgmma_wait<0>();
+    hold_registers(wg.o_acc);
+    hold_registers(wg.p_frag);
+    if (tile >= 2) release_stage<HEAD_DIM>(smem, w, tile - 2);
+    rescale_output<HEAD_DIM>(wg);
+    pack_p(wg.score, wg.p_frag);
+}
+
+// One tile of the overlapped loop: tile's Q K^T and tile-1's P V issued together, tile's softmax,
+// and P of tile ready for the next P V. SOFTMAX_UNDER_PV: the wait for tile-1's P V comes first in
+// the body (P of tile-1 is made ready at the top), where ptxas cannot move it above the softmax;
+// after the softmax in the same block, ptxas schedules it early, before the softmax.
+template <int HEAD_DIM, MaskMode MASK, typename Warpgroup>
+__device__ void overlapped_tile(Warpgroup &wg, const Smem &smem, const Work &w, int tile) {
+    constexpr bool UNDER_PV = Config<HEAD_DIM>::SOFTMAX_UNDER_PV;
+    if (UNDER_PV) previous_p_ready<HEAD_DIM>(wg, smem, w, tile);
+    scores_and_softmax<HEAD_DIM, true, MASK>(wg, smem, w, tile);
+    if (!UNDER_PV) previous_p_ready<HEAD_DIM>(wg, smem, w, tile + 1);
+}
+// EXERCISE END
+#endif
+
+// A consumer warpgroup: its 64 query rows against every key tile, then O and LSE.
+template <int HEAD_DIM, typename Warpgroup>
+__device__ void consume(const Smem &smem, const Work &w, int group, float score_scale_log2, __half *o, float *lse) {
+    typedef Config<HEAD_DIM> Cfg;
+    const int lane = threadIdx.x % 32;
+    Warpgroup wg;
+    wg.group = group;
+    wg.group_query0 = w.query0 + group * WARPGROUP_ROWS;
+    wg.row0 = wg.group_query0 + threadIdx.x / 32 % 4 * 16 + lane / 4;
+    wg.q_rows = smem.q_tile + group * WARPGROUP_ROWS * Cfg::QK_SLICE;  // in every slice
+    wg.score_scale_log2 = score_scale_log2;
+#if FP8_OPERANDS
+    wg.v_descale = descale_at(w.v_descales, 0);
+#endif
+    for (int i = 0; i < HEAD_DIM / 2; i++) wg.o_acc[i] = 0.0f;
+    for (int r = 0; r < 2; r++) {
+        wg.row_max[r] = -INFINITY;
+        wg.row_sum[r] = 0.0f;
+    }
+    mbarrier_wait(smem.q_full, 0);
+#if PINGPONG
+    if (group == Cfg::CONSUMERS - 1) pass_turn(group, Cfg::CONSUMERS);  // warpgroup 0 goes first
+#endif
+
+#if INTRA_OVERLAP
+    // EXERCISE 08.intra_overlap BEGIN
+    // P V of tile j-1 is issued right behind Q K^T of tile j, in the same turn; O is rescaled
+    // once it is done, before the next P V. The tiles that need no mask come first, [0,
+    // unmasked_tiles), then the masked ones (the diagonal, the end of the sequence), each
+    // kind in its own loop.
+    const int unmasked_tiles = min(w.seqlen, w.causal ? wg.group_query0 + 1 : w.seqlen) / Cfg::BLOCK_KV;
+    constexpr bool UNDER_PV = Cfg::SOFTMAX_UNDER_PV;
+    scores_and_softmax<HEAD_DIM, false>(wg, smem, w, 0);
+    if (!UNDER_PV) previous_p_ready<HEAD_DIM>(wg, smem, w, 1);
+    for (int tile = 1; tile < unmasked_tiles; tile++) overlapped_tile<HEAD_DIM, MASK_NONE>(wg, smem, w, tile);
+    for (int tile = max(1, unmasked_tiles); tile < w.kv_tiles; tile++)
+        overlapped_tile<HEAD_DIM, MASK_ALL>(wg, smem, w, tile);
+    if (UNDER_PV) previous_p_ready<HEAD_DIM>(wg, smem, w, w.kv_tiles);
+    finish_pv<HEAD_DIM>(wg, smem, w, w.kv_tiles - 1);
+    // EXERCISE 08.intra_overlap STUB
+    // for (int tile = 0; tile < w.kv_tiles; tile++) {
+    //     scores_and_softmax<HEAD_DIM, false>(wg, smem, w, tile);
+    //     rescale_output<HEAD_DIM>(wg);
+    //     pack_p(wg.score, wg.p_frag);
+    //     finish_pv<HEAD_DIM>(wg, smem, w, tile);
+    // }
+    // EXERCISE END
+#else
+    // Each tile in turn: its scores and softmax, then its P V, waited for.
+    for (int tile = 0; tile < w.kv_tiles; tile++) {
+        scores_and_softmax<HEAD_DIM>(wg, smem, w, tile);
+        rescale_output<HEAD_DIM>(wg);
+        pack_p(wg.score, wg.p_frag);
+        finish_pv<HEAD_DIM>(wg, smem, w, tile);
+    }
+#endif
+
+    // O = accumulator (FP8: times V's descale) / sum, LSE = ln(sum) + max (p was scaled by 2^8), once each.
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int query = wg.row0 + 8 * r;
+#if FP8_OPERANDS
+        const float sum = quad_sum(wg.row_sum[r]), scale_out = wg.v_descale / sum;
+#else
+        const float sum = quad_sum(wg.row_sum[r]), scale_out = 1.0f / sum;
+#endif
+        if (query >= w.seqlen) continue;
+        __half *o_row = o + ((size_t)w.head * w.seqlen + query) * HEAD_DIM + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; j++)
+            *(unsigned *)&o_row[8 * j] =
+                pack_half2(wg.o_acc[4 * j + 2 * r] * scale_out, wg.o_acc[4 * j + 2 * r + 1] * scale_out);
+        if (lane % 4 == 0) lse[(size_t)w.head * w.seqlen + query] = (wg.row_max[r] + log2f(sum) - P_SCALE_LOG2) * LN2;
+    }
+}
+
+// --- The kernel ----------------------------------------------------------------------------
+#if FP16_SCORES
+// Whether a consumer's logits can pass HALF_MAX_LIMIT: |S| <= HEAD_DIM * QK_RANGE^2 in e4m3 units,
+// times its Q descale (in score_scale_log2, with the softmax scale) and the largest K descale
+// among the block's key tiles. The same in every lane of a warpgroup.
+template <int HEAD_DIM>
+__device__ bool logits_may_be_wide(const Work &w, float score_scale_log2) {
+    float k_descale = 0.0f;
+    for (int tile = threadIdx.x % 32; tile < w.kv_tiles; tile += 32)
+        k_descale = fmaxf(k_descale, descale_at(w.k_descales, tile));
+    for (int offset = 16; offset > 0; offset /= 2)
+        k_descale = fmaxf(k_descale, __shfl_xor_sync(0xffffffff, k_descale, offset));
+    const float reach = HEAD_DIM * Config<HEAD_DIM>::QK_RANGE * Config<HEAD_DIM>::QK_RANGE;
+    return reach * score_scale_log2 * k_descale > HALF_MAX_LIMIT;
+}
+
+// A consumer whose logits may pass one HFMA2's reach runs the loop that checks every tile for them.
+template <int HEAD_DIM>
+__device__ void consume_by_reach(const Smem &smem, const Work &w, int group, float score_scale_log2, __half *o,
+                                 float *lse, bool wide) {
+    if (!wide) consume<HEAD_DIM, Consumer<HEAD_DIM, false>>(smem, w, group, score_scale_log2, o, lse);
+    else if constexpr (Config<HEAD_DIM>::SCORES_ARE_FP16)
+        consume<HEAD_DIM, Consumer<HEAD_DIM, true>>(smem, w, group, score_scale_log2, o, lse);
+}
+#endif
+
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
+    attention_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                     const __grid_constant__ CUtensorMap v_map, const float *descales, __half *o, float *lse,
+                     int seqlen, int heads, float scale_log2e, int causal) {
+    typedef Config<HEAD_DIM> Cfg;
+    extern __shared__ unsigned char smem_raw[];
+    const Smem smem = smem_layout<HEAD_DIM>(smem_raw);
+    const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
+    Work w;
+    w.k_map = &k_map;
+    w.v_map = &v_map;
+    w.head = causal ? blockIdx.x : blockIdx.y;
+    w.query0 = query_tile * Cfg::BLOCK_Q;
+    w.seqlen = seqlen;
+    w.causal = causal;
+    w.kv_tiles =
+        ceil_div(causal ? min(seqlen, w.query0 + Cfg::BLOCK_Q) : seqlen, Cfg::BLOCK_KV);  // causal: to the diagonal
+
+#if FP8_OPERANDS
+    // The descales, Q's [b*h][Q scale tile] then K's and V's [b*h][key tile], fold into the softmax
+    // scale (Q per consumer warpgroup, K per tile) and into O (V per tile).
+    const int q_scale_tiles = ceil_div(seqlen, Q_SCALE_ROWS), key_tiles = ceil_div(seqlen, Cfg::BLOCK_KV);
+    const int consumer = max(0, (int)(threadIdx.x / WARPGROUP_THREADS) - WARP_SPECIALISED);
+    const int q_scale_tile = Cfg::BLOCK_Q == Q_SCALE_ROWS
+                                 ? query_tile  // the block's query tile is Q's scale tile
+                                 : min((w.query0 + consumer * WARPGROUP_ROWS) / Q_SCALE_ROWS, q_scale_tiles - 1);
+    const float *kv_descales = descales + heads * q_scale_tiles;
+    const float score_scale_log2 = scale_log2e * descales[w.head * q_scale_tiles + q_scale_tile];
+    w.k_descales = kv_descales + w.head * key_tiles;
+    w.v_descales = kv_descales + (heads + w.head) * key_tiles;
+#else
+    const float score_scale_log2 = scale_log2e;  // (descales: NULL, fp16 operands have none)
+#endif
+#if FP16_SCORES
+    // Whether a consumer's logits may pass one HFMA2's reach, which picks its loop. Asked before
+    // the setup, its loads overlap it (asked after it, ptxas spills in the loop); the producer
+    // does not ask, so thread 0 loads Q and fills the ring at once.
+    bool wide = false;
+    if constexpr (Cfg::SCORES_ARE_FP16)
+        if (!WARP_SPECIALISED || threadIdx.x >= WARPGROUP_THREADS)
+            wide = logits_may_be_wide<HEAD_DIM>(w, score_scale_log2);
+#endif
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(smem.q_full, 1);
+        for (int i = 0; i < Cfg::STAGES; i++) {
+            mbarrier_init(&smem.kv_full[i], 1);
+            mbarrier_init(&smem.kv_empty[i], Cfg::CONSUMER_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbarrier_arrive_expect_bytes(smem.q_full, Cfg::Q_BYTES);
+        for (int slice = 0; slice < Cfg::QK_SLICES; slice++)
+            tma_load(smem.q_tile + slice * Cfg::BLOCK_Q * Cfg::QK_SLICE, &q_map, smem.q_full, slice * Cfg::QK_SLICE,
+                     w.query0, w.head);
+        // The ring's first tiles, at once; the producer (before 08.2: release_stage) refills it.
+        for (int tile = 0; tile < min(Cfg::STAGES, w.kv_tiles); tile++) load_kv_tile<HEAD_DIM>(smem, w, tile);
+    }
+    __syncthreads();  // the barriers are initialised before anyone waits on them
+
+    const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
+#if WARP_SPECIALISED
+    // Warp specialisation: warpgroup 0 only copies and gives most of its registers to the
+    // consumer warpgroups, which only compute.
+    if (warpgroup == 0) {
+        setmaxnreg_dec<PRODUCER_REGISTERS>();
+        if (threadIdx.x == 0) produce<HEAD_DIM>(smem, w);
+    } else {
+        setmaxnreg_inc<Cfg::CONSUMER_REGISTERS>();
+#if FP16_SCORES
+        consume_by_reach<HEAD_DIM>(smem, w, warpgroup - 1, score_scale_log2, o, lse, wide);
+#else
+        consume<HEAD_DIM, Consumer<HEAD_DIM>>(smem, w, warpgroup - 1, score_scale_log2, o, lse);
+#endif
+    }
+#else
+#if FP16_SCORES
+    consume_by_reach<HEAD_DIM>(smem, w, warpgroup, score_scale_log2, o, lse, wide);
+#else
+    consume<HEAD_DIM, Consumer<HEAD_DIM>>(smem, w, warpgroup, score_scale_log2, o, lse);
+#endif
+#endif
+}
+
+#if FP8_OPERANDS
+// --- Quantisation (08.4 on): e4m3 copies, one scale per tile of each (b, h) and tensor -------
 // A scale per tile rather than per (b, h) makes the quantisation one pass: a block reads its
 // tile once, finds its max |x|, and writes the e4m3 copy and the descale. It is also finer: one
 // outlier costs the resolution of its tile, not of the whole head. Q's tile is Q_SCALE_ROWS
@@ -268,899 +1266,7 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::BLOCK_KV *HEAD_DIM / 128)
                                                      vt8 + head * HEAD_DIM * seqlen_padded + row0, rows,
                                                      seqlen_padded - row0, seqlen_padded, tile, descale);
 }
-
-// --- Hopper's asynchronous machinery, as the PTX ISA documents it --------------------------
-__device__ unsigned smem_address(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-// An mbarrier completes a phase once `count` threads have arrived and every byte announced with
-// expect_tx has landed; waiters name the phase parity they wait for.
-__device__ void mbarrier_init(uint64_t *barrier, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(barrier)), "r"(count));
-}
-
-__device__ void mbarrier_arrive_expect_bytes(uint64_t *barrier, int bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(barrier)), "r"(bytes)
-                 : "memory");
-}
-
-__device__ void mbarrier_arrive(uint64_t *barrier) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(barrier)) : "memory");
-}
-
-__device__ void mbarrier_wait(uint64_t *barrier, int phase) {
-    unsigned done;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(smem_address(barrier)), "r"(phase)
-            : "memory");
-    } while (!done);
-}
-
-// TMA: copy the box at (x, y, z) of a tensor map into shared memory; its bytes count towards
-// the barrier's transaction. Rows outside the tensor arrive as zeros.
-__device__ void tma_load(void *dst, const CUtensorMap *map, uint64_t *barrier, int x, int y, int z) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
-        "[%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(smem_address(dst)),
-        "l"(map), "r"(smem_address(barrier)), "r"(x), "r"(y), "r"(z)
-        : "memory");
-}
-
-// A wgmma operand in shared memory: a K-major tile whose rows are row_bytes (64 or 128) long,
-// swizzled as TMA wrote it. Fields: start address, leading byte offset (unused by swizzled
-// K-major tiles: 1), stride byte offset (8 rows, one swizzle atom), swizzle mode; all >> 4.
-__device__ uint64_t smem_descriptor_at(unsigned address, int row_bytes) {
-    const uint64_t mode = row_bytes == 128 ? 1 : 2;  // 128-byte or 64-byte swizzle
-    return (uint64_t)(address & 0x3FFFF) >> 4 | 1ull << 16 | (uint64_t)(8 * row_bytes >> 4) << 32 | mode << 62;
-}
-
-__device__ uint64_t smem_descriptor(const void *tile, int row_bytes) {
-    return smem_descriptor_at(smem_address(tile), row_bytes);
-}
-
-// fp16 operands: V as it lies in memory, [keys][dims], read MN-major (wgmma's transpose bit, which
-// 16-bit types have): rows of 128 bytes (64 dims) swizzled as TMA wrote them, 8-row groups of keys
-// 1024 bytes apart (stride byte offset), 64-dim column blocks block_bytes apart (leading byte offset).
-__device__ uint64_t smem_descriptor_mn_major(const void *tile, int block_bytes) {
-    return (uint64_t)(smem_address(tile) & 0x3FFFF) >> 4 | (uint64_t)(block_bytes >> 4) << 16 |
-           (uint64_t)(8 * SLICE_BYTES >> 4) << 32 | 1ull << 62;
-}
-
-// wgmma runs asynchronously: fence (operand registers ready), issue, commit, wait.
-__device__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int PENDING>  // wait until at most PENDING committed groups are still running
-__device__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
-}
-
-// Keeps the compiler from moving reads or writes of wgmma operands across the async region.
-template <int COUNT>
-__device__ void hold_registers(float (&acc)[COUNT]) {
-#pragma unroll
-    for (int i = 0; i < COUNT; i++) asm volatile("" : "+f"(acc[i])::"memory");
-}
-
-template <int COUNT>
-__device__ void hold_registers(unsigned (&acc)[COUNT]) {
-#pragma unroll
-    for (int i = 0; i < COUNT; i++) asm volatile("" : "+r"(acc[i])::"memory");
-}
-
-template <int FRAGS>
-__device__ void hold_registers(unsigned (&frag)[FRAGS][4]) {
-#pragma unroll
-    for (int i = 0; i < FRAGS; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) asm volatile("" : "+r"(frag[i][j])::"memory");
-}
-
-// setmaxnreg: a warpgroup gives registers back to the SM or takes more (sm_90a). Only with warp
-// specialisation, where the roles differ.
-template <int REGISTERS>
-__device__ void setmaxnreg_dec() {
-    if (WARP_SPECIALISED) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
-}
-
-template <int REGISTERS>
-__device__ void setmaxnreg_inc() {
-    if (WARP_SPECIALISED) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
-}
-
-#define ACC8(d, i)                                                                                              \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
-        "+f"(d[i + 7])
-#define ACC32(d, i) ACC8(d, i), ACC8(d, i + 8), ACC8(d, i + 16), ACC8(d, i + 24)
-#define REGS32                                                               \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define REGS64                                                                      \
-    REGS32                                                                          \
-    ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
-    "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define REGS96                                                                           \
-    REGS64                                                                               \
-    ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
-#define REGS128                                                                                \
-    REGS96                                                                                     \
-    ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, " \
-    "%111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-
-// The instruction's k and types, and its trailing immediates: with A in registers, scale-d (1:
-// accumulate) first; then scale-a and scale-b (1: no negation), and for 16-bit types whether A
-// (shared A only) and B are transposed (0: K-major; 1: B, V, is read MN-major).
-#if FP16_OPERANDS
-#define WGMMA_K_TYPES "k16.f32.f16.f16"
-#define WGMMA_SHARED_A_IMM "1, 1, 0, 0"
-#define WGMMA_REGISTER_A_IMM "1, 1, 1, 1"
-#else
-#define WGMMA_K_TYPES "k32.f32.e4m3.e4m3"
-#define WGMMA_SHARED_A_IMM "1, 1"
-#define WGMMA_REGISTER_A_IMM "1, 1, 1"
 #endif
-
-// d (64 x 128 fp32) = A (64 x MMA_K, shared) * B (MMA_K x 128, shared) [+ d if accumulate].
-// Thread t of the warpgroup holds d rows 16 (t/32) + t%32/4 (+8), columns 8c + 2 (t%4) (+1).
-__device__ void wgmma_64x128_shared_a(float (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128" WGMMA_K_TYPES " {" REGS64 "}, %64, %65, acc, " WGMMA_SHARED_A_IMM
-        ";\n}\n"
-        : ACC32(d, 0), ACC32(d, 32)
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
-}
-
-// The same, 192 columns wide.
-__device__ void wgmma_64x192_shared_a(float (&d)[96], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %98, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n192" WGMMA_K_TYPES " {" REGS96 "}, %96, %97, acc, " WGMMA_SHARED_A_IMM
-        ";\n}\n"
-        : ACC32(d, 0), ACC32(d, 32), ACC32(d, 64)
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
-}
-
-// The same, 256 columns wide: 128 score registers, too many at D = 128 beside O and the P of an
-// overlapped P V (ptxas then serialises the wgmmas); see the README.
-__device__ void wgmma_64x256_shared_a(float (&d)[128], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256" WGMMA_K_TYPES " {" REGS128 "}, %128, %129, acc, " WGMMA_SHARED_A_IMM
-        ";\n}\n"
-        : ACC32(d, 0), ACC32(d, 32), ACC32(d, 64), ACC32(d, 96)
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
-}
-
-// S (64 x BLOCK_KV, SCORES = BLOCK_KV / 2 a thread) [+]= Q K^T's k-step.
-template <int SCORES>
-__device__ void wgmma_qk(float (&score)[SCORES], uint64_t q_desc, uint64_t k_desc, int accumulate) {
-    static_assert(SCORES == 64 || SCORES == 96 || SCORES == 128, "a wgmma of Q K^T for 128, 192 or 256 keys");
-    if constexpr (SCORES == 128) wgmma_64x256_shared_a(score, q_desc, k_desc, accumulate);
-    else if constexpr (SCORES == 96) wgmma_64x192_shared_a(score, q_desc, k_desc, accumulate);
-    else wgmma_64x128_shared_a(score, q_desc, k_desc, accumulate);
-}
-
-// S in fp16 (SCORES_F16): the same products accumulated in fp16, each register holding the two
-// adjacent columns that fp32 keeps in two. Only e4m3 operands are used this way.
-#define ACCH8(d, i)                                                                                             \
-    "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), "+r"(d[i + 6]), \
-        "+r"(d[i + 7])
-#define ACCH32(d, i) ACCH8(d, i), ACCH8(d, i + 8), ACCH8(d, i + 16), ACCH8(d, i + 24)
-#define REGS48 REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
-
-__device__ void wgmma_64x128_f16_shared_a(unsigned (&d)[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f16.e4m3.e4m3 {" REGS32 "}, %32, %33, acc, 1, 1;\n}\n"
-        : ACCH32(d, 0)
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
-}
-
-__device__ void wgmma_64x192_f16_shared_a(unsigned (&d)[48], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %50, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n192k32.f16.e4m3.e4m3 {" REGS48 "}, %48, %49, acc, 1, 1;\n}\n"
-        : ACCH32(d, 0), ACCH8(d, 32), ACCH8(d, 40)
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
-}
-
-__device__ void wgmma_64x256_f16_shared_a(unsigned (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 {" REGS64 "}, %64, %65, acc, 1, 1;\n}\n"
-        : ACCH32(d, 0), ACCH32(d, 32)
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
-}
-
-template <int REGS>
-__device__ void wgmma_qk(unsigned (&score)[REGS], uint64_t q_desc, uint64_t k_desc, int accumulate) {
-    static_assert(REGS == 32 || REGS == 48 || REGS == 64, "a wgmma of Q K^T for 128, 192 or 256 keys");
-    if constexpr (REGS == 64) wgmma_64x256_f16_shared_a(score, q_desc, k_desc, accumulate);
-    else if constexpr (REGS == 48) wgmma_64x192_f16_shared_a(score, q_desc, k_desc, accumulate);
-    else wgmma_64x128_f16_shared_a(score, q_desc, k_desc, accumulate);
-}
-
-// d (64 x N fp32) += A (64 x MMA_K in registers: 4 x 4 bytes per thread) * B (MMA_K x N, shared).
-__device__ void wgmma_64x128_register_a(float (&d)[64], const unsigned (&a)[4], uint64_t b_desc) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128" WGMMA_K_TYPES " {" REGS64
-                 "}, {%64, %65, %66, %67}, %68, " WGMMA_REGISTER_A_IMM ";\n"
-                 : ACC32(d, 0), ACC32(d, 32)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
-}
-
-__device__ void wgmma_64x64_register_a(float (&d)[32], const unsigned (&a)[4], uint64_t b_desc) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64" WGMMA_K_TYPES " {" REGS32
-                 "}, {%32, %33, %34, %35}, %36, " WGMMA_REGISTER_A_IMM ";\n"
-                 : ACC32(d, 0)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
-}
-
-template <int HEAD_DIM>
-__device__ void wgmma_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p)[4], uint64_t v_desc) {
-    if constexpr (HEAD_DIM == 128) wgmma_64x128_register_a(o_acc, p, v_desc);
-    else wgmma_64x64_register_a(o_acc, p, v_desc);
-}
-
-// Four fp32 values to four e4m3 bytes, the first in the lowest byte.
-__device__ unsigned pack_e4m3x4(float a, float b, float c, float d) {
-    unsigned lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-    unsigned hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
-    return lo | hi << 16;
-}
-
-__device__ unsigned pack_half2(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *(unsigned *)&h;
-}
-
-// --- Online softmax on the accumulators (as 07) ----------------------------------------------
-__device__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// 2^x on the FMA units, for when the MUFU pipe (16 ex2 a cycle per SM) is the limit: x = j + f
-// with j an integer and |f| <= 1/2, 2^f by a cubic (relative error 7.5e-5: P becomes e4m3,
-// whose steps are 2^-4), 2^j added into the exponent bits. Adding 1.5 * 2^23 rounds x to the
-// integer j in the low mantissa bits, from where a shift by 23 moves it into the exponent.
-__device__ float exp2_fma(float x) {
-    const float rounder = 12582912.0f;  // 1.5 * 2^23
-    x = fmaxf(x, -126.0f);              // 2^-126 and below are 0 to P anyway
-    const float shifted = x + rounder, f = x - (shifted - rounder);
-    float p = fmaf(fmaf(fmaf(0.0551716425f, f, 0.242611170f), f, 0.693260968f), f, 0.999928057f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
-}
-
-// Whether the exponentials of 8-key chunk c go to the FMA units: one chunk in `every` (0: none).
-__device__ constexpr bool exp2_on_fma(int c, int every) { return every > 0 && (c + 1) % every == 0; }
-
-__device__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-
-__device__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffff, x, 1);
-    return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
-
-// Accumulator element j of a thread: row row0 + 8 (j%4/2), column col0 + 8 (j/4) + j%2.
-template <int SCORES>
-__device__ void mask_scores(float (&score)[SCORES], int row0, int col0, int seqlen, int causal) {
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int query = row0 + 8 * r;
-        const int key_limit = causal ? min(seqlen, query + 1) : seqlen;  // first hidden key
-#pragma unroll
-        for (int c = 0; c < SCORES / 4; c++)
-#pragma unroll
-            for (int e = 0; e < 2; e++)
-                if (col0 + 8 * c + e >= key_limit) score[4 * c + 2 * r + e] = -INFINITY;
-    }
-}
-
-__device__ __half2 as_half2(unsigned bits) { return *(__half2 *)&bits; }
-__device__ unsigned as_bits(__half2 h) { return *(unsigned *)&h; }
-
-// The same on fp16 scores: register i holds row 8 (i % 2), columns 8 (i / 2) and the one after.
-template <int REGS>
-__device__ void mask_scores(unsigned (&score)[REGS], int row0, int col0, int seqlen, int causal) {
-    const __half minus_inf = __ushort_as_half(0xfc00);
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int query = row0 + 8 * r;
-        const int key_limit = causal ? min(seqlen, query + 1) : seqlen;
-#pragma unroll
-        for (int c = 0; c < REGS / 2; c++) {
-            __half2 x = as_half2(score[2 * c + r]);
-            if (col0 + 8 * c >= key_limit) x.x = minus_inf;
-            if (col0 + 8 * c + 1 >= key_limit) x.y = minus_inf;
-            score[2 * c + r] = as_bits(x);
-        }
-    }
-}
-
-// --- The kernel's parts -------------------------------------------------------------------
-struct Smem {
-    unsigned char *q_tile;  // [BLOCK_Q][HEAD_DIM]
-    unsigned char *k_ring;  // [STAGES][BLOCK_KV][HEAD_DIM]
-    unsigned char *v_ring;  // [STAGES][HEAD_DIM][BLOCK_KV]
-    uint64_t *q_full, *kv_full, *kv_empty;
-};
-
-template <int HEAD_DIM>
-__device__ Smem smem_layout(unsigned char *raw) {
-    typedef Config<HEAD_DIM> C;
-    Smem s;
-    s.q_tile = (unsigned char *)(((uintptr_t)raw + 1023) & ~(uintptr_t)1023);
-    s.k_ring = s.q_tile + C::Q_BYTES;
-    s.v_ring = s.k_ring + C::STAGES * C::K_BYTES;
-    s.q_full = (uint64_t *)(s.v_ring + C::STAGES * C::V_BYTES);
-    s.kv_full = s.q_full + 1;
-    s.kv_empty = s.kv_full + C::STAGES;
-    return s;
-}
-
-// A tile's descale; fp16 operands have none.
-__device__ float descale_at(const float *descales, int tile) { return FP16_OPERANDS ? 1.0f : __ldg(&descales[tile]); }
-
-// What a block works on, and where its copies come from.
-struct Work {
-    const CUtensorMap *k_map, *vt_map;
-    const float *k_descales, *v_descales;  // one per key tile of this (b, h)
-    int head, query0, kv_tiles, seqlen, causal;
-};
-
-// TMA: the K and V tiles of `tile` into their ring stage; its full barrier completes once all
-// bytes have landed.
-template <int HEAD_DIM>
-__device__ void load_kv_tile(const Smem &s, const Work &w, int tile) {
-    typedef Config<HEAD_DIM> C;
-    const int stage = tile % C::STAGES;
-    mbarrier_arrive_expect_bytes(&s.kv_full[stage], C::K_BYTES + C::V_BYTES);
-    for (int slice = 0; slice < C::QK_SLICES; slice++)
-        tma_load(s.k_ring + stage * C::K_BYTES + slice * C::BLOCK_KV * C::QK_SLICE, w.k_map, &s.kv_full[stage],
-                 slice * C::QK_SLICE, tile * C::BLOCK_KV, w.head);
-    if (FP16_OPERANDS)  // V in K's layout: [slice][key][128 bytes of dims]
-        for (int slice = 0; slice < C::QK_SLICES; slice++)
-            tma_load(s.v_ring + stage * C::V_BYTES + slice * C::BLOCK_KV * C::QK_SLICE, w.vt_map, &s.kv_full[stage],
-                     slice * C::QK_SLICE, tile * C::BLOCK_KV, w.head);
-    else  // Vt: [slice][dim][128 bytes of keys]
-        for (int slice = 0; slice < C::V_SLICES; slice++)
-            tma_load(s.v_ring + stage * C::V_BYTES + slice * HEAD_DIM * C::V_SLICE, w.vt_map, &s.kv_full[stage],
-                     tile * C::BLOCK_KV * ELEMENT_BYTES + slice * C::V_SLICE, 0, w.head);
-}
-
-// The producer warpgroup's one thread: every (K, V) tile pair, each into a stage once it is empty.
-template <int HEAD_DIM>
-__device__ void produce(const Smem &s, const Work &w) {
-    constexpr int STAGES = Config<HEAD_DIM>::STAGES;
-    for (int tile = STAGES; tile < w.kv_tiles; tile++) {  // the first STAGES are loaded with Q
-        mbarrier_wait(&s.kv_empty[tile % STAGES], (tile / STAGES - 1) % 2);
-        load_kv_tile<HEAD_DIM>(s, w, tile);
-    }
-}
-
-// A consumer is done with the stage of `tile`. Without a producer warpgroup, thread 0 then
-// refills it with the tile STAGES ahead, once every warp has let go of it.
-template <int HEAD_DIM>
-__device__ void release_stage(const Smem &s, const Work &w, int tile) {
-    constexpr int STAGES = Config<HEAD_DIM>::STAGES;
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) mbarrier_arrive(&s.kv_empty[tile % STAGES]);
-    if (!WARP_SPECIALISED && threadIdx.x == 0 && tile + STAGES < w.kv_tiles) {
-        mbarrier_wait(&s.kv_empty[tile % STAGES], tile / STAGES % 2);
-        load_kv_tile<HEAD_DIM>(s, w, tile + STAGES);
-    }
-    __syncwarp();
-}
-
-// Where k-step ks (32 bytes of every row) of a tile starts: in slice ks * 32 / slice_bytes,
-// each slice being slice_stride bytes (all the tile's rows) long.
-__device__ int kstep_offset(int slice_stride, int slice_bytes, int ks) {
-    return ks * KSTEP_BYTES / slice_bytes * slice_stride + ks * KSTEP_BYTES % slice_bytes;
-}
-
-__device__ const unsigned char *kstep(const unsigned char *tile, int slice_stride, int slice_bytes, int ks) {
-    return tile + kstep_offset(slice_stride, slice_bytes, ks);
-}
-
-// S = Q K^T for the warpgroup's 64 rows: HEAD_DIM / MMA_K wgmmas, issued, not waited for.
-template <int HEAD_DIM>
-__device__ void issue_qk(typename ScoreType<Config<HEAD_DIM>::HALF_SCORES>::T (&score)[Config<HEAD_DIM>::SCORE_REGS],
-                         const unsigned char *q_rows, const unsigned char *k_tile) {
-    typedef Config<HEAD_DIM> C;
-    // Q's descriptors are the same every tile. With fp16 scores they are rebuilt here from one
-    // 32-bit address, rather than held in eight registers through the softmax, where 256 scores
-    // and the overlap leave none to spare (the empty asm keeps them from being hoisted).
-    unsigned q_address = smem_address(q_rows);
-    if (C::HALF_SCORES) asm volatile("" : "+r"(q_address));
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++)
-        wgmma_qk(score,
-                 smem_descriptor_at(q_address + kstep_offset(C::BLOCK_Q * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE),
-                 smem_descriptor(kstep(k_tile, C::BLOCK_KV * C::QK_SLICE, C::QK_SLICE, ks), C::QK_SLICE), ks > 0);
-    wgmma_commit();
-}
-
-// O += P V: P from registers, V from shared memory (FP8: Vt, K-major; fp16: V, MN-major); issued.
-template <int HEAD_DIM>
-__device__ void issue_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p_frag)[Config<HEAD_DIM>::BLOCK_KV / MMA_K][4],
-                         const unsigned char *v_tile) {
-    typedef Config<HEAD_DIM> C;
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < C::BLOCK_KV / MMA_K; kk++)
-        wgmma_pv<HEAD_DIM>(o_acc, p_frag[kk],
-                           FP16_OPERANDS
-                               ? smem_descriptor_mn_major(v_tile + kk * MMA_K * C::QK_SLICE, C::BLOCK_KV * C::QK_SLICE)
-                               : smem_descriptor(kstep(v_tile, HEAD_DIM * C::V_SLICE, C::V_SLICE, kk), C::V_SLICE));
-    wgmma_commit();
-}
-
-// Online softmax of one score tile, in log2 units: the new row max, the factor that rescales the
-// old sum and O (O is the caller's: it may still be in flight), and the scores turned into 2^8 p.
-template <int SCORES>
-__device__ void softmax_tile(float (&score)[SCORES], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
-                             float scale_log2) {
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        // Two running maxima and two running sums per row, not one: shorter dependency chains.
-        float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int c = 0; c < SCORES / 4; c++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) tile_max[e] = fmaxf(tile_max[e], score[4 * c + 2 * r + e]);
-        const float new_max = fmaxf(row_max[r], quad_max(fmaxf(tile_max[0], tile_max[1])) * scale_log2);
-        const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key yet stays empty
-        rescale[r] = exp2_approx(row_max[r] - base);
-        row_max[r] = new_max;
-        float tile_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int c = 0; c < SCORES / 4; c++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                float *x = &score[4 * c + 2 * r + e];
-                const float power = fmaf(*x, scale_log2, P_SCALE_LOG2 - base);
-                *x = exp2_on_fma(c, EXP2_FMA_EVERY) ? exp2_fma(power) : exp2_approx(power);
-                tile_sum[e] += *x;
-            }
-        row_sum[r] = row_sum[r] * rescale[r] + (tile_sum[0] + tile_sum[1]);
-    }
-}
-
-// 2^x of two halves: two MUFU.EX2.F16 (cuda_fp16's h2exp2 goes through fp32 on sm_90).
-__device__ __half2 exp2_approx_h2(__half2 x) {
-    unsigned y;
-    asm("ex2.approx.f16x2 %0, %1;\n" : "=r"(y) : "r"(as_bits(x)));
-    return as_half2(y);
-}
-
-// 2^x of two halves on the FMA units (SPLIT_EXP2), as exp2_fma does for one float, two at a time:
-// x = j + f, 2^f by a cubic in half2 (relative error 6e-4, fp16's own rounding is 5e-4), times 2^j
-// made in the exponent bits. Adding 1536 (1.5 * 2^10) leaves x rounded to the integer j in the
-// low mantissa bits of each half, 0x6600 + j, and (bits - 0x65F1) << 10 is then the half 2^j
-// (exponent field j + 15) in both lanes at once. x <= -15 gives 0 (exponent field 0): e4m3's P
-// holds nothing that small (2^-15 of p's 2^8 scale) anyway.
-__device__ __half2 exp2_fma_h2(__half2 x) {
-    const __half2 rounder = as_half2(0x66006600u);  // 1536
-    x = __hmax2(x, as_half2(0xcb80cb80u));          // -15
-    const __half2 shifted = __hadd2(x, rounder);
-    const __half2 f = __hsub2(x, __hsub2(shifted, rounder));               // in [-1/2, 1/2]
-    __half2 p = __hfma2(as_half2(0x2b0d2b0du), f, as_half2(0x33c333c3u));  // 0.05509 f + 0.2426
-    p = __hfma2(p, f, as_half2(0x398c398cu));                              // ... + 0.6934
-    p = __hfma2(p, f, as_half2(0x3c003c00u));                              // ... + 1
-    const unsigned two_to_j = (as_bits(shifted) - 0x65f165f1u) << 10;
-    return __hmul2(p, as_half2(two_to_j));
-}
-
-// The exponent s * scale + (8 - max) as one HFMA2 needs the offset 8 - max in fp16 to within 1
-// (|max| < 2^11 in log2 units) and a finite scale.
-#define HALF_MAX_LIMIT 2000.0f
-#define HALF_SCALE_LIMIT 32768.0f
-
-// The largest score of row r (0: row0, 1: row0 + 8) of the quad's fp16 tile.
-template <int REGS>
-__device__ float row_top(const unsigned (&score)[REGS], int r) {
-    __half2 tile_max[2] = {as_half2(0xfc00fc00u), as_half2(0xfc00fc00u)};
-#pragma unroll
-    for (int c = 0; c < REGS / 2; c++) tile_max[c % 2] = __hmax2(tile_max[c % 2], as_half2(score[2 * c + r]));
-    const __half2 both = __hmax2(tile_max[0], tile_max[1]);
-    return quad_max(fmaxf(__low2float(both), __high2float(both)));
-}
-
-// Logits past HALF_MAX_LIMIT (rare): each row's scores minus a max, in place, in their own
-// units, so that the offset stays small. That max is the tile's own (exact: an fp16 score) where
-// it leads the row, otherwise the row's reference so far (row_max) in this tile's units rounded
-// down, the remainder going into the offset. The row's reference never drifts. Both sides of the
-// comparison are in the units the HFMA2 computes, the scale rounded to fp16: a max taken with
-// the fp32 scale differs from them by up to 2^-11 of it, which past ~10^4 is enough to push the
-// whole tile's p out of fp16's range.
-template <int REGS>
-__device__ void recentre_scores(unsigned (&score)[REGS], const float (&row_max)[2], __half scale_h, __half (&offset)[2],
-                                float (&reference)[2]) {
-    const float scale = __half2float(scale_h);
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const float top = row_top(score, r);                // again: the rare way keeps no registers for it
-        const bool tile_leads = top * scale >= row_max[r];  // or the row starts here (row_max -inf)
-        const float earlier = fminf(fmaxf(row_max[r] / scale, -65504.0f), 65504.0f);
-        const __half max_scores =
-            tile_leads ? __float2half_rn(top == -INFINITY ? 0.0f : top) : __float2half_rd(earlier);  // empty: 0
-        const float gap = tile_leads ? 0.0f : row_max[r] - __half2float(max_scores) * scale;
-        offset[r] = __float2half_rn(P_SCALE_LOG2 - gap);
-        reference[r] = tile_leads ? __half2float(max_scores) * scale : row_max[r];
-#pragma unroll
-        for (int c = 0; c < REGS / 2; c++)
-            score[2 * c + r] = as_bits(__hsub2(as_half2(score[2 * c + r]), __half2half2(max_scores)));
-    }
-}
-
-// The same on fp16 scores, two keys an instruction: the row max on half2, 2^x as two
-// MUFU.EX2.F16 (in one 8-key chunk of five, a cubic on the FMA units instead, which runs beside
-// the special-function unit), the sums on half2 (two chains). The exponent is one HFMA2, s * scale + offset,
-// with the offset 8 - max rounded to fp16 downwards; that rounded value becomes the row's
-// reference (row_max), so p stays <= 2^8 and the sums and O agree with it. For logits past
-// ~1400 (natural units), where fp16 cannot hold that offset closely, a warp first recentres its
-// scores (above); only WIDE_LOGITS warpgroups, whose inputs can reach that far, check for it (a
-// branch here, between the waits for Q K^T and for P V, costs 5%). The scale is capped at 32768,
-// about what fp16 holds safely: only inputs with |q| and |k| in the thousands reach it, and their
-// softmax is then computed with the capped scale.
-template <bool WIDE_LOGITS, int REGS>
-__device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
-                             float scale_log2) {
-    const float scale = fminf(scale_log2, HALF_SCALE_LIMIT);  // the scores' scale from here on
-    const __half scale_h = __float2half_rn(scale);
-    float new_max[2], reference[2];  // the row's max logit; the reference p is taken against
-    __half offset[2];
-    bool recentre = false;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        new_max[r] = fmaxf(row_max[r], row_top(score, r) * scale);
-        const float max_here = new_max[r] == -INFINITY ? 0.0f : new_max[r];  // an empty row stays empty
-        offset[r] = __float2half_rd(P_SCALE_LOG2 - max_here);
-        reference[r] = P_SCALE_LOG2 - __half2float(offset[r]);
-        recentre |= fabsf(max_here) > HALF_MAX_LIMIT;
-    }
-    if (WIDE_LOGITS && __any_sync(0xffffffff, recentre)) recentre_scores(score, row_max, scale_h, offset, reference);
-    const __half2 scale2 = __half2half2(scale_h);
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        rescale[r] = exp2_approx(row_max[r] - reference[r]);
-        row_max[r] = new_max[r] == -INFINITY ? new_max[r] : reference[r];
-        const __half2 offset2 = __half2half2(offset[r]);
-        __half2 sum[2] = {};
-#pragma unroll
-        for (int c = 0; c < REGS / 2; c++) {
-            const __half2 x = __hfma2(as_half2(score[2 * c + r]), scale2, offset2);
-            const __half2 p = exp2_on_fma(c, SPLIT_EXP2 ? EXP2_FMA_EVERY_F16 : 0) ? exp2_fma_h2(x) : exp2_approx_h2(x);
-            score[2 * c + r] = as_bits(p);
-            sum[c % 2] = __hadd2(sum[c % 2], p);
-        }
-        float tile_sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 2; i++) tile_sum += __low2float(sum[i]) + __high2float(sum[i]);
-        row_sum[r] = row_sum[r] * rescale[r] + tile_sum;
-    }
-}
-
-// O times each row's rescale and the change of V's units (see next_v_units).
-template <int HEAD_DIM>
-__device__ void rescale_output(float (&o_acc)[HEAD_DIM / 2], const float (&rescale)[2], float v_units) {
-    const float factor[2] = {rescale[0] * v_units, rescale[1] * v_units};
-#pragma unroll
-    for (int c = 0; c < HEAD_DIM / 8; c++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) o_acc[4 * c + j] *= factor[j / 2];
-}
-
-#if FP16_OPERANDS
-// P to fp16, in the A-operand layout, which for 16-bit types is the accumulator's own: per 16
-// keys (n8 chunks c, c + 1), rows g and g + 8 of keys 2t, 2t+1 of each chunk. V keeps key order.
-template <int SCORES>
-__device__ void pack_p(const float (&score)[SCORES], unsigned (&p_frag)[2 * SCORES / MMA_K][4]) {
-#pragma unroll
-    for (int kk = 0; kk < 2 * SCORES / MMA_K; kk++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int c = 2 * kk + i / 2, r = i % 2;  // n8 chunk c, row g + 8r
-            p_frag[kk][i] = pack_half2(score[4 * c + 2 * r], score[4 * c + 2 * r + 1]);
-        }
-}
-#else
-// P to e4m3, in the A-operand layout: per 32 keys, rows g and g+8 of keys 2t, 2t+1, 2t+8, 2t+9
-// of each 16, which Vt's key_slot order turns into positions 4t..4t+3.
-template <int SCORES>
-__device__ void pack_p(const float (&score)[SCORES], unsigned (&p_frag)[2 * SCORES / MMA_K][4]) {
-    // EXERCISE 08.pack_p BEGIN: P into the e4m3 A-operand registers of P V, in place, in Vt's key_slot order
-#pragma unroll
-    for (int kk = 0; kk < 2 * SCORES / MMA_K; kk++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int c = 4 * kk + 2 * (i / 2), r = i % 2;  // n8 chunks c, c + 1; row g + 8r
-            p_frag[kk][i] = pack_e4m3x4(score[4 * c + 2 * r], score[4 * c + 2 * r + 1], score[4 * c + 4 + 2 * r],
-                                        score[4 * c + 4 + 2 * r + 1]);
-        }
-    // EXERCISE END
-}
-
-// The same from fp16 scores: fp32 chunks c and c + 1 of row r are registers 2c + r and 2c + 2 + r.
-template <int REGS>
-__device__ void pack_p(const unsigned (&score)[REGS], unsigned (&p_frag)[4 * REGS / MMA_K][4]) {
-#pragma unroll
-    for (int kk = 0; kk < 4 * REGS / MMA_K; kk++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int c = 4 * kk + 2 * (i / 2), r = i % 2;
-            const __half2_raw lo = *(const __half2_raw *)&score[2 * c + r];
-            const __half2_raw hi = *(const __half2_raw *)&score[2 * c + 2 + r];
-            p_frag[kk][i] = (unsigned)__nv_cvt_halfraw2_to_fp8x2(lo, __NV_SATFINITE, __NV_E4M3) |
-                            (unsigned)__nv_cvt_halfraw2_to_fp8x2(hi, __NV_SATFINITE, __NV_E4M3) << 16;
-        }
-}
-#endif
-
-// Ping-pong: consumer warpgroup g issues its matrix products only after the one before it (g - 1,
-// in a ring) has issued its own (named barrier 1 + g: g's 128 threads wait, that one's 128
-// arrive), so that one warpgroup's softmax runs while the others' products keep the tensor cores
-// busy.
-__device__ void wait_turn(int group) {
-    if (PINGPONG) asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "n"(2 * WARPGROUP_THREADS) : "memory");
-}
-
-__device__ void pass_turn(int group, int consumers) {
-    const int next = consumers == 2 ? 1 - group : (group + 1) % consumers;  // the next warpgroup in the ring
-    if (PINGPONG) asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + next), "n"(2 * WARPGROUP_THREADS) : "memory");
-}
-
-// What a consumer warpgroup keeps on chip; thread t holds rows row0 and row0 + 8 of each.
-// WIDE_LOGITS (fp16 scores only): its softmax checks every tile for logits past one HFMA2's reach.
-template <int HEAD_DIM, bool WIDE_LOGITS>
-struct Consumer {
-    float o_acc[HEAD_DIM / 2];  // O, unnormalised, in V's e4m3 units
-    typename ScoreType<Config<HEAD_DIM>::HALF_SCORES>::T score[Config<HEAD_DIM>::SCORE_REGS];  // S, then 2^8 p
-    unsigned p_frag[Config<HEAD_DIM>::BLOCK_KV / MMA_K][4];  // P in e4m3, the A operand of P V
-    float row_max[2], row_sum[2], rescale[2];
-    const unsigned char *q_rows;  // the warpgroup's 64 rows of the Q tile
-    int group, group_query0, row0;
-    float q_scale_log2;    // the softmax scale in log2 units times Q's descale: K's is per tile
-    float v_descale;       // O is kept in the units of the last V tile it accumulated
-    float next_v_descale;  // V's descale of the tile whose scores were computed last
-};
-
-// Each V tile has its own scale: before P V of `tile` adds in that tile's units, O moves to them.
-template <int HEAD_DIM, bool WIDE>
-__device__ float next_v_units(Consumer<HEAD_DIM, WIDE> &c) {
-    const float ratio = c.v_descale / c.next_v_descale;
-    c.v_descale = c.next_v_descale;
-    return ratio;
-}
-
-// Whether a tile's scores are masked: decided here at run time, or by the caller's loop. With a
-// P V in flight the caller decides: a branch between the two waits makes ptxas wait for the P V
-// at its join, before the softmax it should overlap.
-enum MaskMode { MASK_IF_NEEDED, MASK_NONE, MASK_ALL };
-
-// Tile `tile` up to its probabilities: wait for its copy and for our turn, issue Q K^T (and, with
-// PV_IN_FLIGHT, P V of the previous tile right behind it), pass the turn, mask, softmax.
-template <int HEAD_DIM, bool PV_IN_FLIGHT, MaskMode MASK = MASK_IF_NEEDED, bool WIDE>
-__device__ void scores_and_softmax(Consumer<HEAD_DIM, WIDE> &c, const Smem &s, const Work &w, int tile) {
-    typedef Config<HEAD_DIM> C;
-    const int key0 = tile * C::BLOCK_KV;
-    const float k_descale = descale_at(w.k_descales, tile);
-    const float *v_descales = w.v_descales;
-    if (C::HALF_SCORES) {  // V's descales found from K's, one pointer fewer through the softmax (Q K^T)
-        int heads_tiles = (w.causal ? gridDim.x : gridDim.y) * ceil_div(w.seqlen, C::BLOCK_KV);
-        asm volatile("" : "+r"(heads_tiles));
-        v_descales = w.k_descales + heads_tiles;
-    }
-    c.next_v_descale = descale_at(v_descales, tile);  // with K's, long before O needs it
-    mbarrier_wait(&s.kv_full[tile % C::STAGES], tile / C::STAGES % 2);
-    wait_turn(c.group);
-    issue_qk<HEAD_DIM>(c.score, c.q_rows, s.k_ring + tile % C::STAGES * C::K_BYTES);
-    if (PV_IN_FLIGHT) issue_pv<HEAD_DIM>(c.o_acc, c.p_frag, s.v_ring + (tile - 1) % C::STAGES * C::V_BYTES);
-    // Every wait_turn has its pass_turn: the last warpgroup passed one turn before the loop.
-    const bool last_group = C::CONSUMERS == 2 ? c.group != 0 : c.group == C::CONSUMERS - 1;
-    if (!last_group || tile < w.kv_tiles - 1) pass_turn(c.group, C::CONSUMERS);
-    if (PV_IN_FLIGHT) wgmma_wait<1>();  // S is in (groups complete in order); P V may still run
-    else wgmma_wait<0>();
-    hold_registers(c.score);
-    const bool needs_mask = key0 + C::BLOCK_KV > w.seqlen || (w.causal && key0 + C::BLOCK_KV - 1 > c.group_query0);
-    if (MASK == MASK_ALL || (MASK == MASK_IF_NEEDED && needs_mask))
-        mask_scores(c.score, c.row0, key0 + 2 * (threadIdx.x % 4), w.seqlen, w.causal);
-    if constexpr (C::HALF_SCORES)
-        softmax_tile<WIDE>(c.score, c.row_max, c.row_sum, c.rescale, c.q_scale_log2 * k_descale);
-    else softmax_tile(c.score, c.row_max, c.row_sum, c.rescale, c.q_scale_log2 * k_descale);
-}
-
-// O += P V for the tile whose P is in registers, waited for, then its stage released.
-template <int HEAD_DIM, bool WIDE>
-__device__ void finish_pv(Consumer<HEAD_DIM, WIDE> &c, const Smem &s, const Work &w, int tile, bool issue) {
-    if (issue)
-        issue_pv<HEAD_DIM>(c.o_acc, c.p_frag, s.v_ring + tile % Config<HEAD_DIM>::STAGES * Config<HEAD_DIM>::V_BYTES);
-    wgmma_wait<0>();
-    hold_registers(c.o_acc);
-    hold_registers(c.p_frag);
-    release_stage<HEAD_DIM>(s, w, tile);
-}
-
-// Tile tile-1's probabilities into the A operand of its P V, once the P V before it (tile-2,
-// if any) is done and O is rescaled.
-template <int HEAD_DIM, bool WIDE>
-__device__ void previous_p_ready(Consumer<HEAD_DIM, WIDE> &c, const Smem &s, const Work &w, int tile) {
-    wgmma_wait<0>();
-    hold_registers(c.o_acc);
-    hold_registers(c.p_frag);
-    if (tile >= 2) release_stage<HEAD_DIM>(s, w, tile - 2);
-    rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c));
-    pack_p(c.score, c.p_frag);
-}
-
-// One tile of the overlapped loop: tile's Q K^T and tile-1's P V issued together, tile's softmax,
-// and P of tile ready for the next P V. SOFTMAX_UNDER_PV: the wait for tile-1's P V comes first in
-// the body (P of tile-1 is made ready at the top), where ptxas cannot move it above the softmax;
-// after the softmax in the same block, ptxas schedules it early, before the softmax.
-template <int HEAD_DIM, MaskMode MASK, bool WIDE>
-__device__ void overlapped_tile(Consumer<HEAD_DIM, WIDE> &c, const Smem &s, const Work &w, int tile) {
-    constexpr bool UNDER_PV = Config<HEAD_DIM>::SOFTMAX_UNDER_PV;
-    if (UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, tile);
-    scores_and_softmax<HEAD_DIM, true, MASK>(c, s, w, tile);
-    if (!UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, tile + 1);
-}
-
-// A consumer warpgroup: its 64 query rows against every key tile, then O and LSE.
-template <int HEAD_DIM, bool WIDE_LOGITS>
-__device__ void consume(const Smem &s, const Work &w, int group, float q_scale_log2, __half *o, float *lse) {
-    typedef Config<HEAD_DIM> C;
-    const int lane = threadIdx.x % 32;
-    Consumer<HEAD_DIM, WIDE_LOGITS> c;
-    c.group = group;
-    c.group_query0 = w.query0 + group * WARPGROUP_ROWS;
-    c.row0 = c.group_query0 + threadIdx.x / 32 % 4 * 16 + lane / 4;
-    c.q_rows = s.q_tile + group * WARPGROUP_ROWS * Config<HEAD_DIM>::QK_SLICE;  // in every slice
-    c.q_scale_log2 = q_scale_log2;
-    c.v_descale = descale_at(w.v_descales, 0);
-    for (int i = 0; i < HEAD_DIM / 2; i++) c.o_acc[i] = 0.0f;
-    for (int r = 0; r < 2; r++) {
-        c.row_max[r] = -INFINITY;
-        c.row_sum[r] = 0.0f;
-    }
-    mbarrier_wait(s.q_full, 0);
-    if (group == C::CONSUMERS - 1) pass_turn(group, C::CONSUMERS);  // warpgroup 0 goes first
-
-    // EXERCISE 08.intra_overlap BEGIN: issue the P V of tile j-1 behind the Q K^T of tile j: it runs during j's softmax
-    if (INTRA_OVERLAP) {
-        // P V of tile j-1 is issued right behind Q K^T of tile j, in the same turn; O is rescaled
-        // once it is done, before the next P V. The tiles that need no mask come first, [0,
-        // unmasked_tiles), then the masked ones (the diagonal, the end of the sequence), each
-        // kind in its own loop.
-        const int unmasked_tiles = min(w.seqlen, w.causal ? c.group_query0 + 1 : w.seqlen) / C::BLOCK_KV;
-        constexpr bool UNDER_PV = Config<HEAD_DIM>::SOFTMAX_UNDER_PV;
-        scores_and_softmax<HEAD_DIM, false>(c, s, w, 0);
-        if (!UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, 1);
-        for (int tile = 1; tile < unmasked_tiles; tile++) overlapped_tile<HEAD_DIM, MASK_NONE>(c, s, w, tile);
-        for (int tile = max(1, unmasked_tiles); tile < w.kv_tiles; tile++)
-            overlapped_tile<HEAD_DIM, MASK_ALL>(c, s, w, tile);
-        if (UNDER_PV) previous_p_ready<HEAD_DIM>(c, s, w, w.kv_tiles);
-        finish_pv<HEAD_DIM>(c, s, w, w.kv_tiles - 1, true);
-    } else {
-        for (int tile = 0; tile < w.kv_tiles; tile++) {
-            scores_and_softmax<HEAD_DIM, false>(c, s, w, tile);
-            rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c));
-            pack_p(c.score, c.p_frag);
-            finish_pv<HEAD_DIM>(c, s, w, tile, true);
-        }
-    }
-    // EXERCISE 08.intra_overlap STUB
-    // for (int tile = 0; tile < w.kv_tiles; tile++) {
-    //     scores_and_softmax<HEAD_DIM, false>(c, s, w, tile);
-    //     rescale_output<HEAD_DIM>(c.o_acc, c.rescale, next_v_units(c));
-    //     pack_p(c.score, c.p_frag);
-    //     finish_pv<HEAD_DIM>(c, s, w, tile, true);
-    // }
-    // EXERCISE END
-
-    // O = accumulator * V's descale / sum, LSE = ln(sum) + max (p was scaled by 2^8), once each.
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int query = c.row0 + 8 * r;
-        const float sum = quad_sum(c.row_sum[r]), scale_out = c.v_descale / sum;
-        if (query >= w.seqlen) continue;
-        __half *o_row = o + ((size_t)w.head * w.seqlen + query) * HEAD_DIM + 2 * (lane % 4);
-#pragma unroll
-        for (int j = 0; j < HEAD_DIM / 8; j++)
-            *(unsigned *)&o_row[8 * j] =
-                pack_half2(c.o_acc[4 * j + 2 * r] * scale_out, c.o_acc[4 * j + 2 * r + 1] * scale_out);
-        if (lane % 4 == 0) lse[(size_t)w.head * w.seqlen + query] = (c.row_max[r] + log2f(sum) - P_SCALE_LOG2) * LN2;
-    }
-}
-
-// --- The kernel ----------------------------------------------------------------------------
-// Whether a consumer's logits can pass HALF_MAX_LIMIT: |S| <= HEAD_DIM * QK_RANGE^2 in e4m3 units,
-// times its Q descale (in q_scale_log2, with the softmax scale) and the largest K descale among
-// the block's key tiles. The same in every lane of a warpgroup.
-template <int HEAD_DIM>
-__device__ bool logits_may_be_wide(const Work &w, float q_scale_log2) {
-    float k_descale = 0.0f;
-    for (int tile = threadIdx.x % 32; tile < w.kv_tiles; tile += 32)
-        k_descale = fmaxf(k_descale, descale_at(w.k_descales, tile));
-    for (int offset = 16; offset > 0; offset /= 2)
-        k_descale = fmaxf(k_descale, __shfl_xor_sync(0xffffffff, k_descale, offset));
-    const float reach = HEAD_DIM * Config<HEAD_DIM>::QK_RANGE * Config<HEAD_DIM>::QK_RANGE;
-    return reach * q_scale_log2 * k_descale > HALF_MAX_LIMIT;
-}
-
-template <int HEAD_DIM>
-__global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
-    attention_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
-                     const __grid_constant__ CUtensorMap vt_map, const float *descales, __half *o, float *lse,
-                     int seqlen, int heads, float scale_log2e, int causal) {
-    typedef Config<HEAD_DIM> C;
-    extern __shared__ unsigned char smem_raw[];
-    const Smem s = smem_layout<HEAD_DIM>(smem_raw);
-    const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
-    Work w;
-    w.k_map = &k_map;
-    w.vt_map = &vt_map;
-    w.head = causal ? blockIdx.x : blockIdx.y;
-    w.query0 = query_tile * C::BLOCK_Q;
-    w.seqlen = seqlen;
-    w.causal = causal;
-    w.kv_tiles =
-        ceil_div(causal ? min(seqlen, w.query0 + C::BLOCK_Q) : seqlen, C::BLOCK_KV);  // causal: to the diagonal
-
-    // The descales, Q's [b*h][Q scale tile] then K's and V's [b*h][key tile], fold into the softmax
-    // scale (Q per consumer warpgroup, K per tile) and into O (V per tile).
-    const int q_scale_tiles = ceil_div(seqlen, Q_SCALE_ROWS), key_tiles = ceil_div(seqlen, C::BLOCK_KV);
-    const int consumer = max(0, (int)(threadIdx.x / WARPGROUP_THREADS) - WARP_SPECIALISED);
-    const int q_scale_tile = C::BLOCK_Q == Q_SCALE_ROWS
-                                 ? query_tile  // the block's query tile is Q's scale tile
-                                 : min((w.query0 + consumer * WARPGROUP_ROWS) / Q_SCALE_ROWS, q_scale_tiles - 1);
-    const float *kv_descales = descales + heads * q_scale_tiles;
-    const float q_scale_log2 = scale_log2e * (FP16_OPERANDS ? 1.0f : descales[w.head * q_scale_tiles + q_scale_tile]);
-    w.k_descales = FP16_OPERANDS ? NULL : kv_descales + w.head * key_tiles;  // fp16: no descales
-    w.v_descales = FP16_OPERANDS ? NULL : kv_descales + (heads + w.head) * key_tiles;
-    // fp16 scores: whether a consumer's logits may pass one HFMA2's reach, which picks its loop.
-    // Asked before the setup, its loads overlap it (asked after it, ptxas spills in the loop);
-    // the producer does not ask, so thread 0 loads Q and fills the ring at once.
-    bool wide = false;
-    if constexpr (C::HALF_SCORES)
-        if (!WARP_SPECIALISED || threadIdx.x >= WARPGROUP_THREADS) wide = logits_may_be_wide<HEAD_DIM>(w, q_scale_log2);
-
-    if (threadIdx.x == 0) {
-        mbarrier_init(s.q_full, 1);
-        for (int i = 0; i < C::STAGES; i++) {
-            mbarrier_init(&s.kv_full[i], 1);
-            mbarrier_init(&s.kv_empty[i], C::CONSUMER_WARPS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        mbarrier_arrive_expect_bytes(s.q_full, C::Q_BYTES);
-        for (int slice = 0; slice < C::QK_SLICES; slice++)
-            tma_load(s.q_tile + slice * C::BLOCK_Q * C::QK_SLICE, &q_map, s.q_full, slice * C::QK_SLICE, w.query0,
-                     w.head);
-        // The ring's first tiles, at once; the producer (or release_stage) refills it.
-        for (int tile = 0; tile < min(C::STAGES, w.kv_tiles); tile++) load_kv_tile<HEAD_DIM>(s, w, tile);
-    }
-    __syncthreads();  // the barriers are initialised before anyone waits on them
-
-    // Warp specialisation: warpgroup 0 only copies and gives most of its registers to the
-    // consumer warpgroups, which only compute.
-    const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
-    if (WARP_SPECIALISED && warpgroup == 0) {
-        setmaxnreg_dec<PRODUCER_REGISTERS>();
-        if (threadIdx.x == 0) produce<HEAD_DIM>(s, w);
-    } else {
-        setmaxnreg_inc<C::CONSUMER_REGISTERS>();
-        if (!wide) consume<HEAD_DIM, false>(s, w, warpgroup - WARP_SPECIALISED, q_scale_log2, o, lse);
-        else if constexpr (C::HALF_SCORES)
-            consume<HEAD_DIM, true>(s, w, warpgroup - WARP_SPECIALISED, q_scale_log2, o, lse);
-    }
-}
 
 // --- Launchers -------------------------------------------------------------------------------
 // What the attention kernel reads. FP8: the workspace holds the descales (Q's [b*h][query
@@ -1168,57 +1274,64 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
 // ([b*h][D][N_padded]). fp16 operands: the inputs.
 typedef struct {
     float *descales;
-    unsigned char *q, *k, *vt;
-    int seqlen_padded;  // Vt's rows are padded to 16 keys: TMA needs row strides of 16 bytes
+    unsigned char *q, *k, *v;  // FP8: v is Vt
+    int seqlen_padded;         // FP8: Vt's rows are padded to 16 keys, since TMA needs row strides of 16 bytes
 } Workspace;
 
+#if FP8_OPERANDS
 // The key tile of a head dim (the harness has refused any other).
 static int key_tile(int headdim) { return headdim == 64 ? Config<64>::BLOCK_KV : Config<128>::BLOCK_KV; }
 
-static size_t descale_bytes(const AttnShape *s) {
-    const size_t count = (size_t)s->batch * s->heads *
-                         (ceil_div(s->seqlen, Q_SCALE_ROWS) + 2 * ceil_div(s->seqlen, key_tile(s->headdim)));
+static size_t descale_bytes(const AttnShape *shape) {
+    const size_t count =
+        (size_t)shape->batch * shape->heads *
+        (ceil_div(shape->seqlen, Q_SCALE_ROWS) + 2 * ceil_div(shape->seqlen, key_tile(shape->headdim)));
     return (count * sizeof(float) + 255) / 256 * 256;  // the e4m3 copies start 256-byte aligned
 }
 
 static Workspace workspace_layout(const AttnArgs *args) {
-    const AttnShape *s = &args->shape;
-    const size_t qk_bytes = (size_t)s->batch * s->heads * s->seqlen * s->headdim;
+    const AttnShape *shape = &args->shape;
+    const size_t qk_bytes = (size_t)shape->batch * shape->heads * shape->seqlen * shape->headdim;
     Workspace w;
-    w.seqlen_padded = ceil_div(s->seqlen, 16) * 16;
-    if (FP16_OPERANDS) {  // nothing to prepare: the kernel reads the inputs
-        w.descales = NULL;
-        w.q = (unsigned char *)args->q;
-        w.k = (unsigned char *)args->k;
-        w.vt = (unsigned char *)args->v;
-        return w;
-    }
+    w.seqlen_padded = ceil_div(shape->seqlen, 16) * 16;
     w.descales = (float *)args->workspace;
-    w.q = (unsigned char *)args->workspace + descale_bytes(s);
+    w.q = (unsigned char *)args->workspace + descale_bytes(shape);
     w.k = w.q + qk_bytes;
-    w.vt = w.k + qk_bytes;
+    w.v = w.k + qk_bytes;
     return w;
 }
 
-[[maybe_unused]] static size_t workspace_bytes(const AttnShape *s) {  // unused with FP16_OPERANDS
-    const size_t heads = (size_t)s->batch * s->heads, vt_bytes = heads * s->headdim * (ceil_div(s->seqlen, 16) * 16);
-    return descale_bytes(s) + 2 * heads * s->seqlen * s->headdim + vt_bytes;
+static size_t workspace_bytes(const AttnShape *shape) {
+    const size_t heads = (size_t)shape->batch * shape->heads;
+    const size_t vt_bytes = heads * shape->headdim * (ceil_div(shape->seqlen, 16) * 16);
+    return descale_bytes(shape) + 2 * heads * shape->seqlen * shape->headdim + vt_bytes;
 }
 
 template <int HEAD_DIM>
 static cudaError_t quantize(const AttnArgs *args, cudaStream_t stream) {
-    const AttnShape *s = &args->shape;
+    const AttnShape *shape = &args->shape;
     const Workspace w = workspace_layout(args);
-    dim3 grid(ceil_div(s->seqlen, Q_SCALE_ROWS), s->batch * s->heads, 3);  // as many as key tiles, or more
+    dim3 grid(ceil_div(shape->seqlen, Q_SCALE_ROWS), shape->batch * shape->heads, 3);  // as many as key tiles, or more
     quantize_kernel<HEAD_DIM><<<grid, Config<HEAD_DIM>::BLOCK_KV * HEAD_DIM / 128, 0, stream>>>(
-        args->q, args->k, args->v, w.descales, w.q, w.k, w.vt, s->seqlen, w.seqlen_padded);
+        args->q, args->k, args->v, w.descales, w.q, w.k, w.v, shape->seqlen, w.seqlen_padded);
     return cudaGetLastError();
 }
 
 // The chapter's prepare step: the e4m3 copies of Q, K, V and their descales, in one kernel.
-[[maybe_unused]] static cudaError_t prepare(const AttnArgs *args, cudaStream_t stream) {
+static cudaError_t prepare(const AttnArgs *args, cudaStream_t stream) {
     return launch_for_head_dim(args, stream, quantize<64>, quantize<128>);
 }
+#else
+static Workspace workspace_layout(const AttnArgs *args) {  // nothing to prepare: the kernel reads the inputs
+    Workspace w;
+    w.descales = NULL;
+    w.q = (unsigned char *)args->q;
+    w.k = (unsigned char *)args->k;
+    w.v = (unsigned char *)args->v;
+    w.seqlen_padded = args->shape.seqlen;
+    return w;
+}
+#endif
 
 // cuTensorMapEncodeTiled from the driver, found at run time (the program links no libcuda).
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
@@ -1240,7 +1353,7 @@ static cudaError_t make_tensor_map(CUtensorMap *map, void *base, int row_bytes, 
                                    int box_rows) {
     PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     if (!encode) {
-        fprintf(stderr, "08_fp8: the driver offers no cuTensorMapEncodeTiled (needs CUDA 12 or newer)\n");
+        fprintf(stderr, "%s: the driver offers no cuTensorMapEncodeTiled (needs CUDA 12 or newer)\n", chapter.name);
         return cudaErrorNotSupported;
     }
     cuuint64_t dims[3] = {(cuuint64_t)row_bytes, (cuuint64_t)rows, (cuuint64_t)heads};
@@ -1251,7 +1364,7 @@ static cudaError_t make_tensor_map(CUtensorMap *map, void *base, int row_bytes, 
                CU_TENSOR_MAP_INTERLEAVE_NONE, box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (result != CUDA_SUCCESS) {
-        fprintf(stderr, "08_fp8: cuTensorMapEncodeTiled failed (CUresult %d)\n", (int)result);
+        fprintf(stderr, "%s: cuTensorMapEncodeTiled failed (CUresult %d)\n", chapter.name, (int)result);
         return cudaErrorInvalidValue;
     }
     return cudaSuccess;
@@ -1259,23 +1372,25 @@ static cudaError_t make_tensor_map(CUtensorMap *map, void *base, int row_bytes, 
 
 template <int HEAD_DIM>
 static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
-    const AttnShape *s = &args->shape;
+    typedef Config<HEAD_DIM> Cfg;
+    const AttnShape *shape = &args->shape;
     const Workspace w = workspace_layout(args);
-    const int heads = s->batch * s->heads, tiles = ceil_div(s->seqlen, Config<HEAD_DIM>::BLOCK_Q);
-    CUtensorMap q_map, k_map, vt_map;
-    typedef Config<HEAD_DIM> C;
-    const int row_bytes = HEAD_DIM * ELEMENT_BYTES, vt_row_bytes = w.seqlen_padded * ELEMENT_BYTES;
-    RETURN_IF_ERROR(make_tensor_map(&q_map, w.q, row_bytes, s->seqlen, heads, C::QK_SLICE, C::BLOCK_Q));
-    RETURN_IF_ERROR(make_tensor_map(&k_map, w.k, row_bytes, s->seqlen, heads, C::QK_SLICE, C::BLOCK_KV));
-    if (FP16_OPERANDS)  // V itself, boxed as K
-        RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt, row_bytes, s->seqlen, heads, C::QK_SLICE, C::BLOCK_KV));
-    else RETURN_IF_ERROR(make_tensor_map(&vt_map, w.vt, vt_row_bytes, HEAD_DIM, heads, C::V_SLICE, HEAD_DIM));
-    const int smem = Config<HEAD_DIM>::SMEM_BYTES;
+    const int heads = shape->batch * shape->heads, tiles = ceil_div(shape->seqlen, Cfg::BLOCK_Q);
+    const int row_bytes = HEAD_DIM * ELEMENT_BYTES;
+    CUtensorMap q_map, k_map, v_map;
+    RETURN_IF_ERROR(make_tensor_map(&q_map, w.q, row_bytes, shape->seqlen, heads, Cfg::QK_SLICE, Cfg::BLOCK_Q));
+    RETURN_IF_ERROR(make_tensor_map(&k_map, w.k, row_bytes, shape->seqlen, heads, Cfg::QK_SLICE, Cfg::BLOCK_KV));
+#if FP8_OPERANDS
     RETURN_IF_ERROR(
-        cudaFuncSetAttribute(attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    dim3 grid = s->causal ? dim3(heads, tiles) : dim3(tiles, heads);
-    attention_kernel<HEAD_DIM><<<grid, C::THREADS, smem, stream>>>(q_map, k_map, vt_map, w.descales, args->o, args->lse,
-                                                                   s->seqlen, heads, s->scale * LOG2E, s->causal);
+        make_tensor_map(&v_map, w.v, w.seqlen_padded * ELEMENT_BYTES, HEAD_DIM, heads, Cfg::V_SLICE, HEAD_DIM));
+#else
+    RETURN_IF_ERROR(make_tensor_map(&v_map, w.v, row_bytes, shape->seqlen, heads, Cfg::QK_SLICE, Cfg::BLOCK_KV));
+#endif
+    RETURN_IF_ERROR(
+        cudaFuncSetAttribute(attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES));
+    dim3 grid = shape->causal ? dim3(heads, tiles) : dim3(tiles, heads);
+    attention_kernel<HEAD_DIM><<<grid, Cfg::THREADS, Cfg::SMEM_BYTES, stream>>>(
+        q_map, k_map, v_map, w.descales, args->o, args->lse, shape->seqlen, heads, shape->scale * LOG2E, shape->causal);
     return cudaGetLastError();
 }
 
@@ -1283,7 +1398,7 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
     return launch_for_head_dim(args, stream, launch<64>, launch<128>);
 }
 
-#if !FP16_OPERANDS
+#if FP8_OPERANDS
 // The check's scale tiles, as the quantisation makes them: Q per Q_SCALE_ROWS rows (which 0), K
 // and V per key tile of the head dim (1).
 static int fp8_scale_rows(int headdim, int which) { return which == 0 ? Q_SCALE_ROWS : key_tile(headdim); }
@@ -1291,27 +1406,49 @@ static int fp8_scale_rows(int headdim, int which) { return which == 0 ? Q_SCALE_
 // The largest |e4m3| Q and K are scaled to, by head dim (V's is always 448).
 static int fp8_qk_range(int headdim) { return (int)(headdim == 128 ? Config<128>::QK_RANGE : Config<64>::QK_RANGE); }
 
+static const Fp8Scaling fp8_scaling = {fp8_scale_rows, fp8_qk_range};  // for the check's floor
+#endif
+
+// The build's name, the idea it adds and its precision: each step is a build of its own (the
+// chapter is its last step, 08.5).
+#if STEP == 1
+#define STEP_NAME "08.1"
+#define STEP_ADDS "Hopper's datapath on fp16 operands: wgmma fed by TMA through an mbarrier ring"
+#define STEP_PRECISION PRECISION_FP16_TC
+#elif STEP == 2
+#define STEP_NAME "08.2"
+#define STEP_ADDS "warp specialisation: a TMA producer warpgroup, consumer warpgroups, setmaxnreg"
+#define STEP_PRECISION PRECISION_FP16_TC
+#elif STEP == 3
+#define STEP_NAME "08.3"
+#define STEP_ADDS "the softmax under the tensor cores: ping-pong and intra-warpgroup overlap"
+#define STEP_PRECISION PRECISION_FP16_TC
+#elif STEP == 4
+#define STEP_NAME "08.4"
+#define STEP_ADDS "FP8: e4m3 operands with per-tile scales found on the device, P in e4m3"
+#define STEP_PRECISION PRECISION_FP8_TC
+#elif STEP == 5
+#define STEP_NAME "08_fp8"
+#define STEP_ADDS "FP8 e4m3 with per-tile scales on Hopper's wgmma fed by TMA: warp-specialised, softmax under the MMAs"
+#define STEP_PRECISION PRECISION_FP8_TC
+#else
+#error "STEP is 1 to 5"
+#endif
+
 const Chapter chapter = {
-    "08_fp8",
-    "FP8 e4m3 with dynamic scales on Hopper's wgmma fed by TMA: warp-specialised, softmax overlapped with the MMAs",
-    PRECISION_FP8_TC,
+    STEP_NAME,
+    STEP_ADDS,
+    STEP_PRECISION,
     90,
     90,  // sm_90 only: wgmma is an sm_90a feature, and sm_90a code runs on no other GPU
+#if FP8_OPERANDS
     workspace_bytes,
     prepare,  // quantise Q, K, V to e4m3 (timed with the forward and on its own)
     forward,
-    fp8_scale_rows,  // one scale per 128 rows of Q, per key tile of K and of V
-    fp8_qk_range,    // with fp16 scores (D = 128) Q and K are scaled to |x| <= 16
-};
-#else  // the same kernel reading the fp16 inputs, checked as the fp16 tensor-core chapters are
-const Chapter chapter = {
-    "08_fp8",
-    "08's kernel on fp16 operands (FP16_OPERANDS=1): Hopper's wgmma and TMA without FP8",
-    PRECISION_FP16_TC,
-    90,
-    90,
+    &fp8_scaling,  // one scale per 128 rows of Q and per key tile of K and of V; Q, K to |x| <= 16 at D = 128
+#else
     NULL,  // no workspace
     NULL,  // nothing to prepare
     forward,
-};
 #endif
+};

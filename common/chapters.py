@@ -9,6 +9,11 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INITIALIZER = re.compile(r'const\s+Chapter\s+chapter\s*=\s*\{\s*"([^"]+)",\s*"((?:[^"\\]|\\.)*)",\s*'
                          r'(PRECISION_\w+),\s*(\d+),\s*(\d+),')
+# A chapter built in steps (08) names each build in a `#if STEP == k` block of defines, and its
+# initializer uses them: the chapter is the step named like its folder.
+STEP_DEFINES = re.compile(r'#(?:el)?if STEP == (\d+)\n#define STEP_NAME "([^"]+)"\n#define STEP_ADDS "((?:[^"\\]|\\.)*)"\n'
+                          r'#define STEP_PRECISION (PRECISION_\w+)\n')
+STEP_INITIALIZER = re.compile(r'const\s+Chapter\s+chapter\s*=\s*\{\s*STEP_NAME,\s*STEP_ADDS,\s*STEP_PRECISION,\s*(\d+),\s*(\d+),')
 CHAPTERS_BEGIN, CHAPTERS_END = "<!-- chapters:begin -->", "<!-- chapters:end -->"
 
 
@@ -20,14 +25,33 @@ def precision_words(root=ROOT):
     return {precision: rules[rule] for precision, rule in cases}
 
 
+def read_steps(path, words=None):
+    """The steps of a chapter built in steps, in order, as dicts (name, adds, precision, math,
+    step); [] for any other chapter."""
+    words = words or precision_words()
+    return [{"step": int(step), "name": name, "adds": adds.replace('\\"', '"'), "precision": precision,
+             "math": words.get(precision, precision)}
+            for step, name, adds, precision in STEP_DEFINES.findall(open(path).read())]
+
+
 def read_chapter(path, words=None):
     """The chapter defined in one attention.cu, as a dict."""
-    found = INITIALIZER.search(open(path).read())
-    if not found:
-        raise ValueError(f"{path}: no 'const Chapter chapter = {{ name, adds, precision, min_sm, max_sm, ...' found")
-    name, adds, precision, min_sm, max_sm = found.groups()
+    text = open(path).read()
     words = words or precision_words()
-    return {"name": name, "adds": adds.replace('\\"', '"'), "precision": precision,
+    found, stepped = INITIALIZER.search(text), STEP_INITIALIZER.search(text)
+    if found:
+        name, adds, precision, min_sm, max_sm = found.groups()
+        adds = adds.replace('\\"', '"')
+    elif stepped:
+        folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        last = [s for s in read_steps(path, words) if s["name"] == folder]
+        if not last:
+            raise ValueError(f"{path}: no `#if STEP == k` block names the chapter {folder}")
+        name, adds, precision = last[0]["name"], last[0]["adds"], last[0]["precision"]
+        min_sm, max_sm = stepped.groups()
+    else:
+        raise ValueError(f"{path}: no 'const Chapter chapter = {{ name, adds, precision, min_sm, max_sm, ...' found")
+    return {"name": name, "adds": adds, "precision": precision,
             "math": words.get(precision, precision), "min_sm": int(min_sm), "max_sm": int(max_sm)}
 
 

@@ -56,9 +56,9 @@ static const PrecisionRule FP16_TC_RULE = {"fp16 tensor cores", "fp16", 3e-3, 1e
 static const PrecisionRule FP8_TC_RULE = {"fp8 (e4m3) tensor cores", "fp8", 3e-3, 1e-3, 1.5, 6e-2};
 // The floor's rows per scale of Q and of K and V at a head dim: the chapter's, else 128 each.
 static int fp8_scale_rows(int headdim, int which) {
-    return chapter.fp8_scale_rows ? chapter.fp8_scale_rows(headdim, which) : 128;
+    return chapter.fp8 ? chapter.fp8->scale_rows(headdim, which) : 128;
 }
-static int fp8_qk_range(int headdim) { return chapter.fp8_qk_range ? chapter.fp8_qk_range(headdim) : 448; }
+static int fp8_qk_range(int headdim) { return chapter.fp8 ? chapter.fp8->qk_range(headdim) : 448; }
 
 static const PrecisionRule *precision_rule(Precision precision) {
     switch (precision) {  // no default: the compiler names a Precision left without a rule

@@ -46,13 +46,18 @@ typedef struct {
     cudaError_t (*prepare)(const AttnArgs *args, cudaStream_t stream);
     // Enqueue one forward pass on `stream`; return the first CUDA error met.
     cudaError_t (*forward)(const AttnArgs *args, cudaStream_t stream);
-    // FP8 chapters: rows per quantisation scale of Q (which 0) and of K and V (1) at a head dim,
-    // so that the check's floor quantises as the chapter does (left out: 128 each).
-    int (*fp8_scale_rows)(int headdim, int which) = NULL;
-    // FP8 chapters: the largest |e4m3| value Q and K are scaled to at a head dim (V's: 448), for
-    // the same reason (left out: 448).
-    int (*fp8_qk_range)(int headdim) = NULL;
+    // FP8 chapters: how they quantise (below), so that the check's floor quantises as they do.
+    // NULL for every other chapter.
+    const struct Fp8Scaling *fp8 = NULL;
 } Chapter;
+
+// How an FP8 chapter quantises Q, K and V to e4m3, by head dim. The check's floor (common/
+// reference.py) quantises the inputs the same way; without it (fp8 NULL) the floor assumes one
+// scale per 128 rows of each tensor and e4m3's whole range.
+struct Fp8Scaling {
+    int (*scale_rows)(int headdim, int which);  // rows per scale of Q (which 0), of K and of V (1)
+    int (*qk_range)(int headdim);               // the largest |e4m3| Q and K are scaled to (V's: 448)
+};
 
 extern const Chapter chapter;
 

@@ -8,8 +8,8 @@ import re
 
 from chapters import CHAPTERS_BEGIN, CHAPTERS_END, chapters_markdown, read_chapters
 from results import (BENCH_DS, BENCH_ITERS, BENCH_NS, CUDNN, EAGER, FA2, HEADLINE_D, HEADLINE_N, HIDDEN, TIMED,
-                     TOTAL_TOKENS, anchor_impls, bench_shape, chapter_impls, display_name, env_path, find_row,
-                     is_anchor, read_env, row_name, split_variant, variant_names,
+                     STEPS, STEP_ALIASES, TOTAL_TOKENS, anchor_impls, bench_shape, chapter_impls, env_path, find_row,
+                     is_anchor, read_env,
                      read_results, timed, write_if_changed)
 
 STAGE_BEGIN, STAGE_END = "<!-- stage-table:begin -->", "<!-- stage-table:end -->"
@@ -181,8 +181,8 @@ def tflops_cell(row):
 def results_sweep_table(rows, headdim, causal):
     """One sweep table of the results page: rows = impl, columns = N, cells = TFLOP/s."""
     ns = bench_ns(rows)
-    body = [[display_name(impl)] + [tflops_cell(find_row(rows, impl, headdim, n, causal)) for n in ns]
-            for impl in chapter_impls(rows) + variant_names(rows) + anchor_impls(rows)]
+    body = [[impl] + [tflops_cell(find_row(rows, impl, headdim, n, causal)) for n in ns]
+            for impl in chapter_impls(rows) + anchor_impls(rows)]
     return markdown_table(["impl"] + [f"N={n_label(n)}" for n in ns], body, "l" + "r" * len(ns))
 
 
@@ -197,8 +197,8 @@ def error_table(rows, seqlen=HEADLINE_N):
     """rel_l2 of every impl at one N, for both D and both masks."""
     cols = [(d, c) for d in BENCH_DS for c in (0, 1)
             if any((r["headdim"], r["causal"]) == (d, c) for r in rows)]
-    body = [[display_name(impl)] + [rel_cell(find_row(rows, impl, d, seqlen, c)) for d, c in cols]
-            for impl in chapter_impls(rows) + variant_names(rows) + anchor_impls(rows)]
+    body = [[impl] + [rel_cell(find_row(rows, impl, d, seqlen, c)) for d, c in cols]
+            for impl in chapter_impls(rows) + anchor_impls(rows)]
     header = ["impl"] + [f"D={d} {'causal' if c else 'non-causal'}" for d, c in cols]
     return markdown_table(header, body, "l" + "r" * len(cols))
 
@@ -213,7 +213,7 @@ def note_lines(rows):
         reason = row.get("note") or (f"rel_l2 {fmt_rel(row['rel_l2'])} over the tolerance"
                                      if row["status"] == "FAIL" and row["rel_l2"] is not None
                                      else "no reason recorded")
-        lines.append(f"- {row['status']} `{row_name(row)}` D={row['headdim']} N={row['seqlen']} "
+        lines.append(f"- {row['status']} `{row['impl']}` D={row['headdim']} N={row['seqlen']} "
                      f"{mask}: {reason}")
     return lines
 
@@ -245,9 +245,10 @@ def results_markdown(rows, env, csv_name):
 
 
 def chapter_table_markdown(rows, chapter, previous, source, gpu):
-    """A chapter README's measured block: it, the previous chapter and FA2/cuDNN, by N."""
-    impls = ([i for i in (previous, chapter) if i] + variant_names(rows, chapter)
-             + [a for a in (FA2, CUDNN) if a in anchor_impls(rows)])
+    """A chapter README's measured block: the previous chapter, the chapter's steps (08.1 ...) and
+    the chapter, and FA2/cuDNN, by N."""
+    steps = [s for s in STEPS.get(chapter, ()) if any(row["impl"] == s for row in rows)]
+    impls = ([previous] if previous else []) + steps + [chapter] + [a for a in (FA2, CUDNN) if a in anchor_impls(rows)]
     ns = bench_ns(rows)
     with_ms = HEADLINE_N in ns
     out = [f"TFLOP/s on {gpu} (fp16 in and out, B = {TOTAL_TOKENS}/N, H = {HIDDEN}/D"
@@ -259,7 +260,7 @@ def chapter_table_markdown(rows, chapter, previous, source, gpu):
         body = []
         for c in (0, 1):
             for impl in impls:
-                name = f"**{impl}**" if impl == chapter else display_name(impl)
+                name = f"**{impl}**" if impl == chapter else impl
                 cells = [name, "causal" if c else "non-causal"]
                 cells += [tflops_cell(find_row(rows, impl, d, n, c)) for n in ns]
                 if with_ms:
@@ -340,8 +341,8 @@ def update_file(path, begin, end, body):
 # The fields: IMPL (a row's impl, a chapter's number such as 07, or FA2 / cuDNN for torch_flash /
 # torch_cudnn), D (D128), N (N4096 or N4k), the mask (nc or causal), and the quantity: ms, tflops,
 # rel_l2, mem (device memory), x OTHER (how many times faster than OTHER, by ms) or % OTHER (TFLOP/s as a percentage
-# of OTHER's, or of a constant such as 64TFLOP/s). IMPL may name a chapter's variant build as
-# IMPL@DTYPE (08@fp16: 08 on fp16 operands). IMPL, D, N and the mask may list values (04,05;
+# of OTHER's, or of a constant such as 64TFLOP/s). IMPL may name a step of a chapter built in
+# steps (08.1 ... 08.5, the last being the chapter). IMPL, D, N and the mask may list values (04,05;
 # N2k,8k) or take all (D*, N*, *): the text is then the range over them, 1.01-1.17x. A last field
 # :SPEC formats with format(value, SPEC) (tflops :.0f gives 658) instead of the tables' format.
 VALUE = re.compile(r"(<!--[ \t]*r[ \t]+([^<>\n]*?)[ \t]*-->)((?:(?!<!--)[^\n])*?)(<!--[ \t]*/r[ \t]*-->)")
@@ -392,11 +393,10 @@ def parse_value_marker(spec):
 
 def resolve_impl(rows, name):
     """A marker's impl: FA2 and cuDNN by their rows' names, a bare number NN as the one chapter
-    named NN_..., any other name as it is; @DTYPE names a chapter's variant build (08@fp16)."""
-    name, dtype = split_variant(name)
+    named NN_..., a step as its build's impl (08.3; 08.5, the last, is the chapter 08_fp8), any
+    other name as it is."""
     found = {r["impl"] for r in rows if name.isdigit() and r["impl"].startswith(name + "_")}
-    impl = found.pop() if len(found) == 1 else ALIASES.get(name, name)
-    return f"{impl}@{dtype}" if dtype else impl
+    return found.pop() if len(found) == 1 else ALIASES.get(name, STEP_ALIASES.get(name, name))
 
 
 def marker_value(rows, marker, impl, headdim, seqlen, causal):
@@ -499,7 +499,8 @@ def regenerate_tables(csv_path, readme_path):
 # --- The plot ------------------------------------------------------------------------------
 
 def plot_results(rows, path, gpu):
-    """TFLOP/s vs N (log-log), 4 panels (D x causal), anchors dashed; needs matplotlib."""
+    """TFLOP/s vs N (log-log), 4 panels (D x causal): chapters solid, steps dash-dotted, anchors dashed;
+    needs matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -507,20 +508,60 @@ def plot_results(rows, path, gpu):
     except ImportError:
         say("matplotlib not found: plot skipped")
         return
-    chapters, variants, anchors = chapter_impls(rows), variant_names(rows), anchor_impls(rows)
-    style = {impl: {"color": plt.cm.viridis(i / max(len(chapters) - 1, 1)), "linestyle": "-"}
-             for i, impl in enumerate(chapters)}
-    style.update({name: {**style[split_variant(name)[0]], "linestyle": ":"} for name in variants})
-    style.update({impl: {"color": str(0.15 + 0.2 * i), "linestyle": "--"} for i, impl in enumerate(anchors)})
+    # One line per (impl, dtype). Chapters solid, each its own colour and marker; a chapter's steps
+    # (08.1 ...) in shades of its colour, dash-dotted; anchors dashed with hollow markers. A line
+    # that would hide under the one before it (02/03, 04/05: the same speed) is drawn short-dashed
+    # on top of it, with a larger hollow marker, so that both show.
+    series = sorted({(r["impl"], r["dtype"]) for r in rows if not is_anchor(r["impl"])})
+    series += [(impl, dtype) for impl in anchor_impls(rows) for dtype in sorted({r["dtype"] for r in rows
+                                                                                 if r["impl"] == impl})]
+    several = {impl for impl, _ in series if sum(1 for i, _ in series if i == impl) > 1}
+    stepped = {impl[:2] for impl, _ in series if "." in impl}
+    step_of = {chapter: step for step, chapter in STEP_ALIASES.items() if chapter[:2] in stepped}
+
+    def label(impl, dtype):
+        name = f"{impl} ({step_of[impl]})" if impl in step_of else impl
+        return f"{name}, {dtype}" if impl in several or "." in impl or impl in step_of else name
+
+    def points(key, d, c):
+        return sorted((r["seqlen"], r["tflops"]) for r in rows if (r["impl"], r["dtype"], r["headdim"], r["causal"])
+                      == (*key, d, c) and timed(r, "tflops") is not None)
+
+    chapter_colors = ["#8c510a", "#1f78b4", "#ff7f00", "#33a02c", "#e31a1c", "#17becf", "#b8860b", "#6a3d9a"]
+    anchor_styles = {"torch_flash": ("#000000", "s"), "torch_cudnn": ("#525252", "D"),
+                     "torch_efficient": ("#8c8c8c", "^"), "torch_eager": ("#8c8c8c", "v"),
+                     "cudnn_fp8": ("#c51b7d", "*")}
+    markers = ["o", "s", "^", "D", "v", "P", "X", "h"]
+    chapters = [key for key in series if not is_anchor(key[0]) and "." not in key[0]]
+    style = {}
+    for i, key in enumerate(chapters):
+        style[key] = {"color": chapter_colors[i % len(chapter_colors)], "linestyle": "-", "linewidth": 1.8,
+                      "marker": markers[i % len(markers)], "markersize": 4.5}
+    for key in series:
+        if "." in key[0]:  # a step: the chapter's hue, lighter for earlier steps
+            chapter = next((k for k in chapters if k[0][:2] == key[0][:2]), None)
+            steps = sorted(k for k in series if "." in k[0] and k[0][:2] == key[0][:2])
+            base = matplotlib.colors.to_rgb(style[chapter]["color"]) if chapter else (0.4, 0.4, 0.4)
+            mix = 0.15 + 0.55 * (len(steps) - steps.index(key)) / (len(steps) + 1)
+            style[key] = {"color": tuple(b + (1 - b) * mix for b in base), "linestyle": "-.", "linewidth": 1.5,
+                          "marker": ["v", "^", "<", ">", "d"][steps.index(key) % 5], "markersize": 5}
+        elif is_anchor(key[0]):
+            color, marker = anchor_styles.get(key[0], ("#404040", "x"))
+            style[key] = {"color": color, "linestyle": "--", "linewidth": 1.8 if key[0] == "cudnn_fp8" else 1.3,
+                          "marker": marker, "markersize": 7 if marker == "*" else 5, "markerfacecolor": "white"}
+    for i, key in enumerate(chapters[1:], 1):  # hidden under the chapter before it, in some panel?
+        for d, c in [(d, c) for d in BENCH_DS for c in (0, 1)]:
+            before = dict(points(chapters[i - 1], d, c))
+            ratios = [y / before[n] for n, y in points(key, d, c) if before.get(n)]
+            if len(ratios) >= 2 and all(0.93 < r < 1.075 for r in ratios):
+                style[key].update(linestyle=(0, (3, 1.6)), markerfacecolor="white", markersize=6.5, zorder=3)
     ns = bench_ns(rows)
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9), sharex=True)
+    fig, axes = plt.subplots(2, 2, figsize=(13.5, 9.5), sharex=True)
     for ax, (d, c) in zip(axes.flat, [(d, c) for d in BENCH_DS for c in (0, 1)]):
-        for impl in chapters + variants + anchors:
-            points = sorted((r["seqlen"], r["tflops"]) for r in rows
-                            if (row_name(r), r["headdim"], r["causal"]) == (impl, d, c)
-                            and timed(r, "tflops") is not None)
-            if points:
-                ax.plot(*zip(*points), marker="o", markersize=3, label=display_name(impl), **style[impl])
+        for key in series:
+            line = points(key, d, c)
+            if line:
+                ax.plot(*zip(*line), label=label(*key), **style[key])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(ns)
@@ -530,9 +571,9 @@ def plot_results(rows, path, gpu):
         ax.set_ylabel("TFLOP/s")
         ax.grid(True, which="both", alpha=0.3)
     handles, labels = max((ax.get_legend_handles_labels() for ax in axes.flat), key=lambda hl: len(hl[1]))
-    fig.legend(handles, labels, loc="center right", fontsize=8)
-    fig.suptitle(f"FlashAttention stage by stage on {gpu}, fp16 in and out (08 computes in FP8)")
-    fig.tight_layout(rect=(0, 0, 0.84, 1))
+    fig.legend(handles, labels, loc="center right", fontsize=8.5, handlelength=3.2, labelspacing=0.7)
+    fig.suptitle(f"FlashAttention stage by stage on {gpu}, fp16 in and out (08.4 and 08.5 compute in FP8)")
+    fig.tight_layout(rect=(0, 0, 0.82, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     say(f"{path}: written")

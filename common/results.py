@@ -3,9 +3,12 @@ common/stages.py (chapters) and common/anchors.py (PyTorch), the FLOP convention
 the results CSV with its notes, and the .env that records the machine a run was made on."""
 import csv
 import datetime
+import glob
 import os
 import re
 import subprocess
+
+from chapters import read_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,11 +26,25 @@ NOTE_FIELDS = KEY_FIELDS + ("note",)
 TIMED = ("PASS", "unchecked")   # statuses whose timing is shown
 ANCHORS = ("torch_flash", "torch_cudnn", "torch_efficient", "torch_eager", "cudnn_fp8")
 FA2, CUDNN, EAGER = "torch_flash", "torch_cudnn", "torch_eager"
-# A chapter's other builds from the same source (the Makefile's BUILD/<chapter>.<dtype>): their rows
-# carry the chapter's impl and their own dtype, and are named <impl>@<dtype> in tables and markers.
-VARIANT_DTYPES = {"08_fp8": ("fp16",)}
-CHAPTER_DTYPES = {"08_fp8": "fp8"}  # a chapter's own dtype where it is not fp16 (for rows of runs that printed none)
-VARIANT_WORDS = {"fp16": "fp16 operands"}
+# A chapter built in steps (08: 08.1 ... 08.5, read from its source by chapters.read_steps): the
+# Makefile's BUILD/<chapter>.step<k> for every step but the last, which is the chapter itself. Each
+# step's rows carry its own name as impl ("08.1"), which sorts before the chapter's ("08_fp8"), so
+# tables list 07, 08.1, ..., 08.4, 08_fp8; in markers and tables 08.5 also names the chapter.
+def _steps():
+    steps, dtypes, aliases = {}, {}, {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "[0-9][0-9]_*", "attention.cu"))):
+        chapter = os.path.basename(os.path.dirname(path))
+        found = read_steps(path)
+        for step in found:
+            if step["precision"] == "PRECISION_FP8_TC":
+                dtypes[step["name"]] = "fp8"
+        if found:
+            steps[chapter] = tuple(s["name"] for s in found if s["name"] != chapter)
+            aliases[f"{chapter[:2]}.{len(found)}"] = chapter
+    return steps, dtypes, aliases
+
+
+STEPS, CHAPTER_DTYPES, STEP_ALIASES = _steps()  # CHAPTER_DTYPES: a build's dtype where it is not fp16
 
 # --- The benchmark's shapes (docs/design.md) ----------------------------------------------
 BENCH_DS = (128, 64)
@@ -84,21 +101,16 @@ def row_key(row):
     return tuple(row[k] for k in KEY_FIELDS)
 
 
-def split_variant(name):
-    """'08_fp8@fp16' -> ('08_fp8', 'fp16'); '08_fp8' -> ('08_fp8', None)."""
-    impl, _, dtype = name.partition("@")
-    return impl, dtype or None
-
-
-def row_name(row):
-    """The name a row goes by: its impl, or <impl>@<dtype> for a chapter's other build."""
-    return f"{row['impl']}@{row['dtype']}" if row["dtype"] in VARIANT_DTYPES.get(row["impl"], ()) else row["impl"]
+def step_binary(build, chapter, step):
+    """BUILD/08_fp8.step1 for step '08.1' of chapter 08_fp8."""
+    return os.path.join(build, f"{chapter}.step{step.rpartition('.')[2]}")
 
 
 def find_row(rows, name, headdim, seqlen, causal):
-    """The row of name (an impl, or <impl>@<dtype> for a variant build) at (D, N, causal), or None."""
+    """The row of impl `name` at (D, N, causal), or None."""
+    name = STEP_ALIASES.get(name, name)
     for row in rows:
-        if row_name(row) == name and (row["headdim"], row["seqlen"], row["causal"]) == (headdim, seqlen, causal):
+        if row["impl"] == name and (row["headdim"], row["seqlen"], row["causal"]) == (headdim, seqlen, causal):
             return row
     return None
 
@@ -116,18 +128,6 @@ def is_anchor(impl):
 def chapter_impls(rows):
     """The chapters present in rows, in order."""
     return sorted({row["impl"] for row in rows if not is_anchor(row["impl"])})
-
-
-def variant_names(rows, chapter=None):
-    """The variant builds present in rows (of one chapter, or all), as <impl>@<dtype>, in order."""
-    return sorted({row_name(row) for row in rows if "@" in row_name(row)
-                   and (chapter is None or row["impl"] == chapter)})
-
-
-def display_name(name):
-    """A table's words for a name: '08_fp8 (fp16 operands)' for 08_fp8@fp16."""
-    impl, dtype = split_variant(name)
-    return f"{impl} ({VARIANT_WORDS.get(dtype, dtype)})" if dtype else impl
 
 
 def anchor_impls(rows):

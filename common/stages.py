@@ -38,9 +38,9 @@ sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import (fmt_ms, fmt_rel, fmt_tflops, print_summary, plot_results, regenerate_tables,  # noqa: E402
                     run_stage_table, say)
 from results import (BENCH_ITERS, BENCH_WARMUP, CHAPTER_DTYPES, CSV_FIELDS, HARNESS_FIELDS,  # noqa: E402
-                     HARNESS_NUMBERS, HEADLINE_D, HEADLINE_N, OPTIONAL_FIELDS, QUICK_NS, VARIANT_DTYPES, bench_shape,
+                     HARNESS_NUMBERS, HEADLINE_D, HEADLINE_N, OPTIONAL_FIELDS, QUICK_NS, STEPS, bench_shape,
                      bench_shapes, collect_env, env_path, gpu_name, gpu_slug, is_anchor, make_row, parse_value,
-                     read_env, read_results, row_key, row_name, shape_label, work, write_env, write_results)
+                     read_env, read_results, row_key, shape_label, step_binary, work, write_env, write_results)
 
 # --- Running the chapters: the sweep and its skip policy -------------------------------------
 RUNS_PER_SHAPE = BENCH_WARMUP + BENCH_ITERS + 1   # warm-up, timed, and the checked run
@@ -119,8 +119,7 @@ def chapter_adds(binary, name):
 def command_run(args):
     """`make run`: every chapter on its default shape, then the stage table."""
     results, adds = [], {}
-    for name in args.chapters:
-        binary = os.path.join(args.build, name)
+    for name, binary, _ in chapter_binaries(args.build, args.chapters):
         say(f"running {name} ...")
         adds[name] = chapter_adds(binary, name)
         code, stdout, stderr = run_binary(binary, ["--csv"])
@@ -139,7 +138,8 @@ def command_run(args):
     skipped = [name for name, status, _, _ in results if status == "skipped"]
     bad = [name for name, status, _, _ in results if status in ("FAIL", "error")]
     if skipped:
-        say(f"skipped (exit 77, this GPU lacks what they need; not a failure): {', '.join(skipped)}")
+        why = sorted({note for name, status, _, note in results if status == "skipped" and note})
+        say(f"skipped (exit 77, not a failure): {', '.join(skipped)}" + (f": {'; '.join(why)}" if why else ""))
     if bad:
         say(f"failed: {', '.join(bad)}")
     return 1 if bad else 0
@@ -175,7 +175,7 @@ def bench_one(binary, name, dtype, shape, last, unsupported):
 
 def row_progress(row):
     """One progress line for a finished row."""
-    name = row_name(row)
+    name = row["impl"]
     if row["ms"] is None:
         return f"  {name:<20} {row['status']:<5} {row.get('note', '')}"
     return (f"  {name:<20} {row['status']:<5} {fmt_ms(row['ms']):>7} ms "
@@ -184,17 +184,17 @@ def row_progress(row):
 
 
 def chapter_binaries(build, chapters):
-    """[(impl, binary, dtype)]: each chapter, then its variant builds that were built (08_fp8.fp16)."""
+    """[(impl, binary, dtype)]: each chapter, its steps first where it is built in steps (08.1 ...
+    08.4, BUILD/08_fp8.step1 ..., then 08_fp8, the last step)."""
     out = []
     for name in chapters:
+        out += [(step, step_binary(build, name, step), CHAPTER_DTYPES.get(step, "fp16")) for step in STEPS.get(name, ())]
         out.append((name, os.path.join(build, name), CHAPTER_DTYPES.get(name, "fp16")))
-        out += [(name, os.path.join(build, f"{name}.{dtype}"), dtype) for dtype in VARIANT_DTYPES.get(name, ())
-                if os.path.exists(os.path.join(build, f"{name}.{dtype}"))]
     return out
 
 
 def bench_chapters(build, chapters, shapes):
-    """Every chapter (and variant build) on every shape; None when every one was skipped (no GPU)."""
+    """Every chapter (and step build) on every shape; None when every one was skipped (no GPU)."""
     rows, last, unsupported = [], {}, {}
     binaries = chapter_binaries(build, chapters)
     for i, shape in enumerate(shapes):
@@ -254,16 +254,17 @@ def command_bench(args):
         f"{' (--quick)' if args.quick else ''}; a shape projected over {BUDGET_S} s is skipped")
     rows = bench_chapters(args.build, chapters, shapes)
     if rows is None:
-        say("every chapter skipped (exit 77): nothing measured, docs/results left alone")
-        return 0
-    if torch_gpu_ready("PyTorch not found: anchor rows skipped"):
+        say("every chapter skipped (exit 77, their reasons above): nothing measured, docs/results left alone")
+        torch_gpu_ready("PyTorch not found: the anchors would be skipped too (pip install torch for make compare)")
+        return 77
+    if torch_gpu_ready("PyTorch not found: anchor rows skipped (pip install torch to measure them)"):
         rows += measure_anchors(shapes)
     env = collect_env(shlex.join([sys.executable] + sys.argv))
     save_results(args.out, rows, env, args.readme)
     print_summary(rows)
     failed = [r for r in rows if r["status"] == "FAIL" and not is_anchor(r["impl"])]
     for r in failed:
-        say(f"FAIL {row_name(r)} {shape_label(r)}: {r.get('note') or 'rel_l2 ' + fmt_rel(r['rel_l2'])}")
+        say(f"FAIL {r['impl']} {shape_label(r)}: {r.get('note') or 'rel_l2 ' + fmt_rel(r['rel_l2'])}")
     return 1 if failed else 0
 
 

@@ -17,7 +17,8 @@ first run makes the shared input/reference cache and the others reuse it).
 
 Before the CPU tests the multiarch binaries are built (make BUILD=<build>/multiarch
 ARCH=multi all); when a GPU is present, the native ones too (make BUILD=<build> all).
-A build failure is a failed test. The last line of the output is always
+A build failure is a failed test. Progress: `.` a pass, `s` a skip, `~` ten seconds without a
+result (a build or a long test still running). The last line of the output is always
 `N passed, N failed` or `N passed, N failed, N skipped`; the exit code is 1 on any failure.
 """
 import argparse
@@ -44,6 +45,7 @@ SUITES = {"default": ["cpu", "gpu"], "cpu": ["cpu"], "gpu": ["gpu"], "sanitize":
 NEEDS_GPU = {"gpu", "sanitize"}
 BUILD_TIMEOUT_S = 3600
 DETAIL_LINES = 40  # lines of a failure message shown under it
+HEARTBEAT_S = 10  # a `~` on the progress line after this long without a result
 
 
 def discover_chapters(root):
@@ -133,14 +135,30 @@ class Results:
         self.verbose = verbose
         self.midline = False      # progress marks printed on the current line
         self.lock = threading.Lock()
+        self.last_output = time.time()
+        threading.Thread(target=self.heartbeat, daemon=True).start()
+
+    def heartbeat(self):
+        """A `~` for every HEARTBEAT_S without a result (a build, a long compile or GPU run)."""
+        while True:
+            time.sleep(1)
+            with self.lock:
+                if time.time() - self.last_output >= HEARTBEAT_S:
+                    print("~", end="", flush=True)
+                    self.midline = True
+                    self.last_output = time.time()
 
     def begin(self, text):
-        print(("\n" if self.midline else "") + text, end="", flush=True)
-        self.midline = True
+        with self.lock:
+            print(("\n" if self.midline else "") + text, end="", flush=True)
+            self.midline = True
+            self.last_output = time.time()
 
     def end(self, text):
-        print(text if self.midline else f"  {text.strip()}", flush=True)
-        self.midline = False
+        with self.lock:
+            print(text if self.midline else f"  {text.strip()}", flush=True)
+            self.midline = False
+            self.last_output = time.time()
 
     def record(self, test_id, outcome, message=""):
         with self.lock:
@@ -163,6 +181,7 @@ class Results:
                 print("." if outcome == "pass" else "s", end="")
                 self.midline = True
             sys.stdout.flush()
+            self.last_output = time.time()
 
 
 def first_line(text):

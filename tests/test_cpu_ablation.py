@@ -1,21 +1,25 @@
 """The ablation switches (common/ablation.py, `make ablation CH=NN`), without a GPU.
 
   switches   every switch the table names is a `#ifndef NAME` / `#define NAME 1` default in its
-             chapter, so the chapter as written is the variant with every idea on
+             chapter (08, built in steps: `#define NAME (STEP >= k)`), so the chapter as written
+             is the variant with every idea on
   compiles   every variant of the table (each idea off alone, the ideas switched on one by one)
              compiles for sm_90 (08: sm_90a) with the chapter's flags, without a warning
   readme     each chapter README has the table's markers, and where the measured CSV exists, the
              table between them is the one `ablation.py table` writes from it (never stale)
   table      the table's arithmetic on a made-up CSV: a step's speedup over the row above, a
              missing idea's cost against the chapter
-  diff       each chapter as `make diff` shows it (the switches' off branches and their comments
-             left out) has no switch branch left and still compiles; the filter on a made-up source
+  diff       each chapter (and each of 08's steps) as `make diff` shows it (the switches' off
+             branches and their comments left out) has no switch branch left and still compiles;
+             the filter on made-up sources
 """
 import csv
 import os
 import re
 
 import ablation
+import chapters
+import source
 from test_cpu_exercises import ARCH_FLAG_OF, SASS_ARCH_FLAG, nvcc_flags
 
 PARALLEL = 8
@@ -25,7 +29,7 @@ def test_switches_default_on(ctx):
     for chapter, spec in ablation.ABLATIONS.items():
         text = (ctx.root / chapter / "attention.cu").read_text()
         for name, _ in spec["ideas"]:
-            pattern = rf"#ifndef {name}\n#define {name} 1\b"
+            pattern = rf"#ifndef {name}\n#define {name} (1\b|\(STEP >= \d\))"
             assert re.search(pattern, text), f"{chapter}/attention.cu: no `#ifndef {name}` / `#define {name} 1` default"
     return f"{sum(len(s['ideas']) for s in ablation.ABLATIONS.values())} switches"
 
@@ -86,32 +90,51 @@ def test_table_arithmetic(ctx):
     return "steps, costs, caption"
 
 
-def stripped_case(chapter):
+def stripped_case(chapter, step=None):
+    """The chapter (or one of its steps) as `make diff` shows it compiles, with no switch left."""
     def case(ctx):
-        text = ablation.without_switches((ctx.root / chapter / "attention.cu").read_text())
-        left = [line for line in text.splitlines() if ablation.SWITCH_IF.match(line.strip())
-                and ablation.SWITCH_IF.match(line.strip()).group(2) in ablation.switches_of(text)]
+        original = (ctx.root / chapter / "attention.cu").read_text()
+        text = source.without_switches(original, step)
+        values = source.switches_of(original, step)
+        left = [line for line in text.splitlines() if (source.SWITCH_IF.match(line.strip())
+                and source.SWITCH_IF.match(line.strip()).group(2) in values) or source.STEP_IF.match(line.strip())]
         assert not left and "// Ablation" not in text, f"{chapter}: switch branches left: {left[:3]}"
         folder = ctx.tmpdir() / chapter
         folder.mkdir()
         (folder / "attention.cu").write_text(text)
         os.symlink(ctx.root / "common", folder.parent / "common")
         arch = ARCH_FLAG_OF.get(chapter[:2], SASS_ARCH_FLAG)
-        proc = ctx.run(nvcc_flags(ctx) + [arch, "-c", "-o", folder / "x.o", folder / "attention.cu"], timeout=600)
-        assert proc.returncode == 0, f"{chapter} without its switches does not compile:\n{proc.stderr[-2000:]}"
-        return f"{len(text.splitlines())} of {len((ctx.root / chapter / 'attention.cu').read_text().splitlines())} lines"
+        flags = [f"-DSTEP={step}"] if step else []
+        proc = ctx.run(nvcc_flags(ctx) + [arch, *flags, "-c", "-o", folder / "x.o", folder / "attention.cu"], timeout=600)
+        shown = f"{chapter} (step {step})" if step else chapter
+        assert proc.returncode == 0, f"{shown} without its switches does not compile:\n{proc.stderr[-2000:]}"
+        return f"{len(text.splitlines())} of {len(original.splitlines())} lines"
     return case
 
 
+def test_step_filter():
+    """A chapter built in steps: each switch `#define NAME (STEP >= k)` is on from step k, and an
+    `#if STEP == k` / `#elif STEP == k` chain keeps the branch of the step shown."""
+    text = ("#ifndef STEP\n#define STEP 3\n#endif\n#ifndef B\n#define B (STEP >= 2)\n#endif\n"
+            "#if B\nb\n#else\nnot b\n#endif\n#if STEP == 1\none\n#elif STEP == 2\ntwo\n#elif STEP == 3\nthree\n"
+            "#else\n#error\n#endif\n#if !B\nbefore b\n#endif\n")
+    head = "#ifndef STEP\n#define STEP 3\n#endif\n#ifndef B\n#define B (STEP >= 2)\n#endif\n"
+    want = {1: head + "not b\none\nbefore b\n", 2: head + "b\ntwo\n", None: head + "b\nthree\n"}
+    for step, expected in want.items():
+        got = source.without_switches(text, step)
+        assert got == expected, f"step {step}:\n{got}\nexpected:\n{expected}"
+    return "steps 1, 2 and the default"
+
+
 def test_switch_filter():
-    source = ("#ifndef A\n#define A 1\n#endif\n#if X\nx\n#endif\n    // Ablation (-DA=0): off\n"
+    text = ("#ifndef A\n#define A 1\n#endif\n#if X\nx\n#endif\n    // Ablation (-DA=0): off\n"
               "    // continued\n#if A  // a note\nkept\n#else\ngone\n#endif\n#if !A\ngone too\n#endif\n"
               "// Ablation (-DA=0): a comment on kept code\nkept too\n// a comment of its own\nend\n")
     want = "#ifndef A\n#define A 1\n#endif\n#if X\nx\n#endif\nkept\nkept too\n// a comment of its own\nend\n"
-    got = ablation.without_switches(source)
+    got = source.without_switches(text)
     assert got == want, f"filtered:\n{got}\nexpected:\n{want}"
     try:
-        ablation.without_switches("#ifndef A\n#define A 1\n#endif\n#if A\na\n#elif B\nb\n#endif\n")
+        source.without_switches("#ifndef A\n#define A 1\n#endif\n#if A\na\n#elif B\nb\n#endif\n")
     except ValueError:
         return "kept, dropped, #elif refused"
     raise AssertionError("#elif in a switch's #if was accepted")
@@ -119,6 +142,8 @@ def test_switch_filter():
 
 def cases(ctx):
     out = [(f"diff[{chapter}]", stripped_case(chapter)) for chapter in ablation.ABLATIONS]
+    for step in range(1, len(chapters.read_steps(ctx.root / "08_fp8" / "attention.cu"))):
+        out.append((f"diff[08_fp8 step {step}]", stripped_case("08_fp8", step)))
     for chapter in ablation.ABLATIONS:
         for variant, kind, flags in ablation.variants(chapter):
             if kind != "before" and flags:

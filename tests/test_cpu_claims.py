@@ -356,10 +356,11 @@ def test_mma_sync_e4m3_is_emulated_on_sm90(ctx):
             f"{sum(op == 'HMMA' for op, _ in ops['sm_90'])} x HMMA")
 
 
-def build_08_variant(ctx, flags):
-    """08 compiled for sm_90a with extra -D flags: (ptxas report lines, {head dim: SASS text of
-    its attention_kernel}). Without flags that is the chapter as the build made it: its binary and
-    build log are read, not compiled a second time."""
+def build_08_variant(ctx, flags=(), step=None):
+    """08 as a build made it, or compiled for sm_90a with extra -D flags: (ptxas report lines,
+    {head dim: SASS text of its attention_kernel}). A step (1-4) is its build, BUILD/08_fp8.stepK,
+    and no flags the chapter, BUILD/08_fp8: their binaries and build logs are read, not compiled
+    a second time."""
     cuobjdump, env = sass_tools(ctx)
     if flags:
         cubin = ctx.tmpdir() / "08_variant.cubin"
@@ -369,8 +370,8 @@ def build_08_variant(ctx, flags):
         assert proc.returncode == 0, f"nvcc {' '.join(flags)} failed:\n{proc.stderr}"
         report = proc.stderr
     else:
-        cubin = ctx.require_binary("08_fp8")
-        log = cubin.parent / "08_fp8.log"
+        cubin = ctx.require_binary(f"08_fp8.step{step}" if step else "08_fp8")
+        log = cubin.parent / f"{cubin.name}.log"
         if not log.is_file():
             raise unittest.SkipTest(f"{ctx.rel(log)} missing: the multiarch build did not run")
         report = log.read_text(errors="replace")
@@ -381,7 +382,8 @@ def build_08_variant(ctx, flags):
         name = text.split()[0]
         if kernel_base_name(name) == "attention_kernel":
             kernels[int(re.search(r"ILi(\d+)E", name).group(1))] = text
-    assert sorted(kernels) == [64, 128], f"{' '.join(flags)}: attention_kernel for D = {sorted(kernels)}, expected 64 and 128"
+    shown = " ".join(flags) or f"step {step or 5}"
+    assert sorted(kernels) == [64, 128], f"{shown}: attention_kernel for D = {sorted(kernels)}, expected 64 and 128"
     return report.splitlines(), kernels
 
 
@@ -392,56 +394,58 @@ def spill_report(lines, dim):
     return lines[entry[0] + 1]
 
 
-def test_fp8_chapter_fp16_operand_build(ctx):
-    """08 with -DFP16_OPERANDS=1 is the same kernel on fp16 operands: HGMMA (k16) instead of
-    QGMMA in attention_kernel, the copies still on TMA, no e4m3 conversions, and no spills."""
-    lines, kernels = build_08_variant(ctx, ["-DFP16_OPERANDS=1"])
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", "\n".join(lines))
-    assert spills and all(s == ("0", "0") for s in spills), f"spills in the fp16-operand build: {spills}"
-    for text in kernels.values():
-        ops = set(re.findall(r"\b(HGMMA|QGMMA|UTMALDG|F2FP\.SATFINITE\.E4M3)", text))
-        assert {"HGMMA", "UTMALDG"} <= ops and not ops & {"QGMMA", "F2FP.SATFINITE.E4M3"}, \
-            f"fp16-operand attention_kernel: expected HGMMA and UTMALDG, no QGMMA or e4m3 conversion, got {ops}"
-    return f"2 attention kernels on HGMMA + UTMALDG, no QGMMA, {len(spills)} functions without spills"
+# What each of 08's steps adds, as its attention kernels' SASS shows it: (present, absent) per step.
+# 08.1: wgmma on fp16 (HGMMA) fed by TMA (UTMALDG) through mbarriers (SYNCS), one wait per product;
+# 08.2: setmaxnreg (USETMAXREG) between the producer and the consumers; 08.3: the ping-pong's named
+# barriers (BAR.ARV) and a wait that leaves one wgmma group in flight (P V under the softmax);
+# 08.4: e4m3 operands (QGMMA, and P converted to e4m3); 08.5: S in fp16 (D = 128, below).
+STEP_SASS = {
+    1: (["HGMMA.64x128x16.F32", "UTMALDG.3D", "SYNCS.PHASECHK.TRANS64.TRYWAIT"],
+        ["QGMMA", "USETMAXREG", "BAR.ARV", "WARPGROUP.DEPBAR.LE gsb0, 0x1", "F2FP.SATFINITE.E4M3"]),
+    2: (["HGMMA.64x128x16.F32", "UTMALDG.3D", "USETMAXREG.DEALLOC", "USETMAXREG.TRY_ALLOC"],
+        ["QGMMA", "BAR.ARV", "WARPGROUP.DEPBAR.LE gsb0, 0x1", "F2FP.SATFINITE.E4M3"]),
+    3: (["HGMMA.64x128x16.F32", "UTMALDG.3D", "USETMAXREG.TRY_ALLOC", "BAR.ARV", "WARPGROUP.DEPBAR.LE gsb0, 0x1"],
+        ["QGMMA", "F2FP.SATFINITE.E4M3"]),
+    4: (["QGMMA", "UTMALDG.3D", "USETMAXREG.TRY_ALLOC", "BAR.ARV", "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+         "F2FP.SATFINITE.E4M3"], ["HGMMA", "MUFU.EX2.F16"]),
+}
 
 
-def test_fp8_chapter_256_key_build(ctx):
-    """08 with fp32 scores and 256-key tiles at both head dims (the README's measured alternative,
-    with two consumer warpgroups at D = 64 as measured) builds on wgmma m64n256 for Q K^T. At D = 64 the
-    intra-warpgroup overlap still fits the registers (no spills); at D = 128 it does not, and
-    -DINTRA_OVERLAP=0 is the build without spills there."""
+def test_fp8_chapter_steps(ctx):
+    """Each of 08's step builds (BUILD/08_fp8.step1 ... step4) uses the instructions its step adds and
+    none of a later step's, in both attention kernels, and none of them spills."""
     results = []
-    wide = ["-DSCORES_F16=0", "-DBLOCK_KV_D128=256", "-DBLOCK_KV_D64=256", "-DCONSUMERS_D64=2"]
-    for flags, clean_dims in ((wide, [64]), (wide + ["-DINTRA_OVERLAP=0"], [64, 128])):
-        lines, kernels = build_08_variant(ctx, flags)
-        for dim in clean_dims:
-            report = spill_report(lines, dim)
-            assert "0 bytes spill stores, 0 bytes spill loads" in report, f"{' '.join(flags)}, D={dim}: {report}"
-        assert all("QGMMA.64x256x32" in k for k in kernels.values()), \
-            f"{' '.join(flags)}: expected QGMMA.64x256x32 in both attention kernels"
-        results.append(f"{' '.join(flags)}: m64n256, no spills at D={clean_dims}")
+    for step, (present, absent) in STEP_SASS.items():
+        lines, kernels = build_08_variant(ctx, step=step)
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", "\n".join(lines))
+        assert spills and all(s == ("0", "0") for s in spills), f"08.{step}: spills in its build: {spills}"
+        for dim, text in kernels.items():
+            missing = [op for op in present if op not in text]
+            found = [op for op in absent if op in text]
+            assert not missing and not found, f"08.{step} attention_kernel<{dim}>: lacks {missing}, has {found}"
+        results.append(f"08.{step}: {', '.join(op.split('.')[0] for op in present)}")
     return "; ".join(results)
 
 
 def test_fp8_scores_in_fp16(ctx):
-    """08 at D = 128 keeps S in fp16: Q K^T is a QGMMA with fp16 accumulators over 256 keys and the
-    exponentials are MUFU.EX2.F16, about one in five a polynomial on the FMA units instead (SPLIT_EXP2);
-    D = 64 keeps fp32 scores. -DSCORES_F16=0 is the fp32-score
-    kernel on 192-key tiles. Neither build spills."""
+    """08 (its last step, 08.5) at D = 128 keeps S in fp16: Q K^T is a QGMMA with fp16 accumulators
+    over 256 keys and the exponentials are MUFU.EX2.F16, about one in five a polynomial on the FMA
+    units instead (SPLIT_EXP2); D = 64 keeps fp32 scores. Step 08.4 is the fp32-score kernel on
+    192-key tiles. Neither build spills."""
     want = {1: {128: (["QGMMA.64x256x32.F16.E4M3.E4M3", "MUFU.EX2.F16"], ["QGMMA.64x256x32.F32", "QGMMA.64x192x32"]),
                 64: (["QGMMA.64x128x32.F32.E4M3.E4M3"], ["QGMMA.64x128x32.F16", "MUFU.EX2.F16"])},
             0: {128: (["QGMMA.64x192x32.F32.E4M3.E4M3"], ["QGMMA.64x256x32", "MUFU.EX2.F16", ".F16.E4M3"])}}
     results = []
     for half, dims in want.items():
-        lines, kernels = build_08_variant(ctx, [] if half else ["-DSCORES_F16=0"])  # 1: the chapter's default
+        lines, kernels = build_08_variant(ctx, step=None if half else 4)  # 1: the chapter, 0: step 08.4
         for dim, (present, absent) in dims.items():
             report = spill_report(lines, dim)
-            assert "0 bytes spill stores, 0 bytes spill loads" in report, f"-DSCORES_F16={half}, D={dim}: {report}"
+            assert "0 bytes spill stores, 0 bytes spill loads" in report, f"fp16 scores {half}, D={dim}: {report}"
             text = kernels[dim]
             missing = [op for op in present if op not in text]
             found = [op for op in absent if op in text]
-            assert not missing and not found, f"-DSCORES_F16={half}, D={dim}: lacks {missing}, has {found}"
-            results.append(f"SCORES_F16={half} D={dim}: {', '.join(present)}")
+            assert not missing and not found, f"fp16 scores {half}, D={dim}: lacks {missing}, has {found}"
+            results.append(f"{'08.5' if half else '08.4'} D={dim}: {', '.join(present)}")
             # The split exponentials (fp16 scores only): each polynomial ends in one HMUL2 (by 2^j),
             # which nothing else in the kernel uses, in place of two MUFU.EX2.F16.
             polys, mufu_pairs = text.count("HMUL2"), text.count("MUFU.EX2.F16") / 2
@@ -450,5 +454,5 @@ def test_fp8_scores_in_fp16(ctx):
                 assert 0.1 < share < 0.3, f"D=128: {polys} exp2 polynomials beside {mufu_pairs:.0f} MUFU pairs"
                 results.append(f"{share:.0%} of the half2 exponentials on the FMA units")
             else:
-                assert polys == 0, f"-DSCORES_F16={half}, D={dim}: {polys} HMUL2 with fp32 scores"
+                assert polys == 0, f"fp16 scores {half}, D={dim}: {polys} HMUL2 with fp32 scores"
     return "; ".join(results)

@@ -5,7 +5,7 @@ their roundings: the scores and p in float16, the scale rounded to fp16 for the 
 computes the exponent, the offset 8 - max rounded down to fp16 and used as the row's reference,
 and, past HALF_MAX_LIMIT, the recentring of the scores in their own units. MUFU.EX2.F16 is
 modelled as exp2 rounded to fp16; the chunks whose exponentials run on the FMA units
-(`exp2_fma_h2`, one 8-key chunk in EXP2_FMA_EVERY_F16) follow its half-precision steps, with the
+(`exp2_fma_h2`, one 8-key chunk in EXP2_FMA_PERIOD) follow its half-precision steps, with the
 constants and the period read from the kernel's source. Random rows of 1-16 tiles of 256 keys, scores up to fp16's
 32768 and scales from 0.001 to 10, some keys masked: logits from ~0 to ~3e5 in log2 units.
 
@@ -25,17 +25,17 @@ SOURCE = Path(__file__).resolve().parent.parent / "08_fp8" / "attention.cu"
 
 def kernel_exp2_fma():
     """exp2_fma_h2's half constants (rounder, floor, then the cubic's c3, c2, c1, c0) and the period
-    EXP2_FMA_EVERY_F16, as the kernel's source has them."""
+    EXP2_FMA_PERIOD, as the kernel's source has them."""
     text = SOURCE.read_text()
     body = text[text.index("__device__ __half2 exp2_fma_h2"):]
     body = body[:body.index("\n}\n")]
     words = re.findall(r"as_half2\(0x([0-9a-f]{8})u\)", body)
     assert len(words) == 6 and all(w[:4] == w[4:] for w in words), f"exp2_fma_h2's constants: {words}"
-    every = int(re.search(r"#define EXP2_FMA_EVERY_F16 (\d+)", text).group(1))
+    every = int(re.search(r"#define EXP2_FMA_PERIOD (\d+)", text).group(1))
     return [np.array(int(w[4:], 16), np.uint16).view(F16) for w in words], every
 
 
-EXP2_CONSTANTS, EXP2_FMA_EVERY_F16 = kernel_exp2_fma()
+EXP2_CONSTANTS, EXP2_FMA_PERIOD = kernel_exp2_fma()
 
 
 def hfma(a, b, c):
@@ -56,9 +56,9 @@ def exp2_fma_h2(x):
 
 def on_fma(keys):
     """Whether each key's exponential runs on the FMA units: 8-key chunk c with (c + 1) % period == 0."""
-    if EXP2_FMA_EVERY_F16 <= 0:
+    if EXP2_FMA_PERIOD <= 0:
         return np.zeros(keys, bool)
-    return (np.arange(keys) // 8 + 1) % EXP2_FMA_EVERY_F16 == 0
+    return (np.arange(keys) // 8 + 1) % EXP2_FMA_PERIOD == 0
 
 
 def half_down(x):
@@ -170,5 +170,5 @@ def test_exp2_fma_h2_accuracy():
     low = np.array([-15.5, -16, -100, -60000, -np.inf], F16)
     assert not exp2_fma_h2(low).any(), f"exp2_fma_h2 of {low}: {exp2_fma_h2(low)}"
     share = on_fma(KEYS).mean()
-    assert 0 < share < 0.5, f"one 8-key chunk in {EXP2_FMA_EVERY_F16} on the FMA units: {share:.3f} of the keys"
+    assert 0 < share < 0.5, f"one 8-key chunk in {EXP2_FMA_PERIOD} on the FMA units: {share:.3f} of the keys"
     return f"max relative error {rel.max():.2e}; {share:.0%} of a tile's exponentials on the FMA units"

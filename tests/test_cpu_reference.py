@@ -14,6 +14,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 import reference  # noqa: E402
+import source  # noqa: E402
 
 SCRIPT = Path(reference.__file__)
 
@@ -372,20 +373,18 @@ def test_fp8_floor_matches_the_chapter(ctx):
         "harness.cu should name the floor's file fp8floor<Q rows>x<KV rows>[r<range>] from the chapter's tiles at the head dim"
     assert reference.fp8_floor_part(128, 192) == "fp8floor128x192"
     assert reference.fp8_floor_part(128, 256, 16) == "fp8floor128x256r16"
-    kernel = (ctx.root / "08_fp8" / "attention.cu").read_text()
+    kernel = source.without_switches((ctx.root / "08_fp8" / "attention.cu").read_text())  # as built by default
     q_rows = re.search(r"#define Q_SCALE_ROWS (\d+)", kernel)
-    half = re.search(r"#define SCORES_F16 ([01])", kernel)
-    wide = re.search(r"#define WIDE_KEYS_D128 \(SCORES_F16 \? (\d+) : (\d+)\)", kernel)
-    assert half and wide and re.search(r"#define BLOCK_KV_D128 \(WIDE_KEY_TILES && !FP16_OPERANDS \? WIDE_KEYS_D128 : \d+\)",
-                                       kernel), "08_fp8/attention.cu: no SCORES_F16, WIDE_KEYS_D128 or BLOCK_KV_D128 as expected"
-    kv_128 = wide.group(1) if half.group(1) == "1" else wide.group(2)
+    key_tile = re.search(r"static constexpr int BLOCK_KV = HEAD_DIM == 128 \? (\d+) : (\d+);", kernel)
+    half = re.search(r"static constexpr bool SCORES_ARE_FP16 = HEAD_DIM == 128;", kernel)
     qk_range = re.search(r"#define QK_RANGE_F16 (\d+)", kernel)
-    assert qk_range and reference.FP8_QK_RANGE == {64: 448, 128: int(qk_range.group(1)) if half.group(1) == "1" else 448}, \
-        f"reference.py's FP8_QK_RANGE {reference.FP8_QK_RANGE} is not 08's (QK_RANGE_F16 at D = 128 with SCORES_F16)"
-    assert re.search(r"fp8_qk_range,", kernel), "08's Chapter should give the harness its Q/K range (fp8_qk_range)"
-    kv_64 = re.search(r"#define BLOCK_KV_D64 (\d+)", kernel)
-    assert q_rows and kv_64, "08_fp8/attention.cu: no `#define Q_SCALE_ROWS N` or `#define BLOCK_KV_D64 N`"
-    tiles = (int(q_rows.group(1)), {64: int(kv_64.group(1)), 128: int(kv_128)})
+    assert q_rows and key_tile and half and qk_range, \
+        "08_fp8/attention.cu as built by default: no Q_SCALE_ROWS, Config's BLOCK_KV by head dim, SCORES_ARE_FP16 or QK_RANGE_F16"
+    assert reference.FP8_QK_RANGE == {64: 448, 128: int(qk_range.group(1))}, \
+        f"reference.py's FP8_QK_RANGE {reference.FP8_QK_RANGE} is not 08's (QK_RANGE_F16 at D = 128, fp16 scores)"
+    assert re.search(r"Fp8Scaling fp8_scaling = \{fp8_scale_rows, fp8_qk_range\};", kernel) and "&fp8_scaling," in kernel, \
+        "08's Chapter should give the harness its scale tiles and Q/K range (an Fp8Scaling)"
+    tiles = (int(q_rows.group(1)), {64: int(key_tile.group(2)), 128: int(key_tile.group(1))})
     assert tiles == (reference.FP8_Q_ROWS, reference.FP8_KV_ROWS), \
         f"08 scales per {tiles} rows of (Q, K and V by head dim), reference.py's defaults {(reference.FP8_Q_ROWS, reference.FP8_KV_ROWS)}"
     assert re.search(r"fp8_scale_rows\(int headdim, int which\) \{ return which == 0 \? Q_SCALE_ROWS : key_tile\(headdim\); \}",

@@ -16,6 +16,11 @@ folder, the others reuse it, and no two workers ever make the same folder at onc
   outliers      chapter x causal on `reference.py inputs --outliers 0.001` (0.1% of Q and K
                 entries +-U(10, 100)): the case FP8's per-(b, h) scales must survive
   output        chapter: --output's o.npy/lse.npy against float64 computed here
+  step          08's step builds (BUILD/08_fp8.step1 ... step4): a lean matrix (both D, masks,
+                ragged N, large logits) under each step's precision
+  twice_torch   fp16 tensor-core chapters (06, 07, 08.1-08.3): max abs error of O against float64
+                at most twice that of PyTorch's fp16 flash attention on the same inputs (skipped
+                without PyTorch)
 
 FP8 chapters (08) pass within 1.5x the e4m3 input-quantisation floor (+3e-3), capped at 6e-2
 on the generated N(0, 1) inputs; the harness reads the floor from common/reference.py, and
@@ -50,7 +55,6 @@ N2_WORKSPACE = {1, 2, 3}                   # S (and P) in device memory: B*H*N*N
 OUTPUT_SHAPES = [(2, 3, 200, 64, True), (1, 2, 129, 128, False)]  # (B, H, N, D, causal)
 FIELDS = list(HARNESS_FIELDS)  # the binary's --csv columns
 RUN_TIMEOUT_S = 600
-VARIANT_BUILDS = ["08_fp8.fp16"]  # the Makefile's VARIANTS: 08 on fp16 operands
 
 
 def shape_args(b, h, n, d, causal):
@@ -59,7 +63,7 @@ def shape_args(b, h, n, d, causal):
 
 
 def run_csv(ctx, chapter, args, env=None, build_name=None):
-    """Run the native binary (the chapter's, or its variant build build_name) with --csv:
+    """Run the native binary (the chapter's, or another build of it, build_name) with --csv:
     (CompletedProcess, row dict or None). Exit 77 skips."""
     binary = ctx.require_binary(build_name or chapter, native=True)
     cmd = [binary, *args, "--warmup", "0", "--iters", "1", "--csv"]
@@ -287,6 +291,48 @@ def output_case(chapter, b, h, n, d, causal):
     return case
 
 
+# --- no worse than twice PyTorch's own fp16 error (fp16 tensor-core chapters) ----------------------
+TORCH_RULE_SHAPES = [(2, 3, 200, 64, True), (1, 2, 129, 128, False), (1, 4, 1024, 128, True)]  # (B, H, N, D, causal)
+FP16_TC = {6, 7}  # chapters on fp16 tensor cores; 08's steps on fp16 operands are checked beside them
+
+
+def torch_fp16_error(q, k, v, causal, want_o):
+    """Max abs error of PyTorch's fp16 flash attention against float64 on the same inputs; None
+    without PyTorch or a CUDA device for it."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return float(np.abs(o.float().cpu().numpy().astype(np.float64) - want_o).max())
+
+
+def torch_rule_case(name, b, h, n, d, causal, build_name=None):
+    """FlashAttention's own test rule: the max abs error of O against float64 is at most twice that
+    of PyTorch's fp16 attention (flash backend) on the same inputs. Skipped without PyTorch."""
+    def case(ctx):
+        folder, out = output_inputs(ctx, b, h, n, d), ctx.tmpdir() / "out"
+        proc, _ = run_csv(ctx, name, ["--input", str(folder), "--output", str(out), "--no-check"] +
+                          (["--causal"] if causal else []), build_name=build_name)
+        shown = f"{name} B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
+        assert proc.returncode == 0, f"{shown}: exit {proc.returncode}: {proc.stderr.strip()[-300:]}"
+        q, k, v = (np.load(folder / f"{x}.npy") for x in "qkv")
+        want_o, _ = attention64(q, k, v, causal, 1 / math.sqrt(d))
+        torch_error = ctx.once(("torch_fp16_error", b, h, n, d, causal), lambda: torch_fp16_error(q, k, v, causal, want_o))
+        if torch_error is None:
+            raise unittest.SkipTest("PyTorch with CUDA not importable: its fp16 error is not measured here")
+        error = float(np.abs(np.load(out / "o.npy").astype(np.float64) - want_o).max())
+        assert error <= 2 * torch_error, (f"{shown}: max abs error of O {error:.3e}, more than twice PyTorch's fp16 "
+                                          f"attention's {torch_error:.3e} on the same inputs")
+        return f"max abs {error:.2e} against PyTorch's {torch_error:.2e} ({error / torch_error:.2f}x)"
+    return case
+
+
 # --- scratch that cannot fit -------------------------------------------------------------------
 def scratch_case(chapter):
     b, h, n, d = 1, 64, 65536, 64  # B*H*N*N*4 = 1 TiB of scratch
@@ -305,34 +351,62 @@ def scratch_case(chapter):
     return case
 
 
-def variant_case(build_name, b, h, n, d, causal):
-    """A chapter's variant build (08_fp8.fp16): correct at the shape, its own dtype, one kernel
-    and no workspace (fp16 operands: nothing to quantise)."""
-    chapter, dtype = build_name.split(".")
+# --- 08's steps (BUILD/08_fp8.step1 ... step4; step 5 is the chapter, in the matrix above) ---------
+STEP_BUILDS = [("08.1", "08_fp8.step1", "fp16"), ("08.2", "08_fp8.step2", "fp16"), ("08.3", "08_fp8.step3", "fp16"),
+               ("08.4", "08_fp8.step4", "fp8")]
+STEP_KEY_TILE = {"08.4": {64: 128, 128: 192}}  # FP8 steps' key tiles, where they differ from the chapter's
+STEP_SEQLENS = (1, 127, 385, 1000)  # one key, ragged tiles, past 2 x 192 keys, many tiles
+STEP_BATCH_HEADS = (2, 3)
+
+
+def step_row_checks(step, dtype, row, shown, b, h, n, d):
+    """What a step's row must say beyond PASS: its dtype, its kernels, its workspace (fp16 steps read
+    the inputs: one kernel, none; the FP8 step quantises first: two, the e4m3 copies)."""
+    assert row["dtype"] == dtype, f"{shown}: dtype {row['dtype']!r}, expected {dtype!r}"
+    if dtype == "fp8":
+        kv_rows = STEP_KEY_TILE[step][d]
+        descales = (-(-b * h * (-(-n // FP8_Q_ROWS) + 2 * -(-n // kv_rows)) * 4 // 256)) * 256
+        want = (FP8_KERNELS, descales + 2 * b * h * n * d + b * h * d * (-(-n // 16) * 16))
+        assert float(row["rel_l2_floor"] or "nan") > 0, f"{shown}: no e4m3 floor in the CSV row"
+    else:
+        want = (1, 0)
+    got = (int(row["kernels"]), int(row["workspace_bytes"]))
+    assert got == want, f"{shown}: {got[0]} kernels and {got[1]} bytes of workspace, expected {want[0]} and {want[1]}"
+    buffers = 4 * b * h * n * d * 2 + b * h * n * 4 + want[1]
+    assert row["device_bytes"] == str(buffers), f"{shown}: device_bytes {row['device_bytes']}, expected {buffers}"
+
+
+def step_case(step, build_name, dtype, b, h, n, d, causal, inputs=None):
+    """One step of 08 at a shape (or on the large-logit inputs): PASS under its precision's rule."""
     def case(ctx):
-        proc, row = run_csv(ctx, chapter, shape_args(b, h, n, d, causal), build_name=build_name)
-        shown = f"{build_name} B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
+        if inputs:
+            folder = large_logit_inputs(ctx, d)
+            args = ["--input", str(folder)] + (["--causal"] if causal else [])
+        else:
+            args = shape_args(b, h, n, d, causal)
+        proc, row = run_csv(ctx, step, args, build_name=build_name)
+        shown = f"{step} ({build_name}) {'<qk-std 4.5> ' if inputs else ''}B={b} H={h} N={n} D={d}" \
+                f"{' causal' if causal else ''}"
         assert proc.returncode == 0 and row and row["status"] == "PASS", f"{shown}: expected PASS, got {describe(proc, row)}"
         echoed = tuple(int(row[k]) for k in ("batch", "heads", "seqlen", "headdim", "causal"))
         assert echoed == (b, h, n, d, int(causal)), f"{shown}: the CSV row reports shape {echoed}"
-        assert row["dtype"] == dtype, f"{shown}: dtype {row['dtype']!r}, expected {dtype!r}"
-        assert (row["kernels"], row["workspace_bytes"]) == ("1", "0"), (
-            f"{shown}: {row['kernels']} kernels, {row['workspace_bytes']} bytes of workspace; expected 1 and 0")
-        buffers = 4 * b * h * n * d * 2 + b * h * n * 4
-        assert row["device_bytes"] == str(buffers), f"{shown}: device_bytes {row['device_bytes']}, expected {buffers}"
+        step_row_checks(step, dtype, row, shown, b, h, n, d)
         return f"rel_l2 {row['rel_l2']}"
     return case
 
 
 def cases(ctx):
     out = []
-    for build_name in VARIANT_BUILDS:
-        for n in SEQLENS:
-            for b, h in BATCH_HEADS:
-                for d in DIMS:
-                    for causal in (False, True):
-                        name = f"variant[{build_name} D={d}{' causal' if causal else ''} N={n} B={b} H={h}]"
-                        out.append((name, variant_case(build_name, b, h, n, d, causal), ("shape", b, h, n, d)))
+    for step, build_name, dtype in STEP_BUILDS:  # a lean matrix per step: both D, masks, ragged N, large logits
+        b, h = STEP_BATCH_HEADS
+        for d in DIMS:
+            for causal in (False, True):
+                for n in STEP_SEQLENS:
+                    name = f"step[{step} D={d}{' causal' if causal else ''} N={n} B={b} H={h}]"
+                    out.append((name, step_case(step, build_name, dtype, b, h, n, d, causal), ("shape", b, h, n, d)))
+                name = f"step_large_logits[{step} D={d}{' causal' if causal else ''}]"
+                out.append((name, step_case(step, build_name, dtype, 1, 2, 300, d, causal, inputs="large"),
+                            ("large_logits", d)))
     for n in sorted(SEQLENS, reverse=True):  # the heaviest groups first
         for b, h in reversed(BATCH_HEADS):
             for d in DIMS:
@@ -361,6 +435,16 @@ def cases(ctx):
         for chapter in ctx.chapters:
             name = f"output[{chapter} B={b} H={h} N={n} D={d}{' causal' if causal else ''}]"
             out.append((name, output_case(chapter, b, h, n, d, causal), ("output", b, h, n, d)))
+    for b, h, n, d, causal in TORCH_RULE_SHAPES:
+        shape = f"B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
+        for chapter in ctx.chapters:
+            if ctx.chapter_number(chapter) in FP16_TC:
+                out.append((f"twice_torch[{chapter} {shape}]", torch_rule_case(chapter, b, h, n, d, causal),
+                            ("output", b, h, n, d)))
+        for step, build_name, dtype in STEP_BUILDS:
+            if dtype == "fp16":
+                out.append((f"twice_torch[{step} {shape}]", torch_rule_case(step, b, h, n, d, causal, build_name),
+                            ("output", b, h, n, d)))
     for chapter in ctx.chapters:
         if ctx.chapter_number(chapter) in N2_WORKSPACE:
             out.append((f"scratch_too_large[{chapter}]", scratch_case(chapter), ("scratch", chapter)))

@@ -1,4 +1,5 @@
-"""compute-sanitizer on every chapter at small shapes (`make sanitize`, --suite sanitize).
+"""compute-sanitizer on every chapter (and 08's step builds) at small shapes (`make sanitize`,
+--suite sanitize).
 
 memcheck (with --leak-check full), racecheck, synccheck and initcheck, each on shapes that
 are not tile multiples. A case passes when the sanitizer exits 0 and reports
@@ -12,7 +13,7 @@ import re
 import shutil
 import unittest
 
-from test_gpu import VARIANT_BUILDS
+from test_gpu import STEP_BUILDS
 
 SUITE = "sanitize"
 PARALLEL = 8
@@ -87,7 +88,7 @@ def sanitize_case(chapter, tool, extra, b, h, n, d, causal):
 def cases(ctx):
     out = []
     for tool, extra, b, h, n, d, causal in RUNS:
-        for chapter in ctx.chapters + VARIANT_BUILDS:  # and 08 on fp16 operands, BUILD/08_fp8.fp16
+        for chapter in ctx.chapters + [build for _, build, _ in STEP_BUILDS]:  # and 08's steps, BUILD/08_fp8.stepK
             name = f"{tool}[{chapter} B={b} H={h} N={n} D={d}{' causal' if causal else ''}]"
             out.append((name, sanitize_case(chapter, tool, extra, b, h, n, d, causal)))
     return out

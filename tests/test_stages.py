@@ -489,8 +489,8 @@ def test_bench_stops_when_every_chapter_skips():
                                   "--out", out, "--readme", os.path.join(tmp, "README.md"),
                                   "01_old", "02_old"])
         code, printed = without_torch(stages.command_bench, args)
-        assert code == 0 and not os.path.exists(out), printed
-        assert "nothing measured" in printed
+        assert code == 77 and not os.path.exists(out), f"exit {code} (expected 77, skipped): {printed}"
+        assert "nothing measured" in printed and "PyTorch not found" in printed, printed
 
 
 def test_run_on_fake_binaries():
@@ -580,28 +580,34 @@ def test_readme_chapter_table_is_the_chapters_own_words(ctx):
         "README.md's chapter table differs from the chapters' own words: run common/stages.py table")
 
 
-def test_variant_build_rows():
-    """08's fp16-operand build: its rows carry impl 08_fp8 and dtype fp16, and go by 08_fp8@fp16;
-    the chapter's own rows, a skipped one included, stay 08_fp8 (the stage table's)."""
+def test_step_rows():
+    """08's steps: their rows carry their own impl (08.1 ... 08.4, read from 08's source), sort
+    between 07 and the chapter, and 08.5 names the chapter in markers; the binaries are
+    BUILD/08_fp8.stepK."""
+    assert results.STEPS == {"08_fp8": ("08.1", "08.2", "08.3", "08.4")}, results.STEPS
+    assert results.CHAPTER_DTYPES == {"08.4": "fp8", "08_fp8": "fp8"}, results.CHAPTER_DTYPES
+    assert results.step_binary("build", "08_fp8", "08.3") == os.path.join("build", "08_fp8.step3")
+    assert [name for name, _, _ in stages.chapter_binaries("b", ["07_async_pipeline", "08_fp8"])] == \
+        ["07_async_pipeline", "08.1", "08.2", "08.3", "08.4", "08_fp8"]
     shape = results.bench_shape(128, 4096, 0)
     rows = [results.make_row("07_async_pipeline", shape, "PASS", 2.0, 250.0, 1e-4),
             results.make_row("08_fp8", shape, "SKIP", note="needs sm_90", dtype="fp8"),
-            results.make_row("08_fp8", shape, "PASS", 1.0, 500.0, 2e-4, note="fast", dtype="fp16")]
+            results.make_row("08.3", shape, "PASS", 1.0, 500.0, 2e-4, note="fast")]
     assert results.find_row(rows, "08_fp8", 128, 4096, 0)["status"] == "SKIP"
-    assert results.find_row(rows, "08_fp8@fp16", 128, 4096, 0)["ms"] == 1.0
-    assert results.chapter_impls(rows) == ["07_async_pipeline", "08_fp8"]
-    assert results.variant_names(rows) == ["08_fp8@fp16"] and results.variant_names(rows, "07_async_pipeline") == []
-    assert results.display_name("08_fp8@fp16") == "08_fp8 (fp16 operands)"
-    assert report.resolve_impl(rows, "08@fp16") == "08_fp8@fp16" and report.resolve_impl(rows, "08") == "08_fp8"
+    assert results.find_row(rows, "08.5", 128, 4096, 0)["status"] == "SKIP"
+    assert results.find_row(rows, "08.3", 128, 4096, 0)["ms"] == 1.0
+    assert results.chapter_impls(rows) == ["07_async_pipeline", "08.3", "08_fp8"]
+    assert report.resolve_impl(rows, "08.3") == "08.3" and report.resolve_impl(rows, "08") == "08_fp8"
+    assert report.resolve_impl(rows, "08.5") == "08_fp8"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "X.csv")
         results.write_results(path, rows)
         back = results.read_results(path)
     assert [r.get("note") for r in back] == [None, "needs sm_90", "fast"], back
     body = report.stage_body(back)
-    assert [line[0] for line in body] == ["07_async_pipeline", "08_fp8"] and body[1][2] == "skip", body
+    assert [line[0] for line in body] == ["07_async_pipeline", "08.3", "08_fp8"] and body[2][2] == "skip", body
     sweep = report.results_sweep_table(back, 128, 0)
-    assert "| 08_fp8 (fp16 operands) |" in sweep and "| 08_fp8 | skip" in sweep, sweep
+    assert "| 08.3 |" in sweep and "| 08_fp8 | skip" in sweep, sweep
 
 
 def test_harness_columns():

@@ -3,13 +3,15 @@
 
 Every number drawn comes from the repository itself:
   - the chapters' constants, parsed from `#define NAME value` and `static constexpr int NAME = ...`
-    lines of NN_name/attention.cu (tile sizes, thread counts, padding, pipeline stages), plus a few
-    expressions read from the sources (07's ldmatrix addresses and P repacking, 05's block order, the
-    order of 08's producer and consumer steps, checked before its timeline is drawn);
+    lines of NN_name/attention.cu in the branches of its #if switches that the default build compiles
+    (tile sizes, thread counts, padding, pipeline stages), plus a few expressions read from the sources
+    (07's ldmatrix addresses and P repacking, 05's block order, 08's key_slot, the order of 08's producer
+    and consumer steps, checked before its timeline is drawn), and 08's steps (STEP_NAME, STEP_PRECISION);
   - the headline shape, from common/results.py (HEADLINE_D, HEADLINE_N);
   - the measured times, from docs/results/NVIDIA_H200.csv (csv module) and the SM clock from
     docs/results/NVIDIA_H200.env; for the ping-pong figure, the tensor and XU pipe utilisation of 08's
-    attention kernel from docs/results/logs/ncu_08_final.txt (Nsight Compute).
+    attention kernel from ncu_08_split_exp2.txt and ncu_08_split_exp2_pipes.txt (Nsight Compute), in
+    docs/results/logs/08/ or else docs/results/logs/.
 Only documented hardware facts of the H200 are constants here (HARDWARE, below).
 
     python3 docs/figures/make_figures.py          # rewrites docs/figures/*.svg
@@ -21,6 +23,8 @@ The output is deterministic: the same inputs give byte-identical SVGs.
 import argparse
 import ast
 import csv
+import functools
+import glob
 import heapq
 import io
 import math
@@ -66,10 +70,92 @@ QUAD = ["#6baed6", "#fd8d3c", "#74c476", "#9e9ac8"]  # a0a1, a2a3, a4a5, a6a7 / 
 
 # --- Reading the sources ------------------------------------------------------------------------
 
-def source_text(chapter):
-    """The text of NN_name/attention.cu."""
+DIRECTIVE = re.compile(r"^\s*#\s*(\w+)\b\s*(.*?)\s*(?://.*)?$")
+OBJECT_MACRO = re.compile(r"^([A-Za-z_]\w*)(?:[ \t]+(.*))?$")  # NAME value (not NAME(args) value)
+
+
+def preprocess(text, defines=None):
+    """The lines of a source that a build compiles, as the C preprocessor picks them: the branches of
+    #if/#ifdef/#ifndef/#elif/#else that hold (the others blanked, so line numbers stay), with the object-like
+    #defines made on the way (defines: -D switches, given first). Returns (text, defines, the #error lines met)."""
+    defines = dict(defines or {})
+    out, errors, stack, active = [], [], [], True
+
+    def holds(kind, expr):
+        if kind == "ifdef":
+            return expr.split()[0] in defines
+        if kind == "ifndef":
+            return expr.split()[0] not in defines
+        expr = re.sub(r"\bdefined\s*\(\s*(\w+)\s*\)|\bdefined\s+(\w+)",
+                      lambda m: "1" if (m.group(1) or m.group(2)) in defines else "0", expr)
+        return bool(macro_value(defines, expr))
+
+    for line in text.split("\n"):
+        match = DIRECTIVE.match(line)
+        kind, rest = (match.group(1), match.group(2)) if match else (None, "")
+        if kind in ("if", "ifdef", "ifndef"):
+            stack.append([active, False])
+            active = active and holds(kind, rest)
+            stack[-1][1] = active
+        elif kind == "elif":
+            parent, taken = stack[-1]
+            active = parent and not taken and holds("if", rest)
+            stack[-1][1] = taken or active
+        elif kind == "else":
+            parent, taken = stack[-1]
+            active, stack[-1][1] = parent and not taken, True
+        elif kind == "endif":
+            active = stack.pop()[0]
+        elif active and kind == "define":
+            macro = OBJECT_MACRO.match(rest)
+            if macro:
+                defines[macro.group(1)] = (macro.group(2) or "").strip()
+        elif active and kind == "undef":
+            defines.pop(rest.split()[0], None)
+        elif active and kind == "error":
+            errors.append(rest)
+        out.append(line if active and kind not in ("if", "ifdef", "ifndef", "elif", "else", "endif") else "")
+    return "\n".join(out), defines, errors
+
+
+def macro_value(defines, expr, depth=0):
+    """The integer value of a preprocessor expression: macros expanded from defines, unknown names 0."""
+    if depth > 20:
+        raise ValueError(f"macros nested too deep in {expr!r}")
+    tree = ast.parse(c_to_python(expr) or "0", mode="eval")
+    bad = [type(node).__name__ for node in ast.walk(tree) if not isinstance(node, SAFE_NODES)]
+    if bad:
+        raise ValueError(f"cannot evaluate the preprocessor expression {expr!r}: {bad}")
+    names = {node.id: macro_value(defines, defines[node.id], depth + 1) if node.id in defines else 0
+             for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    return eval(compile(tree, "<#if>", "eval"), {"__builtins__": {}}, names)
+
+
+def raw_source(chapter):
+    """The text of NN_name/attention.cu, as it is."""
     with open(os.path.join(ROOT, chapter, "attention.cu")) as f:
         return f.read()
+
+
+def source_text(chapter, **defines):
+    """The text of NN_name/attention.cu that its build compiles (the default build, or the one with these
+    -D switches): the branches of its #if switches not taken are blanked."""
+    return preprocess(raw_source(chapter), defines)[0]
+
+
+def chapter_steps(chapter):
+    """A chapter built in steps (a STEP switch selecting STEP_NAME and STEP_PRECISION, as 08's): [(step,
+    name, precision macro)] for STEP = 1, 2, ... up to the first that is an #error; [] for other chapters."""
+    text = raw_source(chapter)
+    if "STEP" not in preprocess(text)[1]:
+        return []
+    steps = []
+    for step in range(1, 100):
+        _, defines, errors = preprocess(text, {"STEP": str(step)})
+        if errors or "STEP_NAME" not in defines:
+            break
+        steps.append((step, defines["STEP_NAME"].strip('"'), defines.get("STEP_PRECISION", "")))
+    return steps
 
 
 def split_top_level(text):
@@ -87,11 +173,12 @@ def split_top_level(text):
 
 
 def chapter_constants(chapter):
-    """NAME -> expression text of the chapter's #defines and `static constexpr int`s (first wins)."""
+    """NAME -> expression text of the #defines and `static constexpr int`s (and bools) of the chapter's default
+    build (its #if switches as the preprocessor takes them; first wins)."""
     text, consts = source_text(chapter), {}
     for name, value in re.findall(r"^\s*#define\s+([A-Z_][A-Z0-9_]*)[ \t]+([^\n]*?)\s*(?://[^\n]*)?$", text, re.M):
         consts.setdefault(name, value)
-    for decl in re.findall(r"static\s+constexpr\s+int\s+([^;]+);", text):
+    for decl in re.findall(r"static\s+constexpr\s+(?:int|bool)\s+([^;]+);", text):
         for part in split_top_level(decl):
             name, _, value = part.partition("=")
             consts.setdefault(name.strip(), value.strip())
@@ -106,6 +193,7 @@ def c_to_python(expr):
     expr = re.sub(r"\(int\)\s*sizeof\(float\)|sizeof\(float\)", "4", expr)
     expr = re.sub(r"\((?:int|unsigned)\)", "", expr)
     expr = re.sub(r"(\d+\.\d*)f\b", r"\1", expr)
+    expr = re.sub(r"\btrue\b", "1", re.sub(r"\bfalse\b", "0", expr))
     expr = expr.replace("&&", " and ").replace("||", " or ")
     expr = re.sub(r"!(?!=)", " not ", expr)
     inner = re.compile(r"\(([^()?:]*)\?([^()?:]*):([^()?:]*)\)")  # a bracketed ternary, innermost first
@@ -158,10 +246,19 @@ def launch_bound_blocks(chapter):
     return const_expr(chapter_constants(chapter), match.group(1))
 
 
+PRECISIONS = {"FP32": "fp32 CUDA cores", "FP16_TC": "fp16 tensor cores", "FP8_TC": "fp8 tensor cores"}
+
+
 def precision_of(chapter):
-    """fp32 / fp16 tensor cores / fp8 tensor cores, from the Chapter struct's PRECISION_ field."""
-    kind = find(r"\bPRECISION_(\w+),", source_text(chapter), f"{chapter}'s precision").group(1)
-    return {"FP32": "fp32 CUDA cores", "FP16_TC": "fp16 tensor cores", "FP8_TC": "fp8 tensor cores"}.get(kind, kind)
+    """fp32 / fp16 tensor cores / fp8 tensor cores, from the Chapter struct's precision field: PRECISION_x,
+    or a macro the build defines to one (08's STEP_PRECISION)."""
+    text = source_text(chapter)
+    struct = find(r"\bChapter\s+chapter\s*=\s*\{(.*?)\};", text, f"{chapter}'s Chapter struct", re.S).group(1)
+    field = find(r"\b(\w*PRECISION\w*)\s*,", struct, f"{chapter}'s precision").group(1)
+    defines = preprocess(raw_source(chapter))[1]
+    kind = defines.get(field, field).strip()
+    kind = find(r"^PRECISION_(\w+)$", kind, f"{chapter}'s precision ({field})").group(1)
+    return PRECISIONS.get(kind, kind)
 
 
 def heaviest_first(chapter):
@@ -229,16 +326,57 @@ def headline_shape():
     return int(match.group(1)), int(match.group(2))
 
 
-def headline_rows(rows, causal=0):
-    """impl -> timed row at the headline shape."""
-    headdim, seqlen = headline_shape()
-    return {r["impl"]: r for r in rows if (r["headdim"], r["seqlen"], r["causal"]) == (headdim, seqlen, causal)
-            and r["status"] in ("PASS", "unchecked") and r["tflops"]}
+@functools.lru_cache(maxsize=None)
+def step_table():
+    """impl -> (step label, dtype of its operands) for the builds of every chapter built in steps: 08's
+    STEP_NAME and STEP_PRECISION of each STEP, e.g. '08.1' -> ('08.1', 'fp16'), '08_fp8' -> ('08.5', 'fp8')."""
+    table = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "[0-9][0-9]_*", "attention.cu"))):
+        chapter = os.path.basename(os.path.dirname(path))
+        for step, name, precision in chapter_steps(chapter):
+            table[name] = (f"{chapter[:2]}.{step}", "fp8" if precision.endswith("FP8_TC") else "fp16")
+    return table
 
 
 def is_chapter(impl):
     """A chapter's row (01_naive, ...) rather than an anchor's (torch_flash, ...)."""
     return re.match(r"^\d\d_", impl) is not None
+
+
+def is_step(impl):
+    """A row of one step of a chapter (08.1, ...): NN.k."""
+    return re.match(r"^\d\d\.\d+$", impl) is not None
+
+
+def own_dtype(impl, dtypes):
+    """The dtype of impl's own row, given the dtypes its rows have: a chapter's from its source (fp8 for
+    an fp8 tensor-core chapter, else fp16: other dtypes are other builds of it), a step's from its
+    chapter's source (step_table), anything else's its only one."""
+    if is_chapter(impl):
+        return "fp8" if precision_of(impl) == "fp8 tensor cores" else "fp16"
+    if impl in step_table():
+        return step_table()[impl][1]
+    if len(dtypes) > 1:
+        raise LookupError(f"{impl} has rows of dtypes {sorted(dtypes)} at one shape: the figure script does not "
+                          f"know which is its own")
+    return next(iter(dtypes))
+
+
+def headline_rows(rows, causal=0):
+    """impl -> its timed row at the headline shape, of its own dtype (own_dtype): a row of another build
+    of the same impl (08_fp8 on fp16 operands) is never taken."""
+    headdim, seqlen = headline_shape()
+    found = {}
+    for r in rows:
+        if (r["headdim"], r["seqlen"], r["causal"]) == (headdim, seqlen, causal) and \
+                r["status"] in ("PASS", "unchecked") and r["tflops"]:
+            found.setdefault(r["impl"], {}).setdefault(r["dtype"], r)
+    out = {}
+    for impl, by_dtype in found.items():
+        dtype = own_dtype(impl, set(by_dtype))
+        if dtype in by_dtype:
+            out[impl] = by_dtype[dtype]
+    return out
 
 
 # --- Drawing helpers ----------------------------------------------------------------------------
@@ -1181,32 +1319,54 @@ def measured_together(env, chapters):
         match = re.match(r"rows_(\d\d)_to_(\d\d)$", key)
         if match:
             lo, hi = int(match.group(1)), int(match.group(2))
-            same = [ch[:2] for ch in chapters if not lo <= int(ch[:2]) <= hi]
+            same = sorted({ch[:2] for ch in chapters if not lo <= int(ch[:2]) <= hi})
             return f"{same[0]}-{same[-1]}" if len(same) > 1 else (same[0] if same else "")
     return f"{chapters[0][:2]}-{chapters[-1][:2]}"
 
 
+def staircase_bars(rows):
+    """The bars, in order: (impl, tick label, precision). Each chapter NN_name in turn, except that where the
+    CSV has rows of its steps (NN.1, NN.2, ...: the builds of its STEP switch, step_table) those come first
+    and the chapter's own row closes them as its last step (08_fp8 is 08.5). Steps with no row are left out."""
+    bars, table = [], step_table()
+    for chapter in sorted(impl for impl in rows if is_chapter(impl)):
+        steps = sorted((impl for impl in rows if is_step(impl) and impl[:2] == chapter[:2]),
+                       key=lambda impl: int(impl.split(".")[1]))
+        for step in steps:
+            dtype = rows[step]["dtype"]
+            bars.append((step, f"{step}\n{dtype}", {"fp8": "fp8 tensor cores"}.get(dtype, "fp16 tensor cores")))
+        if steps:
+            last = table[chapter][0] if chapter in table else f"{chapter[:2]}.{int(steps[-1].split('.')[1]) + 1}"
+            bars.append((chapter, f"{last}\n{rows[chapter]['dtype']}\n({chapter})", precision_of(chapter)))
+        else:
+            bars.append((chapter, chapter_tick(chapter), precision_of(chapter)))
+    return bars
+
+
 def staircase(ctx):
-    """Figure 10: TFLOP/s per chapter at the headline shape with the anchors as lines (the CSV)."""
+    """Figure 10: TFLOP/s per chapter (and per step of 08, where the CSV has them) at the headline shape, with
+    the anchors as lines (the CSV)."""
     rows = headline_rows(ctx["rows"])
-    chapters = sorted(impl for impl in rows if is_chapter(impl))
-    anchors = sorted((impl for impl in rows if not is_chapter(impl)), key=lambda i: -rows[i]["tflops"])
+    bars = staircase_bars(rows)
+    impls = [impl for impl, _, _ in bars]
+    anchors = sorted((impl for impl in rows if not is_chapter(impl) and not is_step(impl)),
+                     key=lambda i: -rows[i]["tflops"])
     headdim, seqlen = headline_shape()
-    sample = rows[chapters[0]]
-    fig, ax = plt.subplots(figsize=(11, 6.2))
-    kinds = [precision_of(ch) for ch in chapters]
-    values = [rows[ch]["tflops"] for ch in chapters]
-    ax.bar(range(len(chapters)), values, color=[PRECISION_COLORS.get(k, "#bdbdbd") for k in kinds],
+    sample = rows[impls[0]]
+    fig, ax = plt.subplots(figsize=(11 + 0.45 * max(0, len(bars) - 8), 6.2))
+    kinds = [kind for _, _, kind in bars]
+    values = [rows[impl]["tflops"] for impl in impls]
+    ax.bar(range(len(bars)), values, color=[PRECISION_COLORS.get(k, "#bdbdbd") for k in kinds],
            edgecolor="#404040", linewidth=0.6, width=0.7, zorder=2)
-    for i, ch in enumerate(chapters):
-        ax.text(i, values[i] * 1.07, f"{values[i]:.1f}\n{rows[ch]['ms']:.3g} ms", ha="center", va="bottom", size=8.5,
-                zorder=3, bbox=dict(facecolor="white", edgecolor="none", pad=0.6, alpha=0.85))
+    for i, impl in enumerate(impls):
+        ax.text(i, values[i] * 1.07, f"{values[i]:.1f}\n{rows[impl]['ms']:.3g} ms", ha="center", va="bottom",
+                size=8.5, zorder=3, bbox=dict(facecolor="white", edgecolor="none", pad=0.6, alpha=0.85))
     ax.set_yscale("log")
-    ax.set_xlim(-0.6, len(chapters) + 1.9)
+    ax.set_xlim(-0.6, len(bars) + 1.9)
     ax.set_ylim(min(values) / 1.6, max(values + [rows[a]["tflops"] for a in anchors]) * 2.4)
     # Lines end right of the last bar; each label sits right of its line's end, nudged apart from its
     # neighbours (in their order) with a short leader where it had to move.
-    line_end, text_x, size = len(chapters) - 0.45, len(chapters) - 0.2, 8.5
+    line_end, text_x, size = len(bars) - 0.45, len(bars) - 0.2, 8.5
     ys = [rows[impl]["tflops"] for impl in anchors]
     label_ys = anchor_label_positions(ax, ys, 2, size)
     styles = ["-", "--", "-.", ":"]
@@ -1216,28 +1376,45 @@ def staircase(ctx):
         ax.plot([line_end, text_x - 0.05], [y, label_ys[k]], color=color, lw=0.6, zorder=1)
         label = f"{ANCHOR_LABELS.get(impl, impl)}\n{y:.1f} TFLOP/s, {rows[impl]['ms']:.3g} ms"
         ax.text(text_x, label_ys[k], label, ha="left", va="center", size=size, color=color, linespacing=1.15)
-    ax.set_xticks(range(len(chapters)))
-    ax.set_xticklabels([chapter_tick(ch) for ch in chapters], size=9)
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels([tick for _, tick, _ in bars], size=9)
+    stepped = [i for i, impl in enumerate(impls) if is_step(impl)]
+    if stepped:  # a bracket under the steps of one chapter and its finished row
+        first, last = stepped[0], impls.index(next(ch for ch in impls if is_chapter(ch) and
+                                                   ch[:2] == impls[stepped[0]][:2]))
+        chapter = impls[last]
+        ax.annotate("", xy=(last + 0.35, -0.155), xytext=(first - 0.35, -0.155), xycoords=("data", "axes fraction"),
+                    arrowprops=dict(arrowstyle="-", color="#606060", lw=0.8), annotation_clip=False)
+        ax.text((first + last) / 2, -0.17, f"{chapter}'s steps (dtype: of the operands)",
+                ha="center", va="top", size=8.5, color="#404040", transform=ax.get_xaxis_transform())
     ax.set_ylabel("TFLOP/s (log scale; 4·B·H·N²·D FLOPs)")
     ax.legend(handles=[Patch(facecolor=PRECISION_COLORS[k], edgecolor="#404040", linewidth=0.6, label=k)
                        for k in PRECISION_COLORS if k in kinds], loc="lower right", fontsize=9, frameon=False)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    together = f"anchors timed in the same bench run as {measured_together(ctx['env'], chapters)}"
+    together = f"anchors timed in the same bench run as {measured_together(ctx['env'], impls)}"
+    if "rows_08_steps" in ctx["env"]:  # steps measured in a later run (the .env says which)
+        together += " (08.1, 08.2, 08.4: a later run, see the .env)"
+    fp8 = [step_table().get(impl, (impl,))[0] if stepped else impl for impl in impls if rows[impl]["dtype"] == "fp8"]
+    fp8_bars = (f"{fp8[0]}'s bar includes" if len(fp8) == 1 else
+                f"the bars of {', '.join(fp8)} include") + " the quantisation"
     if any(rows[impl]["dtype"] == "fp8" for impl in anchors):
         lines = ("lines: PyTorch SDPA's backends on the same fp16 inputs, and cuDNN's FP8 attention alone on inputs "
-                 f"already in e4m3\n(08's bar includes its quantisation); {together}")
+                 f"already in e4m3\n({fp8_bars}); {together}")
     else:
         lines = f"lines: PyTorch SDPA's backends on the same fp16 inputs; {together}"
+    what = "per chapter and per step of 08" if stepped else "per chapter"
     ax.set_title(f"{ctx['env'].get('gpu', HARDWARE['gpu'])}, B={sample['batch']} H={sample['heads']} N={seqlen} "
-                 f"D={headdim}, non-causal, fp16 in and out: TFLOP/s and median time per chapter (bars)\n"
+                 f"D={headdim}, non-causal, fp16 in and out: TFLOP/s and median time {what} (bars)\n"
                  f"{lines} (docs/results/NVIDIA_H200.csv)", size=10.5)
     return fig
 
 
 # --- 11. 08's warp-specialised ping-pong ------------------------------------------------------------
 
-NCU_08 = os.path.join(ROOT, "docs", "results", "logs", "ncu_08_final.txt")
+LOGS = os.path.join(ROOT, "docs", "results", "logs")
+# 08's attention kernel under Nsight Compute at the headline shape: the report, and its pipe metrics.
+NCU_08, NCU_08_PIPES = "ncu_08_split_exp2.txt", "ncu_08_split_exp2_pipes.txt"
 # The schematic's durations, in units of one warpgroup's two products of one key tile (QK^T + P V = 1):
 # the softmax block (mask, max, exp2, sums) plus the O rescale and the packing of P, also 1 in all,
 # since at the H200's peak rates the two take the same time at D = 128 (pingpong_rates); the copy
@@ -1250,24 +1427,26 @@ def pingpong_source():
     """08's constants at D = 128, after checking that its kernel still has the order the figure draws."""
     text, c = source_text("08_fp8"), chapter_constants("08_fp8")
     for switch in ("WARP_SPECIALISED", "PINGPONG", "INTRA_OVERLAP"):
-        if const(c, switch) != 1:
+        if not const(c, switch):
             raise LookupError(f"08's {switch} is not 1: the ping-pong figure needs updating")
-    if const(c, "SOFTMAX_UNDER_PV_D128") != 0:
-        raise LookupError("08's SOFTMAX_UNDER_PV_D128 is not 0: the ping-pong figure draws the D = 128 order")
+    if const(c, "SOFTMAX_UNDER_PV", HEAD_DIM=128):
+        raise LookupError("08's SOFTMAX_UNDER_PV is true at D = 128: the ping-pong figure draws the other order")
+    # The checks name what the code does, not what its variables are called (\w+, [^;]*).
     checks = [
-        (r"void produce\(.*?mbarrier_wait\(&s\.kv_empty\[tile % STAGES\].*?load_kv_tile<HEAD_DIM>\(s, w, tile\)",
+        (r"void produce\(.*?mbarrier_wait\(&\w+\.kv_empty\[tile % STAGES\].*?load_kv_tile<HEAD_DIM>\([^;]*tile\)",
          "produce: wait for an empty stage, then load the tile"),
-        (r"void scores_and_softmax\(.*?mbarrier_wait\(&s\.kv_full.*?wait_turn\(c\.group\);.*?issue_qk<HEAD_DIM>.*?"
-         r"if \(PV_IN_FLIGHT\) issue_pv<HEAD_DIM>.*?pass_turn\(c\.group, C::CONSUMERS\);.*?wgmma_wait<1>\(\).*?softmax_tile\(",
+        (r"void scores_and_softmax\(.*?mbarrier_wait\(&\w+\.kv_full.*?wait_turn\(\w+\.group\);.*?issue_qk<HEAD_DIM>.*?"
+         r"if \(PV_IN_FLIGHT\) issue_pv<HEAD_DIM>.*?pass_turn\(\w+\.group, \w+::CONSUMERS\);.*?wgmma_wait<1>\(\).*?"
+         r"softmax_tile",
          "scores_and_softmax: wait full, wait turn, issue QK^T and P V, pass turn, wait for S, softmax"),
         (r"void finish_pv\(.*?wgmma_wait<0>\(\);.*?release_stage<HEAD_DIM>", "finish_pv: wait for P V, release"),
-        (r"if \(group == C::CONSUMERS - 1\) pass_turn\(group, C::CONSUMERS\);", "consume: warpgroup 0 goes first"),
+        (r"if \(group == \w+::CONSUMERS - 1\) pass_turn\(group, \w+::CONSUMERS\);", "consume: warpgroup 0 goes first"),
         (r"void previous_p_ready\(.*?wgmma_wait<0>\(\);.*?release_stage<HEAD_DIM>.*?rescale_output<HEAD_DIM>.*?pack_p\(",
          "previous_p_ready: wait for P V, release, rescale, pack"),
-        (r"scores_and_softmax<HEAD_DIM, true, MASK>\(c, s, w, tile\);\s*"
-         r"if \(!UNDER_PV\) previous_p_ready<HEAD_DIM>\(c, s, w, tile \+ 1\);",
+        (r"scores_and_softmax<HEAD_DIM, true, MASK>\([^;]*tile\);\s*"
+         r"if \(!UNDER_PV\) previous_p_ready<HEAD_DIM>\([^;]*tile \+ 1\);",
          "overlapped_tile: softmax of j, then P V of j-1 waited for, rescale, pack"),
-        (r"finish_pv<HEAD_DIM>\(c, s, w, w\.kv_tiles - 1, true\);", "consume: the last P V after the loop"),
+        (r"finish_pv<HEAD_DIM>\([^;]*w\.kv_tiles - 1[^;]*\);", "consume: the last P V after the loop"),
     ]
     for pattern, what in checks:
         find(pattern, text, f"08's {what}", re.S)
@@ -1279,18 +1458,54 @@ def pingpong_source():
     return out
 
 
-def ncu_attention_08():
-    """Tensor pipe and XU pipe (MUFU.EX2) busy %, of 08's attention kernel under Nsight Compute."""
-    if not os.path.exists(NCU_08):
-        raise LookupError(f"{os.path.relpath(NCU_08, ROOT)} not found: the ping-pong figure quotes it")
-    with open(NCU_08) as f:
-        text = f.read()
-    section = text[find(r"void attention_kernel<128>", text, "08's attention kernel in ncu_08_final.txt").start():]
+def log_path(name, chapter="08"):
+    """A measurement log: docs/results/logs/<chapter>/<name>, else docs/results/logs/<name>."""
+    for path in (os.path.join(LOGS, chapter, name), os.path.join(LOGS, name)):
+        if os.path.exists(path):
+            return path
+    raise LookupError(f"docs/results/logs/{chapter}/{name} (or docs/results/logs/{name}) not found: a figure "
+                      f"quotes it")
 
-    def percent(name):
-        return float(find(name + r"\s+%\s+([\d.]+)", section, f"'{name}' of 08's attention kernel in "
-                          f"ncu_08_final.txt").group(1))
-    return {"tensor": percent("SM: Pipe Tensor Cycles Active"), "xu": percent("SM: Inst Executed Pipe Xu")}
+
+def ncu_attention_08():
+    """Tensor pipe active % and XU pipe (MUFU.EX2) issue %, of 08's attention kernel at D = 128 under Nsight
+    Compute: the metrics from the report's own section where it has them, else from the pipe-metrics table
+    beside it (a column per build, the chapter's first); the SM clock it ran at, from the report."""
+    report = log_path(NCU_08)
+    with open(report) as f:
+        text = f.read()
+    section = text[find(r"void attention_kernel<128>", text, f"08's attention kernel in {NCU_08}").start():]
+    out = {"report": os.path.relpath(report, ROOT),
+           "ghz": float(find(r"SM Frequency\s+Ghz\s+([\d.]+)", section, f"the SM frequency in {NCU_08}").group(1))}
+    names = {"tensor": ("SM: Pipe Tensor Cycles Active",
+                        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
+             "xu": ("SM: Inst Executed Pipe Xu", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active")}
+    if all(re.search(re.escape(long) + r"\s+%", section) for long, _ in names.values()):
+        for key, (long, _) in names.items():
+            out[key] = float(re.search(re.escape(long) + r"\s+%\s+([\d.]+)", section).group(1))
+        return out
+    pipes = log_path(NCU_08_PIPES)
+    with open(pipes) as f:
+        table = f.read()
+    header = find(r"^metric\s+(\S+)", table, f"the header of {NCU_08_PIPES}", re.M)
+    if header.group(1) != "08_fp8":
+        raise LookupError(f"{NCU_08_PIPES}'s first column is {header.group(1)!r}, not 08_fp8: the figure script "
+                          f"needs updating")
+    for key, (_, metric) in names.items():
+        out[key] = float(find(r"^" + re.escape(metric) + r"\s+([\d.]+)", table, f"{metric} in {NCU_08_PIPES}",
+                              re.M).group(1))
+    out["pipes"] = os.path.relpath(pipes, ROOT)
+    return out
+
+
+def exp2_split_08():
+    """N when 08 computes one 8-key chunk of exponentials in N on the FMA units (SPLIT_EXP2 with its period,
+    EXP2_FMA_PERIOD), else 0; 0 too where the source no longer has those switches (the note leaves it out)."""
+    c = chapter_constants("08_fp8")
+    try:
+        return const(c, "EXP2_FMA_PERIOD") if const(c, "SPLIT_EXP2") else 0
+    except (KeyError, ValueError, SyntaxError):
+        return 0
 
 
 def pingpong_rates(p):
@@ -1463,16 +1678,19 @@ def pingpong_08(ctx):
               Patch(facecolor=PP_COLORS["wait"], edgecolor="#bdbdbd", label="waiting")]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(-0.16, -0.01), ncol=4, fontsize=8.5,
               frameon=False, columnspacing=1.2, handlelength=1.6)
+    split = exp2_split_08()
+    on_mufu = (f"\n(SPLIT_EXP2: one 8-key chunk in {split} has them on the FMA units, leaving "
+               f"{exp_clocks * (split - 1) / split:.0f} on MUFU)" if split else "")
+    where = ncu["report"] + (f" and {os.path.basename(ncu['pipes'])}" if "pipes" in ncu else "")
     note = (f"At D = {p['head_dim']}, per warpgroup and key tile: QK^T + P V = {flop / 1e6:.2f} MFLOP, "
             f"{mma_clocks:.0f} clocks at {HARDWARE['fp8_flop_per_clock_sm']:,} e4m3 FLOP per clock per SM; its "
-            f"{exps:,} exponentials, {exp_clocks:.0f} clocks at {HARDWARE['ex2_per_clock_sm']} ex2 per clock per SM:"
-            f"\nequal at peak rates, so drawn equal (the copy time is for the drawing only). Measured (Nsight "
-            f"Compute, headline shape, docs/results/logs/ncu_08_final.txt): tensor pipe "
-            f"{ncu['tensor']:.1f}% busy,"
-            f"\nXU pipe (MUFU.EX2) {ncu['xu']:.1f}%: the real kernel has gaps this drawing does not. "
-            f"One block per SM: "
-            f"{p['smem_bytes']:,} bytes of shared memory (Q and {stages} stages of K, Vt); registers per thread: "
-            f"{p['producer_registers']} (producer), {p['consumer_registers']} (consumers).")
+            f"{exps:,} exponentials, {exp_clocks:.0f} clocks at {HARDWARE['ex2_per_clock_sm']} ex2 per clock per SM"
+            f"{on_mufu}: of the same order at peak rates, so drawn equal (the copy time is for the drawing only)."
+            f"\nMeasured (Nsight Compute, headline shape, SM at {ncu['ghz']:.2f} GHz, {where}): tensor pipe active "
+            f"{ncu['tensor']:.1f}% of the time,\nXU pipe (MUFU.EX2) issuing at {ncu['xu']:.1f}% of its peak: the "
+            f"real kernel has gaps this drawing does not. One block per SM: {p['smem_bytes']:,} bytes of shared "
+            f"memory (Q and {stages} stages of K, Vt);\nregisters per thread: {p['producer_registers']} (producer), "
+            f"{p['consumer_registers']} (consumers).")
     ax.text(-0.16, -0.22, note, ha="left", va="top", size=8.5, linespacing=1.45, transform=ax.transAxes)
     ax.set_title(f"08_fp8's attention kernel, one block over time (schematic, {tiles} key tiles): a producer "
                  f"warpgroup fills a ring of STAGES = {stages} (K, Vt) stages;\n{p['consumers']} consumer warpgroups "
@@ -1483,12 +1701,503 @@ def pingpong_08(ctx):
     return fig
 
 
+# --- 12. 08's wgmma fragments and V's key_slot order ------------------------------------------------
+
+KEY_OWNERS = ["#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3"]  # threadID_in_group 0..3, in the key_slot picture
+
+
+def key_slot_source():
+    """08's key_slot(key) as read from its source: (the body's statements, a Python function evaluating them).
+    The body is `const int` declarations, then a return, as C integer expressions."""
+    text, consts = source_text("08_fp8"), chapter_constants("08_fp8")
+    body = find(r"constexpr\s+int\s+key_slot\(\s*int\s+key\s*\)\s*\{([^{}]*)\}", text,
+                "08's key_slot(int key)").group(1)
+    statements = [" ".join(st.split()) for st in body.split(";") if st.strip()]
+    if not statements or not statements[-1].startswith("return "):
+        raise LookupError("08's key_slot does not end in a return: the figure script needs updating")
+    decls = []
+    for st in statements[:-1]:
+        match = re.match(r"^(?:const\s+)?int\s+(.*)$", st)
+        if not match:
+            raise LookupError(f"08's key_slot has a statement the figure script cannot read: {st!r}")
+        decls += [tuple(part.strip() for part in p.split("=", 1)) for p in split_top_level(match.group(1))]
+    result = statements[-1][len("return "):]
+
+    def key_slot(key):
+        env = {"key": key}
+        for name, value in decls:
+            env[name] = const_expr(consts, value, **env)
+        return const_expr(consts, result, **env)
+    return [st + ";" for st in statements], key_slot
+
+
+def key_slot_python(key, group=16):
+    """Where key goes in Vt, written out: within each 16 keys, key 8h + 2t + e goes to 4t + 2h + e."""
+    k = key % group
+    return key - k + 4 * (k // 2 % 4) + 2 * (k // 8) + k % 2
+
+
+def checked_key_slot(keys=256):
+    """08's key_slot, checked against key_slot_python and against what the figure says it does: a permutation
+    of each 16 keys that puts the accumulator's keys {2t, 2t+1, 2t+8, 2t+9} at positions 4t..4t+3."""
+    lines, key_slot = key_slot_source()
+    slots = [key_slot(key) for key in range(keys)]
+    if slots != [key_slot_python(key) for key in range(keys)]:
+        raise LookupError("08's key_slot no longer matches the figure's key_slot_python: the figure needs updating")
+    for t in range(4):
+        if sorted(slots[k] for k in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)) != list(range(4 * t, 4 * t + 4)):
+            raise LookupError(f"08's key_slot does not put thread {t}'s keys at positions {4 * t}..{4 * t + 3}")
+    return lines, slots
+
+
+def wgmma_d_fragment(thread):
+    """(row, first column) of the first two pairs a warpgroup thread holds of a wgmma accumulator (PTX ISA):
+    warp w = thread / 32 owns rows 16w..16w+15; lane l holds rows 16w + l/4 and +8, columns 8c + 2(l%4) and +1
+    of every 8-column chunk c."""
+    warp, lane = thread // 32, thread % 32
+    return [(16 * warp + lane // 4, 2 * (lane % 4)), (16 * warp + lane // 4 + 8, 2 * (lane % 4))]
+
+
+def wgmma_a8_fragment(lane):
+    """(row, first column) of the four 32-bit registers of a k32 e4m3 A operand in registers, one warp's 16 rows
+    (PTX ISA): register i holds 4 consecutive columns of row l/4 + 8 (i % 2), from 16 (i / 2) + 4 (l % 4)."""
+    group, tid = lane // 4, lane % 4
+    return [(group + 8 * (i % 2), 16 * (i // 2) + 4 * tid) for i in range(4)]
+
+
+def draw_cells(ax, x0, y0, cells, width, cw, ch, colors, highlight):
+    """Boxes `width` columns wide: cells = [(row, col, lane, color index)], each labelled with its lane."""
+    by_color = {}
+    for row, col, lane, which in cells:
+        x, y = x0 + col * cw, y0 + row * ch
+        by_color.setdefault(colors[which], []).append((x, y, width * cw, ch))
+        ax.text(x + width * cw / 2, y + ch / 2, f"{lane}", ha="center", va="center", size=6.5)
+        if lane == highlight:
+            rect(ax, x, y, width * cw, ch, "none", edge="#000000", lw=1.5, zorder=3)
+    for color in sorted(by_color):
+        rect_group(ax, by_color[color], color)
+    boxes = [b for group in by_color.values() for b in group]
+    xs = sorted({round(b[0], 6) for b in boxes})
+    ys = sorted({round(b[1], 6) for b in boxes})
+    right, bottom = xs[-1] + width * cw, ys[-1] + ch
+    line_group(ax, [((x, ys[0]), (x, bottom)) for x in xs[1:]] + [((xs[0], y), (right, y)) for y in ys[1:]],
+               color="white", lw=0.7)
+
+
+def accumulator_cells(keys):
+    """Warp 0's pairs of the S accumulator over `keys` columns, coloured by the A register of P V they become:
+    chunks c, c+1 of each 16 keys (c even), row g + 8r -> register 2 (c % 4 / 2) + r."""
+    cells = []
+    for lane in range(32):
+        for r, (row, col) in enumerate(wgmma_d_fragment(lane)):
+            for chunk in range(keys // 8):
+                cells.append((row, 8 * chunk + col, lane, 2 * (chunk % 4 // 2) + r))
+    return cells
+
+
+def operand_cells():
+    """Warp 0's 32-bit registers of the e4m3 A operand of one k32 step, coloured by register index."""
+    return [(row, col, lane, i) for lane in range(32) for i, (row, col) in enumerate(wgmma_a8_fragment(lane))]
+
+
+def warpgroup_strip(ax, x0, y0, height, zoom_to):
+    """The warpgroup's 64 rows as 4 warp bands, warp 0's led to the zoomed picture at zoom_to = (x, y, h)."""
+    band = height / 4
+    for w in range(4):
+        rect(ax, x0, y0 + w * band, 0.55, band, plt.cm.Greys(0.25 + 0.15 * w), edge="white", lw=1.0)
+        ax.text(x0 - 0.1, y0 + (w + 0.5) * band,
+                f"warp {w}\nrows {16 * w}-{16 * w + 15}\nthreads\n{32 * w}-{32 * w + 31}", ha="right", va="center",
+                size=7.5)
+    rect(ax, x0, y0, 0.55, band, "none", edge="#000000", lw=1.2, zorder=3)
+    zx, zy, zh = zoom_to
+    for (ay, by) in ((y0, zy), (y0 + band, zy + zh)):
+        ax.plot([x0 + 0.55, zx], [ay, by], color="#9e9e9e", lw=0.8, ls="--")
+    ax.text(x0 + 0.27, y0 - 0.15, "M = 64", ha="center", va="bottom", size=8)
+
+
+def key_slot_panel(ax, x0, y0, slots, cw):
+    """One 16-key group: keys in the accumulator's order (thread t's four keys interleaved) above, their
+    positions in Vt and in the A operand (thread t's four keys side by side) below, and a line for each."""
+    gap = 1.9
+    owner = [(k % 8) // 2 for k in range(16)]  # the threadID_in_group holding key k's column in the accumulator
+    for k in range(16):
+        slot = slots[k]
+        rect(ax, x0 + k * cw, y0, cw, 0.5, KEY_OWNERS[owner[k]], edge="white", lw=1)
+        ax.text(x0 + (k + 0.5) * cw, y0 + 0.25, f"{k}", ha="center", va="center", size=8)
+        rect(ax, x0 + slot * cw, y0 + gap, cw, 0.5, KEY_OWNERS[owner[k]], edge="white", lw=1)
+        ax.text(x0 + (slot + 0.5) * cw, y0 + gap + 0.25, f"{k}", ha="center", va="center", size=8)
+        ax.plot([x0 + (k + 0.5) * cw, x0 + (slot + 0.5) * cw], [y0 + 0.5, y0 + gap], color="#737373", lw=0.7)
+    for t in range(4):
+        ax.text(x0 + (4 * t + 2) * cw, y0 + gap + 0.6, f"t = {t}: positions\n{4 * t}-{4 * t + 3}, one register",
+                ha="center", va="top", size=7.5, color="#303030")
+    for k in (0, 8):
+        ax.text(x0 + (k + 4) * cw, y0 - 0.08, f"chunk {k // 8}: keys {k}-{k + 7}", ha="center", va="bottom", size=8)
+    ax.text(x0 - 0.15, y0 + 0.25, "S accumulator:\nthe key of a column", ha="right", va="center", size=8.5)
+    ax.text(x0 - 0.15, y0 + gap + 0.25, "Vt and P's A operand:\nthe key at a position", ha="right", va="center",
+            size=8.5)
+    ax.text(x0 + 8 * cw, y0 + gap / 2 + 0.25, "key_slot", ha="center", va="center", size=8.5, style="italic",
+            bbox=dict(facecolor="white", edgecolor="none", pad=1))
+    legend_x = x0 + 16 * cw + 0.6
+    for t in range(4):
+        rect(ax, legend_x, y0 + 0.6 * t, 0.35, 0.35, KEY_OWNERS[t], edge="none")
+        ax.text(legend_x + 0.5, y0 + 0.6 * t + 0.175, f"thread t = {t} holds keys {2 * t}, {2 * t + 1}, {2 * t + 8}, "
+                f"{2 * t + 9} of every 16", va="center", size=8.5)
+
+
+def wgmma_fragments_08(ctx):
+    """Figure 12: 08's wgmma accumulator fragments, the e4m3 A operand of P V, and key_slot (from 08's source)."""
+    lines, slots = checked_key_slot()
+    highlight, keys = 5, 32
+    cw, ch = 0.3, 0.36
+    fig, ax = plt.subplots(figsize=(13.5, 9.4))
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.93)
+    blank_axes(ax, (-3.4, 22.3), (-1.3, 16.3))
+    width = keys * cw
+    warpgroup_strip(ax, -1.0, 0, 16 * ch, (0, 0, 16 * ch))
+    draw_cells(ax, 0, 0, accumulator_cells(keys), 2, cw, ch, QUAD, highlight)
+    matrix_frame(ax, 0, 0, 16, keys, cw, ch, "S = Q K^T: wgmma's accumulator, warp 0, keys 0-31", "",
+                 "key (column of S)")
+    a_x = width + 2.6
+    draw_cells(ax, a_x, 0, operand_cells(), 4, cw, ch, QUAD, highlight)
+    matrix_frame(ax, a_x, 0, 16, keys, cw, ch, "P in e4m3: the A operand of O += P V, one k32 step", "", "")
+    owner = [(k % 8) // 2 for k in range(16)]
+    inverse = {slot: key for key, slot in enumerate(slots)}
+    for p in range(keys):
+        key = inverse[p]
+        rect(ax, a_x + p * cw, 16 * ch + 0.12, cw, 0.34, KEY_OWNERS[owner[key % 16]], edge="white", lw=0.6)
+        ax.text(a_x + (p + 0.5) * cw, 16 * ch + 0.29, f"{key}", ha="center", va="center", size=6)
+    ax.text(a_x - 0.12, 16 * ch + 0.29, "key", ha="right", va="center", size=7.5)
+    ax.text(a_x + width / 2, 16 * ch + 0.55, "position k of the step; below it, the key it holds (Vt's row k)",
+            ha="center", va="top", size=8.5)
+    arrow(ax, (width + 0.35, 8 * ch), (a_x - 0.35, 8 * ch), text="pack_p:\nsame lane,\nno shuffle", size=8,
+          offset=(0, -1.0))
+    y = 16 * ch + 0.9
+    for i, text in enumerate(["register 0 of a k32 step: row g, positions 4t..4t+3",
+                              "register 1: row g + 8, positions 4t..4t+3",
+                              "register 2: row g, positions 16 + 4t..16 + 4t + 3",
+                              "register 3: row g + 8, positions 16 + 4t..16 + 4t + 3"]):
+        register_legend(ax, 0, y + 0.45 * i, [(QUAD[i], text, 0)])
+    ax.text(a_x, y + 0.45,
+            f"Left, each box is two accumulator columns of one lane (its number): two\nfp32 registers, or one with S "
+            f"in fp16 (08 at D = 128), coloured by the register\nof P V they are packed into; right, each box is one "
+            f"32-bit register of a\nlane: four e4m3. g = lane / 4, t = lane % 4; outlined: lane {highlight} (g = "
+            f"{highlight // 4}, t = {highlight % 4}).\nWarps 1-3 repeat warp 0 on their rows 16w..16w + 15.",
+            va="top", size=8.5)
+    top = y + 4.0
+    ax.text(-3.3, top - 0.45, "Lane t's accumulator columns of each 16 keys are 2t, 2t+1, 2t+8, 2t+9; the A operand "
+            "wants its register to hold positions 4t..4t+3.\nThe quantisation stores V transposed with key k at "
+            "position key_slot(k) of its group of 16, so position p of P's register and row p of Vt\nare the same "
+            "key: the sum over the keys is unchanged, and P never moves between lanes.", va="bottom", size=9.5,
+            weight="bold", linespacing=1.4)
+    key_slot_panel(ax, 0.4, top + 0.45, slots, 0.62)
+    code = "\n".join(["__host__ __device__ constexpr int key_slot(int key) {"] + ["    " + line for line in lines]
+                      + ["}"])
+    ax.text(-3.3, top + 3.75, code, ha="left", va="top", size=8, family="monospace")
+    ax.text(10.2, top + 3.75, f"08_fp8/attention.cu's key_slot, read from the source and\nevaluated for keys "
+            f"0-{len(slots) - 1}: the same as key - k + 4·pair +\n2·half_of_16 + odd written out in the figure "
+            f"script.", ha="left", va="top", size=8.5)
+    ax.set_title("08_fp8: wgmma m64nNk32 in registers. The accumulator of S (one warpgroup: 4 warps of 16 rows), the "
+                 "e4m3 A operand of P V,\nand the order of V's keys (key_slot) that makes the two agree (PTX ISA "
+                 "fragment layouts)", size=11)
+    return fig
+
+
+# --- 13. The 128-byte swizzle --------------------------------------------------------------------------
+
+SWIZZLE_CHUNK = 16  # bytes: TMA's and wgmma's swizzles permute 16-byte chunks of a row (CUDA driver API, PTX ISA)
+
+
+def swizzle_constants():
+    """08's SLICE_BYTES (the swizzled row) and KSTEP_BYTES (the reduced dimension per wgmma), read from its source."""
+    c = chapter_constants("08_fp8")
+    out = {}
+    for name in ("SLICE_BYTES", "KSTEP_BYTES"):
+        if name not in c:
+            raise LookupError(f"08_fp8/attention.cu: #define {name} not found (the swizzle figure draws it): "
+                              f"the figure script needs updating")
+        out[name.lower()] = const(c, name)
+    if out["slice_bytes"] != 128:
+        raise LookupError(f"08's SLICE_BYTES is {out['slice_bytes']}, not 128: the 128-byte swizzle figure needs "
+                          f"updating")
+    if out["kstep_bytes"] % SWIZZLE_CHUNK or out["slice_bytes"] % out["kstep_bytes"]:
+        raise LookupError(f"08's KSTEP_BYTES ({out['kstep_bytes']}) is not whole 16-byte chunks of a slice")
+    return out
+
+
+def swizzled_chunk(row, chunk, rows_per_atom=8):
+    """Where TMA's CU_TENSOR_MAP_SWIZZLE_128B puts chunk `chunk` of row `row`: chunk XOR (row mod 8), which is
+    bits 4-6 of the byte address XOR bits 7-9 in a 1024-byte-aligned tile."""
+    return chunk ^ (row % rows_per_atom)
+
+
+def kstep_wavefronts(position, rows, chunks):
+    """Shared-memory wavefronts to read `chunks` (logical chunk indices) of each of `rows` 128-byte rows when
+    chunk c of row r lies at position(r, c): the most distinct 4-byte words any one bank must deliver."""
+    words = {}
+    for r in rows:
+        for c in chunks:
+            start = r * 128 + position(r, c) * SWIZZLE_CHUNK
+            for word in range(start // HARDWARE["bank_bytes"], (start + SWIZZLE_CHUNK) // HARDWARE["bank_bytes"]):
+                words.setdefault(word % HARDWARE["banks"], set()).add(word)
+    return max(len(v) for v in words.values())
+
+
+def swizzle_tile(ax, x0, y0, cw, chh, position, kstep_chunks, title, outline_step):
+    """8 rows of 8 chunks: chunk c of row r drawn at position(r, c), coloured by its k-step, numbered; the
+    chunks of k-step `outline_step` outlined."""
+    chunks = 8
+    for r in range(8):
+        for c in range(chunks):
+            x = x0 + position(r, c) * cw
+            step = c // kstep_chunks
+            rect(ax, x, y0 + r * chh, cw, chh, QUAD[step % len(QUAD)], edge="white", lw=1.0)
+            ax.text(x + cw / 2, y0 + (r + 0.5) * chh, f"{c}", ha="center", va="center", size=8.5)
+            if step == outline_step:
+                rect(ax, x, y0 + r * chh, cw, chh, "none", edge="#000000", lw=1.6, zorder=3)
+        ax.text(x0 - 0.12, y0 + (r + 0.5) * chh, f"row {r}", ha="right", va="center", size=8)
+    ax.text(x0 + chunks * cw / 2, y0 - 0.75, title, ha="center", va="bottom", size=9.5, weight="bold")
+
+
+def swizzle_128b_08(ctx):
+    """Figure 13: TMA's 128-byte swizzle and a wgmma k-step read of it (08's SLICE_BYTES, KSTEP_BYTES)."""
+    z = swizzle_constants()
+    row_bytes, kstep = z["slice_bytes"], z["kstep_bytes"]
+    chunks, kstep_chunks = row_bytes // SWIZZLE_CHUNK, kstep // SWIZZLE_CHUNK
+    steps, rows = row_bytes // kstep, list(range(chunks))
+    banks_per_chunk = SWIZZLE_CHUNK // HARDWARE["bank_bytes"]
+    plain = lambda r, c: c  # noqa: E731
+    swizzled = swizzled_chunk
+    cw, chh = 0.95, 0.55
+    fig, ax = plt.subplots(figsize=(12.5, 6.9))
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.92)
+    blank_axes(ax, (-1.4, 19.8), (-1.9, 11.3))
+    left_x, right_x = 0.0, 10.6
+    swizzle_tile(ax, left_x, 0, cw, chh, plain, kstep_chunks,
+                 f"the tile as in global memory (8 rows of {row_bytes} bytes),\nand as shared memory would hold it "
+                 f"unswizzled", outline_step=0)
+    swizzle_tile(ax, right_x, 0, cw, chh, swizzled, kstep_chunks,
+                 "shared memory as TMA writes it (CU_TENSOR_MAP_SWIZZLE_128B):\nchunk c of row r at position "
+                 "c XOR (r mod 8)", outline_step=0)
+    arrow(ax, (left_x + chunks * cw + 0.25, 4 * chh), (right_x - 0.85, 4 * chh), text="TMA", size=9,
+          offset=(0, -0.3))
+    for x0, position in ((left_x, plain), (right_x, swizzled)):
+        for p in range(chunks):
+            ax.text(x0 + (p + 0.5) * cw, -0.08, f"{banks_per_chunk * p}-{banks_per_chunk * p + banks_per_chunk - 1}",
+                    ha="center", va="bottom", size=7.5, color="#404040")
+        ax.text(x0 - 0.12, -0.08, "banks", ha="right", va="bottom", size=7.5, color="#404040")
+        for r in range(chunks):
+            ax.text(x0 + chunks * cw + 0.08, (r + 0.5) * chh, f"+{row_bytes * r}", va="center", size=7,
+                    color="#606060")
+        # chunks of k-step 0 per bank group, and the wavefronts of each k-step's read
+        y = 8 * chh + 0.35
+        counts = [sum(1 for r in rows for c in range(kstep_chunks) if position(r, c) == p) for p in range(chunks)]
+        for p, n in enumerate(counts):
+            ax.text(x0 + (p + 0.5) * cw, y + 0.2, f"{n}", ha="center", va="center", size=9,
+                    color="#a50f15" if n > max(1, min(counts)) else "#202020", weight="bold")
+        ax.text(x0 - 0.12, y + 0.2, "k-step 0\nper bank group", ha="right", va="center", size=7.5)
+        fronts = [kstep_wavefronts(position, rows, range(s * kstep_chunks, (s + 1) * kstep_chunks))
+                  for s in range(steps)]
+        need = len(rows) * kstep // (HARDWARE["banks"] * HARDWARE["bank_bytes"])
+        verdict = ("the minimum: conflict-free" if max(fronts) == need else
+                   f"{max(fronts) // need}x the {need} a conflict-free read needs")
+        ax.text(x0 + chunks * cw / 2, y + 0.62, f"reading one k-step ({kstep} bytes) of all 8 rows: "
+                f"{max(fronts)} wavefronts\n({verdict}; k-steps 0-{steps - 1} alike)",
+                ha="center", va="top", size=8.5)
+    for s in range(steps):
+        rect(ax, left_x + 3.2 * s, 6.95, 0.4, 0.3, QUAD[s], edge="none")
+        ax.text(left_x + 0.5 + 3.2 * s, 7.1, f"k-step {s}: bytes {s * kstep}-{(s + 1) * kstep - 1}", va="center",
+                size=8)
+    ax.text(left_x, 7.5, f"Each cell: one 16-byte chunk (16 e4m3 of the reduced dimension), numbered by its place in "
+            f"the row, under the 4 of the {HARDWARE['banks']} banks of {HARDWARE['bank_bytes']} bytes it\nlands in; "
+            f"outlined: k-step 0, the {kstep} bytes of every row one wgmma reads. Wavefronts: the most 4-byte words "
+            f"any one bank must deliver, one per wavefront.", va="top", size=8.5, linespacing=1.4)
+    descriptor = (
+        f"wgmma reads the tile through a shared-memory descriptor: K-major, {row_bytes}-byte "
+        f"rows (one SLICE_BYTES slice), 128-byte swizzle mode,\n"
+        f"stride byte offset 8 x {row_bytes} = {8 * row_bytes} bytes: from one 8-row atom of the pattern to the next "
+        f"(a tile of R rows is R / 8 atoms), leading byte offset unused (1);\n"
+        f"start address: the tile + k-step ks x KSTEP_BYTES ({kstep}) within the slice. Every tile "
+        f"starts 1024-byte aligned, so row r's bits 7-9 are r mod 8\n"
+        f"and the XOR wgmma applies to the addresses it forms is the one TMA applied: adding {kstep} x ks to the "
+        f"start selects chunks {kstep_chunks}ks..{kstep_chunks}ks+{kstep_chunks - 1} of every row.\n"
+        f"Rows longer than {row_bytes} bytes (Vt's rows: BLOCK_KV keys of one dimension) are stored as "
+        f"{row_bytes}-byte slices, each a column of atoms; Q's and K's rows (D = 128 e4m3) are one slice.")
+    ax.text(-1.3, 8.6, descriptor, va="top", size=8.5, linespacing=1.5)
+    ax.set_title(f"08_fp8: the 128-byte swizzle, on 8 rows of {row_bytes} bytes (SLICE_BYTES), {chunks} chunks of "
+                 f"{SWIZZLE_CHUNK} bytes each. Unswizzled, one k-step of every row\nfalls in {kstep_chunks} of the "
+                 f"{chunks} bank groups; swizzled, in all {chunks}, and wgmma reads its {kstep}-byte k-steps "
+                 f"(KSTEP_BYTES) conflict-free", size=11)
+    return fig
+
+
+# --- 14. 08's mbarrier ring ---------------------------------------------------------------------------
+
+MB_COPY, MB_ISSUE = 1.5, 0.12  # schematic: a copy takes 1.5 tile computes, an issue 0.12 (for the drawing only)
+PARITY_COLORS = ["#c6dbef", "#c7e9c0"]  # a wait on parity 0, on parity 1
+
+
+def ring_stages_08():
+    """D -> 08's (K, V) ring stages: STAGES_D128 and STAGES_D64, read from its source."""
+    c = chapter_constants("08_fp8")
+    out = {}
+    for d in (128, 64):
+        name = f"STAGES_D{d}"
+        if name not in c:
+            raise LookupError(f"08_fp8/attention.cu: `#define {name} ...` not found (the ring's stage count at "
+                              f"D = {d}, which the mbarrier figure draws): the figure script needs updating")
+        try:
+            out[d] = const(c, name)
+        except (KeyError, ValueError, SyntaxError) as error:
+            raise LookupError(f"08_fp8/attention.cu: {name} = {c[name]!r} is not an integer the figure script can "
+                              f"evaluate ({error})") from error
+        if out[d] < 2:
+            raise LookupError(f"08_fp8/attention.cu: {name} = {out[d]}: the mbarrier figure draws a ring of 2 or more")
+    return out
+
+
+def optional_const(c, name, **env):
+    """A constant of the source, or None where it is not there (what only a label quotes)."""
+    try:
+        return const(c, name, **env)
+    except (KeyError, ValueError, SyntaxError):
+        return None
+
+
+def mbarrier_schedule(stages, tiles):
+    """08's ring over time (schematic): thread 0 issues tiles 0..STAGES-1 at the setup; the consumers compute
+    tile t once it has landed and the previous one is done, then every warp arrives on empty[t % STAGES];
+    the producer waits on that barrier before it issues tile t + STAGES into the stage."""
+    issue, land, start, end, wait = {}, {}, {}, {}, {}
+    for t in range(min(stages, tiles)):
+        issue[t] = t * MB_ISSUE
+        land[t] = issue[t] + MB_ISSUE + MB_COPY
+    producer = min(stages, tiles) * MB_ISSUE
+    for t in range(tiles):
+        start[t] = max(end.get(t - 1, 0.0), land[t])
+        end[t] = start[t] + 1.0
+        nxt = t + stages
+        if nxt < tiles:
+            wait[nxt] = (producer, max(producer, end[t]))
+            issue[nxt] = wait[nxt][1]
+            land[nxt] = issue[nxt] + MB_ISSUE + MB_COPY
+            producer = issue[nxt] + MB_ISSUE
+    return issue, land, start, end, wait
+
+
+def fitted_text(ax, x0, x1, y, texts, size=7, bbox=None):
+    """The first of `texts` whose longest line fits between x0 and x1, centred there (none if none fits)."""
+    scale = points_per_unit(ax)
+    for text in texts:
+        if (x1 - x0) * scale >= 0.56 * size * max(len(line) for line in text.split("\n")) + 4:
+            ax.text((x0 + x1) / 2, y, text, ha="center", va="center", size=size, linespacing=1.1,
+                    bbox=dict(facecolor=bbox, edgecolor="none", pad=0.3) if bbox else None)
+            return
+
+
+def mbarrier_panel(ax, d, stages, tiles, byte_count, warps):
+    """One ring: the producer's thread, one lane per stage (copy in flight, tile in use), the consumers; every
+    wait labelled with its barrier and parity, every fill with its phase."""
+    issue, land, start, end, wait = mbarrier_schedule(stages, tiles)
+    lane_y = {"producer": 0.0, "consumers": 1.2 + 0.75 * stages}
+    for s in range(stages):
+        lane_y[s] = 1.1 + 0.75 * s
+    for t in range(tiles):
+        stage, n = t % stages, t // stages
+        y = lane_y[stage]
+        rect(ax, issue[t], y, MB_ISSUE, 0.6, PP_COLORS["issue"], edge="white", lw=0.6)
+        rect(ax, issue[t] + MB_ISSUE, y, land[t] - issue[t] - MB_ISSUE, 0.6, COLORS["k"], edge="white", lw=1,
+             hatch="///")
+        fitted_text(ax, issue[t] + MB_ISSUE, land[t], y + 0.3,
+                    [f"TMA: tile {t}\nfull[{stage}] phase {n}", f"tile {t}"], bbox=COLORS["k"])
+        rect(ax, land[t], y, end[t] - land[t], 0.6, "#fdd0a2", edge="white", lw=1)
+        fitted_text(ax, land[t], end[t], y + 0.3, [f"tile {t} in the stage; its release\ncompletes empty[{stage}] "
+                                                   f"phase {n}", f"tile {t}; release:\nempty[{stage}] phase {n}",
+                                                   f"tile {t}"], bbox="#fdd0a2")
+        # the consumers: wait on full[stage] with parity n % 2, compute, arrive on empty[stage]
+        cy = lane_y["consumers"]
+        rect(ax, start[t], cy, 1.0, 0.9, PARITY_COLORS[n % 2], edge="white", lw=1.2)
+        ax.text(start[t] + 0.5, cy + 0.45, f"tile {t}\nwait full[{stage}]\nparity {n % 2}", ha="center",
+                va="center", size=7.5, linespacing=1.15)
+        if t in wait:
+            w0, w1 = wait[t]
+            if w1 > w0:
+                parity = (t // stages - 1) % 2
+                rect(ax, w0, 0, w1 - w0, 0.8, PARITY_COLORS[parity], edge="#bdbdbd", lw=0.8)
+                ax.text((w0 + w1) / 2, 0.4, f"wait empty[{stage}]\nparity {parity}", ha="center", va="center",
+                        size=7.5, linespacing=1.15)
+            ax.annotate("", xy=(issue[t] + MB_ISSUE / 2, lane_y[stage] + 0.6), xytext=(end[t - stages], cy),
+                        arrowprops=dict(arrowstyle="-|>", color="#636363", lw=0.7, shrinkA=0, shrinkB=0),
+                        zorder=1.5)
+    for t in range(min(stages, tiles)):
+        rect(ax, issue[t], 0, MB_ISSUE, 0.8, PP_COLORS["issue"], edge="white", lw=0.6)
+    for t in wait:
+        rect(ax, issue[t], 0, MB_ISSUE, 0.8, PP_COLORS["issue"], edge="white", lw=0.6)
+    first = min(stages, tiles)
+    ax.text(first * MB_ISSUE + 0.05, -0.08, f"setup: thread 0 loads Q and tiles 0-{first - 1}, waiting on nothing",
+            va="bottom", size=7.5)
+    ax.text(-0.15, 0.4, "producer\n(one thread)", ha="right", va="center", size=8.5)
+    for s in range(stages):
+        ax.text(-0.15, lane_y[s] + 0.3, f"stage {s}", ha="right", va="center", size=8.5)
+    ax.text(-0.15, lane_y["consumers"] + 0.45, f"consumers\n({warps} warps)" if warps else "consumers",
+            ha="right", va="center", size=8.5)
+    bytes_text = f"{byte_count:,} bytes" if byte_count else "K_BYTES + V_BYTES"
+    ax.set_title(f"D = {d}: STAGES = {stages} (STAGES_D{d}), tiles 0-{tiles - 1}; each fill announces "
+                 f"{bytes_text} (K and Vt)", size=9.5, loc="left")
+    return max(end.values())
+
+
+def mbarrier_ring_08(ctx):
+    """Figure 14: 08's ring of (K, V) stages and its full and empty mbarriers, phase by phase (STAGES_D*)."""
+    rings = ring_stages_08()
+    c = chapter_constants("08_fp8")
+    panels = [(d, rings[d], 2 * rings[d] + 2) for d in (128, 64)]
+    horizon = max(mbarrier_schedule(s, t)[3][t - 1] for _, s, t in panels) + 0.2
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 3.0 + 1.9 * sum(s for _, s, _ in panels) / 2),
+                             gridspec_kw={"height_ratios": [s + 2.6 for _, s, _ in panels]})
+    for ax, (d, stages, tiles) in zip(axes, panels):
+        k_bytes, v_bytes = optional_const(c, "K_BYTES", HEAD_DIM=d), optional_const(c, "V_BYTES", HEAD_DIM=d)
+        warps = optional_const(c, "CONSUMER_WARPS", HEAD_DIM=d)
+        ax.set_xlim(-1.6, horizon)
+        ax.set_ylim(1.2 + 0.75 * stages + 1.0, -0.35)
+        mbarrier_panel(ax, d, stages, tiles, k_bytes + v_bytes if k_bytes and v_bytes else None, warps)
+        ax.set_yticks([])
+        ax.set_xticks([])
+        for side in ("top", "right", "left", "bottom"):
+            ax.spines[side].set_visible(False)
+    legend = [Patch(facecolor=PARITY_COLORS[0], label="a wait on parity 0"),
+              Patch(facecolor=PARITY_COLORS[1], label="a wait on parity 1"),
+              Patch(facecolor=COLORS["k"], hatch="///", edgecolor="white", label="TMA copy in flight"),
+              Patch(facecolor="#fdd0a2", label="tile in the stage, in use"),
+              Patch(facecolor=PP_COLORS["issue"], label="arrive.expect_tx and the TMA issue"),
+              Line2D([], [], color="#636363", lw=0.7, marker=">", markersize=4,
+                     label="the release of tile t lets the producer load tile t + STAGES")]
+    axes[-1].legend(handles=legend, loc="upper left", bbox_to_anchor=(0.0, -0.02), ncol=3, fontsize=8.5,
+                    frameon=False, handlelength=1.6)
+    note = ("full[s]: count 1. The producer's mbarrier.arrive.expect_tx is its one arrival and announces the "
+            "tile's bytes; the TMA copies count them off (complete_tx); the phase completes when both have.\n"
+            "The consumers wait with try_wait.parity(tile / STAGES % 2). empty[s]: count = the consumer warps; "
+            "lane 0 of each arrives once its warp is done with the tile;\nthe producer waits with parity "
+            "(tile / STAGES - 1) % 2, for the phase of the tile STAGES before, then refills the stage. Use n of a "
+            "stage is phase n of both its barriers,\nand a wait on parity p returns once the latest phase of that "
+            "parity has completed: the parity flips with every round of the ring, so one bit tells the rounds "
+            "apart.\nTimes are schematic (a copy takes 1.5 tile computes); only the order and the parities are "
+            "08's. Before 08.2 (no producer warpgroup) thread 0 refills the stage as it releases it, on the same "
+            "parities.")
+    fig.text(0.01, 0.0, note, ha="left", va="top", size=8.5, linespacing=1.45)
+    fig.suptitle("08_fp8: the ring of (K, Vt) stages and its mbarriers. Stage s = tile % STAGES has a full "
+                 "barrier (the copy landed) and an empty one (every consumer warp is done);\nthe waits name the "
+                 "parity of the phase they wait for, tile / STAGES % 2", size=11)
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    return fig
+
+
 # --- Main -------------------------------------------------------------------------------------------
 
 FIGURES = [("memory_hierarchy", memory_hierarchy), ("tiling_02", tiling_02), ("online_softmax", online_softmax),
            ("loop_order", loop_order), ("causal_tiles", causal_tiles), ("wmma_roundtrip_06", wmma_roundtrip_06),
            ("mma_fragments", mma_fragments), ("cp_async_ring", cp_async_ring), ("bank_maps", bank_maps),
-           ("staircase", staircase), ("pingpong_08", pingpong_08)]
+           ("staircase", staircase), ("pingpong_08", pingpong_08), ("wgmma_fragments_08", wgmma_fragments_08),
+           ("swizzle_128b_08", swizzle_128b_08), ("mbarrier_ring_08", mbarrier_ring_08)]
 
 
 def main():
