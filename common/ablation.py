@@ -22,9 +22,7 @@ chapter with each idea off alone (what that idea is worth in the finished kernel
 import argparse
 import csv
 import difflib
-import glob
 import os
-import re
 import shlex
 import statistics
 import subprocess
@@ -35,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import fmt_ms, fmt_speedup, fmt_tflops, markdown_table, replace_between, say  # noqa: E402
 from results import HEADLINE_D, HEADLINE_N, bench_shape, forward_tflops, write_if_changed  # noqa: E402
-from exercises import run_case, shape_args  # noqa: E402
+from runner import find_chapter as chapter_named, run_case, shape_args  # noqa: E402
 from chapters import read_steps  # noqa: E402
 from source import without_switches  # noqa: E402
 
@@ -274,9 +272,9 @@ def update_readme(chapter):
 
 
 def find_chapter(arg):
-    for chapter in ABLATIONS:
-        if arg in (chapter, chapter[:2], chapter[:2].lstrip("0")):
-            return chapter
+    chapter = chapter_named(arg)
+    if chapter in ABLATIONS:
+        return chapter
     raise SystemExit(f"ablation: no ablation for chapter '{arg}' (chapters: {', '.join(ABLATIONS)})")
 
 
@@ -291,13 +289,11 @@ def diff_source(name):
     """(label, text) of a `make diff` operand: a chapter by number or folder (04, 4, 04_fused) as its
     defaults compile it, or a step of a chapter built in steps (08.3) as that step compiles it."""
     number, _, step = name.partition(".")
-    folders = sorted(glob.glob(os.path.join(ROOT, f"{number.zfill(2)[:2]}_*", "attention.cu")))
-    exact = os.path.join(ROOT, number, "attention.cu")
-    path = exact if os.path.exists(exact) else (folders[0] if folders and number[:2].isdigit() else None)
-    if path is None:
+    folder = chapter_named(name)
+    if folder is None:
         raise SystemExit(f"make diff: no chapter '{name}' (name one by its number, e.g. 04, or a step, e.g. 08.3)")
+    path = os.path.join(ROOT, folder, "attention.cu")
     text = open(path).read()
-    folder = os.path.basename(os.path.dirname(path))
     if not step:
         return f"{folder}/attention.cu", without_switches(text)
     count = len(read_steps(path))

@@ -57,7 +57,7 @@ BUILD/exercises/NN_name and grades it. What decides the grade:
             (BUILD/NN_name), the two run alternately in the same grade (a speed exercise graded
             by its compiled code instead has its time shown beside the chapter's, no gate)
 
-The chapter's claims about its compiled code (tests/test_cpu_claims.py) are checked too: one
+The chapter's claims about its compiled code (common/claims.py) are checked too: one
 that fails fails the grade; one that cannot be checked here (no cuobjdump, no sm_90 code in the
 build) is named beside the verdict, since no exercise is decided by it. The verdict is the last
 line:
@@ -99,6 +99,8 @@ import tempfile
 import textwrap
 import unittest
 from pathlib import Path
+
+from runner import chapters, find_chapter, run_case, shape_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDENT_DIR = os.path.join(ROOT, "exercises")
@@ -277,20 +279,6 @@ class MarkerError(ValueError):
 
 
 # --- Chapters ------------------------------------------------------------------------------------
-def chapters(root=ROOT):
-    """NN_name of every chapter, in order."""
-    return sorted(d for d in os.listdir(root) if re.match(r"\d\d_", d)
-                  and os.path.isfile(os.path.join(root, d, "attention.cu")))
-
-
-def find_chapter(arg, root=ROOT):
-    """The chapter folder named by 4, 04 or 04_fused (None if there is none)."""
-    for chapter in chapters(root):
-        if arg in (chapter, chapter[:2]) or (arg.isdigit() and int(arg) == int(chapter[:2])):
-            return chapter
-    return None
-
-
 def chapter_source(chapter, root=ROOT):
     with open(os.path.join(root, chapter, "attention.cu")) as f:
         return f.read()
@@ -659,13 +647,6 @@ def fail(code, message):
 
 
 # --- make grade: the static part -----------------------------------------------------------------
-def import_tests():
-    """tests/ and common/ on sys.path (the claims and sanitizer helpers live there)."""
-    for folder in (os.path.join(ROOT, "tests"), os.path.join(ROOT, "common")):
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-
-
 def make_env():
     """The sub-make runs on its own: drop the parent make's jobserver from MAKEFLAGS."""
     env = dict(os.environ)
@@ -687,7 +668,7 @@ def build_copy(chapter, build, make):
 
 
 class ClaimContext:
-    """What tests/test_cpu_claims.py's cases need of the test runner's context, pointed at the
+    """What common/claims.py's checks need of the test runner's context, pointed at the
     student copy: root is exercises/ (its NN_name/attention.cu), binaries are BUILD/exercises/."""
 
     def __init__(self, build, tools):
@@ -733,7 +714,7 @@ class ClaimContext:
 def sass_tools():
     """(cuobjdump, env) found where the tests look (PATH, next to nvcc, .cache/tools), or None
     with the reason: the grader fetches nothing."""
-    import test_cpu_claims as claims
+    import claims
     found = {}
     for name in ("cuobjdump", "nvdisasm"):
         found[name] = claims.find_tool(type("Repo", (), {"root": Path(ROOT)}), name)
@@ -746,9 +727,8 @@ def sass_tools():
 
 
 def claim_checks(chapter, build):
-    """[(name, 'pass'|'fail'|'skip', note)]: tests/test_cpu_claims.py's claims on the copy."""
-    import_tests()
-    import test_cpu_claims as claims
+    """[(name, 'pass'|'fail'|'skip', note)]: common/claims.py's claims on the copy."""
+    import claims
     from chapters import read_chapter
     try:
         adds = read_chapter(os.path.join(STUDENT_DIR, chapter, "attention.cu"))["adds"]
@@ -777,7 +757,7 @@ def claim_checks(chapter, build):
     return out
 
 
-# The chapters' claims in words: what each PTX pattern and SASS opcode of tests/test_cpu_claims.py
+# The chapters' claims in words: what each PTX pattern and SASS opcode of common/claims.py
 # is (the tests check that every claim of a chapter with exercises has its words here).
 PTX_WORDS = {
     r"\.shared\b": "shared memory (.shared)",
@@ -883,8 +863,7 @@ def claim_words(name, note):
 
 def ptx_arch(chapter, words):
     """The virtual arch of a chapter's PTX: compute_90a for the sm_90a chapter, else the build's first."""
-    import_tests()
-    import test_cpu_claims as claims
+    import claims
     if int(chapter[:2]) in claims.PTX_ARCH_OF:
         return claims.PTX_ARCH_OF[int(chapter[:2])]
     found = re.search(r"arch=(compute_\w+)", " ".join(words))
@@ -941,21 +920,6 @@ def ptx_check(check, ptx):
 
 
 # --- make grade: the GPU part --------------------------------------------------------------------
-def shape_args(shape):
-    b, h, n, d, causal = shape
-    return ["--batch", str(b), "--heads", str(h), "--seqlen", str(n), "--headdim", str(d)] + \
-        (["--causal"] if causal else [])
-
-
-def run_case(binary, chapter, args, timeout=RUN_TIMEOUT_S):
-    """(status, row, note) of one --csv run (stages.classify: PASS, FAIL, skipped, usage, error);
-    the row also has the harness's further columns (lse_err, attend_ms, ...; None when absent)."""
-    import_tests()
-    from stages import classify, run_binary
-    code, out, err = run_binary(binary, args + ["--csv"], timeout=timeout)
-    return classify(chapter, code, out, err)
-
-
 def probe_gpu(binary, chapter):
     """(usable, reason): a binary of the chapter on a tiny shape; exit 77 is no usable GPU."""
     status, _, note = run_case(binary, chapter, shape_args((1, 1, 16, 64, False)) + ["--no-check", "--iters", "1",
@@ -995,8 +959,7 @@ def matrix(student, chapter, cases=MATRIX, failures=None):
 
 def racecheck(student, chapter):
     """('pass'|'fail'|'skip', sentence): compute-sanitizer racecheck at RACECHECK_SHAPE."""
-    import_tests()
-    from test_sanitize import check_summary, find_sanitizer
+    from sanitizer import check_summary, find_sanitizer
     sanitizer = find_sanitizer()
     if not sanitizer:
         return "skip", ("compute-sanitizer was not found (on PATH, next to nvcc, in /usr/local/cuda): install it "
@@ -1162,7 +1125,7 @@ def grade_static(chapter, build, make, text, names, checks):
     results = claim_checks(chapter, build)
     count = {kind: sum(r[1] == kind for r in results) for kind in ("pass", "fail", "skip")}
     say("claims", f"{count['pass']} of the chapter's {len(results)} claims about its compiled code hold for your "
-                  "copy (tests/test_cpu_claims.py).")
+                  "copy (common/claims.py).")
     for name, _, note in (r for r in results if r[1] == "fail"):
         say("", f"FAIL: {claim_words(name, note)}")
     skipped = {}
@@ -1289,8 +1252,8 @@ def command_grade(args):
 
 # --- make handout --------------------------------------------------------------------------------
 # The modules make grade runs (the grader, the harness's runner, the claims, racecheck): a hand-out
-# holds the tests/ modules among them and among what they import.
-GRADER_MODULES = ("exercises", "stages", "test_cpu_claims", "test_sanitize")
+# holds the tests/ modules among what they import (none today: common/ imports nothing of tests/).
+GRADER_MODULES = ("exercises", "runner", "claims", "sanitizer")
 MIN_SOLUTION_LINE = 16  # shorter solution lines ("}", "#pragma unroll") say nothing of the solution
 
 
@@ -1365,7 +1328,6 @@ def leaked_lines(source, copy, names, files):
 
 def handout_guide(chapter, names, files, copy):
     """HANDOUT.md: what the hand-out holds, how it is graded, each exercise."""
-    import_tests()
     from chapters import read_chapter, runs_on
     number = chapter[:2]
     try:

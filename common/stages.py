@@ -23,29 +23,26 @@ The CSV header is exactly CSV_FIELDS; why a row was skipped or failed goes to <g
 Only NumPy and the standard library are needed; PyTorch and matplotlib are optional.
 """
 import argparse
-import csv
 import datetime
 import glob
 import math
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import (fmt_ms, fmt_rel, fmt_tflops, print_summary, plot_results, regenerate_tables,  # noqa: E402
                     run_stage_table, say)
-from results import (BENCH_ITERS, BENCH_WARMUP, CHAPTER_DTYPES, CSV_FIELDS, HARNESS_FIELDS,  # noqa: E402
-                     HARNESS_NUMBERS, HEADLINE_D, HEADLINE_N, OPTIONAL_FIELDS, QUICK_NS, STEPS, bench_shape,
-                     bench_shapes, collect_env, env_path, gpu_name, gpu_slug, is_anchor, make_row, parse_value,
+from results import (BENCH_ITERS, BENCH_WARMUP, CHAPTER_DTYPES, HEADLINE_D, HEADLINE_N, QUICK_NS, STEPS,  # noqa: E402
+                     bench_shape, bench_shapes, collect_env, env_path, gpu_name, gpu_slug, is_anchor, make_row,
                      read_env, read_results, row_key, shape_label, step_binary, work, write_env, write_results)
+from runner import classify, run_binary  # noqa: E402
 
 # --- Running the chapters: the sweep and its skip policy -------------------------------------
 RUNS_PER_SHAPE = BENCH_WARMUP + BENCH_ITERS + 1   # warm-up, timed, and the checked run
 BUDGET_S = 15           # a (chapter, shape) projected to take longer is skipped (01 at 16k: ~20 s)
-BINARY_TIMEOUT_S = 600  # a binary still running after this is counted as an error
 
 
 def projected_seconds(last_work, last_ms, new_work, runs=RUNS_PER_SHAPE):
@@ -59,54 +56,6 @@ def too_slow(last, shape, budget_s=BUDGET_S):
         return None
     seconds = projected_seconds(last[0], last[1], work(shape))
     return f"projected {math.ceil(seconds)} s" if seconds > budget_s else None
-
-
-def run_binary(binary, args, timeout=BINARY_TIMEOUT_S):
-    """Run a binary; (exit code or None on timeout or a missing file, stdout, stderr)."""
-    if not os.path.exists(binary):
-        return None, "", f"{binary} not found: build it with make"
-    try:
-        done = subprocess.run([binary] + args, capture_output=True, text=True, errors="replace",
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, "", f"timed out after {timeout} s"
-    return done.returncode, done.stdout, done.stderr
-
-
-def last_line(text, name=None):
-    """The last non-empty line of text, without a leading '<name>: '."""
-    lines = [l.strip() for l in text.splitlines() if l.strip()]
-    line = lines[-1] if lines else ""
-    return line[len(name) + 2:] if name and line.startswith(name + ": ") else line
-
-
-def parse_csv_line(line):
-    """A binary's --csv row to a result row (None if it is not one), with the harness's further
-    columns (HARNESS_FIELDS: lse_err, attend_ms, device_bytes, ...) where the row has them."""
-    cells = next(csv.reader([line]), [])
-    if len(cells) < len(CSV_FIELDS) - len(OPTIONAL_FIELDS):
-        return None
-    try:
-        row = {k: parse_value(k, v) for k, v in zip(HARNESS_FIELDS, cells) if k in CSV_FIELDS}
-        row.update({k: float(v) if v else None for k, v in zip(HARNESS_FIELDS, cells) if k in HARNESS_NUMBERS})
-        row.setdefault("device_bytes", None)
-    except ValueError:
-        return None
-    return row if row["status"] in ("PASS", "FAIL", "unchecked") else None
-
-
-def classify(name, code, stdout, stderr):
-    """(status, row, note) of one binary run; status is the row's or skipped/usage/error."""
-    row = next((r for r in map(parse_csv_line, stdout.splitlines()) if r), None)
-    if code == 77:
-        line = last_line(stdout, name)
-        return "skipped", None, line[len("skipped: "):] if line.startswith("skipped: ") else line
-    if code == 2:
-        return "usage", None, last_line(stderr, name)
-    if code in (0, 1) and row is not None:
-        return row["status"], row, last_line(stderr, name) if row["status"] == "FAIL" else None
-    reason = last_line(stderr, name) or "no output"
-    return "error", None, reason if code in (0, 1, None) else f"exit {code}: {reason}"
 
 
 def chapter_adds(binary, name):

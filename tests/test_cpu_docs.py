@@ -131,7 +131,7 @@ def test_figure_code_checks(ctx):
 # chapter's code, so test_named_symbols_exist does not look for them there. Keep this short: a name
 # that the code lost belongs in the README's fix, not here.
 NOT_CODE = {
-    # SASS opcodes the READMEs count or rule out (test_cpu_claims' SASS claims add their own).
+    # SASS opcodes the READMEs count or rule out (common/claims.py's SASS claims add their own).
     "sass": {"F2FP", "FADD", "FMNMX", "FMUL", "HADD2", "HFMA2", "HMUL2", "MUFU", "PRMT", "SHFL", "VHMNMX"},
     # The exercise markers are comments by design (common/exercises.py reads them).
     "markers": {"EXERCISE"},
@@ -153,7 +153,7 @@ def test_named_symbols_exist(ctx):
     a README describes."""
     import io
     import tokenize
-    from test_cpu_claims import CLAIMS, strip_comments
+    from claims import CLAIMS, strip_comments
 
     def words(text):
         return set(re.findall(r"\w+", text))

@@ -46,7 +46,7 @@ import tarfile
 import unittest
 
 import exercises as ex
-from test_cpu_claims import sass_tools
+from claims import sass_tools
 
 PARALLEL = 8
 SASS_ARCH_FLAG = "-gencode=arch=compute_90,code=sm_90"
@@ -390,7 +390,7 @@ def cases(ctx):
 
 # --- words: what the grade prints -----------------------------------------------------------------
 def test_every_claim_has_words(ctx):
-    import test_cpu_claims as claims
+    import claims
     checked = 0
     for chapter in marked_chapters(ctx):
         for name, _ in claims.claim_cases(chapter, int(chapter[:2]), "what it adds"):
@@ -626,7 +626,7 @@ def test_handout_holds_no_solution_and_grades(ctx):
     folder = unpacked / top
     names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() or p.is_symlink())
     for needed in ("Makefile", "requirements.txt", "HANDOUT.md", "common/exercises.py", "common/harness.cu",
-                   "common/reference.py", "tests/test_cpu_claims.py", "tests/test_sanitize.py",
+                   "common/reference.py", "common/claims.py", "common/sanitizer.py",
                    f"exercises/{chapter}/attention.cu", f"exercises/{chapter}/.exercise.json",
                    f"{chapter}/attention.cu"):
         assert needed in names, f"the hand-out lacks {needed}, which make grade needs: {names}"

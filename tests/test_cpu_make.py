@@ -5,7 +5,7 @@ import shutil
 import subprocess
 import unittest
 
-from test_cpu_claims import sass_tools
+from claims import sass_tools
 
 
 def make(ctx, *args, timeout=600):

@@ -3,12 +3,12 @@ GPU needed): built by the Makefile's rule for ARCH=sm_90 (sm_90a code, no compil
 each of its kernels holds the instruction whose rate it reports: FFMA in the fp32 kernel, HMMA in
 the mma.sync one, HGMMA (fp16) and QGMMA (e4m3) in the two wgmma ones, which ptxas did not
 serialise. Without a GPU the program says so in one line and exits 77. SASS from cuobjdump, found
-or fetched as test_cpu_claims does (skipped with the reason when neither works)."""
+or fetched as common/claims.py does (skipped with the reason when neither works)."""
 import re
 import shlex
 import unittest
 
-from test_cpu_claims import kernel_base_name, sass_tools
+from claims import kernel_base_name, sass_tools
 
 # kernel (function name, template arguments dropped; <FP8> told apart by its mangled name) -> opcodes
 PEAK_KERNELS = {

@@ -8,11 +8,9 @@ sanitized run of a shape, one plain run of the binary makes the shape's inputs a
 in the cache (one worker per shape, under a lock), so that sanitized runs only read it.
 Skipped, with the reason, without a GPU or without compute-sanitizer.
 """
-import os
-import re
-import shutil
 import unittest
 
+from sanitizer import check_summary, find_sanitizer
 from test_gpu import STEP_BUILDS
 
 SUITE = "sanitize"
@@ -29,36 +27,9 @@ RUNS = [
 TIMEOUT_S = 600
 
 
-def find_sanitizer():
-    found = shutil.which("compute-sanitizer")
-    if found:
-        return found
-    compiler = os.environ.get("NVCC") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    bin_dir = os.path.dirname(os.path.realpath(compiler))
-    for path in (os.path.join(bin_dir, "compute-sanitizer"),
-                 os.path.join(bin_dir, "..", "compute-sanitizer", "compute-sanitizer"),
-                 "/usr/local/cuda/compute-sanitizer/compute-sanitizer"):
-        if os.path.isfile(path) and os.access(path, os.X_OK):
-            return os.path.normpath(path)
-    return None
-
-
 def shape_args(b, h, n, d, causal):
     return ["--batch", str(b), "--heads", str(h), "--seqlen", str(n), "--headdim", str(d),
             "--warmup", "0", "--iters", "1"] + (["--causal"] if causal else [])
-
-
-def check_summary(tool, output, shown):
-    errors = [int(x) for x in re.findall(r"ERROR SUMMARY: (\d+) errors?", output)]
-    assert all(e == 0 for e in errors), f"{shown}: ERROR SUMMARY reports {errors} errors"
-    if tool == "racecheck":
-        race = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", output)
-        assert race or errors, f"{shown}: no RACECHECK SUMMARY (nor ERROR SUMMARY) in the output"
-        for hazards, errs, warns in race:
-            assert hazards == errs == warns == "0", (
-                f"{shown}: racecheck reports {hazards} hazards ({errs} errors, {warns} warnings), expected 0")
-    else:
-        assert errors, f"{shown}: no 'ERROR SUMMARY: 0 errors' in the output"
 
 
 def sanitize_case(chapter, tool, extra, b, h, n, d, causal):

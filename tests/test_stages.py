@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(ROOT, "common"))
 
 import report  # noqa: E402
 import results  # noqa: E402
+import runner  # noqa: E402
 import stages  # noqa: E402
 
 FIXTURE_CSV = os.path.join(FIXTURES, "FAKE_GPU.csv")
@@ -388,17 +389,17 @@ def test_gpu_slug():
 
 def test_classify_exit_codes():
     row = "04_fused,4,16,4096,128,0,fp16,18.3300,29.99,3.000e-04,PASS,1.2e-03,2.0e-05,1,0\n"
-    status, parsed, note = stages.classify("04_fused", 0, row, "")
+    status, parsed, note = runner.classify("04_fused", 0, row, "")
     assert status == "PASS" and parsed["ms"] == 18.33 and parsed["rel_l2"] == 3e-4 and note is None
-    status, parsed, _ = stages.classify("04_fused", 1, row.replace("PASS", "FAIL"), "")
+    status, parsed, _ = runner.classify("04_fused", 1, row.replace("PASS", "FAIL"), "")
     assert status == "FAIL" and parsed["tflops"] == 29.99
-    assert stages.classify("04_fused", 77, "04_fused: skipped: no CUDA GPU available (x)\n", "") == \
+    assert runner.classify("04_fused", 77, "04_fused: skipped: no CUDA GPU available (x)\n", "") == \
         ("skipped", None, "no CUDA GPU available (x)")
-    assert stages.classify("01_naive", 2, "", "01_naive: this shape needs 66 GiB\n") == \
+    assert runner.classify("01_naive", 2, "", "01_naive: this shape needs 66 GiB\n") == \
         ("usage", None, "this shape needs 66 GiB")
-    assert stages.classify("04_fused", 1, "", "04_fused: CUDA error in the forward: x\n") == \
+    assert runner.classify("04_fused", 1, "", "04_fused: CUDA error in the forward: x\n") == \
         ("error", None, "CUDA error in the forward: x")
-    assert stages.classify("04_fused", -11, "", "") == ("error", None, "exit -11: no output")
+    assert runner.classify("04_fused", -11, "", "") == ("error", None, "exit -11: no output")
 
 
 # --- The commands, on fake chapter binaries ------------------------------------------------
@@ -616,8 +617,8 @@ def test_harness_columns():
     literals = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', read(os.path.join(ROOT, "common", "harness.cu"))))
     listed = literals.split("print one CSV row instead of the report:")[1].split("(")[0]
     assert tuple(re.findall(r"[a-z_0-9]+", listed.replace("\\n", " "))) == results.HARNESS_FIELDS, listed
-    row = stages.parse_csv_line("08_fp8,4,16,4096,128,1,fp8,0.4697,585.21,4.003e-02,PASS,1.562e-01,8.456e-02,2,"
+    row = runner.parse_csv_line("08_fp8,4,16,4096,128,1,fp8,0.4697,585.21,4.003e-02,PASS,1.562e-01,8.456e-02,2,"
                                 "100687872,0.0757,0.3980,3.687e-02,370171904")
     assert (row["ms"], row["lse_err"], row["attend_ms"], row["device_bytes"]) == (0.4697, 0.08456, 0.398, 370171904)
-    row = stages.parse_csv_line("04_fused,1,1,1,64,0,fp16,0.0100,0.00,,unchecked,,,1,0,,,,1028")
+    row = runner.parse_csv_line("04_fused,1,1,1,64,0,fp16,0.0100,0.00,,unchecked,,,1,0,,,,1028")
     assert row["status"] == "unchecked" and row["lse_err"] is None and row["device_bytes"] == 1028, row

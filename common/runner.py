@@ -1,0 +1,101 @@
+"""The bottom layer of the Python tools: find a chapter, run one of its binaries, and read what
+it printed. common/stages.py (make run, make bench), exercises.py (make grade) and ablation.py
+(make ablation, make diff) stand on it; nothing here imports them, and nothing in common/
+imports tests/.
+
+  chapters(), find_chapter(arg)      the chapter folders; 4, 04, 04_fused or a step (08.3) -> its folder
+  run_binary(binary, args)           (exit code, stdout, stderr), None on a timeout or a missing file
+  classify(name, code, out, err)     (status, row, note): PASS, FAIL, unchecked, skipped, usage, error
+  run_case(binary, name, args)       run_binary with --csv, classified
+  parse_csv_line(line)               a binary's --csv row as a result row (results.HARNESS_FIELDS)
+  shape_args((B, H, N, D, causal))   the command line of a shape
+"""
+import csv
+import os
+import re
+import subprocess
+
+from results import CSV_FIELDS, HARNESS_FIELDS, HARNESS_NUMBERS, OPTIONAL_FIELDS, parse_value
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BINARY_TIMEOUT_S = 600  # a binary still running after this is counted as an error
+
+
+# --- Chapters ------------------------------------------------------------------------------------
+def chapters(root=ROOT):
+    """NN_name of every chapter, in order."""
+    return sorted(d for d in os.listdir(root) if re.match(r"\d\d_", d)
+                  and os.path.isfile(os.path.join(root, d, "attention.cu")))
+
+
+def find_chapter(arg, root=ROOT):
+    """The chapter folder named by 4, 04 or 04_fused, or by one of its steps (08.3: 08_fp8); None if
+    there is none. What a step names within its chapter is the caller's (source.without_switches)."""
+    number = str(arg).partition(".")[0]
+    for chapter in chapters(root):
+        if number in (chapter, chapter[:2]) or (number.isdigit() and int(number) == int(chapter[:2])):
+            return chapter
+    return None
+
+
+# --- Running a binary ------------------------------------------------------------------------------
+def run_binary(binary, args, timeout=BINARY_TIMEOUT_S):
+    """Run a binary; (exit code or None on timeout or a missing file, stdout, stderr)."""
+    if not os.path.exists(binary):
+        return None, "", f"{binary} not found: build it with make"
+    try:
+        done = subprocess.run([binary] + [str(a) for a in args], capture_output=True, text=True, errors="replace",
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, "", f"timed out after {timeout} s"
+    return done.returncode, done.stdout, done.stderr
+
+
+def last_line(text, name=None):
+    """The last non-empty line of text, without a leading '<name>: '."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = lines[-1] if lines else ""
+    return line[len(name) + 2:] if name and line.startswith(name + ": ") else line
+
+
+def parse_csv_line(line):
+    """A binary's --csv row to a result row (None if it is not one), with the harness's further
+    columns (HARNESS_FIELDS: lse_err, attend_ms, device_bytes, ...) where the row has them."""
+    cells = next(csv.reader([line]), [])
+    if len(cells) < len(CSV_FIELDS) - len(OPTIONAL_FIELDS):
+        return None
+    try:
+        row = {k: parse_value(k, v) for k, v in zip(HARNESS_FIELDS, cells) if k in CSV_FIELDS}
+        row.update({k: float(v) if v else None for k, v in zip(HARNESS_FIELDS, cells) if k in HARNESS_NUMBERS})
+        row.setdefault("device_bytes", None)
+    except ValueError:
+        return None
+    return row if row["status"] in ("PASS", "FAIL", "unchecked") else None
+
+
+def classify(name, code, stdout, stderr):
+    """(status, row, note) of one binary run; status is the row's or skipped/usage/error."""
+    row = next((r for r in map(parse_csv_line, stdout.splitlines()) if r), None)
+    if code == 77:
+        line = last_line(stdout, name)
+        return "skipped", None, line[len("skipped: "):] if line.startswith("skipped: ") else line
+    if code == 2:
+        return "usage", None, last_line(stderr, name)
+    if code in (0, 1) and row is not None:
+        return row["status"], row, last_line(stderr, name) if row["status"] == "FAIL" else None
+    reason = last_line(stderr, name) or "no output"
+    return "error", None, reason if code in (0, 1, None) else f"exit {code}: {reason}"
+
+
+def run_case(binary, name, args, timeout=BINARY_TIMEOUT_S):
+    """(status, row, note) of one --csv run (classify: PASS, FAIL, unchecked, skipped, usage,
+    error); the row also has the harness's further columns (lse_err, attend_ms, ...; None when absent)."""
+    code, out, err = run_binary(binary, list(args) + ["--csv"], timeout=timeout)
+    return classify(name, code, out, err)
+
+
+def shape_args(shape):
+    """--batch B --heads H --seqlen N --headdim D [--causal] for a (B, H, N, D, causal) tuple."""
+    b, h, n, d, causal = shape
+    return ["--batch", str(b), "--heads", str(h), "--seqlen", str(n), "--headdim", str(d)] + \
+        (["--causal"] if causal else [])
