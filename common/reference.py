@@ -16,15 +16,36 @@ computed in float64 from the very fp16 inputs the chapters get. Only NumPy is us
       (default 448, e4m3's largest; V always to 448), as the FP8 chapter quantises (the harness
       passes the chapter's tiles and range): what it is measured against.
   reference.py inputs --out DIR --batch B --heads H --seqlen N --headdim D --seed S [--qk-std X]
-                      [--outliers F]
+                      [--outliers F] [--grad]
       Only write inputs; --qk-std scales Q and K so that logits grow like X^2; --outliers
-      sets a fraction F of the entries of Q and K to +-U(10, 100).
+      sets a fraction F of the entries of Q and K to +-U(10, 100); --grad also writes
+      DIR/do.npy, dO ~ N(0, 1) in fp16 from a stream of the seed of its own (Q, K, V unchanged).
+  reference.py backward (prepare's options)
+      prepare's files, DIR/do.npy as inputs --grad writes it (with --input: SRC/do.npy, fp16 of
+      Q's shape, is read), and the float64 gradients of L = sum(O * dO), same tag, same cache:
+        ref_<tag>_dq_rows.npy   int64   [RQ]            the query rows of dQ, sorted
+        ref_<tag>_dq.npy        float64 [B, H, RQ, D]   [b, h, i] is dQ[b, h, dq_rows[i]]
+        ref_<tag>_dkv_rows.npy  int64   [RK]            the key rows of dK and dV, sorted
+        ref_<tag>_dk.npy        float64 [B, H, RK, D]   [b, h, i] is dK[b, h, dkv_rows[i]]
+        ref_<tag>_dv.npy        float64 [B, H, RK, D]   and dV's
+        ref_<tag>_delta.npy     float64 [B, H, N]       Delta = rowsum(dO * O), every row
+      The rows are the same in every (b, h) and every row (0 .. N-1) where the forward checks
+      every row; _dkv_rows.npy is written last, so its presence means the set is complete.
+      float64, as O and LSE are: the reference adds no rounding of its own. Sampled rows are
+      stored packed with their indices, as the forward's are, not NaN-padded to [B, H, N, D]:
+      a checker walks the listed rows as it does O's (4.5 MB a tensor at B=1 H=16 N=16k D=128,
+      not 256 MB). dO is not in the tag: like Q, K and V, a folder holds one.
   reference.py floor --input DIR [--causal] [--scale F] [--q-rows R] [--kv-rows R] [--qk-range R]
       Print the e4m3 input-quantisation floor of DIR's inputs, scales per (b, h) and per tile
       (R rows of Q, of K and V, Q and K to |x| <= R; default the FP8 chapter's).
 
 Small shapes are checked on every query row. Above FULL_PAIRS (query, key) pairs a
 deterministic sample of rows per (b, h) is used, so an N = 16k reference takes seconds.
+The gradients sample query rows (dQ) and key rows (dK, dV) the same way, and also take the
+rows either side of 64- and 128-row tile edges (where a causal mask cuts a tile). They are
+exact: a key row's dK and dV need P and dS over every query, so LSE and Delta are computed
+for every row, blockwise (O(N^2 D) work per (b, h), O(tile N) memory): about 6 s per (b, h)
+at N = 16k, D = 128 on two cores (3.5 s causal), some 300 MB beside the inputs.
 """
 import argparse
 import math
@@ -172,6 +193,141 @@ def attention_reference(q, k, v, rows, causal, scale):
             lse.reshape(batch, heads, len(rows)))
 
 
+# --- the backward pass: gradients of O given dO ----------------------------------------------
+GRAD_SEED_STREAM = 1        # dO comes from default_rng([seed, 1]): Q, K, V stay make_inputs'
+GRAD_TILE_EDGES = (64, 128)  # the chapters' query and key tiles: the rows either side of the first and
+GRAD_EDGE_PICKS = 4          # last edge of each are sampled, and of this many random 64-row edges
+GRAD_LIVE_SCORES = 3         # float64 [tile, N] arrays alive at once in a backward step
+
+
+def make_grad_output(batch, heads, seqlen, headdim, seed):
+    """dO ~ N(0, 1) rounded to fp16, from a stream of the seed of its own (same seed, same dO;
+    Q, K and V are make_inputs' whether or not dO is drawn)."""
+    rng = np.random.default_rng([seed, GRAD_SEED_STREAM])
+    return rng.standard_normal((batch, heads, seqlen, headdim), dtype=np.float32).astype(np.float16)
+
+
+def tile_edge_rows(seqlen, rng):
+    """The rows either side of the edges of GRAD_TILE_EDGES tiles: the first and the last edge
+    of each tile size and GRAD_EDGE_PICKS random edges of the smallest (where a causal mask
+    starts and ends a diagonal tile)."""
+    edges = []
+    for tile in GRAD_TILE_EDGES:
+        edges += [tile, (seqlen - 1) // tile * tile]
+    smallest = GRAD_TILE_EDGES[0]
+    count = (seqlen - 1) // smallest
+    if count > 0:
+        edges += list(rng.choice(np.arange(1, count + 1), size=min(GRAD_EDGE_PICKS, count), replace=False) * smallest)
+    rows = np.array([r for e in edges if e > 0 for r in (e - 1, e)], dtype=np.int64)
+    return rows[rows < seqlen]
+
+
+def sample_grad_rows(batch, heads, seqlen, which):
+    """The rows of the gradients checked in every (b, h): of dQ (which="q", query rows) or of dK
+    and dV (which="kv", key rows). All of them where the forward checks all (B*H*N*N up to
+    FULL_PAIRS), else as many as the forward samples plus the rows at tile edges, always with
+    the first and last row (for causal: the key every query sees, the one only the last sees).
+    Seeded by the shape and `which` alone, as sample_rows is: the same for causal or not."""
+    if batch * heads * seqlen * seqlen <= FULL_PAIRS:
+        return np.arange(seqlen, dtype=np.int64)
+    count = max(MIN_SAMPLED_ROWS, FULL_PAIRS // (batch * heads * seqlen))
+    if count >= seqlen:
+        return np.arange(seqlen, dtype=np.int64)
+    rng = np.random.default_rng([seqlen, batch, heads, ("q", "kv").index(which) + 1])
+    picked = rng.choice(np.arange(1, seqlen - 1), size=count - 2, replace=False)
+    return np.unique(np.concatenate([[0, seqlen - 1], tile_edge_rows(seqlen, rng), picked])).astype(np.int64)
+
+
+def grad_tile_rows(seqlen):
+    """Query rows per backward step: GRAD_LIVE_SCORES float64 [rows, N] arrays in CHUNK_BYTES."""
+    return max(1, min(seqlen, CHUNK_BYTES // (GRAD_LIVE_SCORES * 8 * seqlen)))
+
+
+def check_row_set(rows, seqlen, what):
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.ndim != 1 or np.any(np.diff(rows) <= 0) or (rows.size and (rows[0] < 0 or rows[-1] >= seqlen)):
+        raise ValueError(f"{what}: want sorted, distinct rows in [0, {seqlen}), got {rows[:8].tolist()}...")
+    return rows
+
+
+def tile_probabilities(q_tile, k_seen, first_row, causal, scale):
+    """P = exp(S - LSE) [G, T, J] of a tile of T query rows (the first one first_row) against
+    the J keys they can see (causal: J = first_row + T)."""
+    p = np.matmul(q_tile * scale, k_seen.transpose(0, 2, 1))
+    if causal:  # only the diagonal block [first_row, J) holds keys after a row: -inf added there
+        p[:, :, first_row:] += np.triu(np.full((p.shape[1], p.shape[1]), -np.inf), 1)
+    row_max = p.max(axis=-1, keepdims=True)
+    p -= row_max
+    np.exp(p, out=p)
+    row_sum = p.sum(axis=-1, keepdims=True)
+    p /= row_sum
+    return p
+
+
+def score_grads(p, do_rows, v_cols, delta_rows):
+    """dS = P * (dP - Delta) with dP = dO V^T, for the rows and columns p holds."""
+    ds = np.matmul(do_rows, v_cols.transpose(0, 2, 1))
+    ds -= delta_rows[..., None]
+    ds *= p
+    return ds
+
+
+def attention_backward(q, k, v, do, q_rows, kv_rows, causal, scale, tile=None):
+    """float64 gradients of O = softmax(Q K^T * scale [+ causal mask]) V given dO (all [B, H, N, D]):
+    dQ [B, H, RQ, D] at the query rows q_rows, dK and dV [B, H, RK, D] at the key rows kv_rows
+    (each sorted and distinct), and Delta [B, H, N] = rowsum(dO * O) of every row.
+
+    One pass over tiles of `tile` query rows (default grad_tile_rows), each against the keys it
+    can see (causal: those up to its last row): its P = exp(S - LSE), O = P V and Delta; dS of
+    its rows at the key rows kv_rows gives their dK += scale dS^T Q and dV += P^T dO, dS of its
+    rows in q_rows over all keys their dQ = scale dS K (where kv_rows hold half the keys or
+    more, dS over every key serves both). Memory: a few [tile, N] arrays per (b, h) at a time
+    (several heads at once while they fit in CHUNK_BYTES), the inputs and the outputs."""
+    batch, heads, seqlen, headdim = q.shape
+    q_rows = check_row_set(q_rows, seqlen, "q_rows")
+    kv_rows = check_row_set(kv_rows, seqlen, "kv_rows")
+    tile = tile or grad_tile_rows(seqlen)
+    # Half the keys or more: dS over every key (it serves dQ too), the key rows picked at the end.
+    every_key = 2 * len(kv_rows) >= seqlen
+    key_rows = np.arange(seqlen, dtype=np.int64) if every_key else kv_rows
+    q, k, v, do = (x.reshape(batch * heads, seqlen, headdim) for x in (q, k, v, do))
+    dq = np.zeros((batch * heads, len(q_rows), headdim))
+    dk = np.zeros((batch * heads, len(key_rows), headdim))
+    dv = np.zeros((batch * heads, len(key_rows), headdim))
+    delta = np.empty((batch * heads, seqlen))
+    group = max(1, CHUNK_BYTES // (GRAD_LIVE_SCORES * 8 * tile * seqlen))  # heads per step
+    for h0 in range(0, batch * heads, group):
+        hs = slice(h0, min(h0 + group, batch * heads))
+        qh, kh, vh, doh = (x[hs].astype(np.float64) for x in (q, k, v, do))
+        for i0 in range(0, seqlen, tile):
+            i1 = min(i0 + tile, seqlen)
+            seen = i1 if causal else seqlen  # keys past the tile's last row are masked for all its rows
+            q_t, do_t = qh[:, i0:i1], doh[:, i0:i1]
+            p = tile_probabilities(q_t, kh[:, :seen], i0, causal, scale)
+            delta_t = np.sum(do_t * np.matmul(p, vh[:, :seen]), axis=-1)
+            delta[hs, i0:i1] = delta_t
+            cols = np.searchsorted(key_rows, seen)  # key_rows[:cols] are seen by some row of the tile
+            keys = slice(0, seen) if every_key else key_rows[:cols]
+            p_keys = p if every_key else p[:, :, keys]
+            ds = score_grads(p_keys, do_t, vh[:, keys], delta_t)
+            dk[hs, :cols] += scale * np.matmul(ds.transpose(0, 2, 1), q_t)
+            dv[hs, :cols] += np.matmul(p_keys.transpose(0, 2, 1), do_t)
+            lo, hi = np.searchsorted(q_rows, [i0, i1])
+            if hi == lo:
+                continue
+            local = slice(None) if hi - lo == i1 - i0 else q_rows[lo:hi] - i0
+            if every_key:  # dQ of all the tile's rows (a [T, D] product), those in q_rows kept
+                dq[hs, lo:hi] = scale * np.matmul(ds, kh[:, :seen])[:, local]
+            else:
+                row_ds = score_grads(p[:, local], do_t[:, local], vh[:, :seen], delta_t[:, local])
+                dq[hs, lo:hi] = scale * np.matmul(row_ds, kh[:, :seen])
+    if len(key_rows) > len(kv_rows):
+        dk, dv = dk[:, kv_rows], dv[:, kv_rows]
+    shape = (batch, heads)
+    return (dq.reshape(*shape, len(q_rows), headdim), dk.reshape(*shape, len(kv_rows), headdim),
+            dv.reshape(*shape, len(kv_rows), headdim), delta.reshape(*shape, seqlen))
+
+
 def save_atomic(path, array):
     """Write an .npy so that a reader never sees half a file (write, then rename)."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -240,6 +396,54 @@ def prepare(args):
         save_atomic(paths["rows"], rows)  # last: its presence means the set is complete
 
 
+GRAD_PARTS = ("dq", "dk", "dv", "delta", "dq_rows", "dkv_rows")  # written in this order: the rows last
+
+
+def grad_paths(folder, causal, scale_text):
+    """The gradient reference files of a tag (the forward's: c<causal>_s<F>)."""
+    tag = f"c{int(causal)}_s{scale_text}"
+    return {part: os.path.join(folder, f"ref_{tag}_{part}.npy") for part in GRAD_PARTS}
+
+
+def load_grad_output(folder, shape):
+    """folder/do.npy, refused unless it is float16 of Q's shape [B, H, N, D]."""
+    path = os.path.join(folder, "do.npy")
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such file; the gradients need dO (reference.py inputs --grad writes one)")
+    do = np.load(path)
+    if do.dtype != np.float16 or do.ndim != 4:
+        raise ValueError(f"{path}: want a 4-D float16 array, got {do.ndim}-D {do.dtype}")
+    if do.shape != tuple(shape):
+        raise ValueError(f"{path}: shape {do.shape}, but q, k, v have {tuple(shape)}: dO must have their shape")
+    return do
+
+
+def write_grad_output(folder, args):
+    path = os.path.join(folder, "do.npy")
+    if not os.path.exists(path):
+        save_atomic(path, make_grad_output(args.batch, args.heads, args.seqlen, args.headdim, args.seed))
+
+
+def backward(args):
+    """prepare's files, dO (generated unless --input gives it), then the gradient set."""
+    os.makedirs(args.out, exist_ok=True)
+    if args.input is None:
+        write_inputs(args.out, args)
+        write_grad_output(args.out, args)
+    if args.no_ref:
+        return
+    paths = grad_paths(args.out, args.causal, args.scale)
+    q, k, v = load_inputs(args.input or args.out)
+    do = load_grad_output(args.input or args.out, q.shape)
+    prepare(args)
+    if all(os.path.exists(path) for path in paths.values()):
+        return
+    rows = {"dq_rows": sample_grad_rows(*q.shape[:3], "q"), "dkv_rows": sample_grad_rows(*q.shape[:3], "kv")}
+    grads = attention_backward(q, k, v, do, rows["dq_rows"], rows["dkv_rows"], args.causal, float(args.scale))
+    for part, array in zip(GRAD_PARTS, (*grads, rows["dq_rows"], rows["dkv_rows"])):
+        save_atomic(paths[part], array)  # the rows last: their presence means the set is complete
+
+
 def print_floor(args):
     """The e4m3 floor of a folder's inputs, per (b, h) scales and per tile of rows."""
     q, k, v = load_inputs(args.input)
@@ -266,7 +470,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("floor")
-    for name in ("prepare", "inputs"):
+    for name in ("prepare", "inputs", "backward"):
         p = sub.add_parser(name)
         p.add_argument("--out", required=True)
         p.add_argument("--batch", type=positive_int)
@@ -274,14 +478,16 @@ def parse_args(argv):
         p.add_argument("--seqlen", type=positive_int)
         p.add_argument("--headdim", type=positive_int)
         p.add_argument("--seed", type=int, default=0)
-    prep = sub.choices["prepare"]
-    prep.add_argument("--input", help="folder with q.npy, k.npy, v.npy to use instead of generating")
-    prep.add_argument("--scale", required=True, help="softmax scale, as text (it names the files)")
-    prep.add_argument("--causal", action="store_true")
-    prep.add_argument("--no-ref", action="store_true", help="only the inputs")
-    prep.add_argument("--fp8-floor", nargs="+", type=positive_int, metavar="Q_ROWS KV_ROWS [QK_RANGE]",
-                      help="also the e4m3 input-quantisation floor, scales per Q_ROWS rows of Q, KV_ROWS of K "
-                           "and V, Q and K to |x| <= QK_RANGE (default 448)")
+    for prep in (sub.choices["prepare"], sub.choices["backward"]):
+        prep.add_argument("--input", help="folder with q.npy, k.npy, v.npy (backward: and do.npy) to use "
+                                          "instead of generating")
+        prep.add_argument("--scale", required=True, help="softmax scale, as text (it names the files)")
+        prep.add_argument("--causal", action="store_true")
+        prep.add_argument("--no-ref", action="store_true", help="only the inputs")
+        prep.add_argument("--fp8-floor", nargs="+", type=positive_int, metavar="Q_ROWS KV_ROWS [QK_RANGE]",
+                          help="also the e4m3 input-quantisation floor, scales per Q_ROWS rows of Q, KV_ROWS of K "
+                               "and V, Q and K to |x| <= QK_RANGE (default 448)")
+    sub.choices["inputs"].add_argument("--grad", action="store_true", help="also dO (do.npy), N(0, 1) from the seed")
     sub.choices["inputs"].add_argument("--qk-std", type=float, default=1.0)
     sub.choices["inputs"].add_argument("--outliers", type=float, default=0.0,
                                        help="fraction of Q and K entries set to +-U(10, 100)")
@@ -298,7 +504,7 @@ def parse_args(argv):
     generated = args.command == "inputs" or args.input is None
     if generated and None in (args.batch, args.heads, args.seqlen, args.headdim):
         parser.error("give --batch, --heads, --seqlen and --headdim (or --input)")
-    if args.command == "prepare":
+    if args.command in ("prepare", "backward"):
         if args.fp8_floor and len(args.fp8_floor) not in (2, 3):
             parser.error(f"--fp8-floor takes Q_ROWS KV_ROWS [QK_RANGE], got {len(args.fp8_floor)} numbers")
         if args.fp8_floor and len(args.fp8_floor) == 2:
@@ -314,11 +520,15 @@ def main(argv=None):
     try:
         if args.command == "prepare":
             prepare(args)
+        elif args.command == "backward":
+            backward(args)
         elif args.command == "floor":
             print_floor(args)
         else:
             os.makedirs(args.out, exist_ok=True)
             write_inputs(args.out, args, args.qk_std, args.outliers)
+            if args.grad:
+                write_grad_output(args.out, args)
     except (OSError, ValueError) as exc:
         print(f"reference.py: {exc}", file=sys.stderr)
         return 2
