@@ -31,7 +31,7 @@ def without_switches(text, step=None):
     (or step's) idea rather than the other's measuring aids. ValueError on #elif in a switch's #if."""
     values, out, stack = switches_of(text, step), [], []  # stack: (keeping this branch?, a switch #if?, taken?)
     lines = text.splitlines(keepends=True)
-    i = 0
+    i, dropped = 0, False
     while i < len(lines):
         line, stripped = lines[i], lines[i].strip()
         m, s = SWITCH_IF.match(stripped), STEP_IF.match(stripped)
@@ -64,6 +64,10 @@ def without_switches(text, step=None):
             while i + 1 < len(lines) and lines[i + 1].strip().startswith("//"):
                 i += 1
         elif keeping:
-            out.append(line)
+            if not (stripped == "" and out and out[-1].strip() == "" and dropped):
+                out.append(line)  # a blank line is kept unless a dropped branch left two in a row
+            dropped = False
+        if not keeping or (m and m.group(2) in values) or s:
+            dropped = True
         i += 1
     return "".join(out)
