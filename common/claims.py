@@ -168,6 +168,23 @@ def sass_tools(ctx):
     return tools
 
 
+def sass_text(ctx, cubin):
+    """{function: [instruction text]}: cuobjdump's SASS without addresses and encodings."""
+    cuobjdump, env = sass_tools(ctx)
+    proc = ctx.run([cuobjdump, "--dump-sass", cubin], env=env, timeout=300)
+    assert proc.returncode == 0, f"cuobjdump failed on {cubin}: {proc.stderr.strip()}"
+    functions, current = {}, None
+    for line in proc.stdout.splitlines():
+        header = re.match(r"\s*Function\s*:\s*(\S+)", line)
+        if header:
+            current = functions.setdefault(header.group(1), [])
+            continue
+        instruction = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if instruction and current is not None:
+            current.append(re.sub(r"\s+", " ", instruction.group(1)))
+    return functions
+
+
 def sass(ctx, chapter):
     """{function name: set of opcodes} of the chapter's multiarch binary for SASS_ARCH."""
     binary = ctx.require_binary(chapter)

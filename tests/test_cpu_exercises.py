@@ -46,7 +46,7 @@ import tarfile
 import unittest
 
 import exercises as ex
-from claims import sass_tools
+from claims import sass_text, sass_tools
 
 PARALLEL = 8
 SASS_ARCH_FLAG = "-gencode=arch=compute_90,code=sm_90"
@@ -259,23 +259,6 @@ def strip_markers(text):
         elif not (in_stub or ex.BEGIN.match(line)):
             keep.append(line)
     return "".join(keep)
-
-
-def sass_text(ctx, cubin):
-    """{function: [instruction text]}: cuobjdump's SASS without addresses and encodings."""
-    cuobjdump, env = sass_tools(ctx)
-    proc = ctx.run([cuobjdump, "--dump-sass", cubin], env=env, timeout=300)
-    assert proc.returncode == 0, f"cuobjdump failed on {cubin}: {proc.stderr.strip()}"
-    functions, current = {}, None
-    for line in proc.stdout.splitlines():
-        header = re.match(r"\s*Function\s*:\s*(\S+)", line)
-        if header:
-            current = functions.setdefault(header.group(1), [])
-            continue
-        instruction = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
-        if instruction and current is not None:
-            current.append(re.sub(r"\s+", " ", instruction.group(1)))
-    return functions
 
 
 def sass_case(chapter):

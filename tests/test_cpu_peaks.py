@@ -8,7 +8,7 @@ import re
 import shlex
 import unittest
 
-from claims import kernel_base_name, sass_tools
+from claims import kernel_base_name, sass_text
 
 # kernel (function name, template arguments dropped; <FP8> told apart by its mangled name) -> opcodes
 PEAK_KERNELS = {
@@ -51,22 +51,16 @@ def test_peaks_builds_for_sm90a_without_warnings(ctx):
 
 def test_peaks_kernels_hold_their_instructions(ctx):
     binary, _, _ = build(ctx)
-    cuobjdump, env = sass_tools(ctx)
-    proc = ctx.run([cuobjdump, "--dump-sass", binary], env=env, timeout=300)
-    assert proc.returncode == 0, f"cuobjdump --dump-sass failed on {binary}:\n{proc.stderr}"
-    functions, current = {}, None
-    for line in proc.stdout.splitlines():
-        header = re.match(r"\s*Function\s*:\s*(\S+)", line)
-        if header:
-            mangled = header.group(1)
-            fp8 = re.search(r"ILi(\d)E", mangled)
-            current = functions.setdefault(kernel_base_name(mangled) + (f"<{fp8.group(1)}>" if fp8 else ""), {})
-            continue
-        op = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(\S*)", line)
-        if op and current is not None:
-            current[op.group(1)] = current.get(op.group(1), 0) + 1
-            if op.group(1) in ("HGMMA", "QGMMA"):
-                current.setdefault("shapes", set()).add(op.group(1) + op.group(2))
+    functions = {}
+    for mangled, instructions in sass_text(ctx, binary).items():  # opcode counts and wgmma shapes per kernel
+        fp8 = re.search(r"ILi(\d)E", mangled)
+        current = functions.setdefault(kernel_base_name(mangled) + (f"<{fp8.group(1)}>" if fp8 else ""), {})
+        for text in instructions:
+            op = re.match(r"(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(\S*)", text)
+            if op:
+                current[op.group(1)] = current.get(op.group(1), 0) + 1
+                if op.group(1) in ("HGMMA", "QGMMA"):
+                    current.setdefault("shapes", set()).add(op.group(1) + op.group(2))
     found = []
     for kernel, opcodes in PEAK_KERNELS.items():
         assert kernel in functions, f"no {kernel} in the SASS of {binary}; functions: {sorted(functions)}"
