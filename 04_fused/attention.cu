@@ -30,7 +30,7 @@
 // Switches for the ablation table (README, "Each idea on its own"): 1 is this chapter, and
 // -DNAME=0 turns that one idea off, the results staying correct.
 #ifndef LOOP_ORDER
-#define LOOP_ORDER 1  // FlashAttention-2's: query tiles outside (a block each), K/V tiles inside, state in registers
+#define LOOP_ORDER 1  // FlashAttention-2's loop order: query tiles outside, K/V tiles inside, state in registers
 #endif
 #ifndef REGISTER_TILING
 #define REGISTER_TILING 1  // a thread's scores and outputs as outer products of float4 reads of shared memory
