@@ -22,8 +22,11 @@ extern char **environ;
 
 enum { EXIT_PASS = 0, EXIT_FAILED = 1, EXIT_USAGE = 2, EXIT_SKIP = 77 };
 
-static const char *const INPUT_NAMES[3] = {"q.npy", "k.npy", "v.npy"};  // in an --input folder or the cache
-static const char *const OUTPUT_NAMES[2] = {"o.npy", "lse.npy"};        // what --output DIR gets, all of it
+// In an --input folder or the cache: Q, K, V, and dO too with --backward (input_count).
+static const char *const INPUT_NAMES[4] = {"q.npy", "k.npy", "v.npy", "do.npy"};
+// What --output DIR gets, all of it: O and LSE, and dQ, dK, dV too with --backward (output_count).
+static const char *const OUTPUT_NAMES[5] = {"o.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"};
+static const char *const GRAD_NAMES[3] = {"dQ", "dK", "dV"};  // as the report names OUTPUT_NAMES[2 ..]
 
 #ifndef FA_ROOT
 #define FA_ROOT "."
@@ -54,6 +57,11 @@ static const PrecisionRule FP16_TC_RULE = {"fp16 tensor cores", "fp16", 3e-3, 1e
 // cuDNN's FP8 attention measures 5.9e-2 on N(0, 1) inputs at D=128, the e4m3 input floor
 // 4.7e-2: hence 6e-2 as the cap there, and 1.5x the floor elsewhere.
 static const PrecisionRule FP8_TC_RULE = {"fp8 (e4m3) tensor cores", "fp8", 3e-3, 1e-3, 1.5, 6e-2};
+// The backward pass (--backward): each of dQ, dK and dV passes at a rel L2 error of at most this, whatever
+// the precision of the chapter's forward (which is checked by its rule above). Set for fp16 tensor-core
+// backward chapters: fp16 in and out, fp32 accumulation (PyTorch's FlashAttention-2 backward measures
+// about 3e-4 on N(0, 1) inputs).
+static const double BACKWARD_REL_L2_TOL = 1e-3;
 // The floor's rows per scale of Q and of K and V at a head dim: the chapter's, else 128 each.
 static int fp8_scale_rows(int headdim, int which) {
     return chapter.fp8 ? chapter.fp8->scale_rows(headdim, which) : 128;
@@ -112,15 +120,21 @@ typedef struct {
     unsigned long long seed;
     int warmup, iters;
     int check, csv, dry_run;
+    int backward;  // --backward: the chapter's backward pass is what is checked and timed
     const char *input_dir, *output_dir;
 } Options;
+
+// How many of INPUT_NAMES and of OUTPUT_NAMES a run reads and writes.
+static int input_count(const Options *o) { return o->backward ? 4 : 3; }
+static int output_count(const Options *o) { return o->backward ? 5 : 2; }
 
 static void print_help(void) {
     printf(
         "usage: %s [options]\n"
         "  %s\n\n"
-        "Runs one attention forward on fp16 Q, K, V [B, H, N, D], checks it against the\n"
-        "NumPy float64 reference and times it with CUDA events.\n\n"
+        "Runs one attention forward on fp16 Q, K, V [B, H, N, D] (or with --backward, its\n"
+        "backward pass), checks it against the NumPy float64 reference and times it with\n"
+        "CUDA events.\n\n"
         "  --batch B       batch size (default 8)\n"
         "  --heads H       heads (default 16)\n"
         "  --seqlen N      sequence length, queries = keys (default 2048)\n"
@@ -133,11 +147,19 @@ static void print_help(void) {
         "  --no-check      skip the reference check (inputs are still NumPy's)\n"
         "  --input DIR     read DIR/q.npy k.npy v.npy (fp16, [B,H,N,D]); shape from the files\n"
         "  --output DIR    write DIR/o.npy (fp16) and DIR/lse.npy (fp32)\n"
+        "  --backward      the backward pass instead (chapters that register one):\n"
+        "                  the chapter's forward makes O and LSE (checked, not timed), then\n"
+        "                  dQ, dK, dV from dO (N(0,1), seeded; --input: DIR/do.npy, fp16 as q)\n"
+        "                  are checked (rel L2 of each <= 1e-3) and timed alone, TFLOP/s at\n"
+        "                  2.5x the forward's FLOPs; --output also writes dq.npy dk.npy dv.npy\n"
         "  --csv           print one CSV row instead of the report:\n"
         "                  impl,batch,heads,seqlen,headdim,causal,dtype,ms,tflops,rel_l2,status,\n"
         "                  max_abs,lse_err,kernels,workspace_bytes,prepare_ms,attend_ms,rel_l2_floor,\n"
-        "                  device_bytes (prepare_ms, attend_ms, rel_l2_floor only for chapters that\n"
-        "                  prepare their inputs / FP8; device_bytes: what the harness allocated)\n"
+        "                  device_bytes,dq_rel_l2,dk_rel_l2,dv_rel_l2 (prepare_ms, attend_ms,\n"
+        "                  rel_l2_floor only for chapters that prepare their inputs / FP8;\n"
+        "                  device_bytes: what the harness allocated; with --backward: ms, kernels\n"
+        "                  and workspace_bytes are the backward's, rel_l2 and max_abs the largest\n"
+        "                  of dQ's, dK's and dV's, dq/dk/dv_rel_l2 each one's, lse_err empty)\n"
         "  --dry-run       validate, print the plan (FLOPs, memory), touch no GPU\n"
         "  --help          this text\n\n"
         "exit codes: 0 ran (and passed), 1 failed the check or a CUDA error,\n"
@@ -200,7 +222,7 @@ static Options parse_args(int argc, char **argv) {
     o.check = 1;
     static const char *const with_value[] = {"--batch", "--heads",  "--seqlen", "--headdim", "--scale",
                                              "--seed",  "--warmup", "--iters",  "--input",   "--output"};
-    static const char *const switches[] = {"--causal", "--no-check", "--csv", "--dry-run", "--help"};
+    static const char *const switches[] = {"--causal", "--no-check", "--csv", "--dry-run", "--backward", "--help"};
     for (int i = 1; i < argc; i++) {
         char flag[64];
         const char *arg = strcmp(argv[i], "-h") == 0 ? "--help" : argv[i], *value = NULL, *eq = strchr(arg, '=');
@@ -240,6 +262,7 @@ static Options parse_args(int argc, char **argv) {
         else if (!strcmp(flag, "--no-check")) o.check = 0;
         else if (!strcmp(flag, "--csv")) o.csv = 1;
         else if (!strcmp(flag, "--dry-run")) o.dry_run = 1;
+        else if (!strcmp(flag, "--backward")) o.backward = 1;
         else if (!strcmp(flag, "--help")) print_help(), exit(EXIT_PASS);
     }
     return o;
@@ -261,6 +284,15 @@ static double forward_flops(const AttnShape *s) {
 // Bytes any forward must move: read Q, K, V once, write O and LSE once.
 static double min_bytes(const AttnShape *s) {
     return 4.0 * elems_qkv(s) * sizeof(__half) + (double)elems_lse(s) * sizeof(float);
+}
+
+// Backward FLOPs, the same papers' convention: 2.5x the forward's (five N x N x D products, not two).
+static double backward_flops(const AttnShape *s) { return 2.5 * forward_flops(s); }
+
+// Bytes any backward must move, and the tensors the harness holds for it: read Q, K, V, O, dO and
+// LSE once, write dQ, dK, dV once.
+static double backward_bytes(const AttnShape *s) {
+    return 8.0 * elems_qkv(s) * sizeof(__half) + (double)elems_lse(s) * sizeof(float);
 }
 
 static const char *human_bytes(double bytes, char *buf, size_t len) {
@@ -305,12 +337,18 @@ static int file_exists(const char *path) {
     return stat(path, &st) == 0;
 }
 
-// Read the headers of DIR/q.npy, k.npy, v.npy and take the shape from them.
+// Read the headers of DIR/q.npy, k.npy, v.npy (and do.npy with --backward) and take the shape from them.
 static void shape_from_input(Options *o) {
-    NpyHeader h[3];
+    NpyHeader h[4];
     char path[4096], err[1024];
-    for (int i = 0; i < 3; i++) {
+    struct stat st;
+    for (int i = 0; i < input_count(o); i++) {
         join(path, sizeof path, o->input_dir, INPUT_NAMES[i]);
+        if (i == 3 && stat(path, &st) != 0 && errno == ENOENT)  // the one file a forward's folder lacks
+            die(EXIT_USAGE,
+                "--backward reads dO from the --input folder too, and %s does not exist: save it there, fp16 in "
+                "q.npy's shape [B, H, N, D] (np.save(path, do.astype(np.float16))), or drop --backward",
+                shown(path));
         // fp16 alone: any other dtype is refused naming '<f2' and the NumPy line that casts to it.
         if (npy_read_header_of(path, NPY_F16, &h[i], err, sizeof err)) die(EXIT_USAGE, "%s", err);
         if (h[i].ndim != 4) die(EXIT_USAGE, "%s: %d-D array, expected 4-D [B, H, N, D]", shown(path), h[i].ndim);
@@ -320,9 +358,9 @@ static void shape_from_input(Options *o) {
             if (h[i].shape[d] != h[0].shape[d])
                 die(EXIT_USAGE,
                     "%s has shape (%lld, %lld, %lld, %lld) but q.npy has (%lld, %lld, %lld, %lld): "
-                    "q, k, v must share one [B, H, N, D] shape",
+                    "q, k, v%s must share one [B, H, N, D] shape",
                     shown(path), h[i].shape[0], h[i].shape[1], h[i].shape[2], h[i].shape[3], h[0].shape[0],
-                    h[0].shape[1], h[0].shape[2], h[0].shape[3]);
+                    h[0].shape[1], h[0].shape[2], h[0].shape[3], o->backward ? " and do" : "");
         }
     }
     int dims[4] = {(int)h[0].shape[0], (int)h[0].shape[1], (int)h[0].shape[2], (int)h[0].shape[3]};
@@ -349,7 +387,7 @@ static uint64_t hash_file(const char *path, uint64_t h) {
 }
 
 typedef struct {
-    char data_dir[4096];  // where q/k/v.npy live
+    char data_dir[4096];  // where q/k/v.npy (and do.npy) live
     char ref_dir[4096];   // where the reference files live
     char ref_tag[128];    // names the reference files: causal and scale
     char floor_part[64];  // names the FP8 floor's file, as reference.py's fp8_floor_part does
@@ -367,7 +405,9 @@ static DataPaths data_paths(const Options *o) {
     if (o->input_dir) {
         char path[4096];
         uint64_t h = 1469598103934665603ULL;
-        for (int i = 0; i < 3; i++) join(path, sizeof path, o->input_dir, INPUT_NAMES[i]), h = hash_file(path, h);
+        // dO too with --backward: its reference gradients are cached under a name of their own.
+        for (int i = 0; i < input_count(o); i++)
+            join(path, sizeof path, o->input_dir, INPUT_NAMES[i]), h = hash_file(path, h);
         format_path(p.data_dir, sizeof p.data_dir, "%s", o->input_dir);
         format_path(p.ref_dir, sizeof p.ref_dir, "%s/input_%016llx", cache, (unsigned long long)h);
     } else {
@@ -382,17 +422,26 @@ static DataPaths data_paths(const Options *o) {
     return p;
 }
 
-// Run common/reference.py to create whatever inputs and reference files are missing.
+// The gradient reference files the check reads (reference.py backward writes them, the rows last).
+static const char *const GRAD_PARTS[5] = {"dq", "dk", "dv", "dq_rows", "dkv_rows"};
+
+// Run common/reference.py to create whatever inputs and reference files are missing (with --backward,
+// its backward command: dO and the gradients besides the forward's files).
 static void prepare_data(const Options *o, const DataPaths *p) {
-    char path[4096];
+    char path[4096], file[256];
     int missing = 0;
-    for (int i = 0; i < 3; i++) join(path, sizeof path, p->data_dir, INPUT_NAMES[i]), missing |= !file_exists(path);
+    for (int i = 0; i < input_count(o); i++)
+        join(path, sizeof path, p->data_dir, INPUT_NAMES[i]), missing |= !file_exists(path);
     const int floors = precision_rule(chapter.precision)->floor_factor > 0;
     if (o->check) {
         const char *parts[] = {"rows", "o", "lse", p->floor_part};
         for (int i = 0; i < 3 + floors; i++) {
-            char file[256];
             snprintf(file, sizeof file, "ref_%s_%s.npy", p->ref_tag, parts[i]);
+            join(path, sizeof path, p->ref_dir, file);
+            missing |= !file_exists(path);
+        }
+        for (int i = 0; o->backward && i < 5; i++) {
+            snprintf(file, sizeof file, "ref_%s_%s.npy", p->ref_tag, GRAD_PARTS[i]);
             join(path, sizeof path, p->ref_dir, file);
             missing |= !file_exists(path);
         }
@@ -413,7 +462,7 @@ static void prepare_data(const Options *o, const DataPaths *p) {
     int argc = 0;
     argv[argc++] = python;
     argv[argc++] = script;
-    argv[argc++] = "prepare";
+    argv[argc++] = o->backward ? "backward" : "prepare";
     argv[argc++] = "--out";
     argv[argc++] = p->ref_dir;
     if (o->input_dir) {
@@ -478,47 +527,73 @@ typedef struct {
     int passed;
 } CheckResult;
 
+// The rows of a reference file (ref_<tag>_<part>.npy, int64 [R]): those it covers in every (b, h).
+static int64_t *load_rows(const DataPaths *p, const AttnShape *s, const char *part, long long *nrows) {
+    char file[256];
+    snprintf(file, sizeof file, "ref_%s_%s.npy", p->ref_tag, part);
+    long long any = -1;
+    NpyHeader h;
+    int64_t *rows = (int64_t *)load_array(p->ref_dir, file, NPY_I64, 1, &any, &h);
+    *nrows = h.shape[0];
+    for (long long i = 0; i < *nrows; i++)
+        if (rows[i] < 0 || rows[i] >= s->seqlen)
+            die(EXIT_USAGE, "%s/%s: row %lld out of range (stale cache? delete it and rerun)", shown(p->ref_dir), file,
+                (long long)rows[i]);
+    return rows;
+}
+
+// ||got - want|| / ||want|| over the listed rows of every (b, h) together (absolute where want is all
+// zero), and the max abs error: got is [B, H, N, D], want [B, H, nrows, D] (row i of it is rows[i]).
+// A NaN in a checked row makes both NaN.
+static double rel_l2_over_rows(const AttnShape *s, const __half *got, const double *want, const int64_t *rows,
+                               long long nrows, double *max_abs) {
+    double err2 = 0, ref2 = 0;
+    const int D = s->headdim;
+    *max_abs = 0;
+    for (long long bh = 0; bh < (long long)s->batch * s->heads; bh++) {
+        for (long long i = 0; i < nrows; i++) {
+            const __half *x = got + ((size_t)bh * s->seqlen + rows[i]) * D;
+            const double *ref = want + ((size_t)bh * nrows + i) * D;
+            for (int d = 0; d < D; d++) {
+                double diff = (double)__half2float(x[d]) - ref[d];
+                if (!(fabs(diff) <= *max_abs) && !isnan(*max_abs)) *max_abs = fabs(diff);  // a NaN stays
+                err2 += diff * diff;
+                ref2 += ref[d] * ref[d];
+            }
+        }
+    }
+    return sqrt(err2 / (ref2 > 0 ? ref2 : 1));
+}
+
+static size_t count_not_finite(const __half *x, size_t n) {
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += !isfinite(__half2float(x[i]));
+    return bad;
+}
+
 static CheckResult check_outputs(const Options *o, const DataPaths *p, const __half *out, const float *lse) {
     const AttnShape *s = &o->shape;
     char file[256];
     CheckResult r;
     memset(&r, 0, sizeof r);
-    for (size_t i = 0; i < elems_qkv(s); i++) r.unwritten += !isfinite(__half2float(out[i]));
+    r.unwritten = count_not_finite(out, elems_qkv(s));
     for (size_t i = 0; i < elems_lse(s); i++) r.unwritten += !isfinite(lse[i]);
 
-    snprintf(file, sizeof file, "ref_%s_rows.npy", p->ref_tag);
-    long long any = -1;
-    NpyHeader h;
-    int64_t *rows = (int64_t *)load_array(p->ref_dir, file, NPY_I64, 1, &any, &h);
-    long long nrows = h.shape[0];
-    for (long long i = 0; i < nrows; i++)
-        if (rows[i] < 0 || rows[i] >= s->seqlen)
-            die(EXIT_USAGE, "%s/%s: row %lld out of range (stale cache? delete it and rerun)", shown(p->ref_dir), file,
-                (long long)rows[i]);
+    long long nrows;
+    int64_t *rows = load_rows(p, s, "rows", &nrows);
     long long o_shape[4] = {s->batch, s->heads, nrows, s->headdim};
     snprintf(file, sizeof file, "ref_%s_o.npy", p->ref_tag);
     double *ref_o = (double *)load_array(p->ref_dir, file, NPY_F64, 4, o_shape, NULL);
     snprintf(file, sizeof file, "ref_%s_lse.npy", p->ref_tag);
     double *ref_lse = (double *)load_array(p->ref_dir, file, NPY_F64, 3, o_shape, NULL);
 
-    double err2 = 0, ref2 = 0;
-    const int D = s->headdim;
+    r.rel_l2 = rel_l2_over_rows(s, out, ref_o, rows, nrows, &r.max_abs);
     for (long long bh = 0; bh < (long long)s->batch * s->heads; bh++) {
         for (long long i = 0; i < nrows; i++) {
-            long long row = rows[i];
-            const __half *got = out + ((size_t)bh * s->seqlen + row) * D;
-            const double *want = ref_o + ((size_t)bh * nrows + i) * D;
-            for (int d = 0; d < D; d++) {
-                double diff = (double)__half2float(got[d]) - want[d];
-                if (!(fabs(diff) <= r.max_abs)) r.max_abs = fabs(diff);  // NaN propagates
-                err2 += diff * diff;
-                ref2 += want[d] * want[d];
-            }
-            double lse_diff = fabs((double)lse[(size_t)bh * s->seqlen + row] - ref_lse[(size_t)bh * nrows + i]);
-            if (!(lse_diff <= r.lse_err)) r.lse_err = lse_diff;
+            double lse_diff = fabs((double)lse[(size_t)bh * s->seqlen + rows[i]] - ref_lse[(size_t)bh * nrows + i]);
+            if (!(lse_diff <= r.lse_err) && !isnan(r.lse_err)) r.lse_err = lse_diff;  // a NaN stays
         }
     }
-    r.rel_l2 = sqrt(err2 / (ref2 > 0 ? ref2 : 1));
     r.rows_checked = nrows;
 
     const PrecisionRule *rule = precision_rule(chapter.precision);
@@ -538,6 +613,45 @@ static CheckResult check_outputs(const Options *o, const DataPaths *p, const __h
     free(rows);
     free(ref_o);
     free(ref_lse);
+    return r;
+}
+
+// The backward's check: dQ, dK, dV (GRAD_NAMES order) against reference.py backward's float64 gradients,
+// dQ at its query rows, dK and dV at its key rows, the same rows in every (b, h).
+typedef struct {
+    double rel_l2[3], max_abs[3];
+    size_t unwritten[3];        // NaN/Inf elements of each, anywhere (all were poisoned with NaN)
+    long long rows_checked[3];  // rows per (b, h) the reference covers
+    double worst_rel_l2, worst_max_abs;
+    int passed;  // every gradient written, finite and within BACKWARD_REL_L2_TOL
+} GradCheck;
+
+// NaN-propagating max, so that the CSV's largest error is NaN when one is.
+static double worst(double a, double b) { return isnan(a) || isnan(b) ? NAN : a > b ? a : b; }
+
+static GradCheck check_grads(const Options *o, const DataPaths *p, __half *const grad[3]) {
+    const AttnShape *s = &o->shape;
+    GradCheck r;
+    memset(&r, 0, sizeof r);
+    long long nrows[2];
+    int64_t *rows[2] = {load_rows(p, s, "dq_rows", &nrows[0]), load_rows(p, s, "dkv_rows", &nrows[1])};
+    r.passed = 1;
+    for (int g = 0; g < 3; g++) {
+        char file[256];
+        const int which = g ? 1 : 0;  // dQ: query rows; dK, dV: key rows
+        long long shape[4] = {s->batch, s->heads, nrows[which], s->headdim};
+        snprintf(file, sizeof file, "ref_%s_%s.npy", p->ref_tag, GRAD_PARTS[g]);
+        double *ref = (double *)load_array(p->ref_dir, file, NPY_F64, 4, shape, NULL);
+        r.unwritten[g] = count_not_finite(grad[g], elems_qkv(s));
+        r.rel_l2[g] = rel_l2_over_rows(s, grad[g], ref, rows[which], nrows[which], &r.max_abs[g]);
+        r.rows_checked[g] = nrows[which];
+        r.worst_rel_l2 = g ? worst(r.worst_rel_l2, r.rel_l2[g]) : r.rel_l2[g];
+        r.worst_max_abs = g ? worst(r.worst_max_abs, r.max_abs[g]) : r.max_abs[g];
+        r.passed &= r.unwritten[g] == 0 && r.rel_l2[g] <= BACKWARD_REL_L2_TOL;  // NaN fails
+        free(ref);
+    }
+    free(rows[0]);
+    free(rows[1]);
     return r;
 }
 
@@ -573,37 +687,38 @@ static void require_gpu(cudaDeviceProp *prop) {
     }
 }
 
-static void require_memory(const AttnShape *s, size_t workspace) {
+// need: the bytes of every buffer the harness will allocate, scratch the workspaces among them.
+static void require_memory(double need, size_t scratch, const char *hint) {
     size_t free_bytes = 0, total = 0;
     CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
-    double need = min_bytes(s) + (double)workspace;
     double margin = 256.0 * 1024 * 1024;
     if (need + margin > (double)free_bytes) {
         char a[32], b[32], c[32];
         die(EXIT_USAGE,
             "this shape needs %s of device memory (%s of it scratch), the GPU has %s free: "
             "lower B, H or N%s",
-            human_bytes(need, a, sizeof a), human_bytes((double)workspace, b, sizeof b),
-            human_bytes((double)free_bytes, c, sizeof c),
-            workspace ? " (the fused chapters, 04 on, need no N^2 scratch)" : "");
+            human_bytes(need, a, sizeof a), human_bytes((double)scratch, b, sizeof b),
+            human_bytes((double)free_bytes, c, sizeof c), hint);
     }
 }
 
-// What to enqueue: the whole forward (prepare, then forward), or one of its two parts.
-typedef enum { PART_WHOLE, PART_PREPARE, PART_ATTEND } Part;
+// What to enqueue: the whole forward (prepare, then forward), one of its two parts, or the backward.
+typedef enum { PART_WHOLE, PART_PREPARE, PART_ATTEND, PART_BACKWARD } Part;
 
-static cudaError_t enqueue(const AttnArgs *args, cudaStream_t stream, Part part) {
+// grad: the backward's arguments, read for PART_BACKWARD alone (NULL for a forward).
+static cudaError_t enqueue(const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream, Part part) {
+    if (part == PART_BACKWARD) return chapter.backward->backward(grad, stream);
     cudaError_t err = cudaSuccess;
     if (part != PART_ATTEND && chapter.prepare) err = chapter.prepare(args, stream);
     if (err == cudaSuccess && part != PART_PREPARE) err = chapter.forward(args, stream);
     return err;
 }
 
-// Kernels one forward launches: capture it into a graph and count its kernel nodes.
-static int kernels_per_forward(const AttnArgs *args, cudaStream_t stream) {
+// Kernels one forward (or backward) launches: capture it into a graph and count its kernel nodes.
+static int kernels_per_pass(const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream, Part part) {
     cudaGraph_t graph;
     CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
-    cudaError_t launch = enqueue(args, stream, PART_WHOLE);
+    cudaError_t launch = enqueue(args, grad, stream, part);
     CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     CUDA_CHECK(launch);
     size_t n = 0;
@@ -621,12 +736,14 @@ static int kernels_per_forward(const AttnArgs *args, cudaStream_t stream) {
     return kernels;
 }
 
-static void run_forward(const AttnArgs *args, cudaStream_t stream, Part part) {
-    cudaError_t err = enqueue(args, stream, part);
+static void run_pass(const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream, Part part) {
+    cudaError_t err = enqueue(args, grad, stream, part);
     if (err == cudaSuccess) err = cudaGetLastError();
     if (err == cudaErrorNoKernelImageForDevice)
         die(EXIT_FAILED, "this binary has no kernel for this GPU: rebuild with ARCH=sm_XY (see make help)");
-    if (err != cudaSuccess) die(EXIT_FAILED, "CUDA error in the forward: %s", cudaGetErrorString(err));
+    if (err != cudaSuccess)
+        die(EXIT_FAILED, "CUDA error in the %s: %s", part == PART_BACKWARD ? "backward" : "forward",
+            cudaGetErrorString(err));
 }
 
 static int compare_float(const void *a, const void *b) {
@@ -634,8 +751,10 @@ static int compare_float(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static float time_forward(const Options *o, const AttnArgs *args, cudaStream_t stream, Part part) {
-    for (int i = 0; i < o->warmup; i++) run_forward(args, stream, part);
+// The median time of o->iters runs of a part (after o->warmup untimed ones), CUDA events around each.
+static float time_pass(const Options *o, const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream,
+                       Part part) {
+    for (int i = 0; i < o->warmup; i++) run_pass(args, grad, stream, part);
     cudaEvent_t *start = (cudaEvent_t *)calloc(o->iters, sizeof *start);
     cudaEvent_t *stop = (cudaEvent_t *)calloc(o->iters, sizeof *stop);
     float *ms = (float *)calloc(o->iters, sizeof *ms);
@@ -645,7 +764,7 @@ static float time_forward(const Options *o, const AttnArgs *args, cudaStream_t s
     }
     for (int i = 0; i < o->iters; i++) {
         CUDA_CHECK(cudaEventRecord(start[i], stream));
-        run_forward(args, stream, part);
+        run_pass(args, grad, stream, part);
         CUDA_CHECK(cudaEventRecord(stop[i], stream));
     }
     CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -726,10 +845,11 @@ static void check_output_file(const char *dir, int i, struct stat *st, int *exis
 }
 
 // --output DIR is checked before any work, on what a run will really write: DIR itself (an existing
-// folder, or one to make in an existing folder: it is made now), then each of OUTPUT_NAMES in it. A
-// folder made here is removed again, refused or not, so that a run that stops before writing (a
-// refusal, --dry-run, no GPU) leaves nothing behind; write_outputs makes it again.
-static void check_output_dir(const char *dir) {
+// folder, or one to make in an existing folder: it is made now), then each of the first `count` of
+// OUTPUT_NAMES in it (output_count). A folder made here is removed again, refused or not, so that a run
+// that stops before writing (a refusal, --dry-run, no GPU) leaves nothing behind; write_outputs makes it
+// again.
+static void check_output_dir(const char *dir, int count) {
     struct stat st;
     char target[4096];
     if (lstat(dir, &st) == 0 && S_ISLNK(st.st_mode) && stat(dir, &st) != 0)
@@ -769,29 +889,35 @@ static void check_output_dir(const char *dir) {
         made = 1;
     }
     char problem[8192] = "";
-    struct stat file[2];
-    int exists[2] = {0, 0};
-    for (int i = 0; i < 2 && !*problem; i++) check_output_file(dir, i, &file[i], &exists[i], problem, sizeof problem);
-    if (!*problem && exists[0] && exists[1] && file[0].st_dev == file[1].st_dev && file[0].st_ino == file[1].st_ino) {
-        char paths[2][4096];
-        for (int i = 0; i < 2; i++) join(paths[i], sizeof paths[i], dir, OUTPUT_NAMES[i]);
-        snprintf(problem, sizeof problem,
-                 "--output: %s and %s are the same file (a link): one would overwrite the other; remove the link",
-                 shown(paths[0]), shown(paths[1]));
+    struct stat file[5];
+    int exists[5] = {0, 0, 0, 0, 0};
+    for (int i = 0; i < count && !*problem; i++)
+        check_output_file(dir, i, &file[i], &exists[i], problem, sizeof problem);
+    for (int i = 0; i < count && !*problem; i++) {
+        for (int j = i + 1; j < count && !*problem; j++) {
+            if (!exists[i] || !exists[j] || file[i].st_dev != file[j].st_dev || file[i].st_ino != file[j].st_ino)
+                continue;
+            char paths[2][4096];
+            join(paths[0], sizeof paths[0], dir, OUTPUT_NAMES[i]);
+            join(paths[1], sizeof paths[1], dir, OUTPUT_NAMES[j]);
+            snprintf(problem, sizeof problem,
+                     "--output: %s and %s are the same file (a link): one would overwrite the other; remove the link",
+                     shown(paths[0]), shown(paths[1]));
+        }
     }
     if (made) rmdir(dir);
     if (*problem) die(EXIT_USAGE, "%s", problem);
 }
 
-// Q, K, V from dir into host memory, in the validated shape.
-static void load_inputs(const char *dir, const AttnShape *s, __half *host_in[3]) {
+// Q, K, V (and dO with --backward: input_count) from dir into host memory, in the validated shape.
+static void load_inputs(const char *dir, const AttnShape *s, int count, __half *host_in[4]) {
     long long shape[4] = {s->batch, s->heads, s->seqlen, s->headdim};
-    for (int i = 0; i < 3; i++) host_in[i] = (__half *)load_array(dir, INPUT_NAMES[i], NPY_F16, 4, shape, NULL);
+    for (int i = 0; i < count; i++) host_in[i] = (__half *)load_array(dir, INPUT_NAMES[i], NPY_F16, 4, shape, NULL);
 }
 
 // NaN or Inf in an input makes the whole output row undefined: refuse it, saying where.
-static void check_finite(const char *dir, const AttnShape *s, __half *const host_in[3]) {
-    for (int i = 0; i < 3; i++) {
+static void check_finite(const char *dir, const AttnShape *s, int count, __half *const host_in[4]) {
+    for (int i = 0; i < count; i++) {
         size_t bad = 0, first = 0;
         for (size_t e = 0; e < elems_qkv(s); e++) {
             unsigned short bits = *(const unsigned short *)&host_in[i][e];
@@ -802,15 +928,17 @@ static void check_finite(const char *dir, const AttnShape *s, __half *const host
             size_t h = first / ((size_t)s->headdim * s->seqlen) % s->heads;
             size_t b = first / ((size_t)s->headdim * s->seqlen * s->heads);
             die(EXIT_USAGE,
-                "%s/%s holds %zu NaN or Inf value%s, the first at [%zu, %zu, %zu, %zu]: attention "
-                "is undefined on them; replace them (np.nan_to_num) or find where they came from",
-                shown(dir), INPUT_NAMES[i], bad, bad == 1 ? "" : "s", b, h, n, d);
+                "%s/%s holds %zu NaN or Inf value%s, the first at [%zu, %zu, %zu, %zu]: %s "
+                "undefined on them; replace them (np.nan_to_num) or find where they came from",
+                shown(dir), INPUT_NAMES[i], bad, bad == 1 ? "" : "s", b, h, n, d,
+                i < 3 ? "attention is" : "the gradients are");
         }
     }
 }
 
-// OUTPUT_NAMES, in the folder check_output_dir accepted.
-static void write_outputs(const char *dir, const AttnShape *s, const __half *out, const float *lse) {
+// OUTPUT_NAMES, in the folder check_output_dir accepted: O and LSE, and dQ, dK, dV where grad is not NULL.
+static void write_outputs(const char *dir, const AttnShape *s, const __half *out, const float *lse,
+                          __half *const *grad) {
     char path[4096], err[1024];
     if (mkdir(dir, 0755) != 0 && errno != EEXIST) die(EXIT_USAGE, "cannot create %s: %s", shown(dir), strerror(errno));
     long long shape[4] = {s->batch, s->heads, s->seqlen, s->headdim};
@@ -818,55 +946,241 @@ static void write_outputs(const char *dir, const AttnShape *s, const __half *out
     if (npy_save(path, NPY_F16, 4, shape, out, err, sizeof err)) die(EXIT_FAILED, "%s", err);
     join(path, sizeof path, dir, OUTPUT_NAMES[1]);
     if (npy_save(path, NPY_F32, 3, shape, lse, err, sizeof err)) die(EXIT_FAILED, "%s", err);
+    for (int g = 0; grad && g < 3; g++) {
+        join(path, sizeof path, dir, OUTPUT_NAMES[2 + g]);
+        if (npy_save(path, NPY_F16, 4, shape, grad[g], err, sizeof err)) die(EXIT_FAILED, "%s", err);
+    }
 }
 
 // ---------------------------------------------------------------------------
 // Report
 // ---------------------------------------------------------------------------
 
-static void print_plan(const Options *o, size_t workspace) {
+static void print_shape(const Options *o) {
     const AttnShape *s = &o->shape;
-    char a[32], b[32];
     printf("%s: %s\n", chapter.name, chapter.adds);
     printf("  shape     B=%d H=%d N=%d D=%d %s, scale %.6g, fp16 in/out, %s math\n", s->batch, s->heads, s->seqlen,
            s->headdim, s->causal ? "causal" : "non-causal", s->scale, precision_rule(chapter.precision)->math);
+}
+
+static void print_plan(const Options *o, size_t workspace) {
+    const AttnShape *s = &o->shape;
+    char a[32], b[32];
+    print_shape(o);
     printf("  work      %.3g GFLOP, at least %s moved\n", forward_flops(s) / 1e9,
            human_bytes(min_bytes(s), a, sizeof a));
     printf("  memory    inputs+outputs %s, workspace %s\n", human_bytes(min_bytes(s), a, sizeof a),
            human_bytes((double)workspace, b, sizeof b));
 }
 
+// --backward's plan: what runs, its work, every buffer the harness allocates for it, and where the
+// reference gradients are (refs: NULL with --no-check).
+static void print_backward_plan(const Options *o, size_t workspace, size_t grad_workspace, const DataPaths *refs) {
+    const AttnShape *s = &o->shape;
+    char a[32], b[32], c[32], d[32];
+    print_shape(o);
+    printf("  backward  dQ, dK, dV from dO, Q, K, V and the chapter's forward's O and LSE (run first, untimed)\n");
+    printf("  work      %.3g GFLOP (2.5x the forward's %.3g), at least %s moved\n", backward_flops(s) / 1e9,
+           forward_flops(s) / 1e9, human_bytes(backward_bytes(s), a, sizeof a));
+    printf("  memory    tensors %s (Q, K, V, O, LSE, dO, dQ, dK, dV), %s in all with the workspaces\n",
+           human_bytes(backward_bytes(s), a, sizeof a),
+           human_bytes(backward_bytes(s) + (double)workspace + (double)grad_workspace, b, sizeof b));
+    printf("  workspace forward %s, backward %s\n", human_bytes((double)workspace, c, sizeof c),
+           human_bytes((double)grad_workspace, d, sizeof d));
+    if (refs)
+        printf("  reference %s (common/reference.py backward: dO and the float64 gradients)\n", shown(refs->ref_dir));
+}
+
+// The forward's check, on one line headed `label`.
+static void print_check(const char *label, const CheckResult *check, const AttnShape *s, const char *status) {
+    const PrecisionRule *rule = precision_rule(chapter.precision);
+    printf("  %-10s", label);
+    if (rule->floor_factor > 0)
+        printf(
+            "rel_l2 %.2e = %.2fx the e4m3 input floor %.2e (tol %.2e)  max_abs %.2e  "
+            "lse_max_abs %.2e (floor %.2e, tol %.2e)  rows %lld of %d per head%s  %s\n",
+            check->rel_l2, check->floor > 0 ? check->rel_l2 / check->floor : 0.0, check->floor, check->rel_l2_tol,
+            check->max_abs, check->lse_err, check->lse_floor, check->lse_tol, check->rows_checked, s->seqlen,
+            check->unwritten ? "  UNWRITTEN OUTPUTS" : "", status);
+    else
+        printf(
+            "rel_l2 %.2e (tol %.0e)  max_abs %.2e  lse_max_abs %.2e (tol %.0e)  "
+            "rows %lld of %d per head%s  %s\n",
+            check->rel_l2, check->rel_l2_tol, check->max_abs, check->lse_err, check->lse_tol, check->rows_checked,
+            s->seqlen, check->unwritten ? "  UNWRITTEN OUTPUTS" : "", status);
+}
+
+static void print_output_paths(const Options *o) {
+    printf("  output    ");
+    for (int i = 0; i < output_count(o); i++) {
+        char path[4096];
+        join(path, sizeof path, o->output_dir, OUTPUT_NAMES[i]);
+        printf("%s%s", i ? ", " : "", shown(path));
+    }
+    printf("\n");
+}
+
+// The name of the EXERCISE_TODO a student copy's kernel reached in the run just synchronised: fail on it.
+static void require_no_todo(void) {
+    const char *todo = exercise_todo();
+    if (todo) die(EXIT_FAILED, "TODO: exercise %s is not written yet (its EXERCISE_TODO stub ran)", todo);
+}
+
+// What failed a checked --backward run, in words, into why (empty when it passed).
+static void backward_failures(const CheckResult *forward, const GradCheck *check, char *why, size_t len) {
+    size_t n = 0;
+    *why = 0;
+    if (!forward->passed)
+        n +=
+            snprintf(why + n, len - n,
+                     "%sthe forward's O or LSE failed its check (the gradients are computed from them)", n ? "; " : "");
+    for (int g = 0; g < 3 && n < len; g++) {
+        if (check->unwritten[g])
+            n += snprintf(why + n, len - n, "%s%s has %zu NaN or Inf elements (unwritten, or not finite)",
+                          n ? "; " : "", GRAD_NAMES[g], check->unwritten[g]);
+        else if (!(check->rel_l2[g] <= BACKWARD_REL_L2_TOL))
+            n += snprintf(why + n, len - n, "%s%s rel_l2 %.2e above %.0e", n ? "; " : "", GRAD_NAMES[g],
+                          check->rel_l2[g], BACKWARD_REL_L2_TOL);
+    }
+}
+
+// --backward, once the chapter's forward has made O and LSE (args): the backward's buffers, its checked
+// run (dQ, dK, dV poisoned with NaN first), the check of the forward and of the gradients, --output, the
+// timing of the backward alone and the report. d_o: dO on the device; workspace: the forward's.
+static int run_backward(const Options *o, const DataPaths *paths, const AttnArgs *args, const __half *d_o,
+                        size_t workspace, size_t grad_workspace, cudaStream_t stream, const cudaDeviceProp *prop) {
+    const AttnShape *s = &o->shape;
+    const size_t in_bytes = elems_qkv(s) * sizeof(__half), lse_bytes = elems_lse(s) * sizeof(float);
+    BackwardArgs grad = {*s, args->q, args->k, args->v, args->o, args->lse, d_o, NULL, NULL, NULL, NULL};
+    __half **dev_grad[3] = {&grad.dq, &grad.dk, &grad.dv};
+    for (int g = 0; g < 3; g++) {
+        CUDA_CHECK(cudaMalloc(dev_grad[g], in_bytes));
+        CUDA_CHECK(cudaMemsetAsync(*dev_grad[g], 0xFF, in_bytes, stream));  // NaN: what is left unwritten shows
+    }
+    if (grad_workspace) CUDA_CHECK(cudaMalloc(&grad.workspace, grad_workspace));
+    run_pass(args, &grad, stream, PART_BACKWARD);
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    require_no_todo();
+    // Every buffer the harness allocated: Q, K, V, O, dO, dQ, dK, dV, LSE and both workspaces.
+    const size_t device_bytes = 8 * in_bytes + lse_bytes + workspace + grad_workspace;
+
+    __half *host_o = (__half *)malloc(in_bytes), *host_grad[3];
+    float *host_lse = (float *)malloc(lse_bytes);
+    if (!host_o || !host_lse) die(EXIT_FAILED, "out of host memory");
+    CUDA_CHECK(cudaMemcpy(host_o, args->o, in_bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(host_lse, args->lse, lse_bytes, cudaMemcpyDeviceToHost));
+    for (int g = 0; g < 3; g++) {
+        if (!(host_grad[g] = (__half *)malloc(in_bytes))) die(EXIT_FAILED, "out of host memory");
+        CUDA_CHECK(cudaMemcpy(host_grad[g], *dev_grad[g], in_bytes, cudaMemcpyDeviceToHost));
+    }
+    CheckResult forward;
+    GradCheck check;
+    memset(&forward, 0, sizeof forward);
+    memset(&check, 0, sizeof check);
+    if (o->check) {
+        forward = check_outputs(o, paths, host_o, host_lse);
+        check = check_grads(o, paths, host_grad);
+    }
+    if (o->output_dir) write_outputs(o->output_dir, s, host_o, host_lse, host_grad);
+
+    int kernels = kernels_per_pass(args, &grad, stream, PART_BACKWARD);
+    float ms = time_pass(o, args, &grad, stream, PART_BACKWARD);
+    double tflops = backward_flops(s) / (ms * 1e-3) / 1e12;
+    const int passed = forward.passed && check.passed;
+    const char *status = !o->check ? "unchecked" : passed ? "PASS" : "FAIL";
+    char why[1024] = "";
+    if (o->check) backward_failures(&forward, &check, why, sizeof why);
+
+    if (o->csv) {
+        printf("%s,%d,%d,%d,%d,%d,fp16,%.4f,%.2f,", chapter.name, s->batch, s->heads, s->seqlen, s->headdim, s->causal,
+               ms, tflops);
+        if (o->check) printf("%.3e,%s,%.3e,,", check.worst_rel_l2, status, check.worst_max_abs);  // no lse_err
+        else printf(",%s,,,", status);
+        printf("%d,%zu,,,,%zu,", kernels, grad_workspace, device_bytes);  // no prepare_ms, attend_ms, rel_l2_floor
+        if (o->check) printf("%.3e,%.3e,%.3e\n", check.rel_l2[0], check.rel_l2[1], check.rel_l2[2]);
+        else printf(",,\n");
+        if (*why) fprintf(stderr, "%s: FAIL: %s\n", chapter.name, why);
+    } else {
+        print_backward_plan(o, workspace, grad_workspace, o->check ? paths : NULL);
+        printf("  gpu       %s (sm_%d%d), %d kernel%s per backward\n", prop->name, prop->major, prop->minor, kernels,
+               kernels == 1 ? "" : "s");
+        if (o->check) {
+            print_check("forward", &forward, s, forward.passed ? "PASS" : "FAIL");
+            for (int g = 0; g < 3; g++)
+                printf("  check %s  rel_l2 %.2e (tol %.0e)  max_abs %.2e  rows %lld of %d per head%s\n", GRAD_NAMES[g],
+                       check.rel_l2[g], BACKWARD_REL_L2_TOL, check.max_abs[g], check.rows_checked[g], s->seqlen,
+                       check.unwritten[g] ? "  UNWRITTEN OUTPUTS" : "");
+            if (passed)
+                printf("  check     PASS: dQ, dK and dV each within rel L2 %.0e, the forward within its tolerance\n",
+                       BACKWARD_REL_L2_TOL);
+            else printf("  check     FAIL: %s\n", why);
+        }
+        printf(
+            "  time      %.4f ms the backward alone (median of %d, %d warm-up)  %.2f TFLOP/s (2.5x the forward's "
+            "FLOPs)  %.0f GB/s of the minimum traffic\n",
+            ms, o->iters, o->warmup, tflops, backward_bytes(s) / (ms * 1e-3) / 1e9);
+        printf("  device    %.1f MB allocated: Q, K, V, O, LSE, dO, dQ, dK, dV and the workspaces\n",
+               device_bytes / 1e6);
+        if (o->output_dir) print_output_paths(o);
+    }
+    for (int g = 0; g < 3; g++) {
+        CUDA_CHECK(cudaFree(*dev_grad[g]));
+        free(host_grad[g]);
+    }
+    if (grad.workspace) CUDA_CHECK(cudaFree(grad.workspace));
+    free(host_o);
+    free(host_lse);
+    return (!o->check || passed) ? EXIT_PASS : EXIT_FAILED;
+}
+
 int main(int argc, char **argv) {
     Options o = parse_args(argc, argv);
-    if (o.output_dir) check_output_dir(o.output_dir);
+    // Said before anything about the inputs or the output folder: fixing those would not make it run.
+    if (o.backward && !chapter.backward)
+        die(EXIT_USAGE,
+            "this chapter has no backward pass (--backward): drop it, or run it on a chapter that registers one");
+    if (o.backward && !chapter.backward->backward)
+        die(EXIT_FAILED, "the chapter's Backward has no backward function: name its launcher there");
+    if (o.output_dir) check_output_dir(o.output_dir, output_count(&o));
     if (o.input_dir) shape_from_input(&o);
     validate_shape(&o.shape);
     if (!o.scale_given) o.shape.scale = 1.0f / sqrtf((float)o.shape.headdim);
     const AttnShape *s = &o.shape;
+    const int inputs = input_count(&o);
     // --input files are read once, here, and checked before any GPU work.
-    __half *host_in[3] = {NULL, NULL, NULL};
+    __half *host_in[4] = {NULL, NULL, NULL, NULL};
     if (o.input_dir) {
-        load_inputs(o.input_dir, s, host_in);
-        check_finite(o.input_dir, s, host_in);
+        load_inputs(o.input_dir, s, inputs, host_in);
+        check_finite(o.input_dir, s, inputs, host_in);
     }
     size_t workspace = chapter.workspace_bytes ? chapter.workspace_bytes(s) : 0;
+    size_t grad_workspace = o.backward && chapter.backward->workspace_bytes ? chapter.backward->workspace_bytes(s) : 0;
     if (o.dry_run) {
-        print_plan(&o, workspace);
-        for (int i = 0; i < 3; i++) free(host_in[i]);
+        if (o.backward) {
+            DataPaths paths = data_paths(&o);
+            print_backward_plan(&o, workspace, grad_workspace, o.check ? &paths : NULL);
+        } else {
+            print_plan(&o, workspace);
+        }
+        for (int i = 0; i < inputs; i++) free(host_in[i]);
         return EXIT_PASS;
     }
 
     cudaDeviceProp prop;
     require_gpu(&prop);
-    require_memory(s, workspace);
+    if (o.backward)
+        require_memory(backward_bytes(s) + (double)workspace + (double)grad_workspace, workspace + grad_workspace, "");
+    else
+        require_memory(min_bytes(s) + (double)workspace, workspace,
+                       workspace ? " (the fused chapters, 04 on, need no N^2 scratch)" : "");
     DataPaths paths = data_paths(&o);
     prepare_data(&o, &paths);
 
     // Host inputs (generated ones are read now), then device buffers (the harness owns every allocation).
-    if (!o.input_dir) load_inputs(paths.data_dir, s, host_in);
-    __half *dev_in[3];
+    if (!o.input_dir) load_inputs(paths.data_dir, s, inputs, host_in);
+    __half *dev_in[4] = {NULL, NULL, NULL, NULL};
     size_t in_bytes = elems_qkv(s) * sizeof(__half), lse_bytes = elems_lse(s) * sizeof(float);
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < inputs; i++) {
         CUDA_CHECK(cudaMalloc(&dev_in[i], in_bytes));
         CUDA_CHECK(cudaMemcpy(dev_in[i], host_in[i], in_bytes, cudaMemcpyHostToDevice));
         free(host_in[i]);
@@ -881,80 +1195,69 @@ int main(int argc, char **argv) {
     // One checked run: poison every output element with NaN first (0xFF bytes).
     CUDA_CHECK(cudaMemsetAsync(args.o, 0xFF, in_bytes, stream));
     CUDA_CHECK(cudaMemsetAsync(args.lse, 0xFF, lse_bytes, stream));
-    run_forward(&args, stream, PART_WHOLE);
+    run_pass(&args, NULL, stream, PART_WHOLE);
     CUDA_CHECK(cudaStreamSynchronize(stream));
-    const char *todo = exercise_todo();  // a student copy whose kernel reached an unwritten part
-    if (todo) die(EXIT_FAILED, "TODO: exercise %s is not written yet (its EXERCISE_TODO stub ran)", todo);
-    // The device memory the chapter needs: every buffer the harness allocated for it. (Counted, not
-    // read from cudaMemGetInfo, which sees every process on the GPU.)
-    size_t device_bytes = 4 * in_bytes + lse_bytes + workspace;
-    __half *host_o = (__half *)malloc(in_bytes);
-    float *host_lse = (float *)malloc(lse_bytes);
-    if (!host_o || !host_lse) die(EXIT_FAILED, "out of host memory");
-    CUDA_CHECK(cudaMemcpy(host_o, args.o, in_bytes, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(host_lse, args.lse, lse_bytes, cudaMemcpyDeviceToHost));
-    CheckResult check;
-    memset(&check, 0, sizeof check);
-    if (o.check) check = check_outputs(&o, &paths, host_o, host_lse);
-    if (o.output_dir) write_outputs(o.output_dir, s, host_o, host_lse);
-
-    int kernels = kernels_per_forward(&args, stream);
-    float ms = time_forward(&o, &args, stream, PART_WHOLE);
-    // A chapter that prepares its inputs (08: quantisation) has each part timed on its own too.
-    float prepare_ms = 0, attend_ms = 0;
-    if (chapter.prepare) {
-        prepare_ms = time_forward(&o, &args, stream, PART_PREPARE);
-        attend_ms = time_forward(&o, &args, stream, PART_ATTEND);
-    }
-    double tflops = forward_flops(s) / (ms * 1e-3) / 1e12;
-    const char *status = !o.check ? "unchecked" : check.passed ? "PASS" : "FAIL";
-    const PrecisionRule *rule = precision_rule(chapter.precision);
-
-    if (o.csv) {
-        printf("%s,%d,%d,%d,%d,%d,%s,%.4f,%.2f,", chapter.name, s->batch, s->heads, s->seqlen, s->headdim, s->causal,
-               rule->dtype, ms, tflops);
-        if (o.check) printf("%.3e,%s,%.3e,%.3e,", check.rel_l2, status, check.max_abs, check.lse_err);
-        else printf(",%s,,,", status);
-        printf("%d,%zu,", kernels, workspace);
-        if (chapter.prepare) printf("%.4f,%.4f,", prepare_ms, attend_ms);
-        else printf(",,");
-        if (o.check && rule->floor_factor > 0) printf("%.3e", check.floor);
-        printf(",%zu\n", device_bytes);
+    require_no_todo();  // a student copy whose kernel reached an unwritten part
+    int code = EXIT_PASS;
+    if (o.backward) {
+        code = run_backward(&o, &paths, &args, dev_in[3], workspace, grad_workspace, stream, &prop);
     } else {
-        print_plan(&o, workspace);
-        printf("  gpu       %s (sm_%d%d), %d kernel%s per forward\n", prop.name, prop.major, prop.minor, kernels,
-               kernels == 1 ? "" : "s");
-        if (o.check && rule->floor_factor > 0)
-            printf(
-                "  check     rel_l2 %.2e = %.2fx the e4m3 input floor %.2e (tol %.2e)  max_abs %.2e  "
-                "lse_max_abs %.2e (floor %.2e, tol %.2e)  rows %lld of %d per head%s  %s\n",
-                check.rel_l2, check.floor > 0 ? check.rel_l2 / check.floor : 0.0, check.floor, check.rel_l2_tol,
-                check.max_abs, check.lse_err, check.lse_floor, check.lse_tol, check.rows_checked, s->seqlen,
-                check.unwritten ? "  UNWRITTEN OUTPUTS" : "", status);
-        else if (o.check)
-            printf(
-                "  check     rel_l2 %.2e (tol %.0e)  max_abs %.2e  lse_max_abs %.2e (tol %.0e)  "
-                "rows %lld of %d per head%s  %s\n",
-                check.rel_l2, check.rel_l2_tol, check.max_abs, check.lse_err, check.lse_tol, check.rows_checked,
-                s->seqlen, check.unwritten ? "  UNWRITTEN OUTPUTS" : "", status);
-        printf("  time      %.4f ms (median of %d, %d warm-up)  %.2f TFLOP/s  %.0f GB/s of the minimum traffic\n", ms,
-               o.iters, o.warmup, tflops, min_bytes(s) / (ms * 1e-3) / 1e9);
-        if (chapter.prepare)
-            printf("  parts     prepare %.4f ms (%.0f%% of the forward), attention alone %.4f ms = %.2f TFLOP/s\n",
-                   prepare_ms, 100.0 * prepare_ms / ms, attend_ms, forward_flops(s) / (attend_ms * 1e-3) / 1e12);
-        printf("  device    %.1f MB allocated: Q, K, V, O, LSE and the workspace\n", device_bytes / 1e6);
-        if (o.output_dir) {
-            char path[2][4096];
-            for (int i = 0; i < 2; i++) join(path[i], sizeof path[i], o.output_dir, OUTPUT_NAMES[i]);
-            printf("  output    %s, %s\n", shown(path[0]), shown(path[1]));
+        // The device memory the chapter needs: every buffer the harness allocated for it. (Counted, not
+        // read from cudaMemGetInfo, which sees every process on the GPU.)
+        size_t device_bytes = 4 * in_bytes + lse_bytes + workspace;
+        __half *host_o = (__half *)malloc(in_bytes);
+        float *host_lse = (float *)malloc(lse_bytes);
+        if (!host_o || !host_lse) die(EXIT_FAILED, "out of host memory");
+        CUDA_CHECK(cudaMemcpy(host_o, args.o, in_bytes, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(host_lse, args.lse, lse_bytes, cudaMemcpyDeviceToHost));
+        CheckResult check;
+        memset(&check, 0, sizeof check);
+        if (o.check) check = check_outputs(&o, &paths, host_o, host_lse);
+        if (o.output_dir) write_outputs(o.output_dir, s, host_o, host_lse, NULL);
+
+        int kernels = kernels_per_pass(&args, NULL, stream, PART_WHOLE);
+        float ms = time_pass(&o, &args, NULL, stream, PART_WHOLE);
+        // A chapter that prepares its inputs (08: quantisation) has each part timed on its own too.
+        float prepare_ms = 0, attend_ms = 0;
+        if (chapter.prepare) {
+            prepare_ms = time_pass(&o, &args, NULL, stream, PART_PREPARE);
+            attend_ms = time_pass(&o, &args, NULL, stream, PART_ATTEND);
         }
+        double tflops = forward_flops(s) / (ms * 1e-3) / 1e12;
+        const char *status = !o.check ? "unchecked" : check.passed ? "PASS" : "FAIL";
+        const PrecisionRule *rule = precision_rule(chapter.precision);
+
+        if (o.csv) {
+            printf("%s,%d,%d,%d,%d,%d,%s,%.4f,%.2f,", chapter.name, s->batch, s->heads, s->seqlen, s->headdim,
+                   s->causal, rule->dtype, ms, tflops);
+            if (o.check) printf("%.3e,%s,%.3e,%.3e,", check.rel_l2, status, check.max_abs, check.lse_err);
+            else printf(",%s,,,", status);
+            printf("%d,%zu,", kernels, workspace);
+            if (chapter.prepare) printf("%.4f,%.4f,", prepare_ms, attend_ms);
+            else printf(",,");
+            if (o.check && rule->floor_factor > 0) printf("%.3e", check.floor);
+            printf(",%zu,,,\n", device_bytes);  // dq_rel_l2, dk_rel_l2, dv_rel_l2: the backward's
+        } else {
+            print_plan(&o, workspace);
+            printf("  gpu       %s (sm_%d%d), %d kernel%s per forward\n", prop.name, prop.major, prop.minor, kernels,
+                   kernels == 1 ? "" : "s");
+            if (o.check) print_check("check", &check, s, status);
+            printf("  time      %.4f ms (median of %d, %d warm-up)  %.2f TFLOP/s  %.0f GB/s of the minimum traffic\n",
+                   ms, o.iters, o.warmup, tflops, min_bytes(s) / (ms * 1e-3) / 1e9);
+            if (chapter.prepare)
+                printf("  parts     prepare %.4f ms (%.0f%% of the forward), attention alone %.4f ms = %.2f TFLOP/s\n",
+                       prepare_ms, 100.0 * prepare_ms / ms, attend_ms, forward_flops(s) / (attend_ms * 1e-3) / 1e12);
+            printf("  device    %.1f MB allocated: Q, K, V, O, LSE and the workspace\n", device_bytes / 1e6);
+            if (o.output_dir) print_output_paths(&o);
+        }
+        free(host_o);
+        free(host_lse);
+        code = (!o.check || check.passed) ? EXIT_PASS : EXIT_FAILED;
     }
-    for (int i = 0; i < 3; i++) CUDA_CHECK(cudaFree(dev_in[i]));
+    for (int i = 0; i < inputs; i++) CUDA_CHECK(cudaFree(dev_in[i]));
     CUDA_CHECK(cudaFree(args.o));
     CUDA_CHECK(cudaFree(args.lse));
     if (args.workspace) CUDA_CHECK(cudaFree(args.workspace));
     CUDA_CHECK(cudaStreamDestroy(stream));
-    free(host_o);
-    free(host_lse);
-    return (!o.check || check.passed) ? EXIT_PASS : EXIT_FAILED;
+    return code;
 }

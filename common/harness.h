@@ -2,7 +2,8 @@
 //
 // A chapter's attention.cu includes this header and defines one `Chapter`
 // named `chapter`: its name, the idea it adds, its precision, the oldest GPU it
-// runs on, how much scratch memory a shape needs, and the forward launcher.
+// runs on, how much scratch memory a shape needs, the forward launcher, and for
+// a chapter with one, its backward pass.
 // The harness owns everything else: CLI, inputs, device memory, checking
 // against the NumPy reference, timing and the report.
 #pragma once
@@ -28,6 +29,18 @@ typedef struct {
     void *workspace;          // chapter.workspace_bytes(shape) bytes, NULL when 0
 } AttnArgs;
 
+// What a backward pass gets (Chapter.backward, below): the forward's inputs and its output O and
+// LSE (the chapter's own forward computed them, on these inputs), dO, and where dQ, dK, dV go.
+typedef struct {
+    AttnShape shape;
+    const __half *q, *k, *v;  // [B, H, N, D], contiguous, D fastest (as the forward's)
+    const __half *o;          // the forward's output, [B, H, N, D]
+    const float *lse;         // the forward's LSE, [B, H, N], natural log
+    const __half *d_o;        // dO, the gradient of the loss with respect to O, [B, H, N, D]
+    __half *dq, *dk, *dv;     // [B, H, N, D]: every element written by every call
+    void *workspace;          // chapter.backward->workspace_bytes(shape) bytes, NULL when 0
+} BackwardArgs;
+
 // Internal precision of a chapter: selects its tolerances and how the check reads them
 // (common/harness.cu, precision_rule).
 typedef enum { PRECISION_FP32 = 0, PRECISION_FP16_TC = 1, PRECISION_FP8_TC = 2 } Precision;
@@ -49,6 +62,8 @@ typedef struct {
     // FP8 chapters: how they quantise (below), so that the check's floor quantises as they do.
     // NULL for every other chapter.
     const struct Fp8Scaling *fp8 = NULL;
+    // A chapter with a backward pass (below; `--backward` runs it): NULL for every other chapter.
+    const struct Backward *backward = NULL;
 } Chapter;
 
 // How an FP8 chapter quantises Q, K and V to e4m3, by head dim. The check's floor (common/
@@ -59,6 +74,20 @@ struct Fp8Scaling {
     int (*qk_range)(int headdim);               // the largest |e4m3| Q and K are scaled to (V's: 448)
 };
 
+// A chapter's backward pass: dQ, dK, dV of L = sum(O * dO) (common/reference.py backward). `--backward`
+// runs the chapter's forward once for O and LSE (untimed), then this, checked and timed alone (CUDA
+// events, the median of --iters, after --warmup runs) on the same buffers each time. So each call must
+// compute dQ, dK and dV from nothing: it writes every element of them, and zeroes on `stream`, as part
+// of the call, anything it accumulates into (dQ partial sums in the workspace, say), since the harness
+// clears neither the workspace nor dQ, dK, dV between calls (before the checked call they are NaN).
+struct Backward {
+    // Device scratch the backward needs (the harness allocates it; chapters never allocate). NULL: none.
+    size_t (*workspace_bytes)(const AttnShape *shape);
+    // Enqueue one backward pass on `stream` alone (no other stream, no synchronisation: it is captured
+    // into a graph to count its kernels); return the first CUDA error met.
+    cudaError_t (*backward)(const BackwardArgs *args, cudaStream_t stream);
+};
+
 extern const Chapter chapter;
 
 // A chapter's launcher instantiated for each head dimension (kernels that take it as a
@@ -67,6 +96,18 @@ typedef cudaError_t (*Launcher)(const AttnArgs *args, cudaStream_t stream);
 
 static inline cudaError_t launch_for_head_dim(const AttnArgs *args, cudaStream_t stream, Launcher for_64,
                                               Launcher for_128) {
+    switch (args->shape.headdim) {
+    case 64: return for_64(args, stream);
+    case 128: return for_128(args, stream);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+// The same for a backward pass's launcher.
+typedef cudaError_t (*BackwardLauncher)(const BackwardArgs *args, cudaStream_t stream);
+
+static inline cudaError_t backward_for_head_dim(const BackwardArgs *args, cudaStream_t stream, BackwardLauncher for_64,
+                                                BackwardLauncher for_128) {
     switch (args->shape.headdim) {
     case 64: return for_64(args, stream);
     case 128: return for_128(args, stream);

@@ -16,9 +16,11 @@ CSV_FIELDS = ("impl", "batch", "heads", "seqlen", "headdim", "causal", "dtype",
               "ms", "tflops", "rel_l2", "status", "device_bytes")
 OPTIONAL_FIELDS = ("device_bytes",)  # may be absent from an older CSV, or empty in a row
 # A binary's --csv row (common/harness.cu): the result row's first fields, then these.
+# The last three are the backward's (--backward: each gradient's rel L2; empty in a forward's row).
 HARNESS_FIELDS = CSV_FIELDS[:-1] + ("max_abs", "lse_err", "kernels", "workspace_bytes", "prepare_ms", "attend_ms",
-                                    "rel_l2_floor", "device_bytes")
-HARNESS_NUMBERS = ("max_abs", "lse_err", "prepare_ms", "attend_ms", "rel_l2_floor")  # floats, None when empty
+                                    "rel_l2_floor", "device_bytes", "dq_rel_l2", "dk_rel_l2", "dv_rel_l2")
+HARNESS_NUMBERS = ("max_abs", "lse_err", "prepare_ms", "attend_ms", "rel_l2_floor",  # floats, None when empty
+                   "dq_rel_l2", "dk_rel_l2", "dv_rel_l2")
 INT_FIELDS = ("batch", "heads", "seqlen", "headdim", "causal")
 FLOAT_FIELDS = ("ms", "tflops", "rel_l2")
 KEY_FIELDS = ("impl", "dtype", "batch", "heads", "seqlen", "headdim", "causal")

@@ -37,7 +37,7 @@ DRY_RUN_SHAPES = {  # (B, H, N, D)
     "fused": [(1, 16, 65536, 128), (1, 16, 65536, 64), (2, 3, 100, 64)],
 }
 OPTIONS = ["--batch", "--heads", "--seqlen", "--headdim", "--causal", "--seed", "--warmup", "--iters",
-           "--no-check", "--input", "--output", "--csv", "--dry-run", "--help"]
+           "--no-check", "--input", "--output", "--backward", "--csv", "--dry-run", "--help"]
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 AT_LEAST_1 = r"(between 1 |>= ?1\b|at least 1\b|positive)"
 
