@@ -19,7 +19,7 @@ import unittest
 import numpy as np
 
 from claims import nvcc, strip_comments
-from test_cpu_cli import AT_LEAST_1, CAST_TO_FP16, human_bytes, output_with, run_binary, write_qkv
+from test_cpu_cli import AT_LEAST_1, CAST_TO_FP16, assert_refused, human_bytes, output_with, run_binary, write_qkv
 
 PARALLEL = 2
 STUB = "backward_stub"
@@ -105,27 +105,6 @@ def fnv1a(paths):
         for byte in path.read_bytes():
             h = ((h ^ byte) * 1099511628211) & (2 ** 64 - 1)
     return f"{h:016x}"
-
-
-def assert_refused(ctx, binary, name, args, patterns, unwanted, tmp):
-    """Exit 2 before any GPU work, one line on stderr matching every pattern and not `unwanted`,
-    nothing on stdout, nothing prepared in FA_CACHE."""
-    cache = tmp / "cache"
-    args = [str(a) for a in args]
-    proc = run_binary(ctx, binary, args, cache)
-    shown = f"{name} {' '.join(map(repr, args))}"
-    message = proc.stderr.strip()
-    assert proc.returncode == 2, (f"{shown}: expected exit 2 (refused before any GPU work), got {proc.returncode}; "
-                                  f"stdout {proc.stdout.strip()!r} stderr {message!r}")
-    missing = [p for p in (p(tmp) if callable(p) else p for p in patterns)
-               if not re.search(p, message, re.IGNORECASE)]
-    assert not missing, f"{shown}: the message {message!r} does not match {missing}"
-    assert len(message.splitlines()) == 1, f"{shown}: expected a one-line message, got {message!r}"
-    assert not unwanted or not re.search(unwanted, message, re.IGNORECASE), (
-        f"{shown}: the message {message!r} should not match {unwanted!r}")
-    assert not proc.stdout.strip(), f"{shown}: refusal printed on stdout: {proc.stdout.strip()!r}"
-    assert not cache.exists() or not any(cache.iterdir()), (
-        f"{shown}: refused, but only after preparing data in FA_CACHE: {sorted(p.name for p in cache.iterdir())}")
 
 
 # --- chapters without a backward: refused, and in which order --------------------------------------

@@ -271,33 +271,36 @@ def run_binary(ctx, binary, args, cache):
     return ctx.run([binary, *args], env={**NO_GPU, "FA_CACHE": cache}, timeout=60)
 
 
+def assert_refused(ctx, binary, name, args, patterns, unwanted, tmp):
+    """Exit 2 before any GPU work, one line on stderr matching every pattern (a regex, or a
+    function of tmp giving one) and not `unwanted`, nothing on stdout, nothing prepared in
+    FA_CACHE."""
+    cache = tmp / "cache"
+    args = [str(a) for a in args]
+    proc = run_binary(ctx, binary, args, cache)
+    shown = f"{name} {' '.join(map(repr, args))}"
+    message = proc.stderr.strip()
+    assert proc.returncode == 2, (
+        f"{shown}: expected exit 2 (bad usage/input, refused before any GPU work), got "
+        f"{proc.returncode}; stdout {proc.stdout.strip()!r} stderr {message!r}")
+    assert message, f"{shown}: exit 2 but no message on stderr"
+    missing = [p for p in (p(tmp) if callable(p) else p for p in patterns)
+               if not re.search(p, message, re.IGNORECASE)]
+    assert not missing, f"{shown}: the message {message!r} does not match {missing}"
+    assert len(message.splitlines()) == 1, f"{shown}: expected a one-line message, got {message!r}"
+    assert not unwanted or not re.search(unwanted, message, re.IGNORECASE), (
+        f"{shown}: the message {message!r} should not match {unwanted!r}")
+    assert not proc.stdout.strip(), f"{shown}: refusal printed on stdout: {proc.stdout.strip()!r}"
+    assert not cache.exists() or not any(cache.iterdir()), (
+        f"{shown}: refused, but only after preparing data in FA_CACHE: {sorted(p.name for p in cache.iterdir())}")
+
+
 def bad_input_case(chapter, label, make_args, patterns, unwanted=None):
     """Exit 2 before any GPU work, with a one-line message matching every pattern (and not
     `unwanted`, a regex of what the message must not say)."""
     def case(ctx):
-        binary = ctx.require_binary(chapter)
         tmp = ctx.tmpdir()
-        cache = tmp / "cache"
-        args = [str(a) for a in make_args(tmp)]
-        proc = run_binary(ctx, binary, args, cache)
-        shown = f"{chapter} {' '.join(map(repr, args))}"
-        assert proc.returncode == 2, (
-            f"{shown}: expected exit 2 (bad usage/input, refused before any GPU work), got "
-            f"{proc.returncode}; stdout {proc.stdout.strip()!r} stderr {proc.stderr.strip()!r}")
-        message = proc.stderr.strip()
-        assert message, f"{shown}: exit 2 but no message on stderr"
-        missing = []
-        for pattern in patterns:
-            pattern = pattern(tmp) if callable(pattern) else pattern
-            if not re.search(pattern, message, re.IGNORECASE):
-                missing.append(pattern)
-        assert not missing, f"{shown}: the message {message!r} does not match {missing}"
-        assert len(message.splitlines()) == 1, f"{shown}: expected a one-line message, got {message!r}"
-        assert not unwanted or not re.search(unwanted, message, re.IGNORECASE), (
-            f"{shown}: the message {message!r} should not match {unwanted!r}")
-        assert not proc.stdout.strip(), f"{shown}: refusal printed on stdout: {proc.stdout.strip()!r}"
-        assert not cache.exists() or not any(cache.iterdir()), (
-            f"{shown}: refused, but only after preparing data in FA_CACHE: {sorted(p.name for p in cache.iterdir())}")
+        assert_refused(ctx, ctx.require_binary(chapter), chapter, make_args(tmp), patterns, unwanted, tmp)
     return case
 
 
