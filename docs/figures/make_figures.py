@@ -2032,7 +2032,7 @@ def swizzle_128b_08(ctx):
 
 # --- 14. 08's mbarrier ring ---------------------------------------------------------------------------
 
-MB_COPY, MB_ISSUE = 1.5, 0.12  # schematic: a copy takes 1.5 tile computes, an issue 0.12 (for the drawing only)
+MB_COPY, MB_ISSUE = 1.5, 0.12  # schematic: a copy takes 1.5 tile computes, issuing a product 0.12 (for the drawing only)
 PARITY_COLORS = ["#c6dbef", "#c7e9c0"]  # a wait on parity 0, on parity 1
 
 
