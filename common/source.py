@@ -1,4 +1,4 @@
-"""A chapter's source as one of its builds compiles it: the switches it defaults to 1 (or that a
+"""A chapter's source as one of its builds compiles it: the switches it defaults to 1 or 0 (or that a
 step turns on) and the text with the branches they leave out removed. What `make diff` shows
 and what tests read a chapter's constants from. Plain Python, no NumPy."""
 import re
@@ -8,10 +8,10 @@ STEP_IF = re.compile(r"#if\s+STEP\s*(==|>=)\s*(\d+)\s*(?://.*)?$")
 
 
 def switches_of(text, step=None):
-    """{switch: value} for the switches a source defaults to 1 (`#ifndef NAME` / `#define NAME 1`)
+    """{switch: value} for the switches a source defaults to 1 or 0 (`#ifndef NAME` / `#define NAME 1`)
     and, in a chapter built in steps, those a step turns on (`#define NAME (STEP >= k)`), at `step`
     (None: the default, the last step)."""
-    values = {name: 1 for name in re.findall(r"#ifndef (\w+)\n#define \1 1\b", text)}
+    values = {name: int(v) for name, v in re.findall(r"#ifndef (\w+)\n#define \1 ([01])\b", text)}
     steps = re.findall(r"#ifndef (\w+)\n#define \1 \(STEP >= (\d+)\)", text)
     default = re.search(r"#ifndef STEP\n#define STEP (\d+)", text)
     if steps and default:
