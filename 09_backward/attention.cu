@@ -1,0 +1,989 @@
+// 09_backward: the backward pass, FlashAttention-2's, on 07's datapath (mma.sync m16n8k16,
+// ldmatrix, a cp.async ring, operands repacked in registers). The forward is 07's, copied.
+//
+// Backward, three kernels: (1) D = rowsum(dO * O) per query row into the workspace (and the fp32
+// dQ accumulator zeroed); (2) one block per (64-key tile, b*h), K and V in shared memory for the
+// whole loop, Q, dO, LSE and D streamed through a cp.async ring, one tile of 64 queries at a
+// time; warp w owns keys 16w..16w+15 and their dK, dV accumulators (registers). It recomputes
+// S^T = K Q^T and P^T = exp(S^T * scale - LSE), then dV += P^T dO, dP^T = V dO^T,
+// dS^T = P^T * (dP^T - D), dK += dS^T Q, and adds dQ += dS K into the fp32 workspace (atomics);
+// (3) dQ to fp16. DETERMINISTIC_DQ=1 replaces the atomics and (3) by a kernel over query tiles.
+#include <cuda_pipeline_primitives.h>
+
+#include "../common/harness.h"
+
+#define WARP_SIZE 32
+#define WARPS 4
+#define THREADS (WARPS * WARP_SIZE)
+// The tensor-core instruction, mma.sync m16n8k16: A is MMA_M x MMA_K, B is MMA_K x MMA_N.
+#define MMA_M 16
+#define MMA_N 8
+#define MMA_K 16
+#define WARP_Q 32                // forward: query rows per warp
+#define M_TILES (WARP_Q / MMA_M)  // m16 tiles per warp: 2
+#define BLOCK_Q (WARPS * WARP_Q)  // query rows per block: 128
+// The forward's keys per streamed tile and (K, V) tiles in its ring, per head dim (07's).
+#ifndef BLOCK_KV_D64
+#define BLOCK_KV_D64 64
+#endif
+#ifndef BLOCK_KV_D128
+#define BLOCK_KV_D128 64
+#endif
+#ifndef STAGES_D64
+#define STAGES_D64 3
+#endif
+#ifndef STAGES_D128
+#define STAGES_D128 2
+#endif
+// Tiles move in 16-byte chunks: one cp.async, one row of an 8x8 matrix of ldmatrix.
+#define CHUNK_BYTES 16
+#define CHUNK_HALVES (CHUNK_BYTES / (int)sizeof(__half))  // 8
+#define LDM_ROWS 8                                        // rows of an ldmatrix matrix, one lane's address each
+// Halves of padding per row: one chunk, so 8 consecutive rows start in 8 different banks, and
+// ldmatrix is conflict-free.
+#define PAD CHUNK_HALVES
+#define STEP_CHUNKS (MMA_K / CHUNK_HALVES)  // chunks per row of a k16 step: 2
+// Registers per lane: the fp32 accumulator, and the A and B operands (two halves per register).
+#define ACC_REGS (MMA_M * MMA_N / WARP_SIZE)    // 4
+#define A_REGS (MMA_M * MMA_K / 2 / WARP_SIZE)  // 4
+#define B_REGS (MMA_K * MMA_N / 2 / WARP_SIZE)  // 2
+// The accumulator layout: the QUAD_LANES lanes of a quad share a row; lane l holds rows l / 4
+// and l / 4 + ACC_ROW_STEP (ACC_ROWS of them), columns 2 * (l % 4) and 2 * (l % 4) + 1.
+#define QUAD_LANES 4
+#define ACC_ROW_STEP (WARP_SIZE / QUAD_LANES)  // 8
+#define ACC_ROWS (MMA_M / ACC_ROW_STEP)        // 2
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+static_assert(WARP_Q % MMA_M == 0, "a warp's rows are whole m16 tiles");
+static_assert(ACC_REGS == 4 && A_REGS == 4 && B_REGS == 2, "the operands that mma_16x8x16's PTX names");
+static_assert(LDM_ROWS == CHUNK_HALVES, "a row of an ldmatrix matrix is one chunk");
+static_assert(MMA_M == 2 * LDM_ROWS && MMA_K == 2 * LDM_ROWS && MMA_N == LDM_ROWS,
+              "an A operand is four ldmatrix matrices (2 x 2), a B operand two (k16 x n8)");
+static_assert(MMA_K == 2 * MMA_N, "the accumulators of two n8 score tiles are the A operand of one k16 step");
+static_assert(ACC_ROWS * 2 == ACC_REGS && QUAD_LANES * 2 == MMA_N, "a lane holds two adjacent columns per row");
+
+template <int HEAD_DIM>
+struct Config {
+    static constexpr int BLOCK_KV = HEAD_DIM == 128 ? BLOCK_KV_D128 : BLOCK_KV_D64;
+    static constexpr int STAGES = HEAD_DIM == 128 ? STAGES_D128 : STAGES_D64;
+    static constexpr int STRIDE = HEAD_DIM + PAD;  // halves per row of every tile
+    static constexpr int Q_HALVES = BLOCK_Q * STRIDE, KV_HALVES = BLOCK_KV * STRIDE;
+    static constexpr int SMEM_BYTES = (Q_HALVES + 2 * STAGES * KV_HALVES) * (int)sizeof(__half);
+    // A warp's Q fragments take HEAD_DIM registers per thread. At 64 they stay in registers for
+    // the whole loop; at 128 the 32 x 128 fp32 output accumulator already holds 128 of a thread's
+    // 255 registers, so Q is re-read from shared memory at every tile.
+    static constexpr bool Q_IN_REGISTERS = HEAD_DIM == 64;
+};
+
+// Where chunk `chunk` (8 halves, 16 bytes) of row `row` of a tile lives in shared memory.
+template <int HEAD_DIM>
+__device__ int tile_offset(int row, int chunk) {
+    return row * Config<HEAD_DIM>::STRIDE + chunk * CHUNK_HALVES;
+}
+
+// --- The tensor-core instructions, as the PTX ISA documents them ---------------------------
+// Four 8x8 b16 matrices from shared memory; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ void ldmatrix_x4(unsigned frag[4], const __half *row_address) {
+    unsigned addr = (unsigned)__cvta_generic_to_shared(row_address);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3])
+                 : "r"(addr));
+}
+
+// The same, each matrix transposed on the way (V is stored [key][dim], the MMA wants [dim][key]).
+__device__ void ldmatrix_x4_trans(unsigned frag[4], const __half *row_address) {
+    unsigned addr = (unsigned)__cvta_generic_to_shared(row_address);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3])
+                 : "r"(addr));
+}
+
+// acc (16x8, fp32) += a (16x16, fp16, row-major) * b (16x8, fp16, column-major).
+// Lane l holds acc rows l/4 (elements 0, 1) and l/4 + 8 (elements 2, 3), columns 2*(l%4) + {0, 1}.
+__device__ void mma_16x8x16(float acc[ACC_REGS], const unsigned a[A_REGS], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ unsigned pack_half2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *(unsigned *)&h;
+}
+
+// The A fragments of k16 step `ks` for a warp's WARP_Q query rows (M_TILES m16 tiles). Lane l
+// gives row l % 16 of the m16 tile, in chunk l / 16 of the step.
+template <int HEAD_DIM>
+__device__ void load_q_step(unsigned frag[M_TILES][A_REGS], const __half *q_tile, int warp_row0, int ks) {
+    const int lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; mt++)
+        ldmatrix_x4(frag[mt], q_tile + tile_offset<HEAD_DIM>(warp_row0 + mt * MMA_M + lane % MMA_M,
+                                                             ks * STEP_CHUNKS + lane / MMA_M));
+}
+
+// The B fragments of k16 step `ks` for every key of the tile, two n8 tiles (16 keys) per ldmatrix.
+// Lane l gives key l % 8 of n8 tile l / 16 of the pair, in chunk l / 8 % 2 of the step.
+template <int HEAD_DIM, int KEY_TILES>
+__device__ void load_k_step(unsigned frag[KEY_TILES / 2][2 * B_REGS], const __half *k_tile, int ks) {
+    const int lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+    for (int np = 0; np < KEY_TILES / 2; np++) {
+        const int key = np * (2 * MMA_N) + lane % LDM_ROWS + lane / (STEP_CHUNKS * LDM_ROWS) * MMA_N;
+        ldmatrix_x4(frag[np], k_tile + tile_offset<HEAD_DIM>(key, ks * STEP_CHUNKS + lane / LDM_ROWS % STEP_CHUNKS));
+    }
+}
+
+// --- The pipeline: rows of a tile copied to shared memory asynchronously (cp.async) ---------
+// Thread t copies chunk t % CHUNKS of rows t / CHUNKS, + ROWS_PER_PASS, ...: a fixed number of
+// 16-byte copies whose addresses differ by constants. Rows past seqlen are zero-filled.
+template <int HEAD_DIM, int TILE_ROWS>
+__device__ void load_tile_async(__half *tile, const __half *src, int row0, int seqlen) {
+    constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS_PER_PASS = THREADS / CHUNKS;
+    static_assert(TILE_ROWS % ROWS_PER_PASS == 0, "every thread copies the same number of chunks");
+    const int row = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    const __half *from = src + (size_t)(row0 + row) * HEAD_DIM + chunk * CHUNK_HALVES;
+    if (row0 + TILE_ROWS <= seqlen) {  // a whole tile (all but the last): no checks
+#pragma unroll
+        for (int i = 0; i < TILE_ROWS / ROWS_PER_PASS; i++)
+            __pipeline_memcpy_async(&tile[tile_offset<HEAD_DIM>(row + i * ROWS_PER_PASS, chunk)],
+                                    from + i * ROWS_PER_PASS * HEAD_DIM, CHUNK_BYTES);
+    } else {
+#pragma unroll
+        for (int i = 0; i < TILE_ROWS / ROWS_PER_PASS; i++) {
+            bool valid = row0 + row + i * ROWS_PER_PASS < seqlen;
+            __pipeline_memcpy_async(&tile[tile_offset<HEAD_DIM>(row + i * ROWS_PER_PASS, chunk)],
+                                    valid ? from + i * ROWS_PER_PASS * HEAD_DIM : src, CHUNK_BYTES,
+                                    valid ? 0 : CHUNK_BYTES);
+        }
+    }
+}
+
+// --- Online softmax on the score accumulators ----------------------------------------------
+// 2^x as one MUFU instruction. exp2f() adds fix-ups for results below 2^-126, which a
+// probability can lose (they flush to 0): four instructions per score instead of one.
+__device__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// -inf wherever the causal mask or the end of the sequence hides the key. Lane element
+// [mt][nt][2r+e] holds query row0 + 16mt + 8r and key key0 + 8nt + e (row0, key0: the lane's first).
+// Called only for the tiles that need it: on the diagonal, or past the end of the sequence.
+template <int KEY_TILES>
+__device__ void mask_scores(float score[M_TILES][KEY_TILES][ACC_REGS], int row0, int key0, int seqlen, int causal) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; mt++)
+#pragma unroll
+        for (int r = 0; r < ACC_ROWS; r++) {
+            int query = row0 + mt * MMA_M + r * ACC_ROW_STEP;
+            int key_limit = causal ? min(seqlen, query + 1) : seqlen;  // first hidden key
+#pragma unroll
+            for (int nt = 0; nt < KEY_TILES; nt++)
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    if (key0 + nt * MMA_N + e >= key_limit) score[mt][nt][2 * r + e] = -INFINITY;
+        }
+}
+
+// Max over the QUAD_LANES lanes that share a row of an MMA accumulator: shuffles 1 and 2 apart.
+__device__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+
+__device__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(THREADS, 2)
+    flash_attention_kernel(const __half *q, const __half *k, const __half *v, __half *o, float *lse, int seqlen,
+                           float scale_log2, int causal) {
+    constexpr int BLOCK_KV = Config<HEAD_DIM>::BLOCK_KV, STAGES = Config<HEAD_DIM>::STAGES;
+    constexpr int Q_HALVES = Config<HEAD_DIM>::Q_HALVES, KV_HALVES = Config<HEAD_DIM>::KV_HALVES;
+    constexpr bool Q_IN_REGISTERS = Config<HEAD_DIM>::Q_IN_REGISTERS;
+    constexpr int KEY_TILES = BLOCK_KV / MMA_N;  // n8 tiles of scores per m16 tile
+    constexpr int DIM_TILES = HEAD_DIM / MMA_N;  // n8 tiles of output per m16 tile
+    constexpr int K_STEPS = HEAD_DIM / MMA_K;    // k16 steps of S = Q K^T
+    extern __shared__ __align__(128) unsigned char smem[];
+    __half *q_tile = (__half *)smem;               // [BLOCK_Q][STRIDE]
+    __half *k_ring = q_tile + Q_HALVES;            // [STAGES][BLOCK_KV][STRIDE]
+    __half *v_ring = k_ring + STAGES * KV_HALVES;  // [STAGES][BLOCK_KV][STRIDE]
+
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;  // accumulator row and column pair
+    // Causal work grows with the query tile, so the causal grid is (b*h, tiles) and hands out
+    // the last (heaviest) tiles first: light ones fill the gaps at the end instead of a heavy one
+    // running alone. Non-causal keeps 04's (tiles, b*h): neighbours share K and V in L2.
+    const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
+    const int query0 = query_tile * BLOCK_Q;
+    const size_t head = causal ? blockIdx.x : blockIdx.y;
+    const __half *q_head = q + head * seqlen * HEAD_DIM;
+    const __half *k_head = k + head * seqlen * HEAD_DIM;
+    const __half *v_head = v + head * seqlen * HEAD_DIM;
+    const int warp_row0 = warp * WARP_Q;
+
+    // Causal: keys past this tile's last query are masked for every row: skip those tiles.
+    const int key_end = causal ? min(seqlen, query0 + BLOCK_Q) : seqlen;
+    const int kv_tiles = ceil_div(key_end, BLOCK_KV);
+
+    // Fill the ring: Q and the first STAGES-1 (K, V) tiles, one commit group per tile.
+    load_tile_async<HEAD_DIM, BLOCK_Q>(q_tile, q_head, query0, seqlen);
+    for (int t = 0; t < STAGES - 1; t++) {
+        if (t < kv_tiles) {
+            load_tile_async<HEAD_DIM, BLOCK_KV>(k_ring + t * KV_HALVES, k_head, t * BLOCK_KV, seqlen);
+            load_tile_async<HEAD_DIM, BLOCK_KV>(v_ring + t * KV_HALVES, v_head, t * BLOCK_KV, seqlen);
+        }
+        __pipeline_commit();
+    }
+
+    // On chip for the whole loop: per row, the running max (log2 units) and this lane's share
+    // of the sum; per warp, the 32 x HEAD_DIM output accumulator. [m16 tile][row g or g+8].
+    float row_max[M_TILES][ACC_ROWS], row_sum[M_TILES][ACC_ROWS], o_acc[M_TILES][DIM_TILES][ACC_REGS] = {};
+    unsigned q_regs[Q_IN_REGISTERS ? K_STEPS : 1][M_TILES][A_REGS];  // [k16 step][m16 tile]: Q, if it fits
+    for (int mt = 0; mt < M_TILES; mt++)
+        for (int r = 0; r < ACC_ROWS; r++) {
+            row_max[mt][r] = -INFINITY;
+            row_sum[mt][r] = 0.0f;
+        }
+
+    for (int tile = 0; tile < kv_tiles; tile++) {
+        // Tile `tile` has landed once at most STAGES-2 younger groups are still in flight.
+        __pipeline_wait_prior(STAGES - 2);
+        __syncthreads();  // ...for every thread's copies; and the slot refilled next is consumed
+        const int next = tile + STAGES - 1;
+        if (next < kv_tiles) {
+            load_tile_async<HEAD_DIM, BLOCK_KV>(k_ring + next % STAGES * KV_HALVES, k_head, next * BLOCK_KV, seqlen);
+            load_tile_async<HEAD_DIM, BLOCK_KV>(v_ring + next % STAGES * KV_HALVES, v_head, next * BLOCK_KV, seqlen);
+        }
+        __pipeline_commit();  // possibly empty: keeps one group per tile
+        const __half *k_tile = k_ring + tile % STAGES * KV_HALVES;
+        const __half *v_tile = v_ring + tile % STAGES * KV_HALVES;
+        const int key0 = tile * BLOCK_KV;
+
+        if constexpr (Q_IN_REGISTERS) {  // Q has landed with the first tile
+            if (tile == 0)
+                for (int ks = 0; ks < K_STEPS; ks++) load_q_step<HEAD_DIM>(q_regs[ks], q_tile, warp_row0, ks);
+        }
+
+        // S = Q K^T: per m16 tile, KEY_TILES accumulators of 16 x 8 scores. The fragments of
+        // k-step ks+1 are loaded (ldmatrix) while the MMAs of step ks run: two register buffers.
+        float score[M_TILES][KEY_TILES][ACC_REGS] = {};
+        unsigned q_frag[2][M_TILES][A_REGS], k_frag[2][KEY_TILES / 2][2 * B_REGS];  // [buffer][...]
+        if constexpr (!Q_IN_REGISTERS) load_q_step<HEAD_DIM>(q_frag[0], q_tile, warp_row0, 0);
+        load_k_step<HEAD_DIM, KEY_TILES>(k_frag[0], k_tile, 0);
+#pragma unroll
+        for (int ks = 0; ks < K_STEPS; ks++) {
+            const int cur = ks % 2, nxt = (ks + 1) % 2;
+            if (ks + 1 < K_STEPS) {
+                if constexpr (!Q_IN_REGISTERS) load_q_step<HEAD_DIM>(q_frag[nxt], q_tile, warp_row0, ks + 1);
+                load_k_step<HEAD_DIM, KEY_TILES>(k_frag[nxt], k_tile, ks + 1);
+            }
+            unsigned(*q_step)[A_REGS];  // this step's Q fragments, [m16 tile]
+            if constexpr (Q_IN_REGISTERS) q_step = q_regs[ks];
+            else q_step = q_frag[cur];
+#pragma unroll
+            for (int np = 0; np < KEY_TILES / 2; np++)
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; mt++) {
+                    mma_16x8x16(score[mt][2 * np], q_step[mt], k_frag[cur][np][0], k_frag[cur][np][1]);
+                    mma_16x8x16(score[mt][2 * np + 1], q_step[mt], k_frag[cur][np][2], k_frag[cur][np][3]);
+                }
+        }
+
+        // Only the tiles on the diagonal (and a ragged last tile) need the mask.
+        if (key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0))
+            mask_scores<KEY_TILES>(score, query0 + warp_row0 + group, key0 + 2 * quad_lane, seqlen, causal);
+
+        // Online softmax in registers: lane holds rows g and g+8 of each m16 tile, 2 keys per n8 tile.
+        unsigned p_frag[M_TILES][KEY_TILES / 2][A_REGS];  // P as the A operand of the next MMA
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; mt++) {
+#pragma unroll
+            for (int r = 0; r < ACC_ROWS; r++) {
+                float tile_max = -INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < KEY_TILES; nt++)
+                    tile_max = fmaxf(tile_max, fmaxf(score[mt][nt][2 * r], score[mt][nt][2 * r + 1]));
+                float new_max = fmaxf(row_max[mt][r], quad_max(tile_max) * scale_log2);
+                float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key yet stays empty
+                float rescale = exp2_approx(row_max[mt][r] - base);
+                row_max[mt][r] = new_max;
+                row_sum[mt][r] *= rescale;
+                // Rescale O only if some row of the warp found a new max. At HEAD_DIM 64 the 64
+                // multiplies cost less than the vote (measured), so they are always done.
+                if (HEAD_DIM == 64 || __any_sync(0xffffffff, rescale != 1.0f))
+#pragma unroll
+                    for (int nt = 0; nt < DIM_TILES; nt++) {
+                        o_acc[mt][nt][2 * r] *= rescale;
+                        o_acc[mt][nt][2 * r + 1] *= rescale;
+                    }
+#pragma unroll
+                for (int nt = 0; nt < KEY_TILES; nt++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float *x = &score[mt][nt][2 * r + e];
+                        *x = exp2_approx(fmaf(*x, scale_log2, -base));
+                        row_sum[mt][r] += *x;
+                    }
+            }
+            // The accumulator layout of two n8 score tiles is the A layout of one k16 step.
+#pragma unroll
+            for (int kk = 0; kk < KEY_TILES / 2; kk++) {
+                p_frag[mt][kk][0] = pack_half2(score[mt][2 * kk][0], score[mt][2 * kk][1]);
+                p_frag[mt][kk][1] = pack_half2(score[mt][2 * kk][2], score[mt][2 * kk][3]);
+                p_frag[mt][kk][2] = pack_half2(score[mt][2 * kk + 1][0], score[mt][2 * kk + 1][1]);
+                p_frag[mt][kk][3] = pack_half2(score[mt][2 * kk + 1][2], score[mt][2 * kk + 1][3]);
+            }
+        }
+
+        // O += P V: V fragments through ldmatrix.trans, P straight from registers.
+#pragma unroll
+        for (int kk = 0; kk < KEY_TILES / 2; kk++) {
+#pragma unroll
+            for (int dp = 0; dp < DIM_TILES / 2; dp++) {  // two n8 tiles (16 dims) per ldmatrix
+                // Lane l gives key l % 8 + 8 * (l / 8 % 2) of the k16 step, in chunk l / 16 of the pair.
+                const int key = kk * MMA_K + lane % LDM_ROWS + lane / LDM_ROWS % 2 * LDM_ROWS;
+                unsigned v_frag[2 * B_REGS];
+                ldmatrix_x4_trans(v_frag, v_tile + tile_offset<HEAD_DIM>(key, dp * 2 + lane / (2 * LDM_ROWS)));
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; mt++) {
+                    mma_16x8x16(o_acc[mt][2 * dp], p_frag[mt][kk], v_frag[0], v_frag[1]);
+                    mma_16x8x16(o_acc[mt][2 * dp + 1], p_frag[mt][kk], v_frag[2], v_frag[3]);
+                }
+            }
+        }
+    }
+    __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
+
+    // O = accumulator / sum, LSE = ln(sum) + max, each written once.
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; mt++) {
+#pragma unroll
+        for (int r = 0; r < ACC_ROWS; r++) {
+            const int query = query0 + warp_row0 + mt * MMA_M + group + r * ACC_ROW_STEP;
+            float sum = quad_sum(row_sum[mt][r]), inv_sum = 1.0f / sum;
+            if (query >= seqlen) continue;
+            __half *o_row = o + (head * seqlen + query) * HEAD_DIM + 2 * quad_lane;
+#pragma unroll
+            for (int nt = 0; nt < DIM_TILES; nt++)
+                *(unsigned *)&o_row[nt * MMA_N] =
+                    pack_half2(o_acc[mt][nt][2 * r] * inv_sum, o_acc[mt][nt][2 * r + 1] * inv_sum);
+            if (quad_lane == 0) lse[head * seqlen + query] = (row_max[mt][r] + log2f(sum)) * LN2;
+        }
+    }
+}
+
+
+// --- The backward pass ---------------------------------------------------------------------
+#ifndef DETERMINISTIC_DQ
+#define DETERMINISTIC_DQ 0  // dQ by a kernel of its own over query tiles, bitwise repeatable (0: atomics)
+#endif
+// Each warp owns one m16 tile of rows: 16 keys in the main kernel, 16 queries in the dQ kernel.
+// Two m16 tiles, as 07's forward has, would need 2 x 16 x D fp32 accumulators for each of dK
+// and dV: 256 registers per lane at D=128 before any score.
+#define BWD_WARP_ROWS MMA_M
+#define BWD_BLOCK_KV (WARPS * BWD_WARP_ROWS)  // keys per block of the main kernel: 64
+#define BWD_BLOCK_Q (WARPS * BWD_WARP_ROWS)   // queries per step of its loop (and per dQ block): 64
+#define BWD_STAGES 2                          // (Q, dO, LSE, D) tiles in the main kernel's ring
+#define WORKSPACE_ALIGN 256  // bytes: the dQ accumulator starts aligned for 16-byte accesses
+
+static_assert(THREADS == 2 * BWD_BLOCK_Q, "half the block copies a tile's LSE, half its D, one float each");
+static_assert(BWD_BLOCK_Q % MMA_K == 0 && BWD_BLOCK_KV % MMA_K == 0, "whole k16 steps of queries and keys");
+
+template <int HEAD_DIM>
+struct BwdConfig {
+    static constexpr int STRIDE = HEAD_DIM + PAD;  // halves per row, as the forward's tiles
+    static constexpr int KV_HALVES = BWD_BLOCK_KV * STRIDE, Q_HALVES = BWD_BLOCK_Q * STRIDE;
+    // dS^T of the block, [key][query], for dQ += dS K (the atomic version only).
+    static constexpr int DS_STRIDE = BWD_BLOCK_Q + PAD, DS_HALVES = DETERMINISTIC_DQ ? 0 : BWD_BLOCK_KV * DS_STRIDE;
+    // Main kernel: the LSE and D ring (floats), K and V, the Q and dO ring, dS^T.
+    static constexpr int SMEM_BYTES = 2 * BWD_STAGES * BWD_BLOCK_Q * (int)sizeof(float) +
+                                      (2 * KV_HALVES + 2 * BWD_STAGES * Q_HALVES + DS_HALVES) * (int)sizeof(__half);
+    // dQ kernel: Q and dO, and a ring of (K, V) tiles.
+    static constexpr int DQ_SMEM_BYTES = (2 * Q_HALVES + 2 * BWD_STAGES * KV_HALVES) * (int)sizeof(__half);
+    // The A operands that are the same at every step (a warp's K and V rows in the main kernel,
+    // its Q and dO rows in the dQ kernel) take HEAD_DIM / 2 registers per lane for the two. At
+    // D=64 they stay in registers; at D=128 the two 16 x 128 fp32 accumulators (dK and dV) hold
+    // 128 registers already, so they are re-read from shared memory at every step.
+    static constexpr bool A_IN_REGISTERS = HEAD_DIM == 64;
+};
+
+// The A fragments of k16 step `ks` of a warp's 16 rows of a [row][dim] tile (07's load_q_step
+// for one m16 tile). Lane l gives row l % 16, in chunk l / 16 of the step.
+template <int HEAD_DIM>
+__device__ void load_a_step(unsigned frag[A_REGS], const __half *tile, int row0, int ks) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    ldmatrix_x4(frag, tile + tile_offset<HEAD_DIM>(row0 + lane % MMA_M, ks * STEP_CHUNKS + lane / MMA_M));
+}
+
+// The B fragments of two n8 tiles of columns (16 dims, dims 16dp..) at k16 step kk of a
+// [row][dim] tile whose rows are the k dimension (07's V in O += P V): ldmatrix.trans.
+// Lane l gives row 16kk + l % 8 + 8 * (l / 8 % 2), in chunk 2dp + l / 16.
+template <int HEAD_DIM>
+__device__ void load_trans_pair(unsigned frag[2 * B_REGS], const __half *tile, int kk, int dp) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int row = kk * MMA_K + lane % LDM_ROWS + lane / LDM_ROWS % 2 * LDM_ROWS;
+    ldmatrix_x4_trans(frag, tile + tile_offset<HEAD_DIM>(row, dp * 2 + lane / (2 * LDM_ROWS)));
+}
+
+// A tile's LSE and D, one float per query: threads 0..63 copy LSE, 64..127 D (4-byte copies: a
+// head's rows start at any float). Rows past seqlen are zero-filled (their scores are masked).
+__device__ void load_rows_async(float *lse_tile, float *delta_tile, const float *lse, const float *delta, int row0,
+                                int seqlen) {
+    const int row = threadIdx.x % BWD_BLOCK_Q;
+    const bool is_lse = threadIdx.x < BWD_BLOCK_Q, valid = row0 + row < seqlen;  // is_lse: the same per warp
+    const float *from = is_lse ? lse : delta;
+    __pipeline_memcpy_async((is_lse ? lse_tile : delta_tile) + row, valid ? from + row0 + row : from, sizeof(float),
+                            valid ? 0 : sizeof(float));
+}
+
+// The main kernel's ring slot of query tile `tile`: Q, dO, LSE and D (one commit group).
+template <int HEAD_DIM>
+__device__ void load_query_tile_async(__half *q_ring, __half *do_ring, float *lse_ring, float *delta_ring,
+                                      const __half *q_head, const __half *do_head, const float *lse_head,
+                                      const float *delta_head, int slot, int query0, int seqlen) {
+    constexpr int Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
+    load_tile_async<HEAD_DIM, BWD_BLOCK_Q>(q_ring + slot * Q_HALVES, q_head, query0, seqlen);
+    load_tile_async<HEAD_DIM, BWD_BLOCK_Q>(do_ring + slot * Q_HALVES, do_head, query0, seqlen);
+    load_rows_async(lse_ring + slot * BWD_BLOCK_Q, delta_ring + slot * BWD_BLOCK_Q, lse_head, delta_head, query0,
+                    seqlen);
+}
+
+// -inf wherever the key is past the end, the query is past the end, or (causal) the key comes
+// after the query. Element [nt][2r+e] is row row0 + 8r, column col0 + 8nt + e (the lane's
+// first: row0 = first row + l / 4, col0 = first column + 2 (l % 4)); the rows are keys in the
+// main kernel (ROWS_ARE_KEYS, S^T), queries in the dQ kernel (S). Only on the tiles that need it.
+template <int COL_TILES, bool ROWS_ARE_KEYS>
+__device__ void mask_tile(float score[COL_TILES][ACC_REGS], int row0, int col0, int seqlen, int causal) {
+#pragma unroll
+    for (int r = 0; r < ACC_ROWS; r++) {
+        const int row = row0 + r * ACC_ROW_STEP;
+#pragma unroll
+        for (int nt = 0; nt < COL_TILES; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int col = col0 + nt * MMA_N + e;
+                const int key = ROWS_ARE_KEYS ? row : col, query = ROWS_ARE_KEYS ? col : row;
+                if (key >= seqlen || query >= seqlen || (causal && key > query)) score[nt][2 * r + e] = -INFINITY;
+            }
+    }
+}
+
+// Two n8 accumulator tiles (16 columns) of one m16 tile, as the A operand of a k16 step over
+// those columns (07's repacking of P), rounded to fp16.
+__device__ void pack_a(unsigned frag[A_REGS], const float lo[ACC_REGS], const float hi[ACC_REGS]) {
+    frag[0] = pack_half2(lo[0], lo[1]);
+    frag[1] = pack_half2(lo[2], lo[3]);
+    frag[2] = pack_half2(hi[0], hi[1]);
+    frag[3] = pack_half2(hi[2], hi[3]);
+}
+
+// (1) D_i = sum_d dO[i, d] * O[i, d] in fp32, and (atomic version) row i of the dQ accumulator
+// zeroed. Grid: (row tiles, b*h); CHUNKS lanes per row, each with 8 of its D elements.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(THREADS)
+    backward_preprocess_kernel(const __half *o, const __half *d_o, float *delta, float *dq_acc, int seqlen) {
+    constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS = THREADS / CHUNKS;
+    static_assert(WARP_SIZE % CHUNKS == 0, "a row's lanes are in one warp");
+    const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    const bool valid = row < seqlen;
+    const size_t at = ((size_t)blockIdx.y * seqlen + (valid ? row : 0)) * HEAD_DIM + chunk * CHUNK_HALVES;
+    float sum = 0.0f;
+    if (valid) {
+        const uint4 o_raw = *(const uint4 *)(o + at), do_raw = *(const uint4 *)(d_o + at);
+        const __half2 *o2 = (const __half2 *)&o_raw, *do2 = (const __half2 *)&do_raw;
+#pragma unroll
+        for (int i = 0; i < CHUNK_HALVES / 2; i++) {
+            const float2 a = __half22float2(o2[i]), b = __half22float2(do2[i]);
+            sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
+        }
+    }
+#pragma unroll
+    for (int offset = CHUNKS / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+    if (!valid) return;
+    if (chunk == 0) delta[(size_t)blockIdx.y * seqlen + row] = sum;
+    if (dq_acc) {
+        float4 *to = (float4 *)(dq_acc + at);
+        to[0] = to[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+}
+
+// (2) dK and dV of one 64-key tile (and its share of dQ). Grid: (key tiles, b*h); causal:
+// (b*h, key tiles), the first (heaviest: most query tiles see them) key tiles first.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(THREADS, 2)
+    flash_attention_backward_kernel(const __half *q, const __half *k, const __half *v, const __half *d_o,
+                                    const float *lse, const float *delta, float *dq_acc, __half *dk, __half *dv,
+                                    int seqlen, float scale, float scale_log2, int causal) {
+    constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
+    constexpr bool A_IN_REGISTERS = BwdConfig<HEAD_DIM>::A_IN_REGISTERS;
+    constexpr int QUERY_TILES = BWD_BLOCK_Q / MMA_N;  // n8 tiles of S^T per warp: 8
+    constexpr int DIM_TILES = HEAD_DIM / MMA_N;       // n8 tiles of dK, dV (and dQ)
+    constexpr int K_STEPS = HEAD_DIM / MMA_K;         // k16 steps of S^T = K Q^T and dP^T = V dO^T
+    constexpr int Q_STEPS = BWD_BLOCK_Q / MMA_K;      // k16 steps of dV += P^T dO and dK += dS^T Q
+    extern __shared__ __align__(128) unsigned char smem[];
+    float *lse_ring = (float *)smem;                                      // [BWD_STAGES][BWD_BLOCK_Q]
+    float *delta_ring = lse_ring + BWD_STAGES * BWD_BLOCK_Q;              // [BWD_STAGES][BWD_BLOCK_Q]
+    __half *k_tile = (__half *)(delta_ring + BWD_STAGES * BWD_BLOCK_Q);  // [BWD_BLOCK_KV][STRIDE]
+    __half *v_tile = k_tile + KV_HALVES;                                  // [BWD_BLOCK_KV][STRIDE]
+    __half *q_ring = v_tile + KV_HALVES;                                  // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
+    __half *do_ring = q_ring + BWD_STAGES * Q_HALVES;                     // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
+
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;  // accumulator row and column pair
+    const int key_tile = causal ? blockIdx.y : blockIdx.x;
+    const size_t head = causal ? blockIdx.x : blockIdx.y;
+    const int key0 = key_tile * BWD_BLOCK_KV, warp_row0 = warp * BWD_WARP_ROWS;  // warp_row0: in the key tile
+    const __half *q_head = q + head * seqlen * HEAD_DIM, *do_head = d_o + head * seqlen * HEAD_DIM;
+    const float *lse_head = lse + head * seqlen, *delta_head = delta + head * seqlen;
+
+    // Causal: the queries before key0 see none of this tile's keys; the loop starts at the
+    // query tile that holds query key0 (the diagonal).
+    const int first_tile = causal ? key0 / BWD_BLOCK_Q : 0;
+    const int q_tiles = ceil_div(seqlen, BWD_BLOCK_Q) - first_tile;  // >= 1: key0 < seqlen
+
+    // K and V of the block join the first commit group; then the first BWD_STAGES - 1 query tiles.
+    load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(k_tile, k + head * seqlen * HEAD_DIM, key0, seqlen);
+    load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(v_tile, v + head * seqlen * HEAD_DIM, key0, seqlen);
+    for (int t = 0; t < BWD_STAGES - 1; t++) {
+        if (t < q_tiles)
+            load_query_tile_async<HEAD_DIM>(q_ring, do_ring, lse_ring, delta_ring, q_head, do_head, lse_head,
+                                            delta_head, t, (first_tile + t) * BWD_BLOCK_Q, seqlen);
+        __pipeline_commit();
+    }
+
+    // On chip for the whole loop: the warp's 16 x HEAD_DIM dK and dV accumulators.
+    float dk_acc[DIM_TILES][ACC_REGS] = {}, dv_acc[DIM_TILES][ACC_REGS] = {};
+    unsigned k_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS], v_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS];
+
+    for (int tile = 0; tile < q_tiles; tile++) {
+        // 07's ring: tile `tile` has landed once at most BWD_STAGES-2 younger groups are in flight.
+        __pipeline_wait_prior(BWD_STAGES - 2);
+        __syncthreads();  // ...for every thread's copies; the slot refilled next and dS^T are consumed
+        const int next = tile + BWD_STAGES - 1;
+        if (next < q_tiles)
+            load_query_tile_async<HEAD_DIM>(q_ring, do_ring, lse_ring, delta_ring, q_head, do_head, lse_head,
+                                            delta_head, next % BWD_STAGES, (first_tile + next) * BWD_BLOCK_Q, seqlen);
+        __pipeline_commit();  // possibly empty: keeps one group per tile
+        const int slot = tile % BWD_STAGES, query0 = (first_tile + tile) * BWD_BLOCK_Q;
+        const __half *q_tile = q_ring + slot * Q_HALVES, *do_tile = do_ring + slot * Q_HALVES;
+        const float *lse_tile = lse_ring + slot * BWD_BLOCK_Q, *delta_tile = delta_ring + slot * BWD_BLOCK_Q;
+
+        if constexpr (A_IN_REGISTERS) {  // K and V landed with the first tile
+            if (tile == 0)
+                for (int ks = 0; ks < K_STEPS; ks++) {
+                    load_a_step<HEAD_DIM>(k_regs[ks], k_tile, warp_row0, ks);
+                    load_a_step<HEAD_DIM>(v_regs[ks], v_tile, warp_row0, ks);
+                }
+        }
+
+        // S^T = K Q^T: the warp's 16 keys x the tile's 64 queries. Q [query][dim] is the "col"
+        // B operand as K is in the forward, so 07's load_k_step loads it.
+        float score[QUERY_TILES][ACC_REGS] = {};
+#pragma unroll
+        for (int ks = 0; ks < K_STEPS; ks++) {
+            unsigned a_frag[A_REGS], q_frag[QUERY_TILES / 2][2 * B_REGS];
+            const unsigned *k_frag = a_frag;
+            if constexpr (A_IN_REGISTERS) k_frag = k_regs[ks];
+            else load_a_step<HEAD_DIM>(a_frag, k_tile, warp_row0, ks);
+            load_k_step<HEAD_DIM, QUERY_TILES>(q_frag, q_tile, ks);
+#pragma unroll
+            for (int np = 0; np < QUERY_TILES / 2; np++) {
+                mma_16x8x16(score[2 * np], k_frag, q_frag[np][0], q_frag[np][1]);
+                mma_16x8x16(score[2 * np + 1], k_frag, q_frag[np][2], q_frag[np][3]);
+            }
+        }
+
+        // The mask: only on a diagonal tile (causal), a ragged last query tile, the last key tile.
+        if (query0 + BWD_BLOCK_Q > seqlen || key0 + BWD_BLOCK_KV > seqlen ||
+            (causal && key0 + BWD_BLOCK_KV - 1 > query0))
+            mask_tile<QUERY_TILES, true>(score, key0 + warp_row0 + group, query0 + 2 * quad_lane, seqlen, causal);
+
+        // P^T = exp(S^T * scale - LSE), LSE the forward's: no running max, no sum. The columns
+        // are queries, so each of a lane's 16 columns has its own LSE (shared memory, broadcast).
+#pragma unroll
+        for (int nt = 0; nt < QUERY_TILES; nt++) {
+            const float2 row_lse = *(const float2 *)&lse_tile[nt * MMA_N + 2 * quad_lane];
+#pragma unroll
+            for (int r = 0; r < ACC_ROWS; r++) {
+                score[nt][2 * r] = exp2_approx(fmaf(score[nt][2 * r], scale_log2, -row_lse.x * LOG2E));
+                score[nt][2 * r + 1] = exp2_approx(fmaf(score[nt][2 * r + 1], scale_log2, -row_lse.y * LOG2E));
+            }
+        }
+
+        // dV += P^T dO: P^T repacked as the A operand (07's P), dO through ldmatrix.trans (07's V).
+#pragma unroll
+        for (int kk = 0; kk < Q_STEPS; kk++) {
+            unsigned p_frag[A_REGS];
+            pack_a(p_frag, score[2 * kk], score[2 * kk + 1]);
+#pragma unroll
+            for (int dp = 0; dp < DIM_TILES / 2; dp++) {
+                unsigned do_frag[2 * B_REGS];
+                load_trans_pair<HEAD_DIM>(do_frag, do_tile, kk, dp);
+                mma_16x8x16(dv_acc[2 * dp], p_frag, do_frag[0], do_frag[1]);
+                mma_16x8x16(dv_acc[2 * dp + 1], p_frag, do_frag[2], do_frag[3]);
+            }
+        }
+
+        // dP^T = V dO^T, the same shape as S^T: V's rows as A, dO as the "col" B operand.
+        float ds[QUERY_TILES][ACC_REGS] = {};
+#pragma unroll
+        for (int ks = 0; ks < K_STEPS; ks++) {
+            unsigned a_frag[A_REGS], do_frag[QUERY_TILES / 2][2 * B_REGS];
+            const unsigned *v_frag = a_frag;
+            if constexpr (A_IN_REGISTERS) v_frag = v_regs[ks];
+            else load_a_step<HEAD_DIM>(a_frag, v_tile, warp_row0, ks);
+            load_k_step<HEAD_DIM, QUERY_TILES>(do_frag, do_tile, ks);
+#pragma unroll
+            for (int np = 0; np < QUERY_TILES / 2; np++) {
+                mma_16x8x16(ds[2 * np], v_frag, do_frag[np][0], do_frag[np][1]);
+                mma_16x8x16(ds[2 * np + 1], v_frag, do_frag[np][2], do_frag[np][3]);
+            }
+        }
+
+        // dS^T = P^T * (dP^T - D), in place of dP^T; D per column (query), as LSE. Masked
+        // entries have P = 0, so dS = 0 there whatever dP is.
+        unsigned ds_frag[Q_STEPS][A_REGS];  // dS^T as the A operand of dK += dS^T Q
+#pragma unroll
+        for (int nt = 0; nt < QUERY_TILES; nt++) {
+            const float2 row_delta = *(const float2 *)&delta_tile[nt * MMA_N + 2 * quad_lane];
+#pragma unroll
+            for (int r = 0; r < ACC_ROWS; r++) {
+                ds[nt][2 * r] = score[nt][2 * r] * (ds[nt][2 * r] - row_delta.x);
+                ds[nt][2 * r + 1] = score[nt][2 * r + 1] * (ds[nt][2 * r + 1] - row_delta.y);
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < Q_STEPS; kk++) pack_a(ds_frag[kk], ds[2 * kk], ds[2 * kk + 1]);
+
+        // dK += dS^T Q (the scale is applied once, at the end): Q through ldmatrix.trans.
+#pragma unroll
+        for (int kk = 0; kk < Q_STEPS; kk++)
+#pragma unroll
+            for (int dp = 0; dp < DIM_TILES / 2; dp++) {
+                unsigned q_frag[2 * B_REGS];
+                load_trans_pair<HEAD_DIM>(q_frag, q_tile, kk, dp);
+                mma_16x8x16(dk_acc[2 * dp], ds_frag[kk], q_frag[0], q_frag[1]);
+                mma_16x8x16(dk_acc[2 * dp + 1], ds_frag[kk], q_frag[2], q_frag[3]);
+            }
+
+#if !DETERMINISTIC_DQ
+        // dQ_i += dS K. A warp holds dS^T for its own 16 keys, but dQ of a query sums over all
+        // 64 keys of the block: dS^T goes to shared memory ([key][query], 4-byte stores of
+        // adjacent queries, conflict-free with the padded rows), then warp w takes queries
+        // 16w..16w+15 against all 64 keys and adds its 16 x HEAD_DIM partial to the fp32
+        // accumulator in device memory. Every key tile adds to the same rows: atomics (RED).
+        constexpr int DS_STRIDE = BwdConfig<HEAD_DIM>::DS_STRIDE;
+        constexpr int KEY_STEPS = BWD_BLOCK_KV / MMA_K;  // k16 steps of dS K
+        __half *ds_tile = do_ring + BWD_STAGES * Q_HALVES;  // [BWD_BLOCK_KV][DS_STRIDE]
+#pragma unroll
+        for (int kk = 0; kk < Q_STEPS; kk++)
+#pragma unroll
+            for (int i = 0; i < A_REGS; i++) {  // A register i: row + 8 (i % 2), columns + 8 (i / 2)
+                const int key = warp_row0 + group + i % 2 * ACC_ROW_STEP;
+                const int query = kk * MMA_K + i / 2 * MMA_N + 2 * quad_lane;
+                *(unsigned *)&ds_tile[key * DS_STRIDE + query] = ds_frag[kk][i];
+            }
+        __syncthreads();  // every warp's dS^T rows are in
+        float dq_part[DIM_TILES][ACC_REGS] = {};
+#pragma unroll
+        for (int kk = 0; kk < KEY_STEPS; kk++) {
+            // dS as the A operand from dS^T: ldmatrix.trans; matrix l / 8 is queries + 8 (l / 8 % 2),
+            // keys + 8 (l / 16). Lane l gives key row 16kk + 8 (l / 16) + l % 8.
+            unsigned ds_a[A_REGS];
+            const int key = kk * MMA_K + lane / (2 * LDM_ROWS) * LDM_ROWS + lane % LDM_ROWS;
+            ldmatrix_x4_trans(ds_a, ds_tile + key * DS_STRIDE + warp_row0 + lane / LDM_ROWS % 2 * LDM_ROWS);
+#pragma unroll
+            for (int dp = 0; dp < DIM_TILES / 2; dp++) {
+                unsigned k_frag[2 * B_REGS];
+                load_trans_pair<HEAD_DIM>(k_frag, k_tile, kk, dp);
+                mma_16x8x16(dq_part[2 * dp], ds_a, k_frag[0], k_frag[1]);
+                mma_16x8x16(dq_part[2 * dp + 1], ds_a, k_frag[2], k_frag[3]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < ACC_ROWS; r++) {
+            const int query = query0 + warp_row0 + group + r * ACC_ROW_STEP;
+            if (query >= seqlen) continue;
+            float *dq_row = dq_acc + (head * seqlen + query) * HEAD_DIM + 2 * quad_lane;
+#pragma unroll
+            for (int nt = 0; nt < DIM_TILES; nt++) {
+                atomicAdd(dq_row + nt * MMA_N, dq_part[nt][2 * r]);
+                atomicAdd(dq_row + nt * MMA_N + 1, dq_part[nt][2 * r + 1]);
+            }
+        }
+#else
+        (void)dq_acc;  // DETERMINISTIC_DQ: dQ is the dQ kernel's
+#endif
+    }
+    __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
+
+    // dK = scale * dS^T Q and dV, each row written once, as fp16.
+#pragma unroll
+    for (int r = 0; r < ACC_ROWS; r++) {
+        const int key = key0 + warp_row0 + group + r * ACC_ROW_STEP;
+        if (key >= seqlen) continue;
+        __half *dk_row = dk + (head * seqlen + key) * HEAD_DIM + 2 * quad_lane;
+        __half *dv_row = dv + (head * seqlen + key) * HEAD_DIM + 2 * quad_lane;
+#pragma unroll
+        for (int nt = 0; nt < DIM_TILES; nt++) {
+            *(unsigned *)&dk_row[nt * MMA_N] = pack_half2(dk_acc[nt][2 * r] * scale, dk_acc[nt][2 * r + 1] * scale);
+            *(unsigned *)&dv_row[nt * MMA_N] = pack_half2(dv_acc[nt][2 * r], dv_acc[nt][2 * r + 1]);
+        }
+    }
+}
+
+#if !DETERMINISTIC_DQ
+// (3) dQ = scale * the fp32 accumulator, as fp16. Grid as (1): CHUNKS lanes per row.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(THREADS) convert_dq_kernel(const float *dq_acc, __half *dq, int seqlen, float scale) {
+    constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS = THREADS / CHUNKS;
+    const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    if (row >= seqlen) return;
+    const size_t at = ((size_t)blockIdx.y * seqlen + row) * HEAD_DIM + chunk * CHUNK_HALVES;
+    const float4 lo = *(const float4 *)(dq_acc + at), hi = *(const float4 *)(dq_acc + at + 4);
+    uint4 out;
+    out.x = pack_half2(lo.x * scale, lo.y * scale);
+    out.y = pack_half2(lo.z * scale, lo.w * scale);
+    out.z = pack_half2(hi.x * scale, hi.y * scale);
+    out.w = pack_half2(hi.z * scale, hi.w * scale);
+    *(uint4 *)(dq + at) = out;
+}
+#else
+// DETERMINISTIC_DQ: dQ without atomics. One block per (64-query tile, b*h), as the forward's
+// grid; warp w owns queries 16w..16w+15; Q and dO stay in shared memory, K and V stream through
+// 07's ring. Per key tile it recomputes S = Q K^T, P, dP = dO V^T and dS, and accumulates
+// dQ += dS K in registers, over the key tiles in order: the same sums in the same order on
+// every run. The price: S, P, dP and dS computed twice (once here, once in the main kernel).
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(THREADS, 2)
+    flash_attention_dq_kernel(const __half *q, const __half *k, const __half *v, const __half *d_o, const float *lse,
+                              const float *delta, __half *dq, int seqlen, float scale, float scale_log2, int causal) {
+    constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
+    constexpr bool A_IN_REGISTERS = BwdConfig<HEAD_DIM>::A_IN_REGISTERS;
+    constexpr int KEY_TILES = BWD_BLOCK_KV / MMA_N;  // n8 tiles of scores per warp: 8
+    constexpr int DIM_TILES = HEAD_DIM / MMA_N;      // n8 tiles of dQ
+    constexpr int K_STEPS = HEAD_DIM / MMA_K;        // k16 steps of S = Q K^T and dP = dO V^T
+    constexpr int KEY_STEPS = BWD_BLOCK_KV / MMA_K;  // k16 steps of dQ += dS K
+    extern __shared__ __align__(128) unsigned char smem[];
+    __half *q_tile = (__half *)smem;                    // [BWD_BLOCK_Q][STRIDE]
+    __half *do_tile = q_tile + Q_HALVES;                // [BWD_BLOCK_Q][STRIDE]
+    __half *k_ring = do_tile + Q_HALVES;                // [BWD_STAGES][BWD_BLOCK_KV][STRIDE]
+    __half *v_ring = k_ring + BWD_STAGES * KV_HALVES;  // [BWD_STAGES][BWD_BLOCK_KV][STRIDE]
+
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;
+    const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;  // heaviest causal tiles first
+    const size_t head = causal ? blockIdx.x : blockIdx.y;
+    const int query0 = query_tile * BWD_BLOCK_Q, warp_row0 = warp * BWD_WARP_ROWS;
+    const __half *k_head = k + head * seqlen * HEAD_DIM, *v_head = v + head * seqlen * HEAD_DIM;
+    const int key_end = causal ? min(seqlen, query0 + BWD_BLOCK_Q) : seqlen;
+    const int kv_tiles = ceil_div(key_end, BWD_BLOCK_KV);
+
+    load_tile_async<HEAD_DIM, BWD_BLOCK_Q>(q_tile, q + head * seqlen * HEAD_DIM, query0, seqlen);
+    load_tile_async<HEAD_DIM, BWD_BLOCK_Q>(do_tile, d_o + head * seqlen * HEAD_DIM, query0, seqlen);
+    for (int t = 0; t < BWD_STAGES - 1; t++) {
+        if (t < kv_tiles) {
+            load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(k_ring + t * KV_HALVES, k_head, t * BWD_BLOCK_KV, seqlen);
+            load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(v_ring + t * KV_HALVES, v_head, t * BWD_BLOCK_KV, seqlen);
+        }
+        __pipeline_commit();
+    }
+
+    // Each lane's two rows: their LSE (log2 units) and D, 0 past the end (those rows are masked).
+    float row_lse[ACC_ROWS], row_delta[ACC_ROWS];
+#pragma unroll
+    for (int r = 0; r < ACC_ROWS; r++) {
+        const int query = query0 + warp_row0 + group + r * ACC_ROW_STEP;
+        row_lse[r] = query < seqlen ? lse[head * seqlen + query] * LOG2E : 0.0f;
+        row_delta[r] = query < seqlen ? delta[head * seqlen + query] : 0.0f;
+    }
+    float dq_acc[DIM_TILES][ACC_REGS] = {};
+    unsigned q_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS], do_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS];
+
+    for (int tile = 0; tile < kv_tiles; tile++) {
+        __pipeline_wait_prior(BWD_STAGES - 2);
+        __syncthreads();
+        const int next = tile + BWD_STAGES - 1;
+        if (next < kv_tiles) {
+            load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(k_ring + next % BWD_STAGES * KV_HALVES, k_head,
+                                                    next * BWD_BLOCK_KV, seqlen);
+            load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(v_ring + next % BWD_STAGES * KV_HALVES, v_head,
+                                                    next * BWD_BLOCK_KV, seqlen);
+        }
+        __pipeline_commit();
+        const __half *k_tile = k_ring + tile % BWD_STAGES * KV_HALVES;
+        const __half *v_tile = v_ring + tile % BWD_STAGES * KV_HALVES;
+        const int key0 = tile * BWD_BLOCK_KV;
+        if constexpr (A_IN_REGISTERS) {  // Q and dO landed with the first tile
+            if (tile == 0)
+                for (int ks = 0; ks < K_STEPS; ks++) {
+                    load_a_step<HEAD_DIM>(q_regs[ks], q_tile, warp_row0, ks);
+                    load_a_step<HEAD_DIM>(do_regs[ks], do_tile, warp_row0, ks);
+                }
+        }
+
+        // S = Q K^T and dP = dO V^T: the warp's 16 queries x the tile's 64 keys, each.
+        float score[KEY_TILES][ACC_REGS] = {}, ds[KEY_TILES][ACC_REGS] = {};
+#pragma unroll
+        for (int ks = 0; ks < K_STEPS; ks++) {
+            unsigned a_frag[A_REGS], b_frag[KEY_TILES / 2][2 * B_REGS];
+            const unsigned *q_frag = a_frag;
+            if constexpr (A_IN_REGISTERS) q_frag = q_regs[ks];
+            else load_a_step<HEAD_DIM>(a_frag, q_tile, warp_row0, ks);
+            load_k_step<HEAD_DIM, KEY_TILES>(b_frag, k_tile, ks);
+#pragma unroll
+            for (int np = 0; np < KEY_TILES / 2; np++) {
+                mma_16x8x16(score[2 * np], q_frag, b_frag[np][0], b_frag[np][1]);
+                mma_16x8x16(score[2 * np + 1], q_frag, b_frag[np][2], b_frag[np][3]);
+            }
+        }
+#pragma unroll
+        for (int ks = 0; ks < K_STEPS; ks++) {
+            unsigned a_frag[A_REGS], b_frag[KEY_TILES / 2][2 * B_REGS];
+            const unsigned *do_frag = a_frag;
+            if constexpr (A_IN_REGISTERS) do_frag = do_regs[ks];
+            else load_a_step<HEAD_DIM>(a_frag, do_tile, warp_row0, ks);
+            load_k_step<HEAD_DIM, KEY_TILES>(b_frag, v_tile, ks);
+#pragma unroll
+            for (int np = 0; np < KEY_TILES / 2; np++) {
+                mma_16x8x16(ds[2 * np], do_frag, b_frag[np][0], b_frag[np][1]);
+                mma_16x8x16(ds[2 * np + 1], do_frag, b_frag[np][2], b_frag[np][3]);
+            }
+        }
+        if (query0 + BWD_BLOCK_Q > seqlen || key0 + BWD_BLOCK_KV > seqlen ||
+            (causal && key0 + BWD_BLOCK_KV - 1 > query0))
+            mask_tile<KEY_TILES, false>(score, query0 + warp_row0 + group, key0 + 2 * quad_lane, seqlen, causal);
+
+        // P = exp(S * scale - LSE), dS = P * (dP - D): per row now, as the forward's layout.
+        unsigned ds_frag[KEY_STEPS][A_REGS];
+#pragma unroll
+        for (int nt = 0; nt < KEY_TILES; nt++)
+#pragma unroll
+            for (int i = 0; i < ACC_REGS; i++) {
+                const float p = exp2_approx(fmaf(score[nt][i], scale_log2, -row_lse[i / 2]));
+                ds[nt][i] = p * (ds[nt][i] - row_delta[i / 2]);
+            }
+#pragma unroll
+        for (int kk = 0; kk < KEY_STEPS; kk++) pack_a(ds_frag[kk], ds[2 * kk], ds[2 * kk + 1]);
+
+        // dQ += dS K: K [key][dim] with keys as the k dimension, ldmatrix.trans (07's V).
+#pragma unroll
+        for (int kk = 0; kk < KEY_STEPS; kk++)
+#pragma unroll
+            for (int dp = 0; dp < DIM_TILES / 2; dp++) {
+                unsigned k_frag[2 * B_REGS];
+                load_trans_pair<HEAD_DIM>(k_frag, k_tile, kk, dp);
+                mma_16x8x16(dq_acc[2 * dp], ds_frag[kk], k_frag[0], k_frag[1]);
+                mma_16x8x16(dq_acc[2 * dp + 1], ds_frag[kk], k_frag[2], k_frag[3]);
+            }
+    }
+    __pipeline_wait_prior(0);
+
+#pragma unroll
+    for (int r = 0; r < ACC_ROWS; r++) {
+        const int query = query0 + warp_row0 + group + r * ACC_ROW_STEP;
+        if (query >= seqlen) continue;
+        __half *dq_row = dq + (head * seqlen + query) * HEAD_DIM + 2 * quad_lane;
+#pragma unroll
+        for (int nt = 0; nt < DIM_TILES; nt++)
+            *(unsigned *)&dq_row[nt * MMA_N] = pack_half2(dq_acc[nt][2 * r] * scale, dq_acc[nt][2 * r + 1] * scale);
+    }
+}
+#endif
+// --- Launcher --------------------------------------------------------------------------------
+template <int HEAD_DIM>
+static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
+    const AttnShape *s = &args->shape;
+    int smem = Config<HEAD_DIM>::SMEM_BYTES;
+    RETURN_IF_ERROR(
+        cudaFuncSetAttribute(flash_attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    int heads = s->batch * s->heads, tiles = ceil_div(s->seqlen, BLOCK_Q);
+    dim3 grid = s->causal ? dim3(heads, tiles) : dim3(tiles, heads);
+    flash_attention_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(args->q, args->k, args->v, args->o, args->lse,
+                                                                      s->seqlen, s->scale * LOG2E, s->causal);
+    return cudaGetLastError();
+}
+
+static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
+    return launch_for_head_dim(args, stream, launch<64>, launch<128>);
+}
+
+
+// --- The backward's launcher -------------------------------------------------------------------
+// The workspace: D, one float per query row, then (atomic version) the fp32 dQ accumulator,
+// B*H*N*D floats, from a WORKSPACE_ALIGN boundary.
+static size_t delta_bytes(const AttnShape *s) {
+    size_t bytes = (size_t)s->batch * s->heads * s->seqlen * sizeof(float);
+    return (bytes + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN;
+}
+
+static size_t backward_workspace_bytes(const AttnShape *s) {
+    size_t dq_acc = (size_t)s->batch * s->heads * s->seqlen * s->headdim * sizeof(float);
+    return delta_bytes(s) + (DETERMINISTIC_DQ ? 0 : dq_acc);
+}
+
+template <int HEAD_DIM>
+static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream) {
+    const AttnShape *s = &args->shape;
+    const int heads = s->batch * s->heads, key_tiles = ceil_div(s->seqlen, BWD_BLOCK_KV);
+    const float scale = s->scale, scale_log2 = s->scale * LOG2E;
+    float *delta = (float *)args->workspace;
+    float *dq_acc = DETERMINISTIC_DQ ? NULL : (float *)((char *)args->workspace + delta_bytes(s));
+    const dim3 row_grid(ceil_div(s->seqlen, THREADS / (HEAD_DIM / CHUNK_HALVES)), heads);
+
+    backward_preprocess_kernel<HEAD_DIM><<<row_grid, THREADS, 0, stream>>>(args->o, args->d_o, delta, dq_acc, s->seqlen);
+    RETURN_IF_ERROR(cudaGetLastError());
+
+    int smem = BwdConfig<HEAD_DIM>::SMEM_BYTES;
+    RETURN_IF_ERROR(cudaFuncSetAttribute(flash_attention_backward_kernel<HEAD_DIM>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    dim3 grid = s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
+    flash_attention_backward_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(
+        args->q, args->k, args->v, args->d_o, args->lse, delta, dq_acc, args->dk, args->dv, s->seqlen, scale,
+        scale_log2, s->causal);
+    RETURN_IF_ERROR(cudaGetLastError());
+
+#if !DETERMINISTIC_DQ
+    convert_dq_kernel<HEAD_DIM><<<row_grid, THREADS, 0, stream>>>(dq_acc, args->dq, s->seqlen, scale);
+#else
+    smem = BwdConfig<HEAD_DIM>::DQ_SMEM_BYTES;
+    RETURN_IF_ERROR(
+        cudaFuncSetAttribute(flash_attention_dq_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const int query_tiles = ceil_div(s->seqlen, BWD_BLOCK_Q);
+    grid = s->causal ? dim3(heads, query_tiles) : dim3(query_tiles, heads);
+    flash_attention_dq_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(args->q, args->k, args->v, args->d_o,
+                                                                         args->lse, delta, args->dq, s->seqlen, scale,
+                                                                         scale_log2, s->causal);
+#endif
+    return cudaGetLastError();
+}
+
+static cudaError_t backward(const BackwardArgs *args, cudaStream_t stream) {
+    switch (args->shape.headdim) {
+    case 64: return launch_backward<64>(args, stream);
+    case 128: return launch_backward<128>(args, stream);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+static const Backward backward_pass = {backward_workspace_bytes, backward};
+
+const Chapter chapter = {
+    "09_backward",
+    "the backward pass: dQ, dK, dV recomputing P per tile, K and V resident, dQ by atomics",
+    PRECISION_FP16_TC,
+    80,
+    0,     // oldest and newest GPU it runs on (0: no newest)
+    NULL,  // the forward needs no workspace (the backward's is its own, below)
+    NULL,  // nothing to prepare before the forward
+    forward,
+    NULL,  // not an FP8 chapter
+    &backward_pass,
+};
