@@ -19,7 +19,7 @@
 #define MMA_M 16
 #define MMA_N 8
 #define MMA_K 16
-#define WARP_Q 32                // forward: query rows per warp
+#define WARP_Q 32                 // forward: query rows per warp
 #define M_TILES (WARP_Q / MMA_M)  // m16 tiles per warp: 2
 #define BLOCK_Q (WARPS * WARP_Q)  // query rows per block: 128
 // The forward's keys per streamed tile and (K, V) tiles in its ring, per head dim (07's).
@@ -379,7 +379,6 @@ __global__ void __launch_bounds__(THREADS, 2)
     }
 }
 
-
 // --- The backward pass ---------------------------------------------------------------------
 #ifndef DETERMINISTIC_DQ
 #define DETERMINISTIC_DQ 0  // dQ by a kernel of its own over query tiles, bitwise repeatable (0: atomics)
@@ -391,7 +390,7 @@ __global__ void __launch_bounds__(THREADS, 2)
 #define BWD_BLOCK_KV (WARPS * BWD_WARP_ROWS)  // keys per block of the main kernel: 64
 #define BWD_BLOCK_Q (WARPS * BWD_WARP_ROWS)   // queries per step of its loop (and per dQ block): 64
 #define BWD_STAGES 2                          // (Q, dO, LSE, D) tiles in the main kernel's ring
-#define WORKSPACE_ALIGN 256  // bytes: the dQ accumulator starts aligned for 16-byte accesses
+#define WORKSPACE_ALIGN 256                   // bytes: the dQ accumulator starts aligned for 16-byte accesses
 
 static_assert(THREADS == 2 * BWD_BLOCK_Q, "half the block copies a tile's LSE, half its D, one float each");
 static_assert(BWD_BLOCK_Q % MMA_K == 0 && BWD_BLOCK_KV % MMA_K == 0, "whole k16 steps of queries and keys");
@@ -528,12 +527,12 @@ __global__ void __launch_bounds__(THREADS, 2)
     constexpr int K_STEPS = HEAD_DIM / MMA_K;         // k16 steps of S^T = K Q^T and dP^T = V dO^T
     constexpr int Q_STEPS = BWD_BLOCK_Q / MMA_K;      // k16 steps of dV += P^T dO and dK += dS^T Q
     extern __shared__ __align__(128) unsigned char smem[];
-    float *lse_ring = (float *)smem;                                      // [BWD_STAGES][BWD_BLOCK_Q]
-    float *delta_ring = lse_ring + BWD_STAGES * BWD_BLOCK_Q;              // [BWD_STAGES][BWD_BLOCK_Q]
+    float *lse_ring = (float *)smem;                                     // [BWD_STAGES][BWD_BLOCK_Q]
+    float *delta_ring = lse_ring + BWD_STAGES * BWD_BLOCK_Q;             // [BWD_STAGES][BWD_BLOCK_Q]
     __half *k_tile = (__half *)(delta_ring + BWD_STAGES * BWD_BLOCK_Q);  // [BWD_BLOCK_KV][STRIDE]
-    __half *v_tile = k_tile + KV_HALVES;                                  // [BWD_BLOCK_KV][STRIDE]
-    __half *q_ring = v_tile + KV_HALVES;                                  // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
-    __half *do_ring = q_ring + BWD_STAGES * Q_HALVES;                     // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
+    __half *v_tile = k_tile + KV_HALVES;                                 // [BWD_BLOCK_KV][STRIDE]
+    __half *q_ring = v_tile + KV_HALVES;                                 // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
+    __half *do_ring = q_ring + BWD_STAGES * Q_HALVES;                    // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
 
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;  // accumulator row and column pair
@@ -605,8 +604,8 @@ __global__ void __launch_bounds__(THREADS, 2)
             (causal && key0 + BWD_BLOCK_KV - 1 > query0))
             mask_tile<QUERY_TILES, true>(score, key0 + warp_row0 + group, query0 + 2 * quad_lane, seqlen, causal);
 
-        // P^T = exp(S^T * scale - LSE), LSE the forward's: no running max, no sum. The columns
-        // are queries, so each of a lane's 16 columns has its own LSE (shared memory, broadcast).
+            // P^T = exp(S^T * scale - LSE), LSE the forward's: no running max, no sum. The columns
+            // are queries, so each of a lane's 16 columns has its own LSE (shared memory, broadcast).
 #pragma unroll
         for (int nt = 0; nt < QUERY_TILES; nt++) {
             const float2 row_lse = *(const float2 *)&lse_tile[nt * MMA_N + 2 * quad_lane];
@@ -662,7 +661,7 @@ __global__ void __launch_bounds__(THREADS, 2)
 #pragma unroll
         for (int kk = 0; kk < Q_STEPS; kk++) pack_a(ds_frag[kk], ds[2 * kk], ds[2 * kk + 1]);
 
-        // dK += dS^T Q (the scale is applied once, at the end): Q through ldmatrix.trans.
+            // dK += dS^T Q (the scale is applied once, at the end): Q through ldmatrix.trans.
 #pragma unroll
         for (int kk = 0; kk < Q_STEPS; kk++)
 #pragma unroll
@@ -680,7 +679,7 @@ __global__ void __launch_bounds__(THREADS, 2)
         // 16w..16w+15 against all 64 keys and adds its 16 x HEAD_DIM partial to the fp32
         // accumulator in device memory. Every key tile adds to the same rows: atomics (RED).
         constexpr int DS_STRIDE = BwdConfig<HEAD_DIM>::DS_STRIDE;
-        constexpr int KEY_STEPS = BWD_BLOCK_KV / MMA_K;  // k16 steps of dS K
+        constexpr int KEY_STEPS = BWD_BLOCK_KV / MMA_K;     // k16 steps of dS K
         __half *ds_tile = do_ring + BWD_STAGES * Q_HALVES;  // [BWD_BLOCK_KV][DS_STRIDE]
 #pragma unroll
         for (int kk = 0; kk < Q_STEPS; kk++)
@@ -691,31 +690,38 @@ __global__ void __launch_bounds__(THREADS, 2)
                 *(unsigned *)&ds_tile[key * DS_STRIDE + query] = ds_frag[kk][i];
             }
         __syncthreads();  // every warp's dS^T rows are in
-        float dq_part[DIM_TILES][ACC_REGS] = {};
+        // In passes of DQ_DIM_TILES n8 tiles of dims: at D=128 the 16 x 128 partial at once would
+        // be 64 more registers beside dK and dV, and sm_80's ptxas spills.
+        constexpr int DQ_DIM_TILES = DIM_TILES > 8 ? 8 : DIM_TILES;
 #pragma unroll
-        for (int kk = 0; kk < KEY_STEPS; kk++) {
-            // dS as the A operand from dS^T: ldmatrix.trans; matrix l / 8 is queries + 8 (l / 8 % 2),
-            // keys + 8 (l / 16). Lane l gives key row 16kk + 8 (l / 16) + l % 8.
-            unsigned ds_a[A_REGS];
-            const int key = kk * MMA_K + lane / (2 * LDM_ROWS) * LDM_ROWS + lane % LDM_ROWS;
-            ldmatrix_x4_trans(ds_a, ds_tile + key * DS_STRIDE + warp_row0 + lane / LDM_ROWS % 2 * LDM_ROWS);
+        for (int pass = 0; pass < DIM_TILES / DQ_DIM_TILES; pass++) {
+            float dq_part[DQ_DIM_TILES][ACC_REGS] = {};
 #pragma unroll
-            for (int dp = 0; dp < DIM_TILES / 2; dp++) {
-                unsigned k_frag[2 * B_REGS];
-                load_trans_pair<HEAD_DIM>(k_frag, k_tile, kk, dp);
-                mma_16x8x16(dq_part[2 * dp], ds_a, k_frag[0], k_frag[1]);
-                mma_16x8x16(dq_part[2 * dp + 1], ds_a, k_frag[2], k_frag[3]);
+            for (int kk = 0; kk < KEY_STEPS; kk++) {
+                // dS as the A operand from dS^T: ldmatrix.trans; matrix l / 8 holds queries
+                // + 8 (l / 8 % 2) and keys + 8 (l / 16): lane l gives key row 16kk + 8 (l / 16) + l % 8.
+                unsigned ds_a[A_REGS];
+                const int key = kk * MMA_K + lane / (2 * LDM_ROWS) * LDM_ROWS + lane % LDM_ROWS;
+                ldmatrix_x4_trans(ds_a, ds_tile + key * DS_STRIDE + warp_row0 + lane / LDM_ROWS % 2 * LDM_ROWS);
+#pragma unroll
+                for (int dp = 0; dp < DQ_DIM_TILES / 2; dp++) {
+                    unsigned k_frag[2 * B_REGS];
+                    load_trans_pair<HEAD_DIM>(k_frag, k_tile, kk, pass * DQ_DIM_TILES / 2 + dp);
+                    mma_16x8x16(dq_part[2 * dp], ds_a, k_frag[0], k_frag[1]);
+                    mma_16x8x16(dq_part[2 * dp + 1], ds_a, k_frag[2], k_frag[3]);
+                }
             }
-        }
 #pragma unroll
-        for (int r = 0; r < ACC_ROWS; r++) {
-            const int query = query0 + warp_row0 + group + r * ACC_ROW_STEP;
-            if (query >= seqlen) continue;
-            float *dq_row = dq_acc + (head * seqlen + query) * HEAD_DIM + 2 * quad_lane;
+            for (int r = 0; r < ACC_ROWS; r++) {
+                const int query = query0 + warp_row0 + group + r * ACC_ROW_STEP;
+                if (query >= seqlen) continue;
+                float *dq_row =
+                    dq_acc + (head * seqlen + query) * HEAD_DIM + pass * DQ_DIM_TILES * MMA_N + 2 * quad_lane;
 #pragma unroll
-            for (int nt = 0; nt < DIM_TILES; nt++) {
-                atomicAdd(dq_row + nt * MMA_N, dq_part[nt][2 * r]);
-                atomicAdd(dq_row + nt * MMA_N + 1, dq_part[nt][2 * r + 1]);
+                for (int nt = 0; nt < DQ_DIM_TILES; nt++) {
+                    atomicAdd(dq_row + nt * MMA_N, dq_part[nt][2 * r]);
+                    atomicAdd(dq_row + nt * MMA_N + 1, dq_part[nt][2 * r + 1]);
+                }
             }
         }
 #else
@@ -772,9 +778,9 @@ __global__ void __launch_bounds__(THREADS, 2)
     constexpr int K_STEPS = HEAD_DIM / MMA_K;        // k16 steps of S = Q K^T and dP = dO V^T
     constexpr int KEY_STEPS = BWD_BLOCK_KV / MMA_K;  // k16 steps of dQ += dS K
     extern __shared__ __align__(128) unsigned char smem[];
-    __half *q_tile = (__half *)smem;                    // [BWD_BLOCK_Q][STRIDE]
-    __half *do_tile = q_tile + Q_HALVES;                // [BWD_BLOCK_Q][STRIDE]
-    __half *k_ring = do_tile + Q_HALVES;                // [BWD_STAGES][BWD_BLOCK_KV][STRIDE]
+    __half *q_tile = (__half *)smem;                   // [BWD_BLOCK_Q][STRIDE]
+    __half *do_tile = q_tile + Q_HALVES;               // [BWD_BLOCK_Q][STRIDE]
+    __half *k_ring = do_tile + Q_HALVES;               // [BWD_STAGES][BWD_BLOCK_KV][STRIDE]
     __half *v_ring = k_ring + BWD_STAGES * KV_HALVES;  // [BWD_STAGES][BWD_BLOCK_KV][STRIDE]
 
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
@@ -812,10 +818,10 @@ __global__ void __launch_bounds__(THREADS, 2)
         __syncthreads();
         const int next = tile + BWD_STAGES - 1;
         if (next < kv_tiles) {
-            load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(k_ring + next % BWD_STAGES * KV_HALVES, k_head,
-                                                    next * BWD_BLOCK_KV, seqlen);
-            load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(v_ring + next % BWD_STAGES * KV_HALVES, v_head,
-                                                    next * BWD_BLOCK_KV, seqlen);
+            load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(k_ring + next % BWD_STAGES * KV_HALVES, k_head, next * BWD_BLOCK_KV,
+                                                    seqlen);
+            load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(v_ring + next % BWD_STAGES * KV_HALVES, v_head, next * BWD_BLOCK_KV,
+                                                    seqlen);
         }
         __pipeline_commit();
         const __half *k_tile = k_ring + tile % BWD_STAGES * KV_HALVES;
@@ -873,7 +879,7 @@ __global__ void __launch_bounds__(THREADS, 2)
 #pragma unroll
         for (int kk = 0; kk < KEY_STEPS; kk++) pack_a(ds_frag[kk], ds[2 * kk], ds[2 * kk + 1]);
 
-        // dQ += dS K: K [key][dim] with keys as the k dimension, ldmatrix.trans (07's V).
+            // dQ += dS K: K [key][dim] with keys as the k dimension, ldmatrix.trans (07's V).
 #pragma unroll
         for (int kk = 0; kk < KEY_STEPS; kk++)
 #pragma unroll
@@ -915,7 +921,6 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
     return launch_for_head_dim(args, stream, launch<64>, launch<128>);
 }
 
-
 // --- The backward's launcher -------------------------------------------------------------------
 // The workspace: D, one float per query row, then (atomic version) the fp32 dQ accumulator,
 // B*H*N*D floats, from a WORKSPACE_ALIGN boundary.
@@ -938,16 +943,17 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
     float *dq_acc = DETERMINISTIC_DQ ? NULL : (float *)((char *)args->workspace + delta_bytes(s));
     const dim3 row_grid(ceil_div(s->seqlen, THREADS / (HEAD_DIM / CHUNK_HALVES)), heads);
 
-    backward_preprocess_kernel<HEAD_DIM><<<row_grid, THREADS, 0, stream>>>(args->o, args->d_o, delta, dq_acc, s->seqlen);
+    backward_preprocess_kernel<HEAD_DIM>
+        <<<row_grid, THREADS, 0, stream>>>(args->o, args->d_o, delta, dq_acc, s->seqlen);
     RETURN_IF_ERROR(cudaGetLastError());
 
     int smem = BwdConfig<HEAD_DIM>::SMEM_BYTES;
     RETURN_IF_ERROR(cudaFuncSetAttribute(flash_attention_backward_kernel<HEAD_DIM>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     dim3 grid = s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
-    flash_attention_backward_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(
-        args->q, args->k, args->v, args->d_o, args->lse, delta, dq_acc, args->dk, args->dv, s->seqlen, scale,
-        scale_log2, s->causal);
+    flash_attention_backward_kernel<HEAD_DIM>
+        <<<grid, THREADS, smem, stream>>>(args->q, args->k, args->v, args->d_o, args->lse, delta, dq_acc, args->dk,
+                                          args->dv, s->seqlen, scale, scale_log2, s->causal);
     RETURN_IF_ERROR(cudaGetLastError());
 
 #if !DETERMINISTIC_DQ
@@ -958,9 +964,8 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
         cudaFuncSetAttribute(flash_attention_dq_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const int query_tiles = ceil_div(s->seqlen, BWD_BLOCK_Q);
     grid = s->causal ? dim3(heads, query_tiles) : dim3(query_tiles, heads);
-    flash_attention_dq_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(args->q, args->k, args->v, args->d_o,
-                                                                         args->lse, delta, args->dq, s->seqlen, scale,
-                                                                         scale_log2, s->causal);
+    flash_attention_dq_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(
+        args->q, args->k, args->v, args->d_o, args->lse, delta, args->dq, s->seqlen, scale, scale_log2, s->causal);
 #endif
     return cudaGetLastError();
 }
