@@ -1,0 +1,508 @@
+"""09_backward's tile loops emulated in NumPy, lane by lane, in float64, against the float64
+backward of common/reference.py: the index arithmetic of the kernels checked without a GPU.
+
+The emulation follows attention.cu: its tile sizes (read from the source), its grids and how a
+block finds its key (or query) tile and head, the ring's slots, the zero fill of rows past N,
+the mask and the tiles that take it, the causal tiles skipped, and every fragment: which lane
+gives which ldmatrix row address, what ldmatrix (.trans or not) and mma.sync m16n8k16 then hold
+(the register layouts of the PTX ISA), the repacking of accumulators into A operands, dS^T's
+round trip through shared memory and the atomics into the fp32 dQ accumulator, in the kernel's
+order. Each product is the kernel's own sequence of mma.sync on those fragments, in float64
+(no fp16 rounding), so the emulation must agree with the reference to rounding error. It also
+checks what the kernel relies on without computing it: that no tile left unmasked needed a
+mask, that the skipped tiles and the rows whose atomics are skipped would have added zero,
+that every (query, key) pair is visited exactly once, and that the ldmatrix reads and dS^T's
+4-byte stores hit 32 different banks.
+"""
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "common"))
+import reference  # noqa: E402
+
+SOURCE = ROOT / "09_backward" / "attention.cu"
+LANES = np.arange(32)
+GROUP, QUAD = LANES // 4, LANES % 4  # accumulator row (l / 4) and column pair (l % 4)
+
+
+def constants():
+    """The integer #defines of attention.cu, evaluated (those that are arithmetic on others)."""
+    text = SOURCE.read_text()
+    raw = dict(re.findall(r"^#define (\w+) (.+?)\s*(?://.*)?$", text, re.M))
+    out = {}
+
+    def value(name, depth=0):
+        if name in out:
+            return out[name]
+        expr = raw[name].replace("(int)sizeof(__half)", "2").replace("(int)sizeof(float)", "4").replace("/", "//")
+        expr = re.sub(r"\b[A-Z_][A-Z0-9_]*\b", lambda m: str(value(m.group(0), depth + 1)), expr)
+        out[name] = int(eval(expr, {"__builtins__": {}}))  # integer arithmetic on literals only
+        return out[name]
+
+    for name in ("WARPS", "MMA_M", "MMA_N", "MMA_K", "PAD", "BWD_WARP_ROWS", "BWD_BLOCK_KV", "BWD_BLOCK_Q",
+                 "BWD_STAGES", "CHUNK_HALVES"):
+        value(name)
+    return out
+
+
+C = constants()
+WARPS, ROWS, BKV, BQ, STAGES, PAD = (C[n] for n in ("WARPS", "BWD_WARP_ROWS", "BWD_BLOCK_KV", "BWD_BLOCK_Q",
+                                                     "BWD_STAGES", "PAD"))
+
+
+def ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+# --- shared memory, ldmatrix and mma.sync as the PTX ISA documents them -------------------------
+class Shared:
+    """A flat array of halves (float64 here) with bank-conflict checks on every access."""
+
+    def __init__(self, halves):
+        self.mem = np.zeros(halves)
+
+    def ldmatrix_x4(self, addrs, trans=False):
+        """addrs: 32 half offsets, lanes 8i..8i+7 the rows of matrix i. Returns [32, 4, 2]: lane l's
+        register i holds row l/4, columns 2(l%4), +1 of matrix i (of its transpose with .trans)."""
+        addrs = np.asarray(addrs)
+        assert np.all(addrs % 8 == 0), "ldmatrix rows are 16-byte aligned"
+        for i in range(4):  # one matrix per phase: its 8 rows in 8 different groups of 4 banks
+            groups = (addrs[8 * i:8 * i + 8] * 2 // 16) % 8
+            assert len(set(groups.tolist())) == 8, f"ldmatrix bank conflict: rows at {addrs[8 * i:8 * i + 8]}"
+        mats = self.mem[addrs[:, None] + np.arange(8)].reshape(4, 8, 8)  # [matrix][row][col]
+        if trans:
+            mats = mats.transpose(0, 2, 1)
+        return mats[:, GROUP[:, None], 2 * QUAD[:, None] + np.arange(2)].transpose(1, 0, 2)
+
+    def store_words(self, addrs, pairs):
+        """32 lanes' 4-byte stores (two halves each): 32 different banks."""
+        addrs = np.asarray(addrs)
+        assert np.all(addrs % 2 == 0)
+        assert len(set((addrs // 2 % 32).tolist())) == 32, "4-byte store bank conflict"
+        self.mem[addrs] = pairs[:, 0]
+        self.mem[addrs + 1] = pairs[:, 1]
+
+
+def a_matrix(a):
+    """A (16 x 16) from lane registers a[32, 4, 2]: a0 (g, 2c), a1 (g+8, 2c), a2 (g, 2c+8), a3 (g+8, 2c+8)."""
+    m = np.zeros((16, 16))
+    cols = 2 * QUAD[:, None] + np.arange(2)
+    for i in range(4):
+        m[GROUP[:, None] + 8 * (i % 2), cols + 8 * (i // 2)] = a[:, i]
+    return m
+
+
+def b_matrix(b0, b1):
+    """B (16 x 8) from b0 (k 2c, 2c+1; n g) and b1 (k 2c+8, +9; n g), each [32, 2]."""
+    m = np.zeros((16, 8))
+    rows = 2 * QUAD[:, None] + np.arange(2)
+    m[rows, GROUP[:, None]] = b0
+    m[rows + 8, GROUP[:, None]] = b1
+    return m
+
+
+def acc_matrix(acc):
+    """[32, 4] accumulator -> 16 x 8: c0, c1 (g, 2c, +1), c2, c3 (g+8, ...)."""
+    m = np.zeros((16, 8))
+    cols = 2 * QUAD[:, None] + np.arange(2)
+    m[GROUP[:, None], cols] = acc[:, 0:2]
+    m[GROUP[:, None] + 8, cols] = acc[:, 2:4]
+    return m
+
+
+def mma(acc, a, b0, b1):
+    """acc [32, 4] += A B, as mma.sync.m16n8k16 does (float64 here)."""
+    c = acc_matrix(acc) + a_matrix(a) @ b_matrix(b0, b1)
+    cols = 2 * QUAD[:, None] + np.arange(2)
+    acc[:, 0:2] = c[GROUP[:, None], cols]
+    acc[:, 2:4] = c[GROUP[:, None] + 8, cols]
+
+
+def pack_a(lo, hi):
+    """Two n8 accumulators [32, 4] as one A operand [32, 4, 2] (the kernel's pack_a)."""
+    return np.stack([lo[:, 0:2], lo[:, 2:4], hi[:, 0:2], hi[:, 2:4]], axis=1)
+
+
+# --- the kernel's helpers, lane by lane ----------------------------------------------------------
+def tile_offset(stride, row, chunk):
+    return row * stride + chunk * 8
+
+
+def load_a_step(smem, base, stride, row0, ks):
+    return smem.ldmatrix_x4(base + tile_offset(stride, row0 + LANES % 16, ks * 2 + LANES // 16))
+
+
+def load_k_step(smem, base, stride, key_tiles, ks):
+    out = []
+    for np_ in range(key_tiles // 2):
+        key = np_ * 16 + LANES % 8 + LANES // 16 * 8
+        out.append(smem.ldmatrix_x4(base + tile_offset(stride, key, ks * 2 + LANES // 8 % 2)))
+    return out
+
+
+def load_trans_pair(smem, base, stride, kk, dp):
+    row = kk * 16 + LANES % 8 + LANES // 8 % 2 * 8
+    return smem.ldmatrix_x4(base + tile_offset(stride, row, dp * 2 + LANES // 16), trans=True)
+
+
+def load_tile(smem, base, stride, src, row0, seqlen, rows, d):
+    """load_tile_async: rows row0.. of src [N, D], zero-filled past seqlen."""
+    for r in range(rows):
+        at = base + r * stride
+        smem.mem[at:at + d] = src[row0 + r] if row0 + r < seqlen else 0.0
+
+
+def mask_needed(query0, key0, seqlen, causal):
+    return query0 + BQ > seqlen or key0 + BKV > seqlen or (causal and key0 + BKV - 1 > query0)
+
+
+def hidden(key, query, seqlen, causal):
+    return (key >= seqlen) | (query >= seqlen) | (causal & (key > query))
+
+
+def tile_hidden(rows, cols, rows_are_keys, seqlen, causal):
+    """mask_tile's predicate for a lane's elements [nt][2r+e]: rows [32, 2] (r), cols [32, tiles, 2] (e)."""
+    r = rows[:, None, :, None]
+    c = cols[:, :, None, :]
+    key, query = (r, c) if rows_are_keys else (c, r)
+    return hidden(key, query, seqlen, causal).reshape(32, cols.shape[1], 4)  # [lane][nt][2r+e]
+
+
+def lane_rows(row0):
+    return row0 + GROUP[:, None] + 8 * np.arange(2)  # [32, 2]: rows g and g+8
+
+
+def lane_cols(col0, tiles):
+    return col0 + 2 * QUAD[:, None, None] + 8 * np.arange(tiles)[None, :, None] + np.arange(2)  # [32, tiles, 2]
+
+
+# --- the kernels -----------------------------------------------------------------------------
+def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic):
+    """dQ, dK, dV [BH, N, D] and D [BH, N] as 09's kernels compute them (float64)."""
+    heads, seqlen, d = q.shape
+    stride, ds_stride = d + PAD, BQ + PAD
+    k_steps, q_tiles_n8, q_steps, dim_tiles = d // 16, BQ // 8, BQ // 16, d // 8
+    log2e = 1 / np.log(2)
+    scale_log2 = scale * log2e
+    visits = np.zeros((heads, seqlen, seqlen), dtype=np.int64)
+
+    # (1) preprocess: D = rowsum(dO * O); the dQ accumulator zeroed (the workspace).
+    delta = np.sum(do * o, axis=-1)
+    dq_acc = np.zeros((heads, seqlen, d))
+    dk, dv = np.zeros((heads, seqlen, d)), np.zeros((heads, seqlen, d))
+
+    # (2) the main kernel, block by block in its grid's order.
+    key_tiles = ceil_div(seqlen, BKV)
+    grid = (heads, key_tiles) if causal else (key_tiles, heads)
+    for by in range(grid[1]):
+        for bx in range(grid[0]):
+            key_tile, head = (by, bx) if causal else (bx, by)
+            key0 = key_tile * BKV
+            first_tile = key0 // BQ if causal else 0
+            n_tiles = ceil_div(seqlen, BQ) - first_tile
+            assert n_tiles >= 1
+            if causal and first_tile > 0:  # the skipped query tiles: every key of the block after every query
+                assert first_tile * BQ - 1 < key0
+            # shared memory: LSE/D ring (floats, kept apart here), K, V, the Q/dO ring, dS^T
+            k_base, v_base = 0, BKV * stride
+            q_ring, do_ring = 2 * BKV * stride, 2 * BKV * stride + STAGES * BQ * stride
+            ds_base = do_ring + STAGES * BQ * stride
+            smem = Shared(ds_base + BKV * ds_stride)
+            lse_ring, delta_ring = np.zeros((STAGES, BQ)), np.zeros((STAGES, BQ))
+
+            def fill(slot, t):
+                query0 = (first_tile + t) * BQ
+                load_tile(smem, q_ring + slot * BQ * stride, stride, q[head], query0, seqlen, BQ, d)
+                load_tile(smem, do_ring + slot * BQ * stride, stride, do[head], query0, seqlen, BQ, d)
+                rows = query0 + np.arange(BQ)
+                ok = rows < seqlen
+                lse_ring[slot] = np.where(ok, lse[head][np.minimum(rows, seqlen - 1)], 0.0)
+                delta_ring[slot] = np.where(ok, delta[head][np.minimum(rows, seqlen - 1)], 0.0)
+
+            load_tile(smem, k_base, stride, k[head], key0, seqlen, BKV, d)
+            load_tile(smem, v_base, stride, v[head], key0, seqlen, BKV, d)
+            for t in range(STAGES - 1):
+                if t < n_tiles:
+                    fill(t, t)
+            dk_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(WARPS)]
+            dv_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(WARPS)]
+            for tile in range(n_tiles):
+                nxt = tile + STAGES - 1
+                if nxt < n_tiles:
+                    fill(nxt % STAGES, nxt)
+                slot, query0 = tile % STAGES, (first_tile + tile) * BQ
+                q_tile, do_tile = q_ring + slot * BQ * stride, do_ring + slot * BQ * stride
+                masked_here = mask_needed(query0, key0, seqlen, causal)
+                ds_frags = []
+                for w in range(WARPS):
+                    row0 = w * ROWS
+                    score = np.zeros((q_tiles_n8, 32, 4))
+                    for ks in range(k_steps):
+                        kf = load_a_step(smem, k_base, stride, row0, ks)
+                        qf = load_k_step(smem, q_tile, stride, q_tiles_n8, ks)
+                        for np_ in range(q_tiles_n8 // 2):
+                            mma(score[2 * np_], kf, qf[np_][:, 0], qf[np_][:, 1])
+                            mma(score[2 * np_ + 1], kf, qf[np_][:, 2], qf[np_][:, 3])
+                    score = score.transpose(1, 0, 2)  # [lane][nt][4]
+                    hide = tile_hidden(lane_rows(key0 + row0), lane_cols(query0, q_tiles_n8), True, seqlen, causal)
+                    if masked_here:
+                        score = np.where(hide, -np.inf, score)
+                    else:
+                        assert not hide.any(), f"tile (keys {key0}, queries {query0}) needed the mask it skips"
+                    # visits: the pairs this warp's elements stand for, unmasked
+                    keys, queries = np.broadcast_arrays(lane_rows(key0 + row0)[:, None, :, None],
+                                                        lane_cols(query0, q_tiles_n8)[:, :, None, :])
+                    seen = ~hide.reshape(keys.shape)
+                    np.add.at(visits[head], (queries[seen], keys[seen]), 1)
+                    # P^T = exp2(S^T * scale_log2 - LSE * log2e): LSE of column nt*8 + 2c + e
+                    cols = (np.arange(q_tiles_n8)[None, :, None] * 8 + 2 * QUAD[:, None, None] + np.arange(2))
+                    lse_l = lse_ring[slot][cols]  # [32, nt, 2]
+                    lse_l = np.concatenate([lse_l, lse_l], axis=-1)  # [2r + e] -> e
+                    p = np.exp2(score * scale_log2 - lse_l * log2e)
+                    p = p.transpose(1, 0, 2)  # [nt][lane][4]
+                    for kk in range(q_steps):
+                        pf = pack_a(p[2 * kk], p[2 * kk + 1])
+                        for dp in range(dim_tiles // 2):
+                            df = load_trans_pair(smem, do_tile, stride, kk, dp)
+                            mma(dv_acc[w][2 * dp], pf, df[:, 0], df[:, 1])
+                            mma(dv_acc[w][2 * dp + 1], pf, df[:, 2], df[:, 3])
+                    dsv = np.zeros((q_tiles_n8, 32, 4))
+                    for ks in range(k_steps):
+                        vf = load_a_step(smem, v_base, stride, row0, ks)
+                        of = load_k_step(smem, do_tile, stride, q_tiles_n8, ks)
+                        for np_ in range(q_tiles_n8 // 2):
+                            mma(dsv[2 * np_], vf, of[np_][:, 0], of[np_][:, 1])
+                            mma(dsv[2 * np_ + 1], vf, of[np_][:, 2], of[np_][:, 3])
+                    dl = delta_ring[slot][cols]
+                    dl = np.concatenate([dl, dl], axis=-1).transpose(1, 0, 2)
+                    dsv = p * (dsv - dl)
+                    dsf = [pack_a(dsv[2 * kk], dsv[2 * kk + 1]) for kk in range(q_steps)]
+                    for kk in range(q_steps):
+                        for dp in range(dim_tiles // 2):
+                            qf2 = load_trans_pair(smem, q_tile, stride, kk, dp)
+                            mma(dk_acc[w][2 * dp], dsf[kk], qf2[:, 0], qf2[:, 1])
+                            mma(dk_acc[w][2 * dp + 1], dsf[kk], qf2[:, 2], qf2[:, 3])
+                    ds_frags.append(dsf)
+                if deterministic:
+                    continue
+                # dS^T to shared memory (after every warp's S^T: the kernel's stores, then a barrier)
+                for w in range(WARPS):
+                    for kk in range(q_steps):
+                        for i in range(4):
+                            key = w * ROWS + GROUP + i % 2 * 8
+                            query = kk * 16 + i // 2 * 8 + 2 * QUAD
+                            smem.store_words(ds_base + key * ds_stride + query, ds_frags[w][kk][:, i])
+                dq_dim_tiles = min(dim_tiles, 8)
+                for w in range(WARPS):
+                    row0 = w * ROWS
+                    for pas in range(dim_tiles // dq_dim_tiles):
+                        part = np.zeros((dq_dim_tiles, 32, 4))
+                        for kk in range(BKV // 16):
+                            key = kk * 16 + LANES // 16 * 8 + LANES % 8
+                            dsa = smem.ldmatrix_x4(ds_base + key * ds_stride + row0 + LANES // 8 % 2 * 8, trans=True)
+                            for dp in range(dq_dim_tiles // 2):
+                                kf = load_trans_pair(smem, k_base, stride, kk, pas * dq_dim_tiles // 2 + dp)
+                                mma(part[2 * dp], dsa, kf[:, 0], kf[:, 1])
+                                mma(part[2 * dp + 1], dsa, kf[:, 2], kf[:, 3])
+                        for r in range(2):
+                            query = query0 + row0 + GROUP + 8 * r  # [32]
+                            for nt in range(dq_dim_tiles):
+                                for e in range(2):
+                                    col = pas * dq_dim_tiles * 8 + nt * 8 + 2 * QUAD + e
+                                    val = part[nt][:, 2 * r + e]
+                                    ok = query < seqlen
+                                    assert np.all(val[~ok] == 0), "a skipped atomic (query past N) was not zero"
+                                    np.add.at(dq_acc[head], (query[ok], col[ok]), val[ok])  # atomicAdd
+            for w in range(WARPS):
+                for r in range(2):
+                    key = key0 + w * ROWS + GROUP + 8 * r
+                    ok = key < seqlen
+                    for nt in range(dim_tiles):
+                        for e in range(2):
+                            col = nt * 8 + 2 * QUAD + e
+                            dk[head][key[ok], col[ok]] = dk_acc[w][nt][ok, 2 * r + e] * scale
+                            dv[head][key[ok], col[ok]] = dv_acc[w][nt][ok, 2 * r + e]
+
+    want = np.tril(np.ones((seqlen, seqlen), dtype=np.int64)) if causal else np.ones((seqlen, seqlen), np.int64)
+    assert np.array_equal(visits, np.broadcast_to(want, visits.shape)), "a (query, key) pair visited not exactly once"
+    if deterministic:
+        dq = emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale)
+    else:
+        dq = dq_acc * scale  # (3) convert
+    return dq, dk, dv, delta
+
+
+def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale):
+    """DETERMINISTIC_DQ's dQ kernel: per query tile, the key tiles in order, dQ in registers."""
+    heads, seqlen, d = q.shape
+    stride = d + PAD
+    k_steps, key_tiles_n8, key_steps, dim_tiles = d // 16, BKV // 8, BKV // 16, d // 8
+    log2e = 1 / np.log(2)
+    dq = np.zeros((heads, seqlen, d))
+    visits = np.zeros((heads, seqlen, seqlen), dtype=np.int64)
+    query_tiles = ceil_div(seqlen, BQ)
+    grid = (heads, query_tiles) if causal else (query_tiles, heads)
+    for by in range(grid[1]):
+        for bx in range(grid[0]):
+            query_tile, head = (grid[1] - 1 - by, bx) if causal else (bx, by)
+            query0 = query_tile * BQ
+            key_end = min(seqlen, query0 + BQ) if causal else seqlen
+            kv_tiles = ceil_div(key_end, BKV)
+            q_base, do_base, k_ring = 0, BQ * stride, 2 * BQ * stride
+            v_ring = k_ring + STAGES * BKV * stride
+            smem = Shared(v_ring + STAGES * BKV * stride)
+            load_tile(smem, q_base, stride, q[head], query0, seqlen, BQ, d)
+            load_tile(smem, do_base, stride, do[head], query0, seqlen, BQ, d)
+
+            def fill(slot, t):
+                load_tile(smem, k_ring + slot * BKV * stride, stride, k[head], t * BKV, seqlen, BKV, d)
+                load_tile(smem, v_ring + slot * BKV * stride, stride, v[head], t * BKV, seqlen, BKV, d)
+
+            for t in range(STAGES - 1):
+                if t < kv_tiles:
+                    fill(t, t)
+            acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(WARPS)]
+            rows_of = [lane_rows(query0 + w * ROWS) for w in range(WARPS)]
+            for tile in range(kv_tiles):
+                nxt = tile + STAGES - 1
+                if nxt < kv_tiles:
+                    fill(nxt % STAGES, nxt)
+                k_tile, v_tile = k_ring + tile % STAGES * BKV * stride, v_ring + tile % STAGES * BKV * stride
+                key0 = tile * BKV
+                for w in range(WARPS):
+                    row0 = w * ROWS
+                    rows = rows_of[w]
+                    ok = rows < seqlen
+                    row_lse = np.where(ok, lse[head][np.minimum(rows, seqlen - 1)] * log2e, 0.0)  # [32, 2]
+                    row_delta = np.where(ok, delta[head][np.minimum(rows, seqlen - 1)], 0.0)
+                    score, dsv = np.zeros((key_tiles_n8, 32, 4)), np.zeros((key_tiles_n8, 32, 4))
+                    for ks in range(k_steps):
+                        qf = load_a_step(smem, q_base, stride, row0, ks)
+                        kf = load_k_step(smem, k_tile, stride, key_tiles_n8, ks)
+                        for np_ in range(key_tiles_n8 // 2):
+                            mma(score[2 * np_], qf, kf[np_][:, 0], kf[np_][:, 1])
+                            mma(score[2 * np_ + 1], qf, kf[np_][:, 2], kf[np_][:, 3])
+                    for ks in range(k_steps):
+                        of = load_a_step(smem, do_base, stride, row0, ks)
+                        vf = load_k_step(smem, v_tile, stride, key_tiles_n8, ks)
+                        for np_ in range(key_tiles_n8 // 2):
+                            mma(dsv[2 * np_], of, vf[np_][:, 0], vf[np_][:, 1])
+                            mma(dsv[2 * np_ + 1], of, vf[np_][:, 2], vf[np_][:, 3])
+                    score = score.transpose(1, 0, 2)
+                    hide = tile_hidden(rows, lane_cols(key0, key_tiles_n8), False, seqlen, causal)
+                    if mask_needed(query0, key0, seqlen, causal):
+                        score = np.where(hide, -np.inf, score)
+                    else:
+                        assert not hide.any(), f"dQ tile (queries {query0}, keys {key0}) needed the mask it skips"
+                    queries, keys = np.broadcast_arrays(rows[:, None, :, None], lane_cols(key0, key_tiles_n8)[:, :, None, :])
+                    seen = ~hide.reshape(keys.shape)
+                    np.add.at(visits[head], (queries[seen], keys[seen]), 1)
+                    i_row = np.array([0, 0, 1, 1])  # element i of an accumulator: row i / 2
+                    p = np.exp2(score * scale * log2e - row_lse[:, None, i_row])
+                    dsv = (p * (dsv.transpose(1, 0, 2) - row_delta[:, None, i_row])).transpose(1, 0, 2)
+                    for kk in range(key_steps):
+                        dsf = pack_a(dsv[2 * kk], dsv[2 * kk + 1])
+                        for dp in range(dim_tiles // 2):
+                            kf = load_trans_pair(smem, k_tile, stride, kk, dp)
+                            mma(acc[w][2 * dp], dsf, kf[:, 0], kf[:, 1])
+                            mma(acc[w][2 * dp + 1], dsf, kf[:, 2], kf[:, 3])
+            if causal and kv_tiles * BKV < seqlen:  # the key tiles skipped: after every query of the tile
+                assert kv_tiles * BKV > query0 + BQ - 1
+            for w in range(WARPS):
+                rows = rows_of[w]
+                for r in range(2):
+                    ok = rows[:, r] < seqlen
+                    for nt in range(dim_tiles):
+                        for e in range(2):
+                            col = nt * 8 + 2 * QUAD + e
+                            dq[head][rows[ok, r], col[ok]] = acc[w][nt][ok, 2 * r + e] * scale
+    want = np.tril(np.ones((seqlen, seqlen), dtype=np.int64)) if causal else np.ones((seqlen, seqlen), np.int64)
+    assert np.array_equal(visits, np.broadcast_to(want, visits.shape)), "dQ kernel: a pair not visited exactly once"
+    return dq
+
+
+# --- the checks ----------------------------------------------------------------------------------
+def check_shape(heads, seqlen, d, causal, deterministic, seed=0):
+    q, k, v = reference.make_inputs(1, heads, seqlen, d, seed)
+    do = reference.make_grad_output(1, heads, seqlen, d, seed)
+    scale = 1 / np.sqrt(d)
+    rows = np.arange(seqlen, dtype=np.int64)
+    o, lse = reference.attention_reference(q, k, v, rows, causal, scale)
+    want = reference.attention_backward(q, k, v, do, rows, rows, causal, scale)
+    f64 = [x[0].astype(np.float64) for x in (q, k, v, do)]
+    got = emulate_backward(*f64, o[0], lse[0], causal, scale, deterministic)
+    for name, g, w in zip(("dQ", "dK", "dV", "D"), got, want):
+        w = w[0]
+        assert np.all(np.isfinite(g)), f"{name}: non-finite values"
+        err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1.0)
+        assert err < 1e-10, (f"{name} at H={heads} N={seqlen} D={d} causal={causal} "
+                             f"deterministic={deterministic}: relative error {err:.2e}")
+    return got
+
+
+SHAPES = [  # (heads, N, D, causal): N = 1, a ragged tile, whole tiles, ragged and causal
+    (1, 1, 64, False), (1, 1, 128, True), (1, 77, 64, True), (2, 77, 128, False),
+    (1, 128, 64, True), (1, 130, 128, True), (1, 200, 64, False),
+]
+
+
+def test_tile_constants_read_from_the_source():
+    assert BKV == WARPS * ROWS and BQ % 16 == 0 and STAGES >= 2, C
+
+
+def test_atomic_version_matches_reference():
+    for heads, n, d, causal in SHAPES:
+        check_shape(heads, n, d, causal, deterministic=False)
+    return f"{len(SHAPES)} shapes, lane-level, every pair visited once, no bank conflicts"
+
+
+def test_deterministic_version_matches_reference_and_atomics():
+    for heads, n, d, causal in SHAPES:
+        det = check_shape(heads, n, d, causal, deterministic=True)
+        # the same dK and dV as the atomic build (the main kernel is the same but for dQ)
+        atom = check_shape(heads, n, d, causal, deterministic=False)
+        assert np.array_equal(det[1], atom[1]) and np.array_equal(det[2], atom[2])
+    return f"{len(SHAPES)} shapes"
+
+
+def test_workspace_bytes_formula_in_source():
+    """workspace_bytes: D rounded up to WORKSPACE_ALIGN, then B*H*N*D floats (atomic version)."""
+    text = SOURCE.read_text()
+    assert re.search(r"return delta_bytes\(s\) \+ \(DETERMINISTIC_DQ \? 0 : dq_acc\);", text)
+    assert re.search(r"\(size_t\)s->batch \* s->heads \* s->seqlen \* s->headdim \* sizeof\(float\)", text)
+
+
+# The kernel's expressions that the emulation above transcribes (in Python's spelling there): if
+# one of them changes in attention.cu, this fails until the emulation is changed with it.
+KERNEL_EXPRESSIONS = [
+    "row0 + lane % MMA_M, ks * STEP_CHUNKS + lane / MMA_M",  # load_a_step
+    "np * (2 * MMA_N) + lane % LDM_ROWS + lane / (STEP_CHUNKS * LDM_ROWS) * MMA_N",  # load_k_step (07's)
+    "ks * STEP_CHUNKS + lane / LDM_ROWS % STEP_CHUNKS",
+    "kk * MMA_K + lane % LDM_ROWS + lane / LDM_ROWS % 2 * LDM_ROWS",  # load_trans_pair
+    "dp * 2 + lane / (2 * LDM_ROWS)",
+    "kk * MMA_K + lane / (2 * LDM_ROWS) * LDM_ROWS + lane % LDM_ROWS",  # dS from dS^T
+    "key * DS_STRIDE + warp_row0 + lane / LDM_ROWS % 2 * LDM_ROWS",
+    "warp_row0 + group + i % 2 * ACC_ROW_STEP",  # dS^T's stores
+    "kk * MMA_K + i / 2 * MMA_N + 2 * quad_lane",
+    "key >= seqlen || query >= seqlen || (causal && key > query)",  # mask_tile
+    "query0 + BWD_BLOCK_Q > seqlen || key0 + BWD_BLOCK_KV > seqlen || (causal && key0 + BWD_BLOCK_KV - 1 > query0)",
+    "first_tile = causal ? key0 / BWD_BLOCK_Q : 0",
+    "key_tile = causal ? blockIdx.y : blockIdx.x",
+    "query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x",
+    "key_end = causal ? min(seqlen, query0 + BWD_BLOCK_Q) : seqlen",
+    "DQ_DIM_TILES = DIM_TILES > 8 ? 8 : DIM_TILES",
+    "pass * DQ_DIM_TILES / 2 + dp",
+    "dim3(heads, key_tiles) : dim3(key_tiles, heads)",
+]
+
+
+def test_emulated_expressions_are_the_kernels():
+    squeeze = lambda s: re.sub(r"\s+", "", s)
+    source = squeeze(SOURCE.read_text())
+    missing = [e for e in KERNEL_EXPRESSIONS if squeeze(e) not in source]
+    assert not missing, f"attention.cu no longer has what the emulation transcribes: {missing}"
+    return f"{len(KERNEL_EXPRESSIONS)} expressions"
