@@ -33,6 +33,8 @@ SM90A_CHAPTERS := 08_fp8
 # 08 is built in steps (08.1 ... 08.5, `#if STEP == k` in its source): BUILD/08_fp8.stepK for each
 # step but the last, which is the chapter, BUILD/08_fp8. Each is a bench row of its own.
 STEP_BUILDS := $(foreach k,1 2 3 4,08_fp8.step$(k))
+# 09's backward with dQ reduced without atomics (DETERMINISTIC_DQ=1): bitwise repeatable gradients.
+VARIANT_BUILDS := 09_backward.deterministic
 $(addprefix $(BUILD)/,$(SM90A_CHAPTERS) $(STEP_BUILDS)) $(addprefix $(BUILD)/exercises/,$(SM90A_CHAPTERS)): \
     private GENCODE := -gencode=arch=compute_90a,code=sm_90a
 
@@ -47,7 +49,7 @@ COMMON_OBJ := $(BUILD)/common/harness.o $(BUILD)/common/npy.o
 .PHONY: all run test bench compare sanitize diff profile sass exercise grade ablation help clean FORCE
 .DEFAULT_GOAL := all
 
-all: $(addprefix $(BUILD)/,$(CHAPTERS) $(STEP_BUILDS)) $(PY_DEPS)
+all: $(addprefix $(BUILD)/,$(CHAPTERS) $(STEP_BUILDS) $(VARIANT_BUILDS)) $(PY_DEPS)
 
 # Rebuild when the flags change (ARCH=..., a moved checkout).
 $(BUILD)/.flags: FORCE
@@ -77,6 +79,10 @@ $(BUILD)/%: %/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)/.flags
 $(BUILD)/08_fp8.step%: 08_fp8/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)/.flags
 	@echo "nvcc  $< -> $@ (sm_90a, step 08.$*)"
 	@$(call compile,-DSTEP=$* -o $@ $< $(COMMON_OBJ))
+
+$(BUILD)/09_backward.deterministic: 09_backward/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)/.flags
+	@echo "nvcc  $< -> $@ ($(ARCH), DETERMINISTIC_DQ=1)"
+	@$(call compile,-DDETERMINISTIC_DQ=1 -o $@ $< $(COMMON_OBJ))
 
 .venv/.ready: requirements.txt
 	@echo "setting up .venv with NumPy (the system Python lacks it)"

@@ -25,6 +25,11 @@ folder, the others reuse it, and no two workers ever make the same folder at onc
 FP8 chapters (08) pass within 1.5x the e4m3 input-quantisation floor (+3e-3), capped at 6e-2
 on the generated N(0, 1) inputs; the harness reads the floor from common/reference.py, and
 the output case recomputes it here.
+  backward      chapters with a backward pass (09) x D x causal x N x (B,H), --backward: each of
+                dQ, dK, dV within the harness's rel L2 rule; the same lean matrix on the
+                DETERMINISTIC_DQ build; large logits; --output's gradients against float64
+                computed here and at most twice PyTorch's fp16 backward's max abs error; dK, dV
+                (and with DETERMINISTIC_DQ, dQ too) bitwise the same in two runs
   scratch       chapters with B*H*N^2 scratch: a shape whose scratch cannot fit is refused (exit 2)
 """
 import csv
@@ -36,6 +41,7 @@ import numpy as np
 
 from reference import FP8_KV_ROWS, FP8_Q_ROWS, FP8_QK_RANGE, quantize_e4m3
 from results import HARNESS_FIELDS
+from test_cpu_backward_cli import has_backward
 from test_cpu_cli import WORKSPACE
 
 SUITE = "gpu"
@@ -45,11 +51,11 @@ DIMS = (64, 128)
 SEQLENS = (1, 17, 64, 127, 128, 384, 385, 1000, 1024, 2048)  # 384 = 2 x 192: 08's key tiles with none masked
 BATCH_HEADS = ((1, 1), (2, 3))
 # By chapter number: relative L2 error of O (fp32 math, fp16 tensor cores); FP8 below.
-REL_L2_TOL = {1: 1e-3, 2: 1e-3, 3: 1e-3, 4: 1e-3, 5: 1e-3, 6: 3e-3, 7: 3e-3}
+REL_L2_TOL = {1: 1e-3, 2: 1e-3, 3: 1e-3, 4: 1e-3, 5: 1e-3, 6: 3e-3, 7: 3e-3, 9: 3e-3}
 LSE_TOL = 1e-3
 FP8 = {8}                                  # tolerance: FP8_FLOOR_FACTOR x the e4m3 floor + slack
 FP8_FLOOR_FACTOR = 1.5
-SINGLE_KERNEL_NO_WORKSPACE = {4, 5, 6, 7}  # fused from 04 on: one launch, no N^2 scratch
+SINGLE_KERNEL_NO_WORKSPACE = {4, 5, 6, 7, 9}  # fused from 04 on: one launch, no N^2 scratch
 FP8_KERNELS = 2                            # 08: quantize, attention
 N2_WORKSPACE = {1, 2, 3}                   # S (and P) in device memory: B*H*N*N floats
 OUTPUT_SHAPES = [(2, 3, 200, 64, True), (1, 2, 129, 128, False)]  # (B, H, N, D, causal)
@@ -293,7 +299,7 @@ def output_case(chapter, b, h, n, d, causal):
 
 # --- no worse than twice PyTorch's own fp16 error (fp16 tensor-core chapters) ----------------------
 TORCH_RULE_SHAPES = [(2, 3, 200, 64, True), (1, 2, 129, 128, False), (1, 4, 1024, 128, True)]  # (B, H, N, D, causal)
-FP16_TC = {6, 7}  # chapters on fp16 tensor cores; 08's steps on fp16 operands are checked beside them
+FP16_TC = {6, 7, 9}  # chapters on fp16 tensor cores; 08's steps on fp16 operands are checked beside them
 
 
 def torch_fp16_error(q, k, v, causal, want_o):
@@ -395,8 +401,192 @@ def step_case(step, build_name, dtype, b, h, n, d, causal, inputs=None):
     return case
 
 
-def cases(ctx):
+# --- the backward pass (--backward) ----------------------------------------------------------------
+BACKWARD_SEQLENS = (1, 17, 64, 127, 128, 1000, 2048)
+BACKWARD_TOL = 1e-3  # each gradient's rel L2 (common/harness.cu's BACKWARD_REL_L2_TOL)
+BACKWARD_VARIANTS = ("deterministic",)  # BUILD/<chapter>.<variant>: the Makefile's VARIANT_BUILDS
+BACKWARD_LEAN_SEQLENS = (1, 127, 1000)
+BACKWARD_OUTPUT_SHAPES = [(2, 3, 200, 64, True), (1, 2, 129, 128, False), (1, 4, 1024, 128, True)]
+GRADS = ("dq", "dk", "dv")
+
+
+def backward_chapters(ctx):
+    return [chapter for chapter in ctx.chapters if has_backward(ctx, chapter)]
+
+
+def check_backward_row(proc, row, shown, b, h, n, d, causal):
+    assert proc.returncode == 0 and row and row["status"] == "PASS", f"{shown}: expected PASS, got {describe(proc, row)}"
+    echoed = tuple(int(row[k]) for k in ("batch", "heads", "seqlen", "headdim", "causal"))
+    assert echoed == (b, h, n, d, int(causal)), f"{shown}: the CSV row reports shape {echoed}, expected {(b, h, n, d, int(causal))}"
+    errors = [float(row[f"{g}_rel_l2"] or "nan") for g in GRADS]
+    assert all(e <= BACKWARD_TOL for e in errors), f"{shown}: dQ, dK, dV rel L2 {errors}, expected <= {BACKWARD_TOL}"
+    # Device memory: Q, K, V, O, dO, dQ, dK, dV fp16, LSE fp32 and the backward's workspace.
+    buffers = 8 * b * h * n * d * 2 + b * h * n * 4 + int(row["workspace_bytes"])
+    assert row["device_bytes"] == str(buffers), f"{shown}: device_bytes {row['device_bytes']}, expected {buffers}"
+    return "dq/dk/dv rel_l2 " + " ".join(f"{e:.2e}" for e in errors)
+
+
+def backward_case(chapter, b, h, n, d, causal, variant=None):
+    def case(ctx):
+        build_name = f"{chapter}.{variant}" if variant else None
+        proc, row = run_csv(ctx, chapter, shape_args(b, h, n, d, causal) + ["--backward"], build_name=build_name)
+        shown = f"{build_name or chapter} --backward B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
+        return check_backward_row(proc, row, shown, b, h, n, d, causal)
+    return case
+
+
+def backward_large_logit_case(chapter, d, causal):
+    def case(ctx):
+        def make():
+            out = ctx.tmpdir() / f"grad_qk_std_d{d}"
+            proc = ctx.run([ctx.python, ctx.root / "common" / "reference.py", "inputs", "--qk-std", "4.5", "--grad",
+                            "--batch", "1", "--heads", "2", "--seqlen", "300", "--headdim", str(d), "--seed", "7",
+                            "--out", out], timeout=300)
+            assert proc.returncode == 0, f"reference.py inputs --qk-std 4.5 --grad failed: {proc.stderr.strip()}"
+            return out
+        folder = ctx.once(("grad_large_logit_inputs", d), make)
+        proc, row = run_csv(ctx, chapter, ["--input", str(folder), "--backward"] + (["--causal"] if causal else []))
+        shown = f"{chapter} --backward --input <qk-std 4.5, B=1 H=2 N=300 D={d}>{' --causal' if causal else ''}"
+        return check_backward_row(proc, row, shown, 1, 2, 300, d, causal)
+    return case
+
+
+def grad_inputs(ctx, b, h, n, d):
+    def make():
+        folder = ctx.tmpdir() / f"grad_inputs_b{b}_h{h}_n{n}_d{d}"
+        folder.mkdir()
+        rng = np.random.default_rng(4048 + n + d)
+        for name in ("q", "k", "v", "do"):
+            np.save(folder / f"{name}.npy", rng.standard_normal((b, h, n, d)).astype(np.float16))
+        return folder
+    return ctx.once(("grad_inputs", b, h, n, d), make)
+
+
+def attention64_grads(q, k, v, do, causal, scale):
+    """float64 dQ, dK, dV of L = sum(O * dO), straight from the formula, independent of common/."""
+    q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
+    s = np.einsum("bhid,bhjd->bhij", q, k) * scale
+    if causal:
+        n = s.shape[-1]
+        s = np.where(np.triu(np.ones((n, n), bool), 1), -np.inf, s)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o = np.einsum("bhij,bhjd->bhid", p, v)
+    dp = np.einsum("bhid,bhjd->bhij", do, v)
+    ds = p * (dp - (do * o).sum(-1, keepdims=True))
+    return (np.einsum("bhij,bhjd->bhid", ds, k) * scale, np.einsum("bhij,bhid->bhjd", ds, q) * scale,
+            np.einsum("bhij,bhid->bhjd", p, do))
+
+
+def torch_grad_errors(q, k, v, do, causal, want):
+    """Max abs error of each of PyTorch's fp16 flash-attention gradients against float64; None without it."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    q, k, v = (torch.from_numpy(x).cuda().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    o.backward(torch.from_numpy(do).cuda())
+    return [float(np.abs(x.grad.float().cpu().numpy().astype(np.float64) - w).max()) for x, w in zip((q, k, v), want)]
+
+
+def backward_output(ctx, chapter, folder, out, causal, build_name=None):
+    proc, row = run_csv(ctx, chapter, ["--input", str(folder), "--output", str(out), "--backward"] +
+                        (["--causal"] if causal else []), build_name=build_name)
+    grads = {}
+    if proc.returncode == 0:
+        for g in GRADS:
+            assert (out / f"{g}.npy").is_file(), f"{build_name or chapter} --backward --output: {g}.npy not written"
+            grads[g] = np.load(out / f"{g}.npy")
+    return proc, row, grads
+
+
+def backward_output_case(chapter, b, h, n, d, causal):
+    """--output's dQ, dK, dV against float64 computed here, every row; and FlashAttention's own rule on
+    gradients: max abs error at most twice that of PyTorch's fp16 backward (skipped without PyTorch)."""
+    def case(ctx):
+        folder, out = grad_inputs(ctx, b, h, n, d), ctx.tmpdir() / "out"
+        shown = f"{chapter} --backward --output, B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
+        proc, row, grads = backward_output(ctx, chapter, folder, out, causal)
+        check_backward_row(proc, row, shown, b, h, n, d, causal)
+        q, k, v, do = (np.load(folder / f"{x}.npy") for x in ("q", "k", "v", "do"))
+        want = attention64_grads(q, k, v, do, causal, 1 / math.sqrt(d))
+        notes = []
+        errors = []
+        for g, w in zip(GRADS, want):
+            x = grads[g]
+            assert x.dtype == np.float16 and x.shape == (b, h, n, d), f"{shown}: {g}.npy is {x.dtype} {x.shape}"
+            x = x.astype(np.float64)
+            assert np.isfinite(x).all(), f"{shown}: {np.count_nonzero(~np.isfinite(x))} non-finite {g} elements"
+            rel = float(np.linalg.norm(x - w) / np.linalg.norm(w))
+            assert rel <= BACKWARD_TOL, f"{shown}: {g}.npy relative L2 error {rel:.3e} over every row, expected <= {BACKWARD_TOL}"
+            errors.append(float(np.abs(x - w).max()))
+            notes.append(f"{g} {rel:.2e}")
+        torch_errors = ctx.once(("torch_grad_errors", b, h, n, d, causal), lambda: torch_grad_errors(q, k, v, do, causal, want))
+        if torch_errors is not None:
+            for g, mine, theirs in zip(GRADS, errors, torch_errors):
+                assert mine <= 2 * theirs, (f"{shown}: max abs error of {g} {mine:.3e}, more than twice PyTorch's fp16 "
+                                            f"backward's {theirs:.3e} on the same inputs")
+            notes.append("max abs vs PyTorch " + " ".join(f"{m / t:.2f}x" for m, t in zip(errors, torch_errors)))
+        return ", ".join(notes)
+    return case
+
+
+def backward_repeat_case(chapter, variant, b, h, n, d, causal):
+    """Two runs on the same inputs: dK and dV bitwise the same (each key block sums its own); dQ too
+    where it is reduced without atomics (the DETERMINISTIC_DQ build)."""
+    def case(ctx):
+        build_name = f"{chapter}.{variant}" if variant else None
+        folder = grad_inputs(ctx, b, h, n, d)
+        shown = f"{build_name or chapter} --backward twice, B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
+        runs = []
+        for i in range(2):
+            proc, row, grads = backward_output(ctx, chapter, folder, ctx.tmpdir() / f"out{i}", causal, build_name)
+            check_backward_row(proc, row, shown, b, h, n, d, causal)
+            runs.append(grads)
+        same = {g: bool(np.array_equal(runs[0][g].view(np.uint16), runs[1][g].view(np.uint16))) for g in GRADS}
+        must = GRADS if variant == "deterministic" else ("dk", "dv")
+        differ = [g for g in must if not same[g]]
+        assert not differ, f"{shown}: {', '.join(differ)} differ between the two runs, expected bitwise the same"
+        return "bitwise the same: " + ", ".join(g for g in GRADS if same[g])
+    return case
+
+
+def backward_cases(ctx):
     out = []
+    for chapter in backward_chapters(ctx):
+        for n in sorted(BACKWARD_SEQLENS, reverse=True):
+            for b, h in reversed(BATCH_HEADS):
+                for d in DIMS:
+                    for causal in (False, True):
+                        name = f"backward[{chapter} D={d}{' causal' if causal else ''} N={n} B={b} H={h}]"
+                        out.append((name, backward_case(chapter, b, h, n, d, causal), ("shape", b, h, n, d)))
+        for variant in BACKWARD_VARIANTS:
+            for n in BACKWARD_LEAN_SEQLENS:
+                for d in DIMS:
+                    for causal in (False, True):
+                        name = f"backward[{chapter}.{variant} D={d}{' causal' if causal else ''} N={n} B=2 H=3]"
+                        out.append((name, backward_case(chapter, 2, 3, n, d, causal, variant), ("shape", 2, 3, n, d)))
+        for d in DIMS:
+            for causal in (False, True):
+                name = f"backward_large_logits[{chapter} D={d}{' causal' if causal else ''}]"
+                out.append((name, backward_large_logit_case(chapter, d, causal), ("grad_large_logits", d)))
+        for b, h, n, d, causal in BACKWARD_OUTPUT_SHAPES:
+            shape = f"B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
+            out.append((f"backward_output[{chapter} {shape}]", backward_output_case(chapter, b, h, n, d, causal),
+                        ("grad_output", b, h, n, d)))
+        for variant in (None,) + BACKWARD_VARIANTS:
+            name = f"backward_repeat[{chapter}{'.' + variant if variant else ''} B=1 H=4 N=1024 D=128 causal]"
+            out.append((name, backward_repeat_case(chapter, variant, 1, 4, 1024, 128, True), ("grad_output", 1, 4, 1024, 128)))
+    return out
+
+
+def cases(ctx):
+    out = backward_cases(ctx)
     for step, build_name, dtype in STEP_BUILDS:  # a lean matrix per step: both D, masks, ragged N, large logits
         b, h = STEP_BATCH_HEADS
         for d in DIMS:

@@ -1,4 +1,5 @@
-"""compute-sanitizer on every chapter (and 08's step builds) at small shapes (`make sanitize`,
+"""compute-sanitizer on every chapter (and 08's step builds) at small shapes, and on each backward
+pass (--backward, both of 09's builds) (`make sanitize`,
 --suite sanitize).
 
 memcheck (with --leak-check full), racecheck, synccheck and initcheck, each on shapes that
@@ -11,7 +12,8 @@ Skipped, with the reason, without a GPU or without compute-sanitizer.
 import unittest
 
 from sanitizer import check_summary, find_sanitizer
-from test_gpu import STEP_BUILDS
+from test_cpu_backward_cli import has_backward
+from test_gpu import BACKWARD_VARIANTS, STEP_BUILDS
 
 SUITE = "sanitize"
 PARALLEL = 8
@@ -32,20 +34,20 @@ def shape_args(b, h, n, d, causal):
             "--warmup", "0", "--iters", "1"] + (["--causal"] if causal else [])
 
 
-def sanitize_case(chapter, tool, extra, b, h, n, d, causal):
+def sanitize_case(chapter, tool, extra, b, h, n, d, causal, backward=False):
     def case(ctx):
         sanitizer = ctx.once("compute-sanitizer", find_sanitizer)
         if not sanitizer:
             raise unittest.SkipTest("compute-sanitizer not found (PATH, next to nvcc, /usr/local/cuda)")
         binary = ctx.require_binary(chapter, native=True)
-        args = shape_args(b, h, n, d, causal)
+        args = shape_args(b, h, n, d, causal) + (["--backward"] if backward else [])
         # One plain run per shape makes the cached inputs and reference for everyone.
-        ctx.once(("sanitize-cache", b, h, n, d, causal), lambda: ctx.run([binary, *args, "--csv"], timeout=TIMEOUT_S))
+        ctx.once(("sanitize-cache", b, h, n, d, causal, backward), lambda: ctx.run([binary, *args, "--csv"], timeout=TIMEOUT_S))
         cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--target-processes", "application-only",
                *extra, binary, *args]
         proc = ctx.run(cmd, timeout=TIMEOUT_S)
         output = proc.stdout + proc.stderr
-        shown = f"compute-sanitizer --tool {tool} {chapter} B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
+        shown = f"compute-sanitizer --tool {tool} {chapter}{' --backward' if backward else ''} B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
         if proc.returncode == 77:
             raise unittest.SkipTest(f"{chapter}: " + (proc.stdout.strip().splitlines() or ["exit 77"])[-1])
         reports = [line for line in output.splitlines() if line.startswith("=========")]
@@ -62,6 +64,10 @@ def cases(ctx):
         for chapter in ctx.chapters + [build for _, build, _ in STEP_BUILDS]:  # and 08's steps, BUILD/08_fp8.stepK
             name = f"{tool}[{chapter} B={b} H={h} N={n} D={d}{' causal' if causal else ''}]"
             out.append((name, sanitize_case(chapter, tool, extra, b, h, n, d, causal)))
+        for chapter in [c for c in ctx.chapters if has_backward(ctx, c)]:
+            for build in [chapter] + [f"{chapter}.{variant}" for variant in BACKWARD_VARIANTS]:
+                name = f"{tool}[{build} --backward B={b} H={h} N={n} D={d}{' causal' if causal else ''}]"
+                out.append((name, sanitize_case(build, tool, extra, b, h, n, d, causal, backward=True)))
     return out
 
 
