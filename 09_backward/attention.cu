@@ -483,6 +483,40 @@ __device__ void pack_a(unsigned frag[A_REGS], const float lo[ACC_REGS], const fl
     frag[3] = pack_half2(hi[2], hi[3]);
 }
 
+// A warp's dQ partial (n8 tiles of dims from dim0, rows row0 and row0 + 8 of the lane's group)
+// added into the fp32 accumulator. sm_90 has vector reductions (red.global.add.v4.f32): the two
+// lanes of a quad pair swap half their values so that the even lane holds four adjacent dims of
+// the first row and the odd lane four of the second, one 16-byte RED each instead of four 4-byte
+// ones. Older GPUs add each float alone.
+template <int HEAD_DIM, int DIM_TILES>
+__device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_REGS], int row0, int dim0, int seqlen) {
+    const int quad_lane = threadIdx.x % QUAD_LANES;
+#if __CUDA_ARCH__ >= 900
+    const bool odd = quad_lane % 2;
+    const int row = row0 + (odd ? ACC_ROW_STEP : 0), col = dim0 + 2 * (quad_lane - quad_lane % 2);
+#pragma unroll
+    for (int nt = 0; nt < DIM_TILES; nt++) {
+        const float give_x = odd ? part[nt][0] : part[nt][2], give_y = odd ? part[nt][1] : part[nt][3];
+        const float got_x = __shfl_xor_sync(0xffffffff, give_x, 1), got_y = __shfl_xor_sync(0xffffffff, give_y, 1);
+        const float4 four = odd ? make_float4(got_x, got_y, part[nt][2], part[nt][3])
+                                : make_float4(part[nt][0], part[nt][1], got_x, got_y);
+        if (row < seqlen) atomicAdd((float4 *)(dq_head + (size_t)row * HEAD_DIM + col + nt * MMA_N), four);
+    }
+#else
+#pragma unroll
+    for (int r = 0; r < ACC_ROWS; r++) {
+        const int row = row0 + r * ACC_ROW_STEP;
+        if (row >= seqlen) continue;
+        float *dq_row = dq_head + (size_t)row * HEAD_DIM + dim0 + 2 * quad_lane;
+#pragma unroll
+        for (int nt = 0; nt < DIM_TILES; nt++) {
+            atomicAdd(dq_row + nt * MMA_N, part[nt][2 * r]);
+            atomicAdd(dq_row + nt * MMA_N + 1, part[nt][2 * r + 1]);
+        }
+    }
+#endif
+}
+
 // (1) D_i = sum_d dO[i, d] * O[i, d] in fp32, and (atomic version) row i of the dQ accumulator
 // zeroed. Grid: (row tiles, b*h); CHUNKS lanes per row, each with 8 of its D elements.
 template <int HEAD_DIM>
@@ -711,18 +745,8 @@ __global__ void __launch_bounds__(THREADS, 2)
                     mma_16x8x16(dq_part[2 * dp + 1], ds_a, k_frag[2], k_frag[3]);
                 }
             }
-#pragma unroll
-            for (int r = 0; r < ACC_ROWS; r++) {
-                const int query = query0 + warp_row0 + group + r * ACC_ROW_STEP;
-                if (query >= seqlen) continue;
-                float *dq_row =
-                    dq_acc + (head * seqlen + query) * HEAD_DIM + pass * DQ_DIM_TILES * MMA_N + 2 * quad_lane;
-#pragma unroll
-                for (int nt = 0; nt < DQ_DIM_TILES; nt++) {
-                    atomicAdd(dq_row + nt * MMA_N, dq_part[nt][2 * r]);
-                    atomicAdd(dq_row + nt * MMA_N + 1, dq_part[nt][2 * r + 1]);
-                }
-            }
+            add_dq_partial<HEAD_DIM, DQ_DIM_TILES>(dq_acc + head * seqlen * HEAD_DIM, dq_part,
+                                                   query0 + warp_row0 + group, pass * DQ_DIM_TILES * MMA_N, seqlen);
         }
 #else
         (void)dq_acc;  // DETERMINISTIC_DQ: dQ is the dQ kernel's

@@ -50,7 +50,7 @@ CLAIMS = {
             sass_lacks=["HMMA", "HGMMA"], no_spills=True,
             sass_kernel_has={"attention_kernel": ["QGMMA", "UTMALDG", "SYNCS", "WARPGROUP", "USETMAXREG"]}),
     9: dict(kernels=4,  # forward, preprocess (D), backward (dK, dV, dQ atomics), dQ to fp16
-            ptx_has=[PLAIN_MMA_PTX, r"\bcp\.async", r"\bldmatrix", r"\batom\.global\.add\.f32"],
+            ptx_has=[PLAIN_MMA_PTX, r"\bcp\.async", r"\bldmatrix", r"\batom\.global\.add\.v4\.f32"],
             sass_has=["HMMA", "LDGSTS", "LDSM", "REDG"], no_spills=True,  # REDG: sm_90's RED (sm_80: RED)
             sass_kernel_has={"flash_attention_backward_kernel": ["HMMA", "LDGSTS", "LDSM", "REDG"]}),
 }

@@ -308,15 +308,21 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic):
                                 kf = load_trans_pair(smem, k_base, stride, kk, pas * dq_dim_tiles // 2 + dp)
                                 mma(part[2 * dp], dsa, kf[:, 0], kf[:, 1])
                                 mma(part[2 * dp + 1], dsa, kf[:, 2], kf[:, 3])
-                        for r in range(2):
-                            query = query0 + row0 + GROUP + 8 * r  # [32]
-                            for nt in range(dq_dim_tiles):
-                                for e in range(2):
-                                    col = pas * dq_dim_tiles * 8 + nt * 8 + 2 * QUAD + e
-                                    val = part[nt][:, 2 * r + e]
-                                    ok = query < seqlen
-                                    assert np.all(val[~ok] == 0), "a skipped atomic (query past N) was not zero"
-                                    np.add.at(dq_acc[head], (query[ok], col[ok]), val[ok])  # atomicAdd
+                        # add_dq_partial's sm_90 path: the lanes of a quad pair swap half their
+                        # values, then each adds four adjacent dims of one row (red.global.add.v4.f32).
+                        odd = QUAD % 2 == 1
+                        partner = LANES ^ 1
+                        query = query0 + row0 + GROUP + np.where(odd, 8, 0)  # [32]
+                        ok = query < seqlen
+                        for nt in range(dq_dim_tiles):
+                            give = np.where(odd[:, None], part[nt][:, 0:2], part[nt][:, 2:4])
+                            got = give[partner]
+                            four = np.where(odd[:, None], np.concatenate([got, part[nt][:, 2:4]], 1),
+                                            np.concatenate([part[nt][:, 0:2], got], 1))
+                            for e in range(4):
+                                col = pas * dq_dim_tiles * 8 + nt * 8 + 4 * (QUAD // 2) + e
+                                assert np.all(four[~ok, e] == 0), "a skipped atomic (query past N) was not zero"
+                                np.add.at(dq_acc[head], (query[ok], col[ok]), four[ok, e])  # the vector atomicAdd
             for w in range(WARPS):
                 for r in range(2):
                     key = key0 + w * ROWS + GROUP + 8 * r
