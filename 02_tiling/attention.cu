@@ -14,6 +14,14 @@
 #define THREADS 256  // 16 x 16 threads, each a 4 x 4 patch of the tile
 #define PATCH 4      // TILE / 16
 // EXERCISE 02.pad BEGIN: pad the shared rows so that the staging stores of a warp spread over the banks
+//   kind: speed
+//   gate: 1.05x
+//   shape: headline
+//   hint: In the staging stores the 32 lanes of a warp write one column of a [TILE_K][TILE + PAD] tile: 32
+//     rows, TILE + PAD floats apart. Work out each lane's bank (4-byte banks, 32 of them) for a few values of
+//     PAD; it must stay a multiple of 4 (the float4 reads).
+//   stub: not timed: with PAD 0 every staging store of S's operands and of P is a 32-way bank conflict, 8
+//     times the wavefronts of PAD 4's 4-way
 #define PAD 4  // floats of padding per shared row: fewer bank conflicts, float4-aligned
 // EXERCISE 02.pad STUB
 // #define PAD 0  // floats of padding per shared row (a multiple of 4: rows stay float4-aligned)
@@ -24,6 +32,9 @@
 // Outer product of a 4-vector slice of A and of B, accumulated into the thread's patch.
 __device__ void patch_fma(float acc[PATCH][PATCH], float4 a, float4 b) {
     // EXERCISE 02.patch_fma BEGIN: the outer product of a and b added into the 4 x 4 patch: 16 FMAs from 8 floats
+    //   kind: correctness
+    //   hint: Unpack a and b into 4 floats each and add av[i] * bv[j] into acc[i][j] for all 16 (i, j): each
+    //     of the 8 values read from shared memory feeds 4 multiply-adds.
     float av[PATCH] = {a.x, a.y, a.z, a.w}, bv[PATCH] = {b.x, b.y, b.z, b.w};
     for (int i = 0; i < PATCH; i++)
         for (int j = 0; j < PATCH; j++) acc[i][j] += av[i] * bv[j];

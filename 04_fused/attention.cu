@@ -154,6 +154,14 @@ __device__ void attend_query_tile(const __half *q, const __half *k, const __half
     for (int key0 = key_begin; key0 < key_end; key0 += BLOCK_KV) {
         __syncthreads();  // the previous tile's V and P are consumed
         // EXERCISE 04.k_layout BEGIN: stage K so that a thread's 4 keys at one dim are one conflict-free float4
+        //   kind: speed
+        //   gate: 1.10x
+        //   shape: headline
+        //   hint: The stub stages K as it lies in memory, [key][dim]: the 16 threads of a row then read keys
+        //     HEAD_DIM floats apart, all in one bank, one float at a time. Stage it transposed, [dim][key]
+        //     (load_transposed), so that a thread's 4 keys at dim d are one float4 read.
+        //   stub: not timed: each K read is a 16-way bank conflict and 4 loads instead of one, about 20 times
+        //     the S loop's shared-memory wavefronts
         load_transposed<HEAD_DIM, BLOCK_KV>(kv, k_head, key0, seqlen);
         __syncthreads();
 
@@ -208,6 +216,15 @@ __device__ void attend_query_tile(const __half *q, const __half *k, const __half
 
         // Online softmax on the tile: new max, rescale what was accumulated, exponentiate.
         // EXERCISE 04.online_softmax BEGIN: per row: log2 units, new max, rescale row_sum and o_acc, exponentiate
+        //   kind: correctness
+        //   hint: For each row i of the thread, multiply its scores by scale_log2 (log2 units) and take their
+        //     max; the row's new max is the larger of row_max[i] and row_group_max of that (the max over the
+        //     row's 16 threads). Let base be the new max, or 0 while it is still -inf (a row that has seen no
+        //     key). Multiply row_sum[i] and o_acc[i][*] by rescale = exp_score(row_max[i] - base), store the
+        //     new max in row_max[i], then replace each score by exp_score(score - base) and add it to
+        //     row_sum[i]. The recurrence is in docs/concepts.md, "The FlashAttention recurrence".
+        //   wrong old: row_sum[i] *= rescale;
+        //   wrong new: row_sum[i] += rescale;
         for (int i = 0; i < ROWS_PER_THREAD; i++) {
             float tile_max = -INFINITY;
             for (int j = 0; j < KEYS_PER_THREAD; j++) {

@@ -739,6 +739,16 @@ __device__ unsigned pack_e4m3x4(float a, float b, float c, float d) {
 template <int SCORES>
 __device__ void pack_p(const float (&score)[SCORES], unsigned (&p_frag)[2 * SCORES / MMA_K][4]) {
     // EXERCISE 08.pack_p BEGIN: P into the e4m3 A-operand registers of P V from fp32 scores (D = 64 only), in place, in Vt's key_slot order
+    //   kind: correctness
+    //   dims: 64
+    //   hint: This pack_p, for fp32 scores, runs at D = 64 only: at D = 128 the chapter keeps S in fp16 and
+    //     packs P with the other pack_p, below it, so the grade runs the D = 64 half of the matrix. The Q K^T
+    //     accumulator gives this thread, per 8-key chunk c, keys 8c + 2t and 8c + 2t + 1 of rows g and g + 8
+    //     (score[4c + 2r + e], t = lane % 4). Register i of k32 step kk takes the two pairs of chunks
+    //     c = 4 kk + 2 (i / 2) and c + 1 of row g + 8 (i % 2), packed by pack_e4m3x4: key_slot stored Vt so
+    //     that these are the A operand's positions 4t..4t+3.
+    //   wrong old: pack_e4m3x4(score[4 * chunk + 2 * r], score[4 * chunk + 2 * r + 1],
+    //   wrong new: pack_e4m3x4(score[4 * chunk + 2 * r + 1], score[4 * chunk + 2 * r],
 #pragma unroll
     for (int kk = 0; kk < 2 * SCORES / MMA_K; kk++)
 #pragma unroll
@@ -928,6 +938,29 @@ __device__ void finish_pv(Warpgroup &wg, const Smem &smem, const Work &w, int ti
 
 #if INTRA_OVERLAP
 // EXERCISE 08.intra_overlap BEGIN: issue the P V of tile j-1 behind the Q K^T of tile j: it runs during j's softmax
+//   kind: speed
+//   shape: headline
+//   timed: attend_ms
+//   hint: Peel tile 0: its Q K^T and softmax alone (scores_and_softmax<HEAD_DIM, false>), then rescale O and
+//     pack its P. Then, for each tile j from 1: issue the Q K^T of j and the P V of j-1 in one turn
+//     (scores_and_softmax<HEAD_DIM, true>, which waits for Q K^T alone); only after j's softmax wait for that
+//     P V (wgmma_wait<0>) and release its stage (release_stage of j-1); rescale O and pack the P of j. After
+//     the loop, issue and finish the last P V (finish_pv of tile w.kv_tiles - 1). What speed needs: the wait
+//     for P V must come after the softmax in program order, and where ptxas cannot move it up: in the
+//     softmax's own basic block it may schedule the wait before the softmax, while at the top of the next
+//     iteration it stays after it (make sass CH=08 shows where the WARPGROUP.DEPBAR went); and no branch
+//     between the two waits, or ptxas waits at the join: decide the mask by loop (MASK_NONE for the tiles
+//     that need none, MASK_ALL for the rest), and do not put the second product under an if (tile > 0).
+//   stub: measured: the chapter with -DINTRA_OVERLAP=0, its attention kernel 0.587 ms against 0.565 at
+//     B=4 H=16 N=4096 D=128, 1.04x, and 1.05x at D=64, within a shared GPU's noise for a gate
+//     (docs/results/logs/08/ablation_08.csv)
+//   ptx: \bwgmma\.wait_group\.sync\.aligned\s+1\s*;
+//   ptx shown: wgmma.wait_group.sync.aligned 1
+//   ptx found: \bwgmma\.wait_group\.sync\.aligned\s+\d+
+//   ptx means: a wait for all but the latest group of warpgroup products: with the P V of tile j-1 issued
+//     behind the Q K^T of tile j, it waits for Q K^T alone and lets P V run on during tile j's softmax
+//   ptx todo: Issue the P V of tile j-1 in the same turn as the Q K^T of tile j
+//     (scores_and_softmax<HEAD_DIM, true>), as the hint says
 // Tile tile-1's probabilities into the A operand of its P V, once the P V before it (tile-2,
 // if any) is done and O is rescaled.
 template <int HEAD_DIM, typename Warpgroup>

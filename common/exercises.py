@@ -14,6 +14,7 @@ NN_name/attention.cu between comment markers, so the chapter compiles to the sam
 without them.
 
     <indent>// EXERCISE NN.name BEGIN: <the task, one line>
+    <indent>//   <field>: <value>                     (the exercise's facts: main part only)
     <the solution: the chapter's own lines>
     <indent>// EXERCISE NN.name STUB                 (speed exercises)
     <indent>// <one line of the stub, commented out>
@@ -22,10 +23,64 @@ without them.
 NN is the chapter's number. The same name may open several blocks in the file (helpers the
 solution needs elsewhere, say): at least one of them has the task (the first that has one is the
 exercise's main part, where its region shows the hint); the others may be a bare
-`// EXERCISE NN.name BEGIN`, and any of them may have a STUB. The student copy
-(exercises/NN_name/attention.cu) has every block of each chosen exercise replaced by a region;
-the main one keeps the task and adds the hint (and how the exercise is graded) from EXERCISES
-below; each holds its stub:
+`// EXERCISE NN.name BEGIN`, and any of them may have a STUB.
+
+An exercise's facts (its kind, hint and grading) are the comment lines right after the BEGIN
+line of its main part, beside the code they describe: one field a line, `//`, three spaces,
+`field: value`. A prose value (hint, stub, ptx means, ptx todo) goes on over lines of `//` and
+five spaces, joined with one space; every other value is one line, taken verbatim to its end
+(trailing blanks dropped), so that a regular expression or a line of code stays exact. Any line
+of `//` and two spaces or more right after a BEGIN line is a facts line: one that is neither
+form, an unknown field, a field given twice, a bad value, or facts that lack what their kind
+needs is a MarkerError naming the file and line. For example (04_fused/attention.cu):
+
+    // EXERCISE 04.k_layout BEGIN: stage K so that a thread's 4 keys at one dim are one conflict-free float4
+    //   kind: speed
+    //   gate: 1.10x
+    //   shape: headline
+    //   hint: The stub stages K as it lies in memory, [key][dim]: the 16 threads of a row then read keys
+    //     HEAD_DIM floats apart, all in one bank, one float at a time. Stage it transposed, [dim][key]
+    //     (load_transposed), so that a thread's 4 keys at dim d are one float4 read.
+    //   stub: not timed: each K read is a 16-way bank conflict and 4 loads instead of one, about 20 times
+    //     the S loop's shared-memory wavefronts
+
+  kind: correctness | speed   (always) correctness: the stub is EXERCISE_TODO and the GPU matrix
+      grades it. speed: the stub is correct but slow code; it must stay correct (the matrix) and
+      get fast, graded by a gate or, where the gain is too close to the run-to-run noise for a
+      gate to mean anything, by a `ptx:` check of the mechanism that makes it fast (its time at
+      `shape` beside the chapter's is then shown for information)
+  hint: prose                 (always) shown in the region of the student copy and in HANDOUT.md
+  gate: 1.10x                 (speed) the copy takes at most this x the chapter's time at `shape`,
+      both timed in the same run
+  shape: B=1 H=16 N=2048 D=128, or a name of SHAPES: headline (B=4 H=16 N=4096 D=128),
+      headline_d64 (B=4 H=32 N=4096 D=64); ` causal` after either   (speed) where it is timed
+  timed: ms | attend_ms       (speed, optional) what is timed: the whole forward (the harness's
+      ms, the default) or the attention kernel alone, where the exercise changes only that kernel
+      and a pass before it (08's quantisation) would dilute the difference
+  stub: prose                 (speed) how slow the stub is and how that is known: from a
+      measurement in docs/results (the stub is code the chapter once was), or from its access
+      pattern where it was not timed
+  dims: 64                    (optional) the head dims the exercise's code runs at, when not both
+      (the grade's matrix runs these), blank-separated
+  ptx: <regular expression>   (optional, repeatable) the PTX of the copy (made with the build's
+      flags) must match it; the lines after it describe it: `ptx shown:` the instruction as a
+      student would grep for it, `ptx found:` (optional) a regular expression whose matches are
+      listed when the check finds none, `ptx means:` what the instruction is for, `ptx todo:`
+      what to do when it is missing
+  wrong old: <code>, wrong new: <code>   (optional) a wrong solution: the chapter with `old`
+      replaced by `new` once in the exercise's code (the GPU tests check that the grade's matrix
+      fails it); the student copy and a hand-out never hold it
+
+A speed exercise needs shape, stub, and a gate or a ptx check. In a hand-out, where the chapter's
+attention.cu is a stand-in (the student copy with a note on top), the note holds the facts of each
+exercise, without `wrong`, after a `// EXERCISE NN.name FACTS` line. EXERCISES reads them all
+(the facts of NN.name from chapter NN, when asked), in the form the grader uses: dict(kind, hint,
+gate, shape=(B, H, N, D, causal), timed, stub, dims=(64,), ptx_has=[dict(pattern, shown, found,
+means, todo)], wrong=(old, new)).
+
+The student copy (exercises/NN_name/attention.cu) has every block of each chosen exercise
+replaced by a region; the main one keeps the task and adds the hint (and how the exercise is
+graded) from its facts; each holds its stub:
 
   STUB lines (every speed exercise has them, in one of its blocks at least): those lines,
       uncommented: code that is correct but slow.
@@ -50,8 +105,8 @@ gives the chapter byte for byte; the tests check it.
 BUILD/exercises/NN_name and grades it. What decides the grade:
 
   static    the build (no warning), no EXERCISE_TODO left, and each exercise's checks of the
-            compiled code (`ptx_has` in EXERCISES: the PTX of the copy, made with the build's
-            flags, must contain an instruction that the exercise's solution alone produces)
+            compiled code (its `ptx:` facts: the PTX of the copy, made with the build's flags,
+            must contain an instruction that the exercise's solution alone produces)
   GPU       the matrix below (the head dims the exercises run at), compute-sanitizer racecheck at
             one small shape, and each speed exercise's `gate`: its time against the chapter's
             (BUILD/NN_name), the two run alternately in the same grade (a speed exercise graded
@@ -75,7 +130,8 @@ make itself reports a recipe's exit 77 as "Error 77" and exits 2.
 `make handout CH=NN` writes BUILD/handout/NN_name.tar.gz, one folder, handout-NN_name/: the
 student copy of the chapter with every exercise cut (exercises/NN_name/, as make exercise writes
 it), the same copy at NN_name/attention.cu with a note on top (the Makefile finds a chapter by
-that file; make exercise FORCE=1 there copies it over the student's to start again), common/
+that file; make exercise FORCE=1 there copies it over the student's to start again; the note
+holds the exercises' facts, which the grader reads there), common/
 (the harness and this grader), the tests/ modules the grader imports, the Makefile,
 requirements.txt, the docs/ pages the hints name, and HANDOUT.md (what is there, how it is
 graded, each exercise's task and hint). Not in it: the chapter's own source (the solution), its
@@ -98,6 +154,7 @@ import tarfile
 import tempfile
 import textwrap
 import unittest
+from collections.abc import Mapping
 from pathlib import Path
 
 from runner import chapters, find_chapter, run_case, shape_args
@@ -106,149 +163,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDENT_DIR = os.path.join(ROOT, "exercises")
 RECORD = ".exercise.json"  # beside a student copy: what make exercise wrote, to spot later edits
 
-# --- The exercises: kind, hint and grading; the task is the BEGIN line in the chapter --------------
-# kind "correctness": its stub is EXERCISE_TODO; the GPU matrix grades it. kind "speed": its stub
-# is correct but slow code; it must stay correct (the matrix) and get fast, graded by one of:
-#   gate=G, shape=(B, H, N, D, causal): the copy takes at most G x the chapter's time at `shape`,
-#       both timed in the same run: the whole forward (the harness's ms), or with
-#       `timed="attend_ms"` the attention kernel alone, where the exercise changes only that
-#       kernel and a pass before it (08's quantisation) would dilute the difference;
-#   ptx_has=[...] (below) with shape=: the compiled code shows the mechanism that makes it fast,
-#       where the gain is too close to the run-to-run noise for a gate to mean anything; its time
-#       at `shape` beside the chapter's is shown for information.
-# `stub` says how slow the stub is and how that is known: from a measurement in docs/results (the
-# stub is code the chapter once was), or from its access pattern where it was not timed.
-# Any exercise may also have:
-#   ptx_has=[dict(pattern, shown, found, means, todo)]: the PTX of the copy (made with the build's
-#       flags) must match `pattern`, a regular expression; `shown` is the instruction as a student
-#       would grep for it, `found` a pattern whose matches are listed when `pattern` has none,
-#       `means` what the instruction is for and `todo` what to do when it is missing;
-#   dims=(64,): the head dims the exercise's code runs at, when not both (the matrix runs these);
-#   wrong=(old, new): a wrong solution, the chapter's block with `old` replaced by `new` once; the
-#       GPU tests check that the grade's matrix fails it.
-HEADLINE, HEADLINE_D64 = (4, 16, 4096, 128, False), (4, 32, 4096, 64, False)
-EXERCISES = {
-    "01.softmax": dict(kind="correctness", hint=(
-        "Each warp takes one row: row = blockIdx.x * SOFTMAX_WARPS + threadIdx.x / WARP_SIZE, and the "
-        "warp returns if row >= rows. Make three passes over the row, the lanes striding by WARP_SIZE: "
-        "the max (combine the lanes with warp_max), the sum of expf(s - max) (warp_sum), then P = "
-        "expf(s - max) * (1 / sum) in place. Lane 0 writes lse[row] = max + logf(sum).")),
-    "01.pv_columns": dict(kind="speed", gate=1.10, shape=(1, 16, 2048, 128, False), hint=(
-        "In the stub a warp's lanes take 32 queries of one column: each load of P touches 32 rows "
-        "(32 sectors) while every lane reads the same V element. Give thread d = threadIdx.x of "
-        "block (query blockIdx.x, head blockIdx.y) column d: V loads coalesce and p_row[key] is one "
-        "address for the whole warp."), stub=(
-        "not timed: it reads P as scores_kernel reads K (a row per lane), and scores_kernel takes "
-        "5.7x pv_kernel's time for the same FLOPs")),
-    "02.patch_fma": dict(kind="correctness", hint=(
-        "Unpack a and b into 4 floats each and add av[i] * bv[j] into acc[i][j] for all 16 (i, j): "
-        "each of the 8 values read from shared memory feeds 4 multiply-adds.")),
-    "02.pad": dict(kind="speed", gate=1.05, shape=HEADLINE, hint=(
-        "In the staging stores the 32 lanes of a warp write one column of a [TILE_K][TILE + PAD] "
-        "tile: 32 rows, TILE + PAD floats apart. Work out each lane's bank (4-byte banks, 32 of "
-        "them) for a few values of PAD; it must stay a multiple of 4 (the float4 reads)."), stub=(
-        "not timed: with PAD 0 every staging store of S's operands and of P is a 32-way bank "
-        "conflict, 8 times the wavefronts of PAD 4's 4-way")),
-    "03.online_update": dict(kind="correctness", hint=(
-        "Load the lane's CHUNK scores s_row[j0 + c * WARP_SIZE] (-inf past seqlen) and take their "
-        "max; new_max = max(*row_max, chunk max). If it is still -inf, return: exp(-inf - (-inf)) is "
-        "NaN. Else the sum becomes *row_sum * expf(*row_max - new_max) plus expf(x - new_max) for "
-        "each score.")),
-    "03.one_pass": dict(kind="speed", gate=1.03, shape=HEADLINE_D64, hint=(
-        "The stub is 02's softmax: it reads the row once for the max and again for the sum. Call "
-        "online_update along the row (CHUNK * WARP_SIZE scores per step) to keep both in one read, "
-        "then merge the 32 lanes' (max, sum) pairs with __shfl_xor_sync and merge_max_sum."), stub=(
-        "measured as 02 (the same softmax): 30.8 ms against 03's 28.95 ms at D=64, 1.06x "
-        "(docs/results/NVIDIA_H200.csv)")),
-    "04.online_softmax": dict(kind="correctness", hint=(
-        "For each row i of the thread, multiply its scores by scale_log2 (log2 units) and take their "
-        "max; the row's new max is the larger of row_max[i] and row_group_max of that (the max over "
-        "the row's 16 threads). Let base be the new max, or 0 while it is still -inf (a row that has "
-        "seen no key). Multiply row_sum[i] and o_acc[i][*] by rescale = exp_score(row_max[i] - base), "
-        "store the new max in row_max[i], then replace each score by exp_score(score - base) and add "
-        "it to row_sum[i]. The recurrence is in docs/concepts.md, \"The FlashAttention recurrence\"."),
-        wrong=("row_sum[i] *= rescale;", "row_sum[i] += rescale;")),
-    "04.k_layout": dict(kind="speed", gate=1.10, shape=HEADLINE, hint=(
-        "The stub stages K as it lies in memory, [key][dim]: the 16 threads of a row then read keys "
-        "HEAD_DIM floats apart, all in one bank, one float at a time. Stage it transposed, [dim][key] "
-        "(load_transposed), so that a thread's 4 keys at dim d are one float4 read."), stub=(
-        "not timed: each K read is a 16-way bank conflict and 4 loads instead of one, about 20 times "
-        "the S loop's shared-memory wavefronts")),
-    "05.diagonal_mask": dict(kind="correctness", hint=(
-        "Which tiles can hold a hidden key? A ragged last tile (key0 + BLOCK_KV > seqlen) and, causal, "
-        "the diagonal one (key0 + BLOCK_KV - 1 > query0): test that, the same for the whole block. "
-        "Inside: key = key0 + tx * KEYS_PER_THREAD + j, query = query0 + row_of(ty, i).")),
-    "05.key_end": dict(kind="speed", gate=1.10, shape=(4, 16, 4096, 128, True), hint=(
-        "The rows of query tile query0 see keys up to query0 + BLOCK_Q - 1. The stub loops over every "
-        "key tile and masks the ones above the diagonal; stop after the diagonal tile (and never "
-        "past seqlen)."), stub=(
-        "measured as 04 causal (every tile computed, the upper ones masked): 16.4 ms against 8.12, "
-        "2.0x (docs/results/NVIDIA_H200.csv)")),
-    "06.softmax_rows": dict(kind="correctness", hint=(
-        "Lanes 2r and 2r + 1 of the warp share row r (pair_lane says which of the two a lane is). Each "
-        "reads its 32 scores, the float4 columns 4 * (2i + pair_lane), through masked_score on the "
-        "tiles that need the mask (ragged: key0 + BLOCK_KV > seqlen; causal, the diagonal: key0 + "
-        "BLOCK_KV - 1 > query0). Take the row max over the pair with __shfl_xor_sync(..., 1), times "
-        "scale_log2, and rescale = exp2_approx(row_max - base). After a __syncwarp(), write P = "
-        "exp2_approx(score * scale_log2 - base) over the row as fp16; lane 0 of the pair stores "
-        "factor_warp[row] = rescale.")),
-    "06.load_tile": dict(kind="speed", gate=1.03, shape=(4, 16, 4096, 128, True), hint=(
-        "The stub's trip count depends on threadIdx.x, and each 16-byte chunk is bounds-checked and "
-        "stored before the next is loaded. Give every thread the same chunks at constant offsets (rows "
-        "t / CHUNKS + k * THREADS / CHUNKS), load four before storing four, and check bounds only on "
-        "a tile that crosses seqlen."), stub=(
-        "measured (the chapter's earlier loads): 1.546 ms against 1.434 causal, 1.078x, and 1.067x "
-        "non-causal (docs/results/logs/07/variants_06_07_run4.csv)")),
-    "07.mask_scores": dict(kind="correctness", hint=(
-        "Element score[mt][nt][2r + e] of a lane holds query row0 + 16 mt + 8 r and key key0 + 8 nt + e "
-        "(see the comment of mma_16x8x16). Set it to -inf where the key is >= seqlen or, causal, where "
-        "the key comes after the query.")),
-    "07.ring": dict(kind="correctness", hint=(
-        "Tile `tile` has landed once at most STAGES - 2 younger commit groups are pending "
-        "(__pipeline_wait_prior); one __syncthreads() then covers every thread's copies and the slot "
-        "of tile - 1, which you refill with tile + STAGES - 1 (if it exists) before __pipeline_commit(): "
-        "commit even when nothing was requested, one group per tile.")),
-    "07.copies": dict(kind="speed", gate=1.05, shape=HEADLINE_D64, hint=(
-        "In the stub each thread loops over chunks threadIdx.x, + THREADS, ... with a trip count the "
-        "compiler cannot fix, and checks the bounds of every chunk. Give thread t chunk t % CHUNKS of "
-        "rows t / CHUNKS + i * ROWS_PER_PASS: a fixed count, fully unrolled, addresses at constant "
-        "offsets; check bounds only on a tile that crosses seqlen (zero-fill with the src_size "
-        "argument)."), stub=(
-        "measured (the chapter's earlier copies): 1.834 ms against 1.612 at D=64, 1.138x "
-        "(docs/results/logs/07/variants_06_07_run4.csv)")),
-    "08.pack_p": dict(kind="correctness", dims=(64,), hint=(
-        "This pack_p, for fp32 scores, runs at D = 64 only: at D = 128 the chapter keeps S in fp16 and "
-        "packs P with the other pack_p, below it, so the grade runs the D = 64 half of the matrix. "
-        "The Q K^T accumulator gives this thread, per 8-key chunk c, keys 8c + 2t and 8c + 2t + 1 of "
-        "rows g and g + 8 (score[4c + 2r + e], t = lane % 4). Register i of k32 step kk takes the two "
-        "pairs of chunks c = 4 kk + 2 (i / 2) and c + 1 of row g + 8 (i % 2), packed by pack_e4m3x4: "
-        "key_slot stored Vt so that these are the A operand's positions 4t..4t+3."),
-        wrong=("pack_e4m3x4(score[4 * chunk + 2 * r], score[4 * chunk + 2 * r + 1],",
-               "pack_e4m3x4(score[4 * chunk + 2 * r + 1], score[4 * chunk + 2 * r],")),
-    "08.intra_overlap": dict(kind="speed", shape=HEADLINE, timed="attend_ms", ptx_has=[dict(
-        pattern=r"\bwgmma\.wait_group\.sync\.aligned\s+1\s*;", shown="wgmma.wait_group.sync.aligned 1",
-        found=r"\bwgmma\.wait_group\.sync\.aligned\s+\d+",
-        means=("a wait for all but the latest group of warpgroup products: with the P V of tile j-1 "
-               "issued behind the Q K^T of tile j, it waits for Q K^T alone and lets P V run on during "
-               "tile j's softmax"),
-        todo=("Issue the P V of tile j-1 in the same turn as the Q K^T of tile j "
-              "(scores_and_softmax<HEAD_DIM, true>), as the hint says"))], hint=(
-        "Peel tile 0: its Q K^T and "
-        "softmax alone (scores_and_softmax<HEAD_DIM, false>), then rescale O and pack its P. Then, "
-        "for each tile j from 1: issue the Q K^T of j and the P V of j-1 in one turn "
-        "(scores_and_softmax<HEAD_DIM, true>, which waits for Q K^T alone); only after j's softmax "
-        "wait for that P V (wgmma_wait<0>) and release its stage (release_stage of j-1); rescale O and pack the P of j. "
-        "After the loop, issue and finish the last P V (finish_pv of tile w.kv_tiles - 1). What "
-        "speed needs: the wait for P V must come after the softmax in program order, and where "
-        "ptxas cannot move it up: in the softmax's own basic block it may schedule the wait before "
-        "the softmax, while at the top of the next iteration it stays after it (make sass CH=08 "
-        "shows where the WARPGROUP.DEPBAR went); and no branch between the two waits, or ptxas "
-        "waits at the join: decide the mask by loop (MASK_NONE for the tiles that need none, "
-        "MASK_ALL for the rest), and do not put the second product under an if (tile > 0)."), stub=(
-        "measured: the chapter with -DINTRA_OVERLAP=0, its attention kernel 0.587 ms against 0.565 "
-        "at B=4 H=16 N=4096 D=128, 1.04x, and 1.05x at D=64, within a shared GPU's noise for a gate "
-        "(docs/results/logs/08/ablation_08.csv)")),
-}
+# --- The exercises: their facts are comment lines in the chapters (the module's docstring) ----------
+# The named shapes a `shape:` fact may use (B, H, N, D; ` causal` after the name makes it causal).
+SHAPES = {"headline": (4, 16, 4096, 128), "headline_d64": (4, 32, 4096, 64)}
+HEADLINE, HEADLINE_D64 = SHAPES["headline"] + (False,), SHAPES["headline_d64"] + (False,)
 # Where a copy's time is shown when no speed exercise names a shape (B, H, N, D, causal).
 TIME_SHAPE = {1: (1, 16, 2048, 128, False)}
 DEFAULT_TIME_SHAPE = HEADLINE
@@ -267,9 +185,25 @@ END = re.compile(r"^[ \t]*// EXERCISE END\s*$")
 REGION = re.compile(r"^(?P<indent>[ \t]*)// EXERCISE (?P<name>\d\d\.\w+) TODO(?: \(speed\))?: ")
 ANY_MARKER = re.compile(r"//\s*EXERCISE\b")
 TODO_CALL = re.compile(r'^\s*EXERCISE_TODO\("(\d\d\.\w+)"\)', re.M)
+# The facts lines after a BEGIN line (the module's docstring): any line of `//` and two spaces or
+# more there is one, and must be a field (`//`, three spaces, `field: value`) or the continuation of a
+# prose field (`//`, five spaces, more words).
+FACT_LINE = re.compile(r"^[ \t]*//  ")
+FACT = re.compile(r"^[ \t]*//   (?P<field>[a-z]+(?: [a-z]+)?): (?P<value>\S.*?)\s*$")
+MORE = re.compile(r"^[ \t]*//     (?P<value>\S.*?)\s*$")
+FIELDS = ("kind", "gate", "shape", "timed", "dims", "hint", "stub", "ptx", "ptx shown", "ptx found", "ptx means",
+          "ptx todo", "wrong old", "wrong new")
+PROSE = {"hint", "stub", "ptx means", "ptx todo"}  # the fields that may go on over lines
+KINDS, TIMED = ("correctness", "speed"), ("ms", "attend_ms")
+GATE = re.compile(r"^(?P<g>\d+(?:\.\d+)?)x$")
+SHAPE = re.compile(r"^(?:(?P<name>[a-z]\w*)|B=(?P<b>\d+) H=(?P<h>\d+) N=(?P<n>\d+) D=(?P<d>\d+))(?P<causal> causal)?$")
+FACTS_MARK = re.compile(r"^// EXERCISE (?P<name>\d\d\.\w+) FACTS\s*$")  # in a hand-out's stand-in only
 # The first lines of a hand-out's NN_name/attention.cu: the student copy stands in for the chapter.
 STANDIN_NOTE = ("// HAND-OUT: not the chapter and not your copy. This hand-out holds no solution: this file is the\n"
                 "// student copy as handed out, here so that the Makefile finds the chapter; edit {copy}.\n")
+STANDIN_FACTS = ("// How each exercise is graded, as the chapter says it after its BEGIN line; make grade reads "
+                 "these lines:\n")
+STANDIN_END = "// HAND-OUT END: the student copy as handed out follows.\n"
 STANDIN_FIRST = "// HAND-OUT: not the chapter"
 HANDOUT_GUIDE = "HANDOUT.md"
 
@@ -290,8 +224,9 @@ def is_standin(text):
 
 
 def standin_copy(text):
-    """The student copy a stand-in holds: the stand-in without its note."""
-    return text.split("\n", STANDIN_NOTE.count("\n"))[-1]
+    """The student copy a stand-in holds: the stand-in without its note (and the facts in it)."""
+    note, found, copy = text.partition(STANDIN_END)
+    return copy if found else text.split("\n", STANDIN_NOTE.count("\n"))[-1]
 
 
 # --- Markers -------------------------------------------------------------------------------------
@@ -306,18 +241,196 @@ def uncomment(line):
     return (head + code if code.strip() else "") + ending
 
 
+def read_facts(lines, i, where, name):
+    """([field, value, line number], the index of the line after them): the facts lines after
+    line i (a BEGIN or FACTS line), each prose value joined with its continuation lines."""
+    fields, j = [], i + 1
+    while j < len(lines) and FACT_LINE.match(lines[j]):
+        fact, more = FACT.match(lines[j]), MORE.match(lines[j])
+        if fact:
+            fields.append([fact["field"], fact["value"], j + 1])
+        elif more and fields and fields[-1][0] in PROSE:
+            fields[-1][1] += " " + more["value"]
+        elif more:
+            after = f"the one-line field '{fields[-1][0]}'" if fields else "no field"
+            raise MarkerError(f"{where}:{j + 1}: {name}: a continuation line after {after}; only "
+                              f"{words_list(sorted(PROSE))} go on over lines (`//` and five spaces)")
+        else:
+            raise MarkerError(f"{where}:{j + 1}: {name}: not a facts line: {lines[j].strip()!r} (`//`, three spaces, "
+                              "`field: value`; or `//`, five spaces and more of a hint, stub, ptx means or ptx todo)")
+        j += 1
+    return fields, j
+
+
+def fact_value(field, value, where, name):
+    """A fact's value as the grader uses it (a float, a shape, a tuple of dims, a string)."""
+    def bad(expected):
+        return MarkerError(f"{where}: {name}: {field}: {value!r} is not {expected}")
+    if field == "kind":
+        if value not in KINDS:
+            raise bad(" or ".join(KINDS))
+        return value
+    if field == "gate":
+        found = GATE.match(value)
+        if not found or float(found["g"]) <= 0:
+            raise bad("a gate such as 1.10x")
+        return float(found["g"])
+    if field == "shape":
+        found = SHAPE.match(value)
+        if not found or (found["name"] and found["name"] not in SHAPES):
+            raise bad(f"a shape: {' or '.join(SHAPES)}, or B=4 H=16 N=4096 D=128; either with ' causal' after it")
+        dims = SHAPES[found["name"]] if found["name"] else tuple(int(found[k]) for k in "bhnd")
+        return dims + (bool(found["causal"]),)
+    if field == "timed":
+        if value not in TIMED:
+            raise bad(" or ".join(TIMED))
+        return value
+    if field == "dims":
+        dims = tuple(int(d) for d in value.split()) if re.fullmatch(r"\d+( \d+)*", value) else ()
+        if not dims or not set(dims) <= set(HEAD_DIMS) or len(set(dims)) < len(dims):
+            raise bad(f"head dims among {' '.join(map(str, HEAD_DIMS))}, blank-separated")
+        return dims
+    if field in ("ptx", "ptx found"):
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise bad(f"a regular expression ({exc})") from None
+    return value
+
+
+def read_exercise_facts(fields, where, name, at):
+    """The facts of exercise `name` (fields from read_facts; `at`: its BEGIN line's number) as
+    the grader uses them: dict(kind, hint, gate, shape, timed, stub, dims, ptx_has, wrong)."""
+    info, check, wrong = {}, None, {}
+    for field, value, line in fields:
+        here = f"{where}:{line}"
+        if field not in FIELDS:
+            raise MarkerError(f"{here}: {name}: unknown field '{field}' (fields: {', '.join(FIELDS)})")
+        value = fact_value(field, value, here, name)
+        if field == "ptx":
+            check = {"pattern": value}
+            info.setdefault("ptx_has", []).append(check)
+            continue
+        key, into = field, info
+        if field.startswith("ptx "):
+            if check is None:
+                raise MarkerError(f"{here}: {name}: '{field}' before any `ptx:` line (it describes the one above it)")
+            key, into = field[4:], check
+        elif field.startswith("wrong "):
+            key, into = field[6:], wrong
+        if key in into:
+            raise MarkerError(f"{here}: {name}: '{field}' given twice")
+        into[key] = value
+    here = f"{where}:{at}"
+    missing = [f for f in ("kind", "hint") if f not in info]
+    if missing:
+        raise MarkerError(f"{here}: {name}: its facts lack {' and '.join(missing)}")
+    if info["kind"] == "speed":
+        missing = [f for f in ("shape", "stub") if f not in info]
+        if missing:
+            raise MarkerError(f"{here}: speed exercise {name}: its facts lack {' and '.join(missing)} (where it is "
+                              "timed, how slow its stub is and how that is known)")
+        if not (info.get("gate") or info.get("ptx_has")):
+            raise MarkerError(f"{here}: speed exercise {name} needs a gate (`gate: 1.10x`) or a check of its compiled "
+                              "code (`ptx: <pattern>`)")
+    else:
+        extra = [f for f in ("gate", "shape", "timed", "stub") if f in info]
+        if extra:
+            raise MarkerError(f"{here}: correctness exercise {name}: {', '.join(extra)} are facts of a speed exercise")
+    for c in info.get("ptx_has", []):
+        missing = [f"ptx {f}" for f in ("shown", "means", "todo") if f not in c]
+        if missing:
+            raise MarkerError(f"{here}: {name}: its check `ptx: {c['pattern']}` lacks {', '.join(missing)}")
+    if wrong:
+        if set(wrong) != {"old", "new"}:
+            raise MarkerError(f"{here}: {name}: a wrong solution needs both `wrong old:` and `wrong new:`")
+        info["wrong"] = (wrong["old"], wrong["new"])
+    return info
+
+
+def fact_lines(info, indent="", width=110):
+    """The facts lines of an exercise's facts (read_exercise_facts read back), `indent` before
+    each: what the chapter holds after the BEGIN line, and a hand-out's stand-in after FACTS."""
+    def shape_words(shape):
+        named = next((n for n, dims in SHAPES.items() if dims == tuple(shape[:4])), None)
+        return (named or shape_text(tuple(shape[:4]) + (False,))) + (" causal" if shape[4] else "")
+    fields = [("kind", info["kind"])]
+    if "gate" in info:
+        fields.append(("gate", f"{info['gate']:.2f}x"))
+    if "shape" in info:
+        fields.append(("shape", shape_words(info["shape"])))
+    if "timed" in info:
+        fields.append(("timed", info["timed"]))
+    if "dims" in info:
+        fields.append(("dims", " ".join(map(str, info["dims"]))))
+    fields.append(("hint", info["hint"]))
+    if "stub" in info:
+        fields.append(("stub", info["stub"]))
+    for c in info.get("ptx_has", []):
+        fields += [("ptx", c["pattern"]), ("ptx shown", c["shown"])] + ([("ptx found", c["found"])] if "found" in c
+                                                                          else [])
+        fields += [("ptx means", c["means"]), ("ptx todo", c["todo"])]
+    if "wrong" in info:
+        fields += [("wrong old", info["wrong"][0]), ("wrong new", info["wrong"][1])]
+    out = []
+    for field, value in fields:
+        head = f"{indent}//   {field}: "
+        if field not in PROSE:
+            out.append(f"{head}{value}")
+            continue
+        words = glued(value)
+        wrapped = textwrap.wrap(words, width=width - len(head), break_long_words=False, break_on_hyphens=False)
+        more = textwrap.wrap(" ".join(wrapped[1:]), width=width - len(indent) - 7, break_long_words=False,
+                             break_on_hyphens=False)
+        lines = [head + wrapped[0]] + [f"{indent}//     {line}" for line in more]
+        if " ".join(wrapped[:1] + more) != words:
+            raise ValueError(f"{field}: {value!r} does not survive wrapping (runs of spaces?)")
+        out += [line.replace(GLUE, " ") for line in lines]
+    return [line + "\n" for line in out]
+
+
+GLUE = "\0"  # a space that fact_lines does not break a line at
+OPERATORS = {"*", "/", "+", "-", "%", "=", "==", "!=", "<", ">", "<=", ">=", "+=", "-=", "*=", "->", "&&", "||"}
+
+
+def glued(value):
+    """The value with GLUE for the spaces of an expression: around an operator, inside a template's
+    <...>, between the B= H= N= D= of a shape (the lines read better unbroken there)."""
+    words = value.split(" ")
+    out = words[:1]
+    for word in words[1:]:
+        last = out[-1].split(GLUE)[-1]
+        joined = out[-1]
+        glue = (word in OPERATORS or last in OPERATORS or joined.count("<") > joined.count(">")
+                or (re.fullmatch(r"[BHND]=\d+", last) and re.fullmatch(r"[HND]=\d+,?", word)))
+        if glue:
+            out[-1] += GLUE + word
+        else:
+            out.append(word)
+    return " ".join(out)
+
+
 def parse(text, where="attention.cu"):
     """The EXERCISE blocks of a chapter source, in file order: [dict(name, task, indent, start, end,
-    stub)] with task None on a bare BEGIN, start/end the indices of the BEGIN and END lines, stub
-    the uncommented STUB lines or None."""
-    lines, blocks, block = text.splitlines(keepends=True), [], None
+    stub, facts, code_at)] with task None on a bare BEGIN, start/end the indices of the BEGIN and
+    END lines, stub the uncommented STUB lines or None, facts the exercise's facts on its main
+    part (None on the others), code_at the index of the first line after BEGIN and its facts."""
+    lines, blocks, block, skip = text.splitlines(keepends=True), [], None, 0
     for i, line in enumerate(lines):
+        if i < skip:
+            continue
         begin, stub, end = BEGIN.match(line), STUB.match(line), END.match(line)
         if begin:
             if block:
                 raise MarkerError(f"{where}:{i + 1}: EXERCISE {begin['name']} BEGIN inside {block['name']} "
                                   f"(line {block['start'] + 1}): blocks do not nest")
             block = dict(name=begin["name"], task=begin["task"], indent=begin["indent"], start=i, stub_at=None)
+            fields, skip = read_facts(lines, i, where, begin["name"])
+            if fields and not begin["task"]:
+                raise MarkerError(f"{where}:{i + 2}: {begin['name']}: facts lines after a bare BEGIN: they follow "
+                                  "the BEGIN line that has the task")
+            block["facts"] = read_exercise_facts(fields, where, begin["name"], i + 1) if fields else None
+            block["code_at"] = skip
         elif stub:
             if not block or stub["name"] != block["name"] or block["stub_at"] is not None:
                 raise MarkerError(f"{where}:{i + 1}: EXERCISE {stub['name']} STUB outside its block, or twice")
@@ -339,6 +452,17 @@ def parse(text, where="attention.cu"):
                               "(BEGIN: <task>, a bare BEGIN, STUB, END)")
     if block:
         raise MarkerError(f"{where}:{block['start'] + 1}: EXERCISE {block['name']} BEGIN has no END")
+    for name, parts in exercise_parts(blocks).items():
+        main = main_part(parts)
+        if main is None:
+            continue  # check_blocks says so
+        for b in parts:
+            if b["facts"] is not None and b is not main:
+                raise MarkerError(f"{where}:{b['start'] + 2}: {name}: its facts follow the BEGIN line of its main "
+                                  f"part, line {main['start'] + 1} (the first with a task)")
+        if main["facts"] is None:
+            raise MarkerError(f"{where}:{main['start'] + 1}: exercise {name} has no facts: the lines after its BEGIN "
+                              "line, `//   kind: ...`, `//   hint: ...` (the format: common/exercises.py)")
     return blocks
 
 
@@ -360,20 +484,88 @@ def tasks(blocks):
     return {name: main_part(parts)["task"] for name, parts in exercise_parts(blocks).items() if main_part(parts)}
 
 
-def check_blocks(blocks, chapter, table=EXERCISES):
-    """Raise MarkerError unless the blocks are well-formed for `chapter` and match the table."""
+def facts_table(blocks):
+    """{name: facts} of each exercise of a chapter's blocks, from its main part."""
+    return {name: main_part(parts)["facts"] for name, parts in exercise_parts(blocks).items()
+            if main_part(parts) and main_part(parts)["facts"]}
+
+
+def standin_facts(text, where):
+    """{name: facts} written in a hand-out's stand-in: after each `// EXERCISE NN.name FACTS` of its note."""
+    lines, table = text.partition(STANDIN_END)[0].splitlines(keepends=True), {}
+    for i, line in enumerate(lines):
+        mark = FACTS_MARK.match(line)
+        if mark:
+            fields, _ = read_facts(lines, i, where, mark["name"])
+            table[mark["name"]] = read_exercise_facts(fields, where, mark["name"], i + 1)
+    return table
+
+
+def standin_note(copy_path, table, names):
+    """The note atop a hand-out's stand-in: what it is, the facts of each exercise (without `wrong`,
+    which quotes the solution), and the line after which the student copy follows."""
+    lines = [STANDIN_NOTE.format(copy=copy_path), STANDIN_FACTS]
+    for name in names:
+        public = {k: v for k, v in table[name].items() if k != "wrong"}
+        lines += [f"// EXERCISE {name} FACTS\n"] + fact_lines(public)
+    return "".join(lines) + STANDIN_END
+
+
+_FACTS_CACHE = {}
+
+
+def chapter_facts(chapter, root=ROOT):
+    """{name: facts} of a chapter's exercises, read from its attention.cu (a hand-out's stand-in:
+    from its note), read again when the file changes."""
+    path = os.path.join(root, chapter, "attention.cu")
+    stat = os.stat(path)
+    key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+    if key not in _FACTS_CACHE:
+        text, where = chapter_source(chapter, root), f"{chapter}/attention.cu"
+        _FACTS_CACHE[key] = standin_facts(text, where) if is_standin(text) else facts_table(parse(text, where))
+    return _FACTS_CACHE[key]
+
+
+class Facts(Mapping):
+    """{name: facts} of every exercise of the chapters under `root`, read from their markers when
+    asked: a name's NN says which chapter's source is read."""
+
+    def __init__(self, root=ROOT):
+        self.root = root
+
+    def __getitem__(self, name):
+        chapter = find_chapter(name, self.root) if re.match(r"\d\d\.\w+$", str(name)) else None
+        if not chapter:
+            raise KeyError(name)
+        return chapter_facts(chapter, self.root)[name]
+
+    def __iter__(self):
+        for chapter in chapters(self.root):
+            yield from chapter_facts(chapter, self.root)
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+EXERCISES = Facts()  # what the grader, the hand-out and the tests read an exercise's facts from
+
+
+def check_blocks(blocks, chapter, table=None):
+    """Raise MarkerError unless the blocks are well-formed for `chapter` (table: the exercises'
+    facts; by default those of the blocks themselves)."""
+    table = facts_table(blocks) if table is None else table
     for name, parts in exercise_parts(blocks).items():
         where = f"{chapter}/attention.cu:{parts[0]['start'] + 1}"
         if name[:2] != chapter[:2]:
             raise MarkerError(f"{where}: exercise {name} is in chapter {chapter}: names start with {chapter[:2]}.")
-        info = table.get(name)
-        if not info:
-            raise MarkerError(f"{where}: exercise {name} has no entry in common/exercises.py EXERCISES")
         main = main_part(parts)
         if not main:
             raise MarkerError(f"{where}: exercise {name}: none of its {len(parts)} block(s) has a task "
                               f"(// EXERCISE {name} BEGIN: <the task>)")
         where = f"{chapter}/attention.cu:{main['start'] + 1}"
+        info = table.get(name)
+        if not info:
+            raise MarkerError(f"{where}: exercise {name} has no facts (the lines after its BEGIN line)")
         if info["kind"] == "speed" and all(b["stub"] is None for b in parts):
             raise MarkerError(f"{where}: speed exercise {name} needs STUB lines (its slow, correct code) in one "
                               "of its blocks")
@@ -381,27 +573,29 @@ def check_blocks(blocks, chapter, table=EXERCISES):
             raise MarkerError(f"{where}: {name}: an EXERCISE_TODO stub needs a block inside a function, without "
                               "STUB lines")
         if info["kind"] == "speed" and not (info.get("gate") or info.get("ptx_has")):
-            raise MarkerError(f"{where}: speed exercise {name} needs a gate or a ptx_has check in EXERCISES")
+            raise MarkerError(f"{where}: speed exercise {name} needs a gate or a ptx check in its facts")
 
 
 def solution_lines(text, block):
-    """The lines a block spans in the chapter, its markers included."""
+    """The lines a block spans in the chapter, its markers (and facts) included."""
     return text.splitlines(keepends=True)[block["start"]:block["end"] + 1]
 
 
-def wrong_solution(text, name, table=EXERCISES):
-    """The chapter with exercise `name`'s `wrong` substitution made in its blocks: a solution that
-    compiles and is wrong (MarkerError unless `old` occurs exactly once in those blocks)."""
-    old, new = table[name]["wrong"]
+def wrong_solution(text, name, table=None):
+    """The chapter with exercise `name`'s `wrong` substitution made in its blocks' code (the lines
+    after BEGIN and its facts): a solution that compiles and is wrong (MarkerError unless `old`
+    occurs exactly once there)."""
+    blocks = parse(text)
+    old, new = (facts_table(blocks) if table is None else table)[name]["wrong"]
     lines = text.splitlines(keepends=True)
-    spans = [(b["start"], b["end"]) for b in parse(text) if b["name"] == name]
-    hits = [(start, end) for start, end in spans if old in "".join(lines[start:end + 1])]
-    count = sum("".join(lines[start:end + 1]).count(old) for start, end in spans)
+    spans = [(b["code_at"], b["end"]) for b in blocks if b["name"] == name]
+    hits = [(start, end) for start, end in spans if old in "".join(lines[start:end])]
+    count = sum("".join(lines[start:end]).count(old) for start, end in spans)
     if count != 1:
         raise MarkerError(f"{name}: its wrong solution's {old!r} occurs {count} times in its blocks, expected once: "
-                          "update `wrong` in EXERCISES")
+                          "update its `wrong old:` fact")
     start, end = hits[0]
-    lines[start:end + 1] = ["".join(lines[start:end + 1]).replace(old, new)]
+    lines[start:end] = ["".join(lines[start:end]).replace(old, new)]
     return "".join(lines)
 
 
@@ -469,9 +663,11 @@ def select(blocks, only):
     return chosen
 
 
-def student_copy(text, chapter, only=None, guide=None, table=EXERCISES):
-    """(the student copy of a chapter source, the names of its exercises in file order)."""
+def student_copy(text, chapter, only=None, guide=None, table=None):
+    """(the student copy of a chapter source, the names of its exercises in file order); table: the
+    exercises' facts, by default those the source holds."""
     blocks = parse(text, f"{chapter}/attention.cu")
+    table = facts_table(blocks) if table is None else table
     check_blocks(blocks, chapter, table)
     chosen = select(blocks, only)
     parts = exercise_parts(blocks)
@@ -615,9 +811,13 @@ def command_make(args):
         return fail(2, f"make exercise: {exc}")
     source = chapter_source(chapter)
     found = {} if is_standin(source) else tasks(parse(source))
+    try:
+        table = {name: EXERCISES[name] for name in names}
+    except MarkerError as exc:
+        return fail(2, f"make exercise: {exc}")
     print(f"{os.path.relpath(path, ROOT)}: the student copy of {chapter}, {len(names)} exercise(s) to do:")
     for name in names:
-        print(f"  {name} ({describe(name)})" + (f": {found[name]}" if name in found else ""))
+        print(f"  {name} ({describe(name, table)})" + (f": {found[name]}" if name in found else ""))
     guide = HANDOUT_GUIDE if is_standin(source) else f'{chapter}/README.md, "Exercises"'
     print(f"Edit it, then: make grade CH={chapter[:2]}  (the exercises: {guide})")
     return 0
@@ -633,9 +833,14 @@ def command_list(_args):
         source = chapter_source(chapter)
         if is_standin(source):
             continue
-        for name, task in tasks(parse(source, chapter)).items():
-            info = EXERCISES[name]
-            print(f"{name:18} {describe(name)}\n{'':18} task: {task}")
+        try:
+            blocks = parse(source, f"{chapter}/attention.cu")
+        except MarkerError as exc:
+            return fail(2, f"exercises.py list: {exc}")
+        table = facts_table(blocks)
+        for name, task in tasks(blocks).items():
+            info = table[name]
+            print(f"{name:18} {describe(name, table)}\n{'':18} task: {task}")
             if info["kind"] == "speed":
                 print(f"{'':18} the stub: {info['stub']}")
     return 0
@@ -1231,7 +1436,10 @@ def command_grade(args):
                        f"make exercise CH={chapter[:2]} first")
     with open(path) as f:
         text = f.read()
-    names = copy_exercises(chapter, text)
+    try:
+        names = copy_exercises(chapter, text)  # reads the exercises' facts from the chapter
+    except MarkerError as exc:
+        return fail(2, f"make grade: {exc}")
     shown = ", ".join(f"{n} ({EXERCISES[n]['kind']})" for n in names) or "none recorded"
     print(f"grade {chapter}: {os.path.relpath(path, ROOT)}, exercises {shown}")
     checks = Checks()
@@ -1288,8 +1496,10 @@ def grader_tests(root=ROOT):
     return sorted(found)
 
 
-def docs_named(names, root=ROOT, table=EXERCISES):
-    """The docs/ pages the exercises' hints name, and the figures those pages show."""
+def docs_named(names, root=ROOT, table=None):
+    """The docs/ pages the exercises' hints name, and the figures those pages show (table: the
+    exercises' facts, by default read from the chapters under root)."""
+    table = Facts(root) if table is None else table
     pages = sorted({page for n in names for page in re.findall(r"docs/[\w./-]+\.md", table[n]["hint"])})
     out = []
     for page in pages:
@@ -1303,14 +1513,14 @@ def docs_named(names, root=ROOT, table=EXERCISES):
 
 
 def solution_lines_of(source, names):
-    """The solution's own lines of these exercises: each block's lines between BEGIN and its STUB
-    or END, stripped, those of MIN_SOLUTION_LINE characters or more."""
+    """The solution's own lines of these exercises: each block's lines between BEGIN (and its
+    facts) and its STUB or END, stripped, those of MIN_SOLUTION_LINE characters or more."""
     lines = source.splitlines()
     out = []
     for b in parse(source):
         if b["name"] in names:
             stop = b["stub_at"] if b["stub_at"] is not None else b["end"]
-            out += [l.strip() for l in lines[b["start"] + 1:stop] if len(l.strip()) >= MIN_SOLUTION_LINE]
+            out += [l.strip() for l in lines[b["code_at"]:stop] if len(l.strip()) >= MIN_SOLUTION_LINE]
     return list(dict.fromkeys(out))
 
 
@@ -1326,8 +1536,8 @@ def leaked_lines(source, copy, names, files):
     return out
 
 
-def handout_guide(chapter, names, files, copy):
-    """HANDOUT.md: what the hand-out holds, how it is graded, each exercise."""
+def handout_guide(chapter, names, files, copy, table=EXERCISES):
+    """HANDOUT.md: what the hand-out holds, how it is graded, each exercise (table: their facts)."""
     from chapters import read_chapter, runs_on
     number = chapter[:2]
     try:
@@ -1340,7 +1550,7 @@ def handout_guide(chapter, names, files, copy):
         os.unlink(f.name)
     found = tasks(parse(chapter_source(chapter)))
     docs = [p for p in files if p.startswith("docs/") and p.endswith(".md")]
-    gated = [n for n in names if EXERCISES[n].get("gate")]
+    gated = [n for n in names if table[n].get("gate")]
     lines = [
         f"# {chapter}: exercises, a hand-out", "",
         f"One chapter of the FlashAttention tutorial as exercises: your copy of `{chapter}/attention.cu` with "
@@ -1375,7 +1585,7 @@ def handout_guide(chapter, names, files, copy):
                   f"`exercises/{chapter}/` of a full checkout of the tutorial and run `make grade CH={number}` there."]
     lines += ["", "## The exercises"]
     for name in names:
-        info = EXERCISES[name]
+        info = table[name]
         lines += ["", f"### `{name}` ({info['kind']})", "", f"Task: {found.get(name, '')}.", "",
                   f"Hint: {info['hint']}", "", f"Graded: {grading_text(info)}."]
     return "\n".join(lines) + "\n"
@@ -1387,7 +1597,8 @@ def handout_files(chapter, root=ROOT):
     if is_standin(source):
         raise MarkerError(f"{chapter}/attention.cu is a hand-out's stand-in, not the chapter: make a hand-out "
                           "from a full checkout of the tutorial")
-    copy, names = student_copy(source, chapter, guide=HANDOUT_GUIDE)
+    table = facts_table(parse(source, f"{chapter}/attention.cu"))
+    copy, names = student_copy(source, chapter, guide=HANDOUT_GUIDE, table=table)
     files = {}
 
     def add(rel):
@@ -1400,15 +1611,15 @@ def handout_files(chapter, root=ROOT):
             add(f"common/{name}")
     for name in grader_tests(root):
         add(f"tests/{name}")
-    for page in docs_named(names, root):
+    for page in docs_named(names, root, table):
         add(page)
     student = f"exercises/{chapter}/attention.cu"
-    files[f"{chapter}/attention.cu"] = (STANDIN_NOTE.format(copy=student) + copy).encode()
+    files[f"{chapter}/attention.cu"] = (standin_note(student, table, names) + copy).encode()
     files[student] = copy.encode()
     files[f"exercises/{chapter}/{RECORD}"] = json.dumps(
         {"chapter": chapter, "exercises": names, "sha256": digest(copy)}, indent=1).encode()
     files["exercises/common"] = "../common"
-    files[HANDOUT_GUIDE] = handout_guide(chapter, names, files, copy).encode()
+    files[HANDOUT_GUIDE] = handout_guide(chapter, names, files, copy, table).encode()
     leaks = leaked_lines(source, copy, names, files)
     if leaks:
         raise MarkerError(f"the hand-out would hold solution lines, e.g. {leaks[0][0]}: {leaks[0][1]!r}: "

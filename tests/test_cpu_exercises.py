@@ -1,9 +1,13 @@
 """The graded exercises (common/exercises.py, `make exercise`, `make grade`, `make handout`), without a GPU.
 
   markers        every chapter's EXERCISE markers are well-formed (BEGIN/STUB/END paired, each
-                 exercise in one chapter, NN.-prefixed, with a task, in the EXERCISES table and
-                 back), 01-08 have a correctness and a speed exercise each, and malformed markers
-                 are refused; an exercise of several blocks is cut and put back whole
+                 exercise in one chapter, NN.-prefixed, with a task and its facts), 01-08 have a
+                 correctness and a speed exercise each, and malformed markers are refused; an
+                 exercise of several blocks is cut and put back whole
+  facts          the facts lines after a BEGIN line parse into what the grader uses (prose joined,
+                 patterns and code exact, named and explicit shapes), read back what fact_lines
+                 writes, and a malformed line, an unknown field or incomplete facts are refused
+                 with the file and line; a hand-out's stand-in holds them, without `wrong'
   restore        each student copy (all exercises, and each one alone) with the chapter's blocks
                  put back is the chapter, byte for byte
   compiles       each of those copies compiles for sm_90 with the chapter's flags (the Makefile's
@@ -110,7 +114,9 @@ def test_markers_well_formed(ctx):
             assert name not in found, f"{name} is marked in {found.get(name)} and {chapter}"
             found[name] = chapter
     orphans = sorted(set(ex.EXERCISES) - set(found))
-    assert not orphans, f"EXERCISES has entries no chapter marks: {orphans}"
+    assert not orphans, f"EXERCISES reads facts of exercises no chapter marks: {orphans}"
+    for name, chapter in found.items():
+        assert ex.EXERCISES[name] == ex.chapter_facts(chapter, ctx.root)[name], f"{name}: EXERCISES is not its facts"
     for number in EXERCISE_CHAPTERS:
         kinds = {ex.EXERCISES[n]["kind"] for n, c in found.items() if int(c[:2]) == number}
         assert kinds == {"correctness", "speed"}, (
@@ -126,6 +132,25 @@ def test_markers_well_formed(ctx):
             assert not missing, f"{name}: its ptx_has check lacks {sorted(missing)}"
         assert set(info.get("dims", ex.HEAD_DIMS)) <= set(ex.HEAD_DIMS), f"{name}: dims {info['dims']}"
     return f"{len(found)} exercises in {len(set(found.values()))} chapters"
+
+
+# The facts of the synthetic exercises below (04.s, a speed one; any other name but 04.zz, a
+# correctness one), inserted after each BEGIN line that has a task by with_facts.
+SYNTHETIC_FACTS = {"speed": ["kind: speed", "gate: 1.10x", "shape: B=1 H=1 N=1 D=64", "hint: h", "stub: s"],
+                   "correctness": ["kind: correctness", "hint: h"]}
+
+
+def with_facts(text):
+    """The synthetic text with the facts of each exercise after the BEGIN line that has its task."""
+    out = []
+    for line in text.splitlines(keepends=True):
+        out.append(line)
+        begin = ex.BEGIN.match(line)
+        if begin and begin["task"] and begin["name"] != "04.zz":
+            ending = line[len(line.rstrip("\r\n")):]
+            kind = "speed" if begin["name"].endswith(".s") else "correctness"
+            out += [f"{begin['indent']}//   {fact}{ending}" for fact in SYNTHETIC_FACTS[kind]]
+    return "".join(out)
 
 
 BAD_MARKERS = {
@@ -147,26 +172,205 @@ BAD_BLOCKS = {
     "a correctness exercise with no part inside a function": (
         "// EXERCISE 04.a BEGIN: x\nint x;\n// EXERCISE END\n// EXERCISE 04.a BEGIN\nint y;\n// EXERCISE END\n"),
     "another chapter's name": "{\n    // EXERCISE 05.a BEGIN: x\n    y();\n    // EXERCISE END\n}\n",
-    "not in the table": "{\n    // EXERCISE 04.zz BEGIN: x\n    y();\n    // EXERCISE END\n}\n",
+    "no facts": "{\n    // EXERCISE 04.zz BEGIN: x\n    y();\n    // EXERCISE END\n}\n",
     "a speed exercise without a stub": "{\n    // EXERCISE 04.s BEGIN: x\n    y();\n    // EXERCISE END\n}\n",
     "EXERCISE_TODO at file scope": "// EXERCISE 04.a BEGIN: x\nint y;\n// EXERCISE END\n",
 }
 
 
 def test_malformed_markers_are_refused():
-    table = {"04.a": dict(kind="correctness", hint="h"), "04.b": dict(kind="correctness", hint="h"),
-             "05.a": dict(kind="correctness", hint="h"), "04.s": dict(kind="speed", hint="h", gate=1.1,
-                                                                        shape=(1, 1, 1, 64, False), stub="s")}
     for label, text in list(BAD_MARKERS.items()) + list(BAD_BLOCKS.items()):
+        text = with_facts(text)
         try:
-            ex.check_blocks(ex.parse(text, label), "04_fused", table)
+            ex.check_blocks(ex.parse(text, label), "04_fused")
         except ex.MarkerError:
             continue
         raise AssertionError(f"markers with {label} were accepted:\n{text}")
-    good = "{\n    // EXERCISE 04.s BEGIN: x\n    y();\n    // EXERCISE 04.s STUB\n    // z();\n    // EXERCISE END\n}\n"
+    good = with_facts("{\n    // EXERCISE 04.s BEGIN: x\n    y();\n    // EXERCISE 04.s STUB\n    // z();\n"
+                      "    // EXERCISE END\n}\n")
     blocks = ex.parse(good)
-    ex.check_blocks(blocks, "04_fused", table)
+    ex.check_blocks(blocks, "04_fused")
     assert blocks[0]["stub"] == ["    z();\n"], f"the stub of {good!r} parsed as {blocks[0]['stub']}"
+    assert blocks[0]["code_at"] == 2 + len(SYNTHETIC_FACTS["speed"]), f"code_at {blocks[0]['code_at']}"
+
+
+# --- facts: the lines after a BEGIN line ------------------------------------------------------------
+GOOD_FACTS = r"""void f() {
+    // EXERCISE 04.s BEGIN: make it fast
+    //   kind: speed
+    //   gate: 1.05x
+    //   shape: headline_d64 causal
+    //   timed: attend_ms
+    //   dims: 64
+    //   hint: The first line of the hint,
+    //     and its second: a colon in it
+    //   stub: slow: measured
+    //   ptx: \bwgmma\.wait_group\.sync\.aligned\s+1\s*;   
+    //   ptx shown: wgmma.wait_group.sync.aligned 1
+    //   ptx found: \bwgmma\.wait_group\.sync\.aligned\s+\d+
+    //   ptx means: a wait for all but the latest group
+    //   ptx todo: Issue the P V
+    //     behind Q K^T
+    //   ptx: \bcp\.async
+    //   ptx shown: cp.async
+    //   ptx means: copies
+    //   ptx todo: copy
+    // A comment of the solution (one space after //): not a fact.
+    fast();
+    // EXERCISE 04.s STUB
+    // slow();
+    // EXERCISE END
+    // EXERCISE 04.a BEGIN: do a
+    //   kind: correctness
+    //   hint: h
+    //   wrong old: a(x,  y);
+    //   wrong new: a(y, x);
+    a(x,  y);
+    // EXERCISE END
+    // EXERCISE 04.b BEGIN: do b
+    //   kind: speed
+    //   shape: B=1 H=16 N=2048 D=128
+    //   ptx: \bx
+    //   ptx shown: x
+    //   ptx means: m
+    //   ptx todo: t
+    //   hint: h
+    //   stub: s
+    b();
+    // EXERCISE 04.b STUB
+    // slow_b();
+    // EXERCISE END
+}
+"""
+GOOD_TABLE = {
+    "04.s": dict(kind="speed", gate=1.05, shape=(4, 32, 4096, 64, True), timed="attend_ms", dims=(64,),
+                 hint="The first line of the hint, and its second: a colon in it", stub="slow: measured",
+                 ptx_has=[dict(pattern=r"\bwgmma\.wait_group\.sync\.aligned\s+1\s*;",
+                               shown="wgmma.wait_group.sync.aligned 1",
+                               found=r"\bwgmma\.wait_group\.sync\.aligned\s+\d+",
+                               means="a wait for all but the latest group", todo="Issue the P V behind Q K^T"),
+                          dict(pattern=r"\bcp\.async", shown="cp.async", means="copies", todo="copy")]),
+    "04.a": dict(kind="correctness", hint="h", wrong=("a(x,  y);", "a(y, x);")),
+    "04.b": dict(kind="speed", shape=(1, 16, 2048, 128, False), hint="h", stub="s",
+                 ptx_has=[dict(pattern=r"\bx", shown="x", means="m", todo="t")]),
+}
+
+
+def test_facts_parse():
+    for ending in ("\n", "\r\n"):
+        text = GOOD_FACTS.replace("\n", ending)
+        blocks = ex.parse(text, "good.cu")
+        ex.check_blocks(blocks, "04_fused")
+        table = ex.facts_table(blocks)
+        assert table == GOOD_TABLE, f"the facts parsed as {table}"
+        lines = text.splitlines(keepends=True)
+        assert lines[blocks[0]["code_at"]].lstrip().startswith("// A comment"), "the facts end at the first plain comment"
+        assert [b["facts"] is not None for b in blocks] == [True, True, True], blocks
+        # The wrong solution's `old` is in its facts line too: only the code counts, and changes.
+        wrong = ex.wrong_solution(text, "04.a")
+        assert "    a(y, x);" + ending in wrong and "//   wrong old: a(x,  y);" in wrong, wrong
+        copy, names = ex.student_copy(text, "04_fused")
+        assert names == ["04.s", "04.a", "04.b"] and "//   kind:" not in copy and "a(x,  y)" not in copy, copy
+        assert "must contain x, which" in copy, f"the Graded: line of 04.b should name its PTX check:\n{copy}"
+        assert ex.restore(copy, text) == text, "the copy with its blocks put back differs from the source"
+    # What fact_lines writes reads back as the same facts, at any indent, wrapped or not.
+    for name, info in sorted(GOOD_TABLE.items()) + sorted(ex.EXERCISES.items()):
+        for indent, width in (("", 110), ("        ", 60)):
+            facts = "".join(ex.fact_lines(info, indent, width))
+            text = f"{indent}// EXERCISE {name} BEGIN: t\n{facts}{indent}x();\n{indent}// EXERCISE END\n"
+            got = ex.parse(text, "written.cu")[0]["facts"]
+            assert got == info, f"{name}: fact_lines wrote\n{facts}which reads back as {got}, not {info}"
+            long = [l for l in facts.splitlines() if ex.MORE.match(l) and len(l) > width]
+            assert width < 110 or not long, f"{name}: continuation lines wider than {width}: {long}"
+    return f"{len(GOOD_TABLE)} synthetic exercises and {len(ex.EXERCISES)} chapters' read back"
+
+
+GOOD_SPEED = ("{\n"
+              "    // EXERCISE 04.s BEGIN: x\n"  # line 2
+              "    //   kind: speed\n"           # 3
+              "    //   gate: 1.10x\n"           # 4
+              "    //   shape: headline\n"       # 5
+              "    //   hint: h\n"               # 6
+              "    //   stub: s\n"               # 7
+              "    y();\n"
+              "    // EXERCISE 04.s STUB\n"
+              "    // z();\n"
+              "    // EXERCISE END\n"
+              "}\n")
+# (what is wrong, (old, new) in GOOD_SPEED, the line the error names, words of the error)
+BAD_FACTS = [
+    ("no colon", ("//   gate: 1.10x", "//   gate 1.10x"), 4, "not a facts line"),
+    ("four spaces", ("//   gate: 1.10x", "//    gate: 1.10x"), 4, "not a facts line"),
+    ("a blank value", ("//   gate: 1.10x", "//   gate:"), 4, "not a facts line"),
+    ("an unknown field", ("//   gate: 1.10x", "//   gait: 1.10x"), 4, "unknown field 'gait'"),
+    ("an unknown ptx field", ("//   stub: s\n", "//   stub: s\n    //   ptx: x\n    //   ptx shows: x\n"), 9,
+     "unknown field 'ptx shows'"),
+    ("neither gate nor ptx", ("    //   gate: 1.10x\n", ""), 2, "needs a gate"),
+    ("a gate that is not a number", ("//   gate: 1.10x", "//   gate: fast"), 4, "a gate such as 1.10x"),
+    ("a gate without its x", ("//   gate: 1.10x", "//   gate: 1.10"), 4, "a gate such as 1.10x"),
+    ("an unknown shape name", ("//   shape: headline", "//   shape: huge"), 5, "is not a shape"),
+    ("a shape without D", ("//   shape: headline", "//   shape: B=1 H=1 N=1"), 5, "is not a shape"),
+    ("an unknown kind", ("//   kind: speed", "//   kind: quick"), 3, "correctness or speed"),
+    ("a field twice", ("//   stub: s\n", "//   stub: s\n    //   hint: again\n"), 8, "'hint' given twice"),
+    ("a continuation of a one-line field", ("//   gate: 1.10x\n", "//   gate: 1.10x\n    //     more\n"), 5,
+     "continuation line after the one-line field 'gate'"),
+    ("a continuation first", ("//   kind: speed\n", "//     more\n    //   kind: speed\n"), 3,
+     "continuation line after no field"),
+    ("a regular expression that does not compile", ("//   stub: s\n", "//   stub: s\n    //   ptx: (unclosed\n"), 8,
+     "not a regular expression"),
+    ("a ptx sub-field before ptx", ("//   stub: s\n", "//   stub: s\n    //   ptx shown: x\n"), 8,
+     "before any `ptx:` line"),
+    ("a ptx check without means and todo", ("//   stub: s\n", "//   stub: s\n    //   ptx: x\n    //   ptx shown: x\n"),
+     2, "lacks ptx means, ptx todo"),
+    ("wrong old without wrong new", ("//   stub: s\n", "//   stub: s\n    //   wrong old: y();\n"), 2,
+     "both `wrong old:` and `wrong new:`"),
+    ("a speed exercise without stub", ("    //   stub: s\n", ""), 2, "lack stub"),
+    ("a speed exercise without shape", ("    //   shape: headline\n", ""), 2, "lack shape"),
+    ("no hint", ("    //   hint: h\n", ""), 2, "lack hint"),
+    ("no kind", ("    //   kind: speed\n", ""), 2, "lack kind"),
+    ("no facts at all", ("    //   kind: speed\n    //   gate: 1.10x\n    //   shape: headline\n    //   hint: h\n"
+                         "    //   stub: s\n", ""), 2, "has no facts"),
+    ("a correctness exercise with a gate", ("//   kind: speed", "//   kind: correctness"), 2,
+     "are facts of a speed exercise"),
+    ("dims the matrix does not run", ("//   stub: s\n", "//   stub: s\n    //   dims: 32\n"), 8, "head dims among"),
+    ("facts after a bare BEGIN", ("    // EXERCISE END\n", "    // EXERCISE END\n    // EXERCISE 04.s BEGIN\n"
+                                  "    //   kind: speed\n    w();\n    // EXERCISE END\n"), 13, "after a bare BEGIN"),
+    ("facts on a part other than the main one", (
+        "    // EXERCISE END\n", "    // EXERCISE END\n    // EXERCISE 04.s BEGIN: again\n    //   kind: speed\n"
+        "    //   gate: 1.10x\n    //   shape: headline\n    //   hint: h\n    //   stub: s\n    w();\n"
+        "    // EXERCISE END\n"), 13, "its facts follow the BEGIN line of its main part, line 2"),
+]
+
+
+def test_malformed_facts_are_refused():
+    ex.check_blocks(ex.parse(GOOD_SPEED, "bad.cu"), "04_fused")  # the base case is good
+    for label, (old, new), line, words in BAD_FACTS:
+        assert GOOD_SPEED.count(old) == 1, f"{label}: {old!r} is not once in the base case"
+        text = GOOD_SPEED.replace(old, new)
+        try:
+            ex.check_blocks(ex.parse(text, "bad.cu"), "04_fused")
+        except ex.MarkerError as exc:
+            assert str(exc).startswith(f"bad.cu:{line}: ") and words in str(exc), (
+                f"{label}: the error should name bad.cu:{line} and say {words!r}: {exc}")
+            continue
+        raise AssertionError(f"facts with {label} were accepted:\n{text}")
+    return f"{len(BAD_FACTS)} malformed facts refused"
+
+
+def test_standin_holds_the_facts():
+    table = {n: {k: v for k, v in info.items() if k != "wrong"} for n, info in GOOD_TABLE.items()}
+    copy = "// the student copy\n//   kind: not a fact here\nint x;\n"
+    standin = ex.standin_note("exercises/04_fused/attention.cu", GOOD_TABLE, list(GOOD_TABLE)) + copy
+    assert ex.is_standin(standin) and ex.standin_copy(standin) == copy, standin
+    assert ex.standin_facts(standin, "04_fused/attention.cu") == table, ex.standin_facts(standin, "04_fused")
+    assert "wrong" not in standin and "a(x,  y)" not in standin, f"the stand-in quotes a wrong solution:\n{standin}"
+    broken = standin.replace("//   kind: correctness", "//   kind correctness")
+    try:
+        ex.standin_facts(broken, "04_fused/attention.cu")
+    except ex.MarkerError as exc:
+        assert str(exc).startswith("04_fused/attention.cu:"), exc
+    else:
+        raise AssertionError("a malformed facts line of a stand-in was accepted")
 
 
 def test_uncomment():
@@ -175,8 +379,6 @@ def test_uncomment():
         assert ex.uncomment(commented) == code, f"uncomment({commented!r}) = {ex.uncomment(commented)!r}, expected {code!r}"
 
 
-SEVERAL = {"04.s": dict(kind="speed", hint="h", gate=1.1, shape=(1, 1, 1, 64, False), stub="s"),
-           "04.a": dict(kind="correctness", hint="h")}
 SEVERAL_TEXT = ("// EXERCISE 04.s BEGIN\n"  # part 1 of 04.s: file scope, no task, no stub: nothing
                 "int helper() { return 1; }\n"
                 "// EXERCISE END\n"
@@ -202,11 +404,11 @@ SEVERAL_TEXT = ("// EXERCISE 04.s BEGIN\n"  # part 1 of 04.s: file scope, no tas
 
 def test_an_exercise_of_several_blocks():
     for ending in ("\n", "\r\n"):
-        text = SEVERAL_TEXT.replace("\n", ending)
+        text = with_facts(SEVERAL_TEXT).replace("\n", ending)
         blocks = ex.parse(text)
-        ex.check_blocks(blocks, "04_fused", SEVERAL)
+        ex.check_blocks(blocks, "04_fused")
         assert [b["task"] for b in blocks] == [None, "make it fast", "do a", None, None], blocks
-        copy, names = ex.student_copy(text, "04_fused", table=SEVERAL)
+        copy, names = ex.student_copy(text, "04_fused")
         assert names == ["04.s", "04.a"], f"the copy's exercises: {names}"
         assert [r[0] for r in ex.regions(copy)] == ["04.s", "04.s", "04.a", "04.a", "04.s"], ex.regions(copy)
         gone = [w for w in ("helper", "fast_path", "a_itself", "a_again", "more_fast") if w in copy]
@@ -215,9 +417,10 @@ def test_an_exercise_of_several_blocks():
             assert stub + ending in copy, f"the stub {stub!r} is not in the copy:\n{copy}"
         assert ex.TODO_CALL.findall(copy) == ["04.a", "04.a"], f"EXERCISE_TODO: {ex.TODO_CALL.findall(copy)}"
         assert "part 1 of 3" in copy and "part 2, below" in copy, f"part 1 should point at the task:\n{copy}"
+        assert "// Hint: h" in copy and "//   kind:" not in copy, f"the copy shows the hint, not the facts:\n{copy}"
         assert ex.restore(copy, text) == text, f"several blocks put back differ from the source:\n{copy}"
         for only in (["04.a"], ["s"]):
-            copy, names = ex.student_copy(text, "04_fused", only, table=SEVERAL)
+            copy, names = ex.student_copy(text, "04_fused", only)
             assert ex.restore(copy, text) == text, f"{only}: put back, it differs from the source:\n{copy}"
             kept = "04.s" if only == ["04.a"] else "04.a"
             assert copy.count(f"// EXERCISE {kept} BEGIN") == text.count(f"// EXERCISE {kept} BEGIN"), (
@@ -235,6 +438,18 @@ def restore_case(chapter, label, only):
         wanted = {n for n in names if ex.EXERCISES[n]["kind"] == "correctness"
                   and any(b["stub"] is None and b["indent"] for b in parts[n])}
         assert todo == wanted, f"{chapter} {label}: EXERCISE_TODO stubs for {sorted(todo)}, expected {sorted(wanted)}"
+        # The facts lines of the exercises cut are gone with their blocks (a `wrong` fact quotes the
+        # solution); the region shows the hint and the grading in words instead.
+        lines = source.splitlines(keepends=True)
+        facts = {n: {l for b in blocks for l in lines[b["start"] + 1:b["code_at"]]}
+                 for n, blocks in parts.items()}
+        kept = set().union(*(facts[n] for n in parts if n not in names))
+        copy_lines = set(copy.splitlines(keepends=True))
+        left = sorted(l.strip() for n in names for l in facts[n] - kept if l in copy_lines)
+        assert not left, f"{chapter} {label}: facts lines left in the student copy: {left[:3]}"
+        for name in names:
+            hint = "// Hint: " + " ".join(ex.EXERCISES[name]["hint"].split()[:4])
+            assert hint in copy, f"{chapter} {label}: the region of {name} does not start its hint with {hint!r}"
         back = ex.restore(copy, source)
         assert back == source, f"{chapter} {label}: the copy with its solutions put back differs from the chapter"
         return f"{len(names)} region(s) restored byte for byte"
@@ -630,7 +845,7 @@ def test_handout_holds_no_solution_and_grades(ctx):
         lines = text.splitlines()
         for block in ex.parse(text):
             stop = block["stub_at"] if block["stub_at"] is not None else block["end"]
-            secret |= {l.strip() for l in lines[block["start"] + 1:stop] if len(l.strip()) > 12}
+            secret |= {l.strip() for l in lines[block["code_at"]:stop] if len(l.strip()) > 12}
     secret = {l for l in secret if l not in handed}  # generic lines the copy holds too, if inside a line
     assert secret, "no solution lines to look for"
     leaks = [(n, l) for n in names if (folder / n).is_file()
@@ -639,6 +854,11 @@ def test_handout_holds_no_solution_and_grades(ctx):
     standin = (folder / chapter / "attention.cu").read_text()
     assert ex.is_standin(standin) and not re.search(r"// EXERCISE \d\d\.\w+ BEGIN", standin), (
         f"{chapter}/attention.cu in the hand-out should be the student copy with a note on top")
+    facts = ex.facts_table(ex.parse(source))
+    public = {name: {k: v for k, v in info.items() if k != "wrong"} for name, info in facts.items()}
+    assert ex.standin_facts(standin, chapter) == public and "wrong old" not in standin, (
+        f"the stand-in's note should hold the facts of {chapter}'s exercises, without their wrong solutions")
+    assert ex.standin_copy(standin) == handed, "the stand-in without its note should be the copy handed out"
     record = json.loads((folder / "exercises" / chapter / ".exercise.json").read_text())
     assert record["exercises"] == ["04.k_layout", "04.online_softmax"], record
 
