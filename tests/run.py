@@ -15,14 +15,25 @@ ctx, each counted on its own. With PARALLEL = n the cases run on n threads; case
 share a `group` run in one thread, in order (e.g. every chapter of one shape, so the
 first run makes the shared input/reference cache and the others reuse it).
 
+Modules run side by side, each on its own thread, with at most PROCESSES (os.cpu_count())
+subprocesses of ctx.run at once; a GPU suite's are not counted (they wait on the GPU, PARALLEL
+bounds them, and the CPU modules' compiles should not hold them up). A module with ALONE = True
+runs after the others, by itself: one that times binaries, or that changes what the others
+use. A test or case of such a module may carry fn.prepare(ctx), untimed work (a build) done
+ahead, beside the other modules, whose result the case finds cached through ctx.once; a
+failure there is left for the case to report.
+
 Before the CPU tests the multiarch binaries are built (make BUILD=<build>/multiarch
 ARCH=multi all); when a GPU is present, the native ones too (make BUILD=<build> all).
-A build failure is a failed test. Progress: `.` a pass, `s` a skip, `~` ten seconds without a
-result (a build or a long test still running). The last line of the output is always
+A build failure is a failed test. Each module's line (`.` a pass, `s` a skip, failures in full)
+is printed whole when the module ends; after ten seconds without output, a `~` line names the
+modules still running. The last line of the output is always
 `N passed, N failed` or `N passed, N failed, N skipped`; the exit code is 1 on any failure.
 """
 import argparse
 import concurrent.futures
+import contextlib
+import copy
 import importlib.util
 import inspect
 import os
@@ -45,7 +56,8 @@ SUITES = {"default": ["cpu", "gpu"], "cpu": ["cpu"], "gpu": ["gpu"], "sanitize":
 NEEDS_GPU = {"gpu", "sanitize"}
 BUILD_TIMEOUT_S = 3600
 DETAIL_LINES = 40  # lines of a failure message shown under it
-HEARTBEAT_S = 10  # a `~` on the progress line after this long without a result
+HEARTBEAT_S = 10  # a `~` line after this long without output
+PROCESSES = os.cpu_count() or 1  # subprocesses (ctx.run) at once, over all the CPU modules
 
 
 def discover_chapters(root):
@@ -69,6 +81,7 @@ class Context:
         self._tmp_root = tmp_root
         self._lock = threading.Lock()
         self._once = {}
+        self.procs = threading.BoundedSemaphore(PROCESSES)  # held only while its subprocess runs
 
     # --- helpers ---------------------------------------------------------------------
     def tmpdir(self):
@@ -86,10 +99,11 @@ class Context:
             else:
                 full_env[key] = str(value)
         try:
-            return subprocess.run(cmd, cwd=str(cwd or self.root), env=full_env, input=input,
-                                  stdin=None if input is not None else subprocess.DEVNULL,
-                                  capture_output=True, text=True, errors="replace",
-                                  timeout=timeout)
+            with self.procs:
+                return subprocess.run(cmd, cwd=str(cwd or self.root), env=full_env, input=input,
+                                      stdin=None if input is not None else subprocess.DEVNULL,
+                                      capture_output=True, text=True, errors="replace",
+                                      timeout=timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"timed out after {timeout} s: {shlex.join(cmd)}") from None
         except FileNotFoundError:
@@ -127,61 +141,90 @@ class Context:
 
 
 # --- results and output ---------------------------------------------------------------------
+class Job:
+    """A module (or a build) running: its counts and its line, kept until it ends."""
+
+    def __init__(self, name, total):
+        self.name, self.total, self.start = name, total, time.time()
+        self.passed = self.failed = self.skipped = 0
+        self.text, self.midline = f"{name} ", True  # midline: progress marks end the text
+
+
 class Results:
     def __init__(self, verbose):
         self.passed = self.failed = self.skipped = 0
         self.failures = []        # test ids
         self.skip_reasons = {}    # reason -> count
         self.verbose = verbose
-        self.midline = False      # progress marks printed on the current line
+        self.running = []         # jobs begun and not ended, in the order begun
+        self.out = sys.stdout     # kept: a test may swap sys.stdout (redirect_stdout) meanwhile
         self.lock = threading.Lock()
         self.last_output = time.time()
         threading.Thread(target=self.heartbeat, daemon=True).start()
 
+    def write(self, text):
+        """Print text (whole lines); the caller holds self.lock."""
+        self.out.write(text)
+        self.out.flush()
+        self.last_output = time.time()
+
+    def line(self, text):
+        with self.lock:
+            self.write(text + "\n")
+
     def heartbeat(self):
-        """A `~` for every HEARTBEAT_S without a result (a build, a long compile or GPU run)."""
+        """A `~` line naming what still runs, for every HEARTBEAT_S without output."""
         while True:
             time.sleep(1)
             with self.lock:
                 if time.time() - self.last_output >= HEARTBEAT_S:
-                    print("~", end="", flush=True)
-                    self.midline = True
-                    self.last_output = time.time()
+                    names = [j.name + (f" {j.passed + j.failed + j.skipped}/{j.total}" if j.total else "")
+                             for j in self.running]
+                    self.write("~" + (f" running: {', '.join(names)}" if names else "") + "\n")
 
-    def begin(self, text):
+    def begin(self, name, total=0):
+        job = Job(name, total)
         with self.lock:
-            print(("\n" if self.midline else "") + text, end="", flush=True)
-            self.midline = True
-            self.last_output = time.time()
+            self.running.append(job)
+        return job
 
-    def end(self, text):
+    def end(self, job, text=None):
+        """Print the job's line whole, ended by text (default: its counts and time)."""
+        if text is None:
+            text = f" {job.passed} passed, {job.failed} failed" + (f", {job.skipped} skipped" if job.skipped else "")
+            text += f" ({time.time() - job.start:.1f} s)"
         with self.lock:
-            print(text if self.midline else f"  {text.strip()}", flush=True)
-            self.midline = False
-            self.last_output = time.time()
+            self.running.remove(job)
+            self.write(job.text + (text if job.midline else f"  {text.strip()}") + "\n")
 
-    def record(self, test_id, outcome, message=""):
+    def record(self, test_id, outcome, message="", job=None):
+        """Count a result; its mark or lines go on the job's line (without a job: lines printed now)."""
         with self.lock:
-            if outcome == "pass":
-                self.passed += 1
-            elif outcome == "skip":
-                self.skipped += 1
+            for counts in [self] + ([job] if job else []):
+                if outcome == "pass":
+                    counts.passed += 1
+                elif outcome == "skip":
+                    counts.skipped += 1
+                else:
+                    counts.failed += 1
+            if outcome == "skip":
                 self.skip_reasons[message] = self.skip_reasons.get(message, 0) + 1
-            else:
-                self.failed += 1
+            elif outcome != "pass":
                 self.failures.append(test_id)
             if self.verbose or outcome == "fail":
                 note = f": {first_line(message)}" if message else ""
                 lines = [f"  {outcome.upper():4} {test_id}{note}"]
                 if outcome == "fail":
                     lines += [f"       {line}" for line in detail_lines(message)]
-                print(("\n" if self.midline else "") + "\n".join(lines))
-                self.midline = False
-            else:
-                print("." if outcome == "pass" else "s", end="")
-                self.midline = True
-            sys.stdout.flush()
-            self.last_output = time.time()
+                text = "\n".join(lines) + "\n"
+                if job:
+                    job.text += ("\n" if job.midline else "") + text
+                    job.midline = False
+                else:
+                    self.write(text)
+            elif job:
+                job.text += "." if outcome == "pass" else "s"
+                job.midline = True
 
 
 def first_line(text):
@@ -264,18 +307,16 @@ def collect(name, module, ctx, results, pattern):
 
 
 def run_module(name, module, ctx, results, tests, cases):
-    start = time.time()
-    before = (results.passed, results.failed, results.skipped)
-    results.begin(f"{name} ")
+    job = results.begin(name, len(tests) + len(cases))
     for test_id, fn in tests:
-        results.record(test_id, *call_test(fn, ctx))
+        results.record(test_id, *call_test(fn, ctx), job)
     groups = {}
     for test_id, fn, group in cases:
         groups.setdefault(group, []).append((test_id, fn))
 
     def run_group(members):
         for test_id, fn in members:
-            results.record(test_id, *call_test(fn, ctx))
+            results.record(test_id, *call_test(fn, ctx), job)
 
     workers = max(1, int(getattr(module, "PARALLEL", 1)))
     if workers == 1 or len(groups) <= 1:
@@ -285,8 +326,44 @@ def run_module(name, module, ctx, results, tests, cases):
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             for future in [pool.submit(run_group, m) for m in groups.values()]:
                 future.result()
-    p, f, s = (results.passed - before[0], results.failed - before[1], results.skipped - before[2])
-    results.end(f" {p} passed, {f} failed" + (f", {s} skipped" if s else "") + f" ({time.time() - start:.1f} s)")
+    results.end(job)
+
+
+def prepare_module(name, module, ctx, results, tests, cases):
+    """An ALONE module's fn.prepare(ctx) work, done ahead on threads of its own."""
+    works = [fn.prepare for fn in [t[1] for t in tests] + [c[1] for c in cases] if hasattr(fn, "prepare")]
+    if not works:
+        return
+    job = results.begin(f"{name} (prepare)")
+
+    def attempt(work):
+        try:
+            work(ctx)
+            return True
+        except Exception:  # the case does it again, and reports what went wrong
+            return False
+
+    with concurrent.futures.ThreadPoolExecutor(len(works)) as pool:
+        done = sum(pool.map(attempt, works))
+    results.end(job, f" {done} of {len(works)} done ahead ({time.time() - job.start:.1f} s)")
+
+
+def run_modules(runs, ctx, results):
+    """runs [(suite, name, module, tests, cases)] side by side, with the ALONE ones'
+    preparations (builds: counted in PROCESSES); then each ALONE one by itself."""
+    gpu_ctx = copy.copy(ctx)  # the same context (its caches too), its subprocesses not counted
+    gpu_ctx.procs = contextlib.nullcontext()
+    alone = [r for r in runs if getattr(r[2], "ALONE", False)]
+    together = [r for r in runs if not getattr(r[2], "ALONE", False)]
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(runs))) as pool:
+        futures = [pool.submit(run_module, name, module, gpu_ctx if suite in NEEDS_GPU else ctx, results, tests, cases)
+                   for suite, name, module, tests, cases in together]
+        futures += [pool.submit(prepare_module, name, module, ctx, results, tests, cases)
+                    for suite, name, module, tests, cases in alone]
+        for future in futures:
+            future.result()
+    for suite, name, module, tests, cases in alone:
+        run_module(name, module, gpu_ctx if suite in NEEDS_GPU else ctx, results, tests, cases)
 
 
 # --- builds and the GPU probe ------------------------------------------------------------------
@@ -303,8 +380,7 @@ def make_env():
 
 
 def build(ctx, results, test_id, build_dir, extra):
-    results.begin(f"{test_id} ")
-    start = time.time()
+    job = results.begin(test_id)
     cmd = make_command(ctx, build_dir, extra)
     try:
         proc = ctx.run(cmd, env=make_env(), timeout=BUILD_TIMEOUT_S)
@@ -312,12 +388,12 @@ def build(ctx, results, test_id, build_dir, extra):
     except AssertionError as exc:
         ok, output = False, str(exc)
     if ok:
-        results.record(test_id, "pass")
+        results.record(test_id, "pass", job=job)
     else:
         tail = "\n".join(output.strip().splitlines()[-30:])
         ctx.build_failed[test_id] = tail
-        results.record(test_id, "fail", f"'{shlex.join(cmd)}' failed; the end of its output:\n{tail}")
-    results.end(f" {'ok' if ok else 'FAILED'} ({time.time() - start:.1f} s)")
+        results.record(test_id, "fail", f"'{shlex.join(cmd)}' failed; the end of its output:\n{tail}", job)
+    results.end(job, f" {'ok' if ok else 'FAILED'} ({time.time() - job.start:.1f} s)")
 
 
 def probe_gpu(ctx):
@@ -376,7 +452,7 @@ def main(argv=None):
                     print(f"{suite:8} {test_id}")
             return 0
 
-        print(f"chapters: {' '.join(ctx.chapters) or '(none)'}")
+        results.line(f"chapters: {' '.join(ctx.chapters) or '(none)'}")
         if not args.no_build and "cpu" in suites:
             build(ctx, results, "build::multiarch", ctx.multiarch, ["ARCH=multi"])
         if args.gpu == "auto":
@@ -384,11 +460,11 @@ def main(argv=None):
         else:
             ctx.gpu = args.gpu == "yes"
             ctx.gpu_reason = f"--gpu {args.gpu}"
-        print(f"gpu: {'yes' if ctx.gpu else 'no'} ({ctx.gpu_reason})")
+        results.line(f"gpu: {'yes' if ctx.gpu else 'no'} ({ctx.gpu_reason})")
         if ctx.gpu and not args.no_build and NEEDS_GPU & set(suites):
             build(ctx, results, "build::native", ctx.build, [])
 
-        skipped_suites = {}
+        skipped_suites, runs = {}, []
         for suite, name, module in modules:
             tests, cases = collect(name, module, ctx, results, args.pattern)
             if not tests and not cases:
@@ -398,24 +474,26 @@ def main(argv=None):
                 skipped_suites[suite] = skipped_suites.get(suite, 0) + count
                 results.skipped += count
                 continue
-            run_module(name, module, ctx, results, tests, cases)
+            runs.append((suite, name, module, tests, cases))
+        run_modules(runs, ctx, results)
 
         for suite, count in skipped_suites.items():
-            print(f"SKIP {suite} suite ({count} tests): no usable GPU: {ctx.gpu_reason}")
+            results.line(f"SKIP {suite} suite ({count} tests): no usable GPU: {ctx.gpu_reason}")
         for reason, count in sorted(results.skip_reasons.items()):
-            print(f"SKIP ({count}): {reason}")
-        for test_id in results.failures:
-            print(f"FAILED {test_id}")
-        print(f"ran in {time.time() - start:.0f} s")
+            results.line(f"SKIP ({count}): {reason}")
+        rank = {name: i for i, (_, name, _) in enumerate(modules)}  # failures in module order, as if run in turn
+        for test_id in sorted(results.failures, key=lambda t: rank.get(re.split(r"::| ", t)[0], -1)):
+            results.line(f"FAILED {test_id}")
+        results.line(f"ran in {time.time() - start:.0f} s")
     finally:
         if not args.keep_tmp:
             shutil.rmtree(tmp_root, ignore_errors=True)
         else:
-            print(f"temporary files kept in {tmp_root}")
+            results.line(f"temporary files kept in {tmp_root}")
     line = f"{results.passed} passed, {results.failed} failed"
     if results.skipped:
         line += f", {results.skipped} skipped"
-    print(line)
+    results.line(line)
     return 1 if results.failed else 0
 
 

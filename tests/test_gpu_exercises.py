@@ -29,11 +29,16 @@ from test_cpu_exercises import ARCH_FLAG_OF, marked_chapters, repo_copy, write_t
 
 SUITE = "gpu"
 PARALLEL = 1  # timings: one binary at a time
+ALONE = True  # and nothing else on the GPU or the CPU meanwhile; the builds are done ahead (prepare)
 REACH_EVERY_STUB = (2, 3, 1000, 64, True)  # ragged, several tiles, causal: masks and updates all run
 
 
 def build_text(ctx, chapter, text, label):
-    """A chapter source (a student copy, or the chapter changed), built natively; its path."""
+    """A chapter source (a student copy, or the chapter changed), built natively once; its path."""
+    return ctx.once(("gpu_exercise_build", chapter, label), lambda: compile_text(ctx, chapter, text, label))
+
+
+def compile_text(ctx, chapter, text, label):
     flags = shlex.split((ctx.build / ".flags").read_text())
     if chapter[:2] in ARCH_FLAG_OF:  # the Makefile builds it for its own arch, whatever ARCH says
         flags = [f for f in flags if not f.startswith("-gencode")] + [ARCH_FLAG_OF[chapter[:2]]]
@@ -52,25 +57,32 @@ def build_copy(ctx, chapter, only):
 
 
 def todo_case(chapter):
-    def case(ctx):
-        ctx.require_binary(chapter, native=True)
+    def build(ctx):
         # The correctness exercises stubbed; the speed ones keep their solution, since a speed stub
         # may take a path around a correctness block (03.one_pass's two passes skip online_update).
         names = [n for n in ex.exercise_parts(ex.parse(ex.chapter_source(chapter, ctx.root), chapter))
                  if ex.EXERCISES[n]["kind"] == "correctness"]
-        binary = build_copy(ctx, chapter, names)
+        return build_copy(ctx, chapter, names)
+
+    def case(ctx):
+        ctx.require_binary(chapter, native=True)
+        binary = build(ctx)
         status, row, note = ex.run_case(binary, chapter, ex.shape_args(REACH_EVERY_STUB) + ["--warmup", "0", "--iters", "1"])
         shown = f"{chapter}, its correctness exercises stubbed, {ex.shape_text(REACH_EVERY_STUB)}"
         assert status == "error" and note.startswith("TODO: exercise") and "not written yet" in note, (
             f"{shown}: expected exit 1 with the TODO message, got {status}: {note!r}")
         return note
+    case.prepare = build
     return case
 
 
 def speed_case(chapter, name):
+    def build(ctx):
+        return build_copy(ctx, chapter, [name])
+
     def case(ctx):
         solution = str(ctx.require_binary(chapter, native=True))
-        binary = build_copy(ctx, chapter, [name])
+        binary = build(ctx)
         status, _, note = ex.run_case(binary, chapter, ex.shape_args(REACH_EVERY_STUB) + ["--warmup", "0", "--iters", "1"])
         assert status == "PASS", f"{name}: its stub should be correct; {ex.shape_text(REACH_EVERY_STUB)}: {status} {note}"
         info = ex.EXERCISES[name]
@@ -80,19 +92,24 @@ def speed_case(chapter, name):
             assert ratio > info["gate"], f"{name}: the untouched stub passes its own gate (<= {info['gate']:.2f}x): {line}"
             return line
         return f"{line} (no gate: graded by its PTX)"
+    case.prepare = build
     return case
 
 
 def wrong_case(chapter, name):
+    def build(ctx):
+        wrong = ex.wrong_solution(ex.chapter_source(chapter, ctx.root), name)
+        return build_text(ctx, chapter, wrong, f"{name}'s wrong solution")
+
     def case(ctx):
         ctx.require_binary(chapter, native=True)
-        wrong = ex.wrong_solution(ex.chapter_source(chapter, ctx.root), name)
-        binary = build_text(ctx, chapter, wrong, f"{name}'s wrong solution")
+        binary = build(ctx)
         cases, failures = ex.matrix_cases([name]), []
         with contextlib.redirect_stdout(io.StringIO()):
             failed = ex.matrix(binary, chapter, cases, failures)
         assert failed, f"{name}: its wrong solution passes all {len(cases)} runs of the grade's matrix"
         return f"{failed} of {len(cases)} runs fail, e.g. {ex.shape_text(failures[0])}"
+    case.prepare = build
     return case
 
 
