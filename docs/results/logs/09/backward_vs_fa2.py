@@ -23,7 +23,8 @@ def ours_ms(binary, b, h, n, d, causal):
     return rows[-1], None
 hdr = None
 print("shape,causal,torch_ms,ours_ms,det_ms,speedup,det_speedup,status,rel")
-for b, h, n, d in [(4, 16, 4096, 128), (4, 16, 4096, 64), (8, 16, 2048, 128), (8, 16, 2048, 64), (2, 16, 8192, 128)]:
+SHAPES = [(4, 16, 4096, 128), (4, 16, 4096, 64), (8, 16, 2048, 128), (8, 16, 2048, 64), (2, 16, 8192, 128)]
+for b, h, n, d in SHAPES[:int(sys.argv[1])] if len(sys.argv) > 1 else SHAPES:
     for causal in (False, True):
         t = torch_bwd_ms(b, h, n, d, causal)
         out = []
