@@ -1393,8 +1393,6 @@ def staircase(ctx):
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     together = f"anchors timed in the same bench run as {measured_together(ctx['env'], impls)}"
-    if "rows_08_steps" in ctx["env"]:  # steps measured in a later run (the .env says which)
-        together += " (08.1, 08.2, 08.4: a later run, see the .env)"
     fp8 = [step_table().get(impl, (impl,))[0] if stepped else impl for impl in impls if rows[impl]["dtype"] == "fp8"]
     fp8_bars = (f"{fp8[0]}'s bar includes" if len(fp8) == 1 else
                 f"the bars of {', '.join(fp8)} include") + " the quantisation"
