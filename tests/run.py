@@ -178,9 +178,18 @@ class Results:
             time.sleep(1)
             with self.lock:
                 if time.time() - self.last_output >= HEARTBEAT_S:
-                    names = [j.name + (f" {j.passed + j.failed + j.skipped}/{j.total}" if j.total else "")
-                             for j in self.running]
-                    self.write("~" + (f" running: {', '.join(names)}" if names else "") + "\n")
+                    self.write("~" + self.still_running() + "\n")
+
+    def still_running(self, width=100):
+        """` running: a 3/10, b, ... (+N more)`: the jobs begun and not ended, cut to about width."""
+        names = [j.name + (f" {j.passed + j.failed + j.skipped}/{j.total}" if j.total else "") for j in self.running]
+        shown = []
+        for name in names:
+            if shown and len(", ".join(shown + [name])) > width:
+                break
+            shown.append(name)
+        more = len(names) - len(shown)
+        return f" running: {', '.join(shown)}" + (f" (+{more} more)" if more else "") if names else ""
 
     def begin(self, name, total=0):
         job = Job(name, total)
