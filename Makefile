@@ -41,12 +41,12 @@ $(addprefix $(BUILD)/,$(SM90A_CHAPTERS) $(STEP_BUILDS)) $(addprefix $(BUILD)/exe
 EXTRA_NVFLAGS ?=   # e.g. -DBLOCK_KV_D128=64 to try another tile size in 07
 NVFLAGS := -O3 -std=c++17 -lineinfo -Xcompiler -Wall,-Wextra -Xptxas -v $(EXTRA_NVFLAGS) \
            -DFA_ROOT='"$(CURDIR)"' -DFA_PYTHON='"$(PYTHON)"'
-HEADERS := common/harness.h common/npy.h
+HEADERS := common/harness.h common/npy.h common/shape.h
 # The harness, compiled once per build folder (it has no kernels: it links with any chapter).
 COMMON_OBJ := $(BUILD)/common/harness.o $(BUILD)/common/npy.o
 .SECONDARY: $(COMMON_OBJ)
 
-.PHONY: all run test bench compare sanitize diff profile sass exercise grade ablation help clean FORCE
+.PHONY: all lib run test bench compare sanitize diff profile sass exercise grade ablation help clean FORCE
 .DEFAULT_GOAL := all
 
 all: $(addprefix $(BUILD)/,$(CHAPTERS) $(STEP_BUILDS) $(VARIANT_BUILDS)) $(PY_DEPS)
@@ -83,6 +83,41 @@ $(BUILD)/08_fp8.step%: 08_fp8/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)/.fl
 $(BUILD)/09_backward.deterministic: 09_backward/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)/.flags
 	@echo "nvcc  $< -> $@ ($(ARCH), DETERMINISTIC_DQ=1)"
 	@$(call compile,-DDETERMINISTIC_DQ=1 -o $@ $< $(COMMON_OBJ))
+
+# The chapters as libraries (common/library.h; docs/design.md): BUILD/lib/X.so beside each executable
+# BUILD/X of `all`, its attention.cu compiled again, position-independent, and linked with
+# common/library.cu (the C ABI; no harness, no main). Only the fa_* functions are exported
+# (common/library.map: the chapter's symbols and the static CUDA runtime's stay inside). Not part
+# of `all`, which it would make twice as long: `make lib`.
+LIBS := $(addprefix $(BUILD)/lib/,$(addsuffix .so,$(CHAPTERS) $(STEP_BUILDS) $(VARIANT_BUILDS)))
+LIB_OBJ := $(BUILD)/common/library.o
+PIC := -Xcompiler -fPIC,-fvisibility=hidden
+LIB_LINK := -shared -Xlinker --version-script=$(CURDIR)/common/library.map
+$(addprefix $(BUILD)/lib/,$(addsuffix .so,$(SM90A_CHAPTERS) $(STEP_BUILDS))): \
+    private GENCODE := -gencode=arch=compute_90a,code=sm_90a
+
+lib: $(LIBS)
+
+$(LIB_OBJ): common/library.cu common/library.h $(HEADERS) $(BUILD)/.flags
+	@mkdir -p $(dir $@)
+	@echo "nvcc  $< -> $@"
+	@$(call compile,$(PIC) -c -o $@ $<)
+
+$(BUILD)/lib/%.so: %/attention.cu $(LIB_OBJ) common/library.map $(HEADERS) $(BUILD)/.flags
+	@mkdir -p $(dir $@)
+	@echo "nvcc  $< -> $@ ($(if $(filter $*,$(SM90A_CHAPTERS)),sm_90a,$(ARCH)))"
+	@$(call compile,$(PIC) $(LIB_LINK) -o $@ $< $(LIB_OBJ))
+
+$(BUILD)/lib/08_fp8.step%.so: 08_fp8/attention.cu $(LIB_OBJ) common/library.map $(HEADERS) $(BUILD)/.flags
+	@mkdir -p $(dir $@)
+	@echo "nvcc  $< -> $@ (sm_90a, step 08.$*)"
+	@$(call compile,$(PIC) $(LIB_LINK) -DSTEP=$* -o $@ $< $(LIB_OBJ))
+
+$(BUILD)/lib/09_backward.deterministic.so: 09_backward/attention.cu $(LIB_OBJ) common/library.map $(HEADERS) \
+    $(BUILD)/.flags
+	@mkdir -p $(dir $@)
+	@echo "nvcc  $< -> $@ ($(ARCH), DETERMINISTIC_DQ=1)"
+	@$(call compile,$(PIC) $(LIB_LINK) -DDETERMINISTIC_DQ=1 -o $@ $< $(LIB_OBJ))
 
 .venv/.ready: requirements.txt
 	@echo "setting up .venv with NumPy (the system Python lacks it)"
@@ -196,6 +231,7 @@ peaks: $(BUILD)/peaks
 
 help:
 	@echo "make            build every chapter into $(BUILD)/ (ARCH=$(ARCH); ARCH=sm_90, sm_80, multi...)"
+	@echo "make lib        every build above as a library too: $(BUILD)/lib/NN_name.so (C ABI: common/library.h)"
 	@echo "make run        run every chapter on the default shape and print the stage table"
 	@echo "make test       CPU tests, and the GPU matrix when a GPU is present"
 	@echo "make bench      the benchmark sweep -> docs/results/ (CSV, Markdown, plot) and README table"

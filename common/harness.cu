@@ -204,8 +204,8 @@ static float parse_scale(const char *text) {
             "inf or nan), got '%s'",
             shown(text));
     float v = strtof(text, NULL);
-    // Positive and normal: a subnormal scale (below ~1.2e-38) loses its precision in fp32.
-    if (!(v > 0) || !isnormal(v))
+    // Positive and normal (common/shape.h): a subnormal scale (below ~1.2e-38) loses its precision in fp32.
+    if (!scale_is_valid(v))
         die(EXIT_USAGE, "--scale expects a positive number between 1.2e-38 and 3.4e38, got '%s'", shown(text));
     return v;
 }
@@ -303,15 +303,10 @@ static const char *human_bytes(double bytes, char *buf, size_t len) {
     return buf;
 }
 
+// The shape rules (common/shape.h), which the chapters as libraries (common/library.cu) apply too.
 static void validate_shape(const AttnShape *s) {
-    if (s->headdim != 64 && s->headdim != 128)
-        die(EXIT_USAGE, "head dimension %d is not supported: the kernels are written for D = 64 or 128", s->headdim);
-    if (s->seqlen > (1 << 22)) die(EXIT_USAGE, "N = %d: at most 4194304 (2^22) is supported (grid limits)", s->seqlen);
-    if ((double)s->batch * s->heads > 65535)
-        die(EXIT_USAGE, "B*H = %.0f: at most 65535 (batch, head) pairs are supported", (double)s->batch * s->heads);
-    if ((double)s->batch * s->heads * s->seqlen * s->headdim >= 2147483648.0)
-        die(EXIT_USAGE, "B*H*N*D = %.0f elements per tensor: at most 2^31 - 1 are supported",
-            (double)s->batch * s->heads * s->seqlen * s->headdim);
+    char problem[256];
+    if (shape_problem(s, problem, sizeof problem)) die(EXIT_USAGE, "%s", problem);
 }
 
 // ---------------------------------------------------------------------------

@@ -12,14 +12,7 @@
 #include <cuda_runtime.h>
 #include <stddef.h>
 
-typedef struct {
-    int batch;    // B
-    int heads;    // H
-    int seqlen;   // N (queries = keys: self-attention)
-    int headdim;  // D
-    int causal;   // 1: query i attends keys j <= i
-    float scale;  // softmax scale, 1/sqrt(D) unless given
-} AttnShape;
+#include "shape.h"  // AttnShape: B, H, N, D, causal, scale (plain C: the libraries' ABI uses it too)
 
 typedef struct {
     AttnShape shape;
