@@ -491,6 +491,22 @@ __device__ void pack_a(unsigned frag[A_REGS], const float lo[ACC_REGS], const fl
 template <int HEAD_DIM, int DIM_TILES>
 __device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_REGS], int row0, int dim0, int seqlen) {
     const int quad_lane = threadIdx.x % QUAD_LANES;
+    // EXERCISE 09.dq_red BEGIN: add the partial with one 16-byte RED per lane and n8 tile on sm_90, not one per float
+    //   kind: speed
+    //   pass: backward
+    //   gate: 1.25x
+    //   shape: headline
+    //   hint: The stub adds each float of the partial alone: 2 x ACC_ROWS x DIM_TILES 4-byte atomicAdds per lane
+    //     per pass, each a RED of its own. sm_90 adds four adjacent floats in one RED (atomicAdd on a float4,
+    //     16-byte aligned: red.global.add.v4.f32), but a lane holds only two adjacent dims of each of its two
+    //     rows. Pair the lanes of a quad (l and l ^ 1, __shfl_xor_sync): the even lane gives its second row's
+    //     two floats and takes its partner's first-row pair, so that it holds four adjacent dims of the first
+    //     row, and the odd lane four of the second; then one float4 atomicAdd each per n8 tile. Keep the
+    //     scalar loop for older GPUs, under #if __CUDA_ARCH__ >= 900 ... #else ... #endif: the build makes
+    //     sm_80 code too, where float4 atomics do not exist.
+    //   stub: measured: the chapter's backward with this scalar reduction took 9.63 ms at B=4 H=16 N=4096 D=128,
+    //     with the vector one 6.58 ms, 1.46x (docs/results/logs/09/backward_vs_fa2_h200_scalar_red.csv and
+    //     docs/results/logs/09/backward_vs_fa2_h200_vector_red.csv, ours_ms)
 #if __CUDA_ARCH__ >= 900
     const bool odd = quad_lane % 2;
     const int row = row0 + (odd ? ACC_ROW_STEP : 0), col = dim0 + 2 * (quad_lane - quad_lane % 2);
@@ -515,6 +531,19 @@ __device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_R
         }
     }
 #endif
+    // EXERCISE 09.dq_red STUB
+    // #pragma unroll
+    // for (int r = 0; r < ACC_ROWS; r++) {
+    //     const int row = row0 + r * ACC_ROW_STEP;
+    //     if (row >= seqlen) continue;
+    //     float *dq_row = dq_head + (size_t)row * HEAD_DIM + dim0 + 2 * quad_lane;
+    // #pragma unroll
+    //     for (int nt = 0; nt < DIM_TILES; nt++) {
+    //         atomicAdd(dq_row + nt * MMA_N, part[nt][2 * r]);
+    //         atomicAdd(dq_row + nt * MMA_N + 1, part[nt][2 * r + 1]);
+    //     }
+    // }
+    // EXERCISE END
 }
 
 // (1) D_i = sum_d dO[i, d] * O[i, d] in fp32, and (atomic version) row i of the dQ accumulator
@@ -683,6 +712,18 @@ __global__ void __launch_bounds__(THREADS, 2)
         // dS^T = P^T * (dP^T - D), in place of dP^T; D per column (query), as LSE. Masked
         // entries have P = 0, so dS = 0 there whatever dP is.
         unsigned ds_frag[Q_STEPS][A_REGS];  // dS^T as the A operand of dK += dS^T Q
+        // EXERCISE 09.ds BEGIN: dS^T = P^T * (dP^T - D) in place of dP^T in ds, each element with its query's D
+        //   kind: correctness
+        //   pass: backward
+        //   hint: P^T is in score, dP^T in ds, both in the accumulator layout: element [nt][2r + e] of lane l
+        //     is key 16w + l / 4 + 8r (w the warp), query 8nt + 2 (l % 4) + e of the tile. delta_tile holds D
+        //     of the tile's 64 queries. Compute ds[nt][2r + e] = score[nt][2r + e] * (ds[nt][2r + e] - D) in
+        //     place: D is that of the element's query (the column, as LSE is in P^T above), never of its key;
+        //     a lane's two queries 8nt + 2 (l % 4) and the next are adjacent, one float2 of delta_tile. dV
+        //     never sees dS: a wrong dS shows in dQ and dK alone. The formula is in docs/concepts.md,
+        //     "Log-sum-exp, and why LSE is an output".
+        //   wrong old: score[nt][2 * r] * (ds[nt][2 * r] - row_delta.x)
+        //   wrong new: score[nt][2 * r] * ds[nt][2 * r]
 #pragma unroll
         for (int nt = 0; nt < QUERY_TILES; nt++) {
             const float2 row_delta = *(const float2 *)&delta_tile[nt * MMA_N + 2 * quad_lane];
@@ -692,6 +733,10 @@ __global__ void __launch_bounds__(THREADS, 2)
                 ds[nt][2 * r + 1] = score[nt][2 * r + 1] * (ds[nt][2 * r + 1] - row_delta.y);
             }
         }
+        // EXERCISE 09.ds STUB
+        // EXERCISE_TODO("09.ds");
+        // (void)delta_tile;  // D of the tile's queries: only the code cut here reads it
+        // EXERCISE END
 #pragma unroll
         for (int kk = 0; kk < Q_STEPS; kk++) pack_a(ds_frag[kk], ds[2 * kk], ds[2 * kk + 1]);
 

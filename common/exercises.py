@@ -62,6 +62,10 @@ needs is a MarkerError naming the file and line. For example (04_fused/attention
       pattern where it was not timed
   dims: 64                    (optional) the head dims the exercise's code runs at, when not both
       (the grade's matrix runs these), blank-separated
+  pass: forward | backward    (optional; forward by default) the pass whose code the exercise is in:
+      backward (09's kernels) grades it with --backward, the harness's run of the chapter's backward
+      pass (dQ, dK, dV against the float64 reference, after the forward): the matrix, racecheck and,
+      for a speed exercise, what its gate times (the backward alone)
   ptx: <regular expression>   (optional, repeatable) the PTX of the copy (made with the build's
       flags) must match it; the lines after it describe it: `ptx shown:` the instruction as a
       student would grep for it, `ptx found:` (optional) a regular expression whose matches are
@@ -75,8 +79,8 @@ A speed exercise needs shape, stub, and a gate or a ptx check. In a hand-out, wh
 attention.cu is a stand-in (the student copy with a note on top), the note holds the facts of each
 exercise, without `wrong`, after a `// EXERCISE NN.name FACTS` line. EXERCISES reads them all
 (the facts of NN.name from chapter NN, when asked), in the form the grader uses: dict(kind, hint,
-gate, shape=(B, H, N, D, causal), timed, stub, dims=(64,), ptx_has=[dict(pattern, shown, found,
-means, todo)], wrong=(old, new)).
+gate, shape=(B, H, N, D, causal), timed, stub, dims=(64,), pass, ptx_has=[dict(pattern, shown, found,
+means, todo)], wrong=(old, new)); `pass` only where the facts give it (pass_of: forward otherwise).
 
 The student copy (exercises/NN_name/attention.cu) has every block of each chosen exercise
 replaced by a region; the main one keeps the task and adds the hint (and how the exercise is
@@ -84,6 +88,8 @@ graded) from its facts; each holds its stub:
 
   STUB lines (every speed exercise has them, in one of its blocks at least): those lines,
       uncommented: code that is correct but slow.
+  STUB lines of a correctness exercise hold its EXERCISE_TODO("NN.name") and what else the stub
+      needs to build without a warning (09.ds: `(void)delta_tile;`, read by the code cut alone).
   no STUB lines, inside a function, in a correctness exercise: EXERCISE_TODO("NN.name"); the
       macro (common/harness.h) compiles to a store of the name, and a run whose kernel reaches
       it fails with "TODO: exercise NN.name is not written yet". Blocks are chosen so that their
@@ -107,8 +113,9 @@ BUILD/exercises/NN_name and grades it. What decides the grade:
   static    the build (no warning), no EXERCISE_TODO left, and each exercise's checks of the
             compiled code (its `ptx:` facts: the PTX of the copy, made with the build's flags,
             must contain an instruction that the exercise's solution alone produces)
-  GPU       the matrix below (the head dims the exercises run at), compute-sanitizer racecheck at
-            one small shape, and each speed exercise's `gate`: its time against the chapter's
+  GPU       the matrix below (the head dims the exercises run at; with --backward for exercises of
+            the backward pass), compute-sanitizer racecheck at one small shape (in each pass the
+            exercises are in), and each speed exercise's `gate`: its time against the chapter's
             (BUILD/NN_name), the two run alternately in the same grade (a speed exercise graded
             by its compiled code instead has its time shown beside the chapter's, no gate)
 
@@ -191,10 +198,14 @@ TODO_CALL = re.compile(r'^\s*EXERCISE_TODO\("(\d\d\.\w+)"\)', re.M)
 FACT_LINE = re.compile(r"^[ \t]*//  ")
 FACT = re.compile(r"^[ \t]*//   (?P<field>[a-z]+(?: [a-z]+)?): (?P<value>\S.*?)\s*$")
 MORE = re.compile(r"^[ \t]*//     (?P<value>\S.*?)\s*$")
-FIELDS = ("kind", "gate", "shape", "timed", "dims", "hint", "stub", "ptx", "ptx shown", "ptx found", "ptx means",
+FIELDS = ("kind", "gate", "shape", "timed", "dims", "pass", "hint", "stub", "ptx", "ptx shown", "ptx found", "ptx means",
           "ptx todo", "wrong old", "wrong new")
 PROSE = {"hint", "stub", "ptx means", "ptx todo"}  # the fields that may go on over lines
 KINDS, TIMED = ("correctness", "speed"), ("ms", "attend_ms")
+# The passes an exercise's code may be in (`pass:`), and what the harness's command line adds for each.
+PASSES = ("forward", "backward")
+PASS_ARGS = {"forward": [], "backward": ["--backward"]}
+PASS_WORDS = {"forward": "the forward pass", "backward": "the backward pass (--backward: dQ, dK, dV)"}
 GATE = re.compile(r"^(?P<g>\d+(?:\.\d+)?)x$")
 SHAPE = re.compile(r"^(?:(?P<name>[a-z]\w*)|B=(?P<b>\d+) H=(?P<h>\d+) N=(?P<n>\d+) D=(?P<d>\d+))(?P<causal> causal)?$")
 FACTS_MARK = re.compile(r"^// EXERCISE (?P<name>\d\d\.\w+) FACTS\s*$")  # in a hand-out's stand-in only
@@ -285,6 +296,10 @@ def fact_value(field, value, where, name):
         if value not in TIMED:
             raise bad(" or ".join(TIMED))
         return value
+    if field == "pass":
+        if value not in PASSES:
+            raise bad(" or ".join(PASSES))
+        return value
     if field == "dims":
         dims = tuple(int(d) for d in value.split()) if re.fullmatch(r"\d+( \d+)*", value) else ()
         if not dims or not set(dims) <= set(HEAD_DIMS) or len(set(dims)) < len(dims):
@@ -363,6 +378,8 @@ def fact_lines(info, indent="", width=110):
         fields.append(("timed", info["timed"]))
     if "dims" in info:
         fields.append(("dims", " ".join(map(str, info["dims"]))))
+    if "pass" in info:
+        fields.append(("pass", info["pass"]))
     fields.append(("hint", info["hint"]))
     if "stub" in info:
         fields.append(("stub", info["stub"]))
@@ -569,11 +586,18 @@ def check_blocks(blocks, chapter, table=None):
         if info["kind"] == "speed" and all(b["stub"] is None for b in parts):
             raise MarkerError(f"{where}: speed exercise {name} needs STUB lines (its slow, correct code) in one "
                               "of its blocks")
-        if info["kind"] == "correctness" and not any(b["stub"] is None and b["indent"] for b in parts):
+        if info["kind"] == "correctness" and not any(b["indent"] and (b["stub"] is None or todo_in_stub(b))
+                                                     for b in parts):
             raise MarkerError(f"{where}: {name}: an EXERCISE_TODO stub needs a block inside a function, without "
-                              "STUB lines")
+                              f"STUB lines (or with STUB lines that hold EXERCISE_TODO(\"{name}\"))")
         if info["kind"] == "speed" and not (info.get("gate") or info.get("ptx_has")):
             raise MarkerError(f"{where}: speed exercise {name} needs a gate or a ptx check in its facts")
+
+
+def todo_in_stub(block):
+    """Whether a block's STUB lines hold its exercise's EXERCISE_TODO (a correctness stub that keeps a
+    variable referenced beside it, as 09.ds's does)."""
+    return block["stub"] is not None and block["name"] in TODO_CALL.findall("".join(block["stub"]))
 
 
 def solution_lines(text, block):
@@ -603,6 +627,21 @@ def wrong_solution(text, name, table=None):
 def shape_text(shape):
     b, h, n, d, causal = shape
     return f"B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
+
+
+def pass_of(info):
+    """The pass an exercise's code is in: its `pass` fact, forward by default."""
+    return info.get("pass", "forward")
+
+
+def case_args(case):
+    """The command line of a grade's run: (B, H, N, D, causal), then its pass (forward if none given)."""
+    return shape_args(tuple(case[:5])) + PASS_ARGS[case[5] if len(case) > 5 else "forward"]
+
+
+def case_text(case):
+    """A grade's run in words: its shape, and `backward` for a run of the backward pass."""
+    return shape_text(tuple(case[:5])) + (" backward" if len(case) > 5 and case[5] == "backward" else "")
 
 
 def part_body(block, kind, ending="\n"):
@@ -763,17 +802,20 @@ def write_copy(chapter, only=None, force=False, student_dir=STUDENT_DIR, root=RO
 
 
 def timed_as(info):
-    """What a speed exercise times: (shape, the harness column)."""
-    return info["shape"], info.get("timed", "ms")
+    """What a speed exercise times: (shape, the harness column, the pass)."""
+    return info["shape"], info.get("timed", "ms"), pass_of(info)
 
 
-def timed_what(column):
+def timed_what(column, pass_name="forward"):
+    if pass_name == "backward":
+        return "backward pass's time"
     return "attention kernel's time" if column == "attend_ms" else "time"
 
 
 def gate_text(info):
     """"at most 1.10x the chapter's time at B=4 ...": a speed exercise's gate in words."""
-    return f"at most {info['gate']:.2f}x the chapter's {timed_what(timed_as(info)[1])} at {shape_text(info['shape'])}"
+    return (f"at most {info['gate']:.2f}x the chapter's {timed_what(*timed_as(info)[1:])} at "
+            f"{shape_text(info['shape'])}")
 
 
 def dims_text(info):
@@ -783,8 +825,10 @@ def dims_text(info):
 
 def grading_text(info):
     """How an exercise is graded, in words (the student copy's 'Graded:' line, make exercise, list)."""
-    matrix = (f"your copy must compute attention correctly on the GPU matrix ({dims_text(info)}), with no race that "
-              "compute-sanitizer racecheck finds")
+    what = ("your copy's backward pass (--backward) must compute dQ, dK and dV correctly" if pass_of(info) == "backward"
+            else "your copy must compute attention correctly")
+    matrix = (f"{what} on the GPU matrix ({dims_text(info)}), with no race that compute-sanitizer "
+              "racecheck finds")
     if info["kind"] == "correctness":
         return matrix + (f", and its PTX must contain {', '.join(c['shown'] for c in info['ptx_has'])}"
                          if info.get("ptx_has") else "")
@@ -792,7 +836,7 @@ def grading_text(info):
         return f"{matrix}, and take {gate_text(info)}, the two timed in the same run"
     checks = ", ".join(c["shown"] for c in info["ptx_has"])
     return (f"{matrix}, and the PTX of your build must contain {checks}, which only the overlapped code "
-            f"produces; your {timed_what(timed_as(info)[1])} at {shape_text(info['shape'])} is shown "
+            f"produces; your {timed_what(*timed_as(info)[1:])} at {shape_text(info['shape'])} is shown "
             "beside the chapter's for information (no gate: the gain is close to the run-to-run noise)")
 
 
@@ -992,6 +1036,8 @@ PTX_WORDS = {
     r"\bwmma\.": "WMMA instructions (wmma.*)",
     r"\bcp\.async\.(ca|cg)\b": "per-thread asynchronous copies (cp.async.ca or .cg), which TMA replaces here",
     r"\bcuda(Malloc|Free)\w*\s*\(": "calls of cudaMalloc or cudaFree",
+    r"\batom\.global\.add\.v4\.f32": "16-byte vector atomic adds to device memory (atom.global.add.v4.f32, "
+                                       "from atomicAdd on a float4: one RED of four floats)",
 }
 SASS_WORDS = {
     "FFMA": "fp32 fused multiply-adds (FFMA)", "HMMA": "fp16 tensor-core products (HMMA)",
@@ -1000,6 +1046,7 @@ SASS_WORDS = {
     "HGMMA": "fp16 warpgroup products (HGMMA)", "QGMMA": "FP8 warpgroup products (QGMMA)",
     "UTMALDG": "TMA loads (UTMALDG)", "SYNCS": "mbarrier operations (SYNCS)",
     "WARPGROUP": "warpgroup arrivals and waits (WARPGROUP)", "USETMAXREG": "register hand-overs (USETMAXREG)",
+    "REDG": "reductions into device memory (REDG: atomic adds whose result is unused)",
 }
 # What to do when a claim that a chapter's own code meets fails on a copy.
 LOST = ("The chapter's code has it and yours lost it: that happens while an exercise is not written, when "
@@ -1140,43 +1187,53 @@ def matrix_dims(names, table=EXERCISES):
     return tuple(d for d in HEAD_DIMS if d in dims) or HEAD_DIMS
 
 
+def matrix_passes(names, table=EXERCISES):
+    """The passes a grade's matrix runs: those the exercises' code is in (`pass`), in PASSES order."""
+    found = {pass_of(table[name]) for name in names}
+    return tuple(p for p in PASSES if p in found) or PASSES[:1]
+
+
 def matrix_cases(names, table=EXERCISES):
-    """The MATRIX cases a grade of these exercises runs."""
+    """The MATRIX cases a grade of these exercises runs: (B, H, N, D, causal, pass)."""
     dims = matrix_dims(names, table)
-    return [shape for shape in MATRIX if shape[3] in dims]
+    return [shape + (p,) for p in matrix_passes(names, table) for shape in MATRIX if shape[3] in dims]
 
 
 def matrix(student, chapter, cases=MATRIX, failures=None):
-    """One line per case; the number that failed (their shapes appended to `failures`)."""
+    """One line per case (a shape, or a shape and its pass: matrix_cases); the number that failed
+    (those cases appended to `failures`)."""
     failed = 0
-    for shape in cases:
-        status, row, note = run_case(student, chapter, shape_args(shape) + ["--warmup", "0", "--iters", "1"])
+    for case in cases:
+        status, row, note = run_case(student, chapter, case_args(case) + ["--warmup", "0", "--iters", "1"])
         ok = status == "PASS"
         failed += not ok
         if not ok and failures is not None:
-            failures.append(shape)
+            failures.append(case)
         detail = f"rel_l2 {row['rel_l2']:.2e}" if row and row["rel_l2"] is not None else ""
         detail += f", lse_err {row['lse_err']:.2e}" if row and row["lse_err"] is not None else ""
+        if row and row.get("dq_rel_l2") is not None:  # a backward run: each gradient's error
+            detail += f" (dQ {row['dq_rel_l2']:.2e}, dK {row['dk_rel_l2']:.2e}, dV {row['dv_rel_l2']:.2e})"
         reason = "; ".join(x for x in (detail, note) if x)
-        print(f"    {'PASS' if ok else 'FAIL'}  {shape_text(shape):26} {reason}")
+        print(f"    {'PASS' if ok else 'FAIL'}  {case_text(case):35} {reason}")
     return failed
 
 
-def racecheck(student, chapter):
-    """('pass'|'fail'|'skip', sentence): compute-sanitizer racecheck at RACECHECK_SHAPE."""
+def racecheck(student, chapter, pass_name="forward"):
+    """('pass'|'fail'|'skip', sentence): compute-sanitizer racecheck at RACECHECK_SHAPE, of that pass."""
     from sanitizer import check_summary, find_sanitizer
     sanitizer = find_sanitizer()
     if not sanitizer:
         return "skip", ("compute-sanitizer was not found (on PATH, next to nvcc, in /usr/local/cuda): install it "
                         "with the CUDA toolkit, or put it on PATH, to check the copy for races")
-    args = shape_args(RACECHECK_SHAPE) + ["--warmup", "0", "--iters", "1"]
+    case = RACECHECK_SHAPE + (pass_name,)
+    args = case_args(case) + ["--warmup", "0", "--iters", "1"]
     run_case(student, chapter, args)  # makes the shape's inputs and reference outside the sanitizer
     cmd = [sanitizer, "--tool", "racecheck", "--error-exitcode", "99", "--target-processes", "application-only",
            student] + args
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return "fail", (f"racecheck at {shape_text(RACECHECK_SHAPE)} ran for more than {RUN_TIMEOUT_S} s and was "
+        return "fail", (f"racecheck at {case_text(case)} ran for more than {RUN_TIMEOUT_S} s and was "
                         "stopped: the copy may wait forever on a barrier some threads never reach")
     output = proc.stdout + proc.stderr
     if "RACECHECK SUMMARY" not in output and proc.returncode != 99:
@@ -1184,25 +1241,25 @@ def racecheck(student, chapter):
         return "skip", (f"compute-sanitizer racecheck did not run here (exit {proc.returncode}; it said: "
                         f"{lines[-1].strip() if lines else 'nothing'})")
     try:
-        check_summary("racecheck", output, f"racecheck {shape_text(RACECHECK_SHAPE)}")
+        check_summary("racecheck", output, f"racecheck {case_text(case)}")
     except AssertionError as exc:
         hazards = [l for l in output.splitlines() if l.startswith("=========")][:12]
         return "fail", "\n".join([
-            f"compute-sanitizer racecheck found hazards at {shape_text(RACECHECK_SHAPE)}: threads read and write "
+            f"compute-sanitizer racecheck found hazards at {case_text(case)}: threads read and write "
             "the same shared memory with no barrier between them. Find the accesses it names below and put a "
             "__syncthreads() (or the chapter's barrier) between them.", str(exc)] + hazards)
-    return "pass", f"compute-sanitizer racecheck finds no hazard at {shape_text(RACECHECK_SHAPE)}"
+    return "pass", f"compute-sanitizer racecheck finds no hazard at {case_text(case)}"
 
 
-def time_copy(student, solution, chapter, shape, column="ms"):
-    """{ratio, line, failed}: the copy's time (the row's `column`) beside the chapter's, the two run
-    alternately TIME_ROUNDS times, the best median of each counting; ratio None when either could
-    not be timed (failed: 'yours', 'chapter' or 'column'). solution None: the copy alone."""
-    best, what, where = {}, timed_what(column), shape_text(shape)
+def time_copy(student, solution, chapter, shape, column="ms", pass_name="forward"):
+    """{ratio, line, failed}: the copy's time (the row's `column`, of that pass) beside the chapter's,
+    the two run alternately TIME_ROUNDS times, the best median of each counting; ratio None when
+    either could not be timed (failed: 'yours', 'chapter' or 'column'). solution None: the copy alone."""
+    best, what, where = {}, timed_what(column, pass_name), case_text(shape + (pass_name,))
     runs = [("yours", student)] if solution is None else [("chapter", solution), ("yours", student)]
     for _ in range(TIME_ROUNDS):
         for who, binary in runs:
-            status, row, note = run_case(binary, chapter, shape_args(shape))
+            status, row, note = run_case(binary, chapter, case_args(shape + (pass_name,)))
             said = f"{status}{': ' + note if note else ''}"
             if status != "PASS":
                 if who == "yours":
@@ -1224,9 +1281,9 @@ def time_copy(student, solution, chapter, shape, column="ms"):
         f"{where}: your {what} {best['yours']:.3f} ms, the chapter's {best['chapter']:.3f} ms ({how}): {ratio:.2f}x"))
 
 
-def timing(student, solution, chapter, shape, column="ms"):
+def timing(student, solution, chapter, shape, column="ms", pass_name="forward"):
     """(ratio or None, line): time_copy's ratio and line."""
-    timed = time_copy(student, solution, chapter, shape, column)
+    timed = time_copy(student, solution, chapter, shape, column, pass_name)
     return timed["ratio"], timed["line"]
 
 
@@ -1358,47 +1415,52 @@ def gpu_not_run(names, reason, checks):
 def grade_gpu(chapter, student, solution, names, checks, race=racecheck, no_solution=""):
     """The matrix, racecheck, times and gates into checks; solution None: no reference to time
     against (`no_solution` says why)."""
-    cases = matrix_cases(names)
+    cases, passes = matrix_cases(names), matrix_passes(names)
     dims = matrix_dims(names)
     only = [f"{n} runs at D = {EXERCISES[n]['dims'][0]} only" for n in names if EXERCISES[n].get("dims")]
+    which = "; " + " and ".join(PASS_WORDS[p] for p in passes) if passes != ("forward",) else ""
     print(f"  matrix    {len(cases)} runs against the reference (D {' and '.join(map(str, dims))}"
           f"{' only: ' + ', '.join(only) if len(dims) < len(HEAD_DIMS) else ''}; causal or not; N 1, 77, 256 and "
-          "1000; B,H 1,1 and 2,3):")
+          f"1000; B,H 1,1 and 2,3{which}):")
     failures = []
     bad = matrix(student, chapter, cases, failures)
     if bad:
         first = failures[0]
         say("", f"FAIL: {bad} of the {len(cases)} runs do not match the reference (the lines above say how far off, "
                 "or why the run failed). Start with the smallest: "
-                f"{os.path.relpath(student, ROOT)} {' '.join(shape_args(first))}")
+                f"{os.path.relpath(student, ROOT)} {' '.join(case_args(first))}")
     else:
         say("", f"All {len(cases)} runs match the reference.")
     checks.add("the GPU matrix", "fail" if bad else "pass")
-    outcome, note = race(student, chapter)
-    say("racecheck", {"pass": "PASS: ", "fail": "FAIL: ", "skip": "not run: "}[outcome] + note)
-    checks.add("racecheck", {"pass": "pass", "fail": "fail", "skip": "not run"}[outcome], note)
+    for pass_name in passes:  # each pass the exercises are in: racecheck runs its kernels
+        outcome, note = race(student, chapter, pass_name)
+        say("racecheck", {"pass": "PASS: ", "fail": "FAIL: ", "skip": "not run: "}[outcome] + note)
+        what = "racecheck" if len(passes) == 1 else f"racecheck of the {pass_name} pass"
+        checks.add(what, {"pass": "pass", "fail": "fail", "skip": "not run"}[outcome], note)
     speed = [n for n in names if EXERCISES[n]["kind"] == "speed"]
-    timed = [timed_as(EXERCISES[n]) for n in speed] or [(TIME_SHAPE.get(int(chapter[:2]), DEFAULT_TIME_SHAPE), "ms")]
+    timed = [timed_as(EXERCISES[n]) for n in speed] or [(TIME_SHAPE.get(int(chapter[:2]), DEFAULT_TIME_SHAPE), "ms",
+                                                         passes[-1])]
     results = {}
-    for shape, column in dict.fromkeys(timed):
-        results[shape, column] = time_copy(student, solution, chapter, shape, column)
-        gated = [n for n in speed if EXERCISES[n].get("gate") and timed_as(EXERCISES[n]) == (shape, column)]
+    for key in dict.fromkeys(timed):
+        results[key] = time_copy(student, solution, chapter, *key)
+        gated = [n for n in speed if EXERCISES[n].get("gate") and timed_as(EXERCISES[n]) == key]
         info = "" if gated else " (for information: no gate)"
         missing = f"; the speed comparison is unavailable: {no_solution}" if solution is None else ""
-        say("time", results[shape, column]["line"] + info + missing)
+        say("time", results[key]["line"] + info + missing)
     for name in speed:
         info = EXERCISES[name]
         if not info.get("gate"):
             continue
         what, timed_result = f"the speed gate of {name}", results[timed_as(info)]
-        ratio, limit = timed_result["ratio"], f"at most {info['gate']:.2f}x the chapter's {timed_what(timed_as(info)[1])}"
+        ratio = timed_result["ratio"]
+        limit = f"at most {info['gate']:.2f}x the chapter's {timed_what(*timed_as(info)[1:])}"
         if solution is None:
             say("speed", f"{name}: not run: its gate ({limit}) needs the chapter's time, and {no_solution}.")
             checks.add(what, "not run", f"{no_solution}: grade the copy in a full checkout of the tutorial")
         elif ratio is not None:
             ok = ratio <= info["gate"]
             say("speed", f"{'PASS' if ok else 'FAIL'} {name}: your copy takes {ratio:.2f}x the chapter's "
-                         f"{timed_what(timed_as(info)[1])} at {shape_text(info['shape'])}; the gate is {limit}"
+                         f"{timed_what(*timed_as(info)[1:])} at {shape_text(info['shape'])}; the gate is {limit}"
                          + ("." if ok else ": make it faster (the hint in its region says where the time goes)."))
             checks.add(what, "pass" if ok else "fail")
         elif timed_result["failed"] == "yours":

@@ -31,7 +31,8 @@
                  PASS, and exits 77
   grader         the GPU part's bookkeeping (matrix lines, the TODO message, timing ratios) and
                  the verdicts (PASS, FAIL, UNGRADED with exit 77) on stand-in binaries that print
-                 the harness's CSV
+                 the harness's CSV; an exercise of the backward pass (`pass: backward`, 09's) has
+                 every run of its grade made with --backward
   handout        `make handout CH=04` packs the copy, the harness, the grader, the Makefile and
                  no solution line, no other chapter, no chapter README, no docs/results; unpacked
                  with the solution put back, `make grade CH=04` there builds and says UNGRADED
@@ -175,6 +176,8 @@ BAD_BLOCKS = {
     "no facts": "{\n    // EXERCISE 04.zz BEGIN: x\n    y();\n    // EXERCISE END\n}\n",
     "a speed exercise without a stub": "{\n    // EXERCISE 04.s BEGIN: x\n    y();\n    // EXERCISE END\n}\n",
     "EXERCISE_TODO at file scope": "// EXERCISE 04.a BEGIN: x\nint y;\n// EXERCISE END\n",
+    "a correctness stub without its EXERCISE_TODO": ("{\n    // EXERCISE 04.a BEGIN: x\n    y();\n    // EXERCISE 04.a STUB\n"
+                                                    "    // (void)z;\n    // EXERCISE END\n}\n"),
 }
 
 
@@ -192,6 +195,12 @@ def test_malformed_markers_are_refused():
     ex.check_blocks(blocks, "04_fused")
     assert blocks[0]["stub"] == ["    z();\n"], f"the stub of {good!r} parsed as {blocks[0]['stub']}"
     assert blocks[0]["code_at"] == 2 + len(SYNTHETIC_FACTS["speed"]), f"code_at {blocks[0]['code_at']}"
+    # A correctness stub may keep a variable referenced beside its EXERCISE_TODO (09.ds's delta_tile).
+    kept = with_facts("{\n    // EXERCISE 04.a BEGIN: x\n    y(z);\n    // EXERCISE 04.a STUB\n"
+                      "    // EXERCISE_TODO(\"04.a\");\n    // (void)z;\n    // EXERCISE END\n}\n")
+    ex.check_blocks(ex.parse(kept), "04_fused")
+    copy, _ = ex.student_copy(kept, "04_fused")
+    assert ex.TODO_CALL.findall(copy) == ["04.a"] and "    (void)z;\n" in copy, copy
 
 
 # --- facts: the lines after a BEGIN line ------------------------------------------------------------
@@ -222,6 +231,7 @@ GOOD_FACTS = r"""void f() {
     // EXERCISE END
     // EXERCISE 04.a BEGIN: do a
     //   kind: correctness
+    //   pass: backward
     //   hint: h
     //   wrong old: a(x,  y);
     //   wrong new: a(y, x);
@@ -250,7 +260,7 @@ GOOD_TABLE = {
                                found=r"\bwgmma\.wait_group\.sync\.aligned\s+\d+",
                                means="a wait for all but the latest group", todo="Issue the P V behind Q K^T"),
                           dict(pattern=r"\bcp\.async", shown="cp.async", means="copies", todo="copy")]),
-    "04.a": dict(kind="correctness", hint="h", wrong=("a(x,  y);", "a(y, x);")),
+    "04.a": dict(kind="correctness", hint="h", wrong=("a(x,  y);", "a(y, x);"), **{"pass": "backward"}),
     "04.b": dict(kind="speed", shape=(1, 16, 2048, 128, False), hint="h", stub="s",
                  ptx_has=[dict(pattern=r"\bx", shown="x", means="m", todo="t")]),
 }
@@ -332,6 +342,9 @@ BAD_FACTS = [
                          "    //   stub: s\n", ""), 2, "has no facts"),
     ("a correctness exercise with a gate", ("//   kind: speed", "//   kind: correctness"), 2,
      "are facts of a speed exercise"),
+    ("an unknown pass", ("//   stub: s\n", "//   stub: s\n    //   pass: sideways\n"), 8, "forward or backward"),
+    ("a pass given twice", ("//   stub: s\n", "//   stub: s\n    //   pass: backward\n    //   pass: forward\n"), 9,
+     "'pass' given twice"),
     ("dims the matrix does not run", ("//   stub: s\n", "//   stub: s\n    //   dims: 32\n"), 8, "head dims among"),
     ("facts after a bare BEGIN", ("    // EXERCISE END\n", "    // EXERCISE END\n    // EXERCISE 04.s BEGIN\n"
                                   "    //   kind: speed\n    w();\n    // EXERCISE END\n"), 13, "after a bare BEGIN"),
@@ -436,7 +449,7 @@ def restore_case(chapter, label, only):
         todo = set(ex.TODO_CALL.findall(copy))
         parts = ex.exercise_parts(ex.parse(source))
         wanted = {n for n in names if ex.EXERCISES[n]["kind"] == "correctness"
-                  and any(b["stub"] is None and b["indent"] for b in parts[n])}
+                  and any(b["indent"] and (b["stub"] is None or ex.todo_in_stub(b)) for b in parts[n])}
         assert todo == wanted, f"{chapter} {label}: EXERCISE_TODO stubs for {sorted(todo)}, expected {sorted(wanted)}"
         # The facts lines of the exercises cut are gone with their blocks (a `wrong` fact quotes the
         # solution); the region shows the hint and the grading in words instead.
@@ -638,6 +651,34 @@ def test_matrix_runs_the_exercises_head_dims():
         assert set(info.get("dims", ex.HEAD_DIMS)) <= dims, f"{name}: runs at {info.get('dims')}, its matrix at {dims}"
 
 
+def test_backward_exercises_are_graded_with_backward():
+    """`pass: backward` (09's exercises): the grade's matrix, racecheck and a gate's timing run
+    --backward; forward exercises never do; a chapter's exercises in both passes run both."""
+    backward = [n for n, info in ex.EXERCISES.items() if ex.pass_of(info) == "backward"]
+    assert {"09.ds", "09.dq_red"} <= set(backward), f"09's exercises should be of the backward pass: {backward}"
+    for name, info in ex.EXERCISES.items():
+        cases = ex.matrix_cases([name])
+        runs = [ex.case_args(c) for c in cases]
+        if ex.pass_of(info) == "backward":
+            assert all(args.count("--backward") == 1 for args in runs) and len(cases) == len(ex.matrix_cases(
+                ["04.online_softmax"])), f"{name}: its matrix should be the whole matrix, each run with --backward"
+            assert all(ex.case_text(c).endswith(" backward") for c in cases), f"{name}: {ex.case_text(cases[0])}"
+        else:
+            assert not any("--backward" in args for args in runs), f"{name}: a forward exercise's matrix runs --backward"
+        if info["kind"] == "speed":
+            shape, column, pass_name = ex.timed_as(info)
+            assert pass_name == ex.pass_of(info), f"{name}: timed in the {pass_name} pass"
+            if pass_name == "backward":
+                assert "backward" in ex.gate_text(info) and "--backward" in ex.grading_text(info), ex.grading_text(info)
+    assert ex.case_args(ex.MATRIX[0]) == ex.shape_args(ex.MATRIX[0]), "a bare shape is a run of the forward"
+    table = {"04.f": dict(kind="correctness", hint="h"), "04.b": dict(kind="correctness", hint="h", **{"pass": "backward"})}
+    assert ex.matrix_passes(["04.f"], table) == ("forward",) and ex.matrix_passes(["04.b"], table) == ("backward",)
+    both = ex.matrix_cases(["04.b", "04.f"], table)
+    assert ex.matrix_passes(["04.b", "04.f"], table) == ("forward", "backward") and len(both) == 2 * len(ex.MATRIX), both
+    assert sum("--backward" in ex.case_args(c) for c in both) == len(ex.MATRIX), "half the runs should be backward"
+    return f"{len(backward)} exercises of the backward pass"
+
+
 # --- make exercise / make grade, no GPU, in a copy of the repository ------------------------------
 def repo_copy(ctx):
     """The repository's files (tracked and new, as they are on disk) in a temporary folder."""
@@ -710,6 +751,9 @@ FAKE = """#!{python}
 import sys
 args = sys.argv[1:]
 value = lambda flag: args[args.index(flag) + 1]
+if {log!r}:
+    with open({log!r}, "a") as f:
+        f.write(" ".join(args) + "\\n")
 if {todo}:
     sys.stderr.write("04_fused: TODO: exercise 04.online_softmax is not written yet (its EXERCISE_TODO stub ran)\\n")
     sys.exit(1)
@@ -721,9 +765,9 @@ if "{status}" == "FAIL":
 """
 
 
-def fake_binary(ctx, ms, todo=False, attend_ms="", status="PASS"):
+def fake_binary(ctx, ms, todo=False, attend_ms="", status="PASS", log=""):
     path = ctx.tmpdir() / "04_fused"
-    path.write_text(FAKE.format(python=sys.executable, ms=ms, todo=todo, attend_ms=attend_ms, status=status))
+    path.write_text(FAKE.format(python=sys.executable, ms=ms, todo=todo, attend_ms=attend_ms, status=status, log=log))
     path.chmod(0o755)
     return str(path)
 
@@ -762,7 +806,8 @@ def grade_on(ctx, names, student, solution, race=("pass", "no hazard"), static=(
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         if gpu:
-            ex.grade_gpu("04_fused", student, solution, names, checks, race=lambda s, c: race, no_solution=no_solution)
+            ex.grade_gpu("04_fused", student, solution, names, checks, race=lambda s, c, p: race,
+                         no_solution=no_solution)
         else:
             ex.gpu_not_run(names, "no CUDA driver found", checks)
     code, line = ex.verdict("04_fused", checks)
@@ -806,6 +851,31 @@ def test_grade_verdicts_on_stand_in_binaries(ctx):
         assert not missing, f"{label}: {missing} not said:\n{out}{line}"
         assert (code == 0) == line.startswith("PASS"), f"{label}: {line}"
     return f"{len(expect)} verdicts"
+
+
+def test_grade_of_backward_exercises_runs_backward(ctx):
+    """A grade of 09's exercises (`pass: backward`) on stand-in binaries that log their command
+    lines: every run of the copy and of the chapter (matrix, timing) has --backward, racecheck is
+    asked for the backward pass, and the gate is the backward's time."""
+    folder = ctx.tmpdir()
+    logs = {who: str(folder / f"{who}.log") for who in ("yours", "chapter")}
+    student, solution = fake_binary(ctx, 2.0, log=logs["yours"]), fake_binary(ctx, 1.0, log=logs["chapter"])
+    raced = []
+    checks, out = ex.Checks(), io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ex.grade_gpu("09_backward", student, solution, ["09.ds", "09.dq_red"], checks,
+                     race=lambda s, c, p: raced.append(p) or ("pass", "no hazard"))
+    code, line = ex.verdict("09_backward", checks)
+    runs = {who: Path(path).read_text().splitlines() for who, path in logs.items()}
+    matrix = len(ex.matrix_cases(["09.ds", "09.dq_red"]))
+    assert len(runs["yours"]) == matrix + ex.TIME_ROUNDS and len(runs["chapter"]) == ex.TIME_ROUNDS, runs
+    plain = [r for who in runs for r in runs[who] if "--backward" not in r.split()]
+    assert not plain, f"runs of a backward exercise's grade without --backward: {plain[:3]}"
+    assert raced == ["backward"], f"racecheck should run the backward pass alone: {raced}"
+    said = out.getvalue()
+    assert code == 1 and "the speed gate of 09.dq_red" in line, f"2.00x against a 1.25x gate should fail: {line}\n{said}"
+    assert "backward pass's time" in said and "the backward pass (--backward" in said, said
+    return line
 
 
 # --- make handout ----------------------------------------------------------------------------------

@@ -5,15 +5,17 @@ Student copies are compiled here with the native build's flags (BUILD/.flags) an
 its harness objects (BUILD/common/*.o), into a temporary folder.
 
   todo        the copy with its correctness exercises stubbed, at a shape that reaches every stub
-              (ragged N, causal): exit 1 with "TODO: exercise NN.name is not written yet" on stderr,
-              never a CUDA error, a crash or a hang
-  speed_stub  each speed exercise alone: its stub is correct (PASS at a ragged causal shape) and,
+              (ragged N, causal), in each pass they are in (`pass: backward`: with --backward): exit 1
+              with "TODO: exercise NN.name is not written yet" on stderr, never a CUDA error, a crash or
+              a hang
+  speed_stub  each speed exercise alone: its stub is correct (PASS at a ragged causal shape, in its
+              pass) and,
               where a gate grades it, misses that gate (slower than `gate` x the chapter at the
               gate's shape), so that an untouched copy cannot pass it; where its compiled code
               grades it (ptx_has), its time beside the chapter's is reported
   wrong       each exercise's `wrong` solution (the chapter with one line of it changed) fails the
-              matrix the grade runs for that exercise (08.pack_p: D = 64 alone), so that the grade
-              cannot pass it
+              matrix the grade runs for that exercise (08.pack_p: D = 64 alone; 09's: --backward), so
+              that the grade cannot pass it
   grade       `make grade CH=04` in a copy of the repository, on this GPU: the solution put back
               passes (PASS, exit 0; UNGRADED, exit 77, only where racecheck cannot run here, which
               skips the test with its reason), the wrong solution fails (exit 1)
@@ -67,11 +69,17 @@ def todo_case(chapter):
     def case(ctx):
         ctx.require_binary(chapter, native=True)
         binary = build(ctx)
-        status, row, note = ex.run_case(binary, chapter, ex.shape_args(REACH_EVERY_STUB) + ["--warmup", "0", "--iters", "1"])
-        shown = f"{chapter}, its correctness exercises stubbed, {ex.shape_text(REACH_EVERY_STUB)}"
-        assert status == "error" and note.startswith("TODO: exercise") and "not written yet" in note, (
-            f"{shown}: expected exit 1 with the TODO message, got {status}: {note!r}")
-        return note
+        names = [n for n in ex.exercise_parts(ex.parse(ex.chapter_source(chapter, ctx.root), chapter))
+                 if ex.EXERCISES[n]["kind"] == "correctness"]
+        notes = []
+        for pass_name in ex.matrix_passes(names):  # 09's stubs are in the backward: reached with --backward
+            case = REACH_EVERY_STUB + (pass_name,)
+            status, row, note = ex.run_case(binary, chapter, ex.case_args(case) + ["--warmup", "0", "--iters", "1"])
+            shown = f"{chapter}, its correctness exercises stubbed, {ex.case_text(case)}"
+            assert status == "error" and note.startswith("TODO: exercise") and "not written yet" in note, (
+                f"{shown}: expected exit 1 with the TODO message, got {status}: {note!r}")
+            notes.append(note)
+        return "; ".join(notes)
     case.prepare = build
     return case
 
@@ -83,9 +91,10 @@ def speed_case(chapter, name):
     def case(ctx):
         solution = str(ctx.require_binary(chapter, native=True))
         binary = build(ctx)
-        status, _, note = ex.run_case(binary, chapter, ex.shape_args(REACH_EVERY_STUB) + ["--warmup", "0", "--iters", "1"])
-        assert status == "PASS", f"{name}: its stub should be correct; {ex.shape_text(REACH_EVERY_STUB)}: {status} {note}"
         info = ex.EXERCISES[name]
+        case = REACH_EVERY_STUB + (ex.pass_of(info),)
+        status, _, note = ex.run_case(binary, chapter, ex.case_args(case) + ["--warmup", "0", "--iters", "1"])
+        assert status == "PASS", f"{name}: its stub should be correct; {ex.case_text(case)}: {status} {note}"
         ratio, line = ex.timing(binary, solution, chapter, *ex.timed_as(info))
         assert ratio is not None, f"{name}: {line}"
         if info.get("gate"):
@@ -108,7 +117,7 @@ def wrong_case(chapter, name):
         with contextlib.redirect_stdout(io.StringIO()):
             failed = ex.matrix(binary, chapter, cases, failures)
         assert failed, f"{name}: its wrong solution passes all {len(cases)} runs of the grade's matrix"
-        return f"{failed} of {len(cases)} runs fail, e.g. {ex.shape_text(failures[0])}"
+        return f"{failed} of {len(cases)} runs fail, e.g. {ex.case_text(failures[0])}"
     case.prepare = build
     return case
 
