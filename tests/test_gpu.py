@@ -95,10 +95,15 @@ def describe(proc, row):
     return text + (f"\nstderr: {err[-1500:]}" if err else "")
 
 
-def check_row(ctx, chapter, proc, row, shown, b, h, n, d, causal):
-    assert proc.returncode == 0 and row and row["status"] == "PASS", f"{shown}: expected PASS, got {describe(proc, row)}"
+def check_shape_echoed(row, shown, b, h, n, d, causal):
+    """The CSV row reports the shape that was run."""
     echoed = tuple(int(row[k]) for k in ("batch", "heads", "seqlen", "headdim", "causal"))
     assert echoed == (b, h, n, d, int(causal)), f"{shown}: the CSV row reports shape {echoed}, expected {(b, h, n, d, int(causal))}"
+
+
+def check_row(ctx, chapter, proc, row, shown, b, h, n, d, causal):
+    assert proc.returncode == 0 and row and row["status"] == "PASS", f"{shown}: expected PASS, got {describe(proc, row)}"
+    check_shape_echoed(row, shown, b, h, n, d, causal)
     number = ctx.chapter_number(chapter)
     if number in SINGLE_KERNEL_NO_WORKSPACE:
         assert row["kernels"] == "1", f"{shown}: {row['kernels']} kernels per forward, expected 1 (fused from 04 on)"
@@ -132,17 +137,22 @@ def fp8_floor_attention(q, k, v, causal, d):
     return attention64(*quantized, causal, 1 / math.sqrt(d))
 
 
-def attention64(q, k, v, causal, scale):
-    """float64 O and LSE straight from the formula (shifted exp), independent of common/."""
-    q, k, v = (x.astype(np.float64) for x in (q, k, v))
-    s = np.einsum("bhid,bhjd->bhij", q, k) * scale
+def scores64(q, k, causal, scale):
+    """float64 S = Q K^T * scale, -inf above the diagonal when causal."""
+    s = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), k.astype(np.float64)) * scale
     if causal:
         n = s.shape[-1]
         s = np.where(np.triu(np.ones((n, n), bool), 1), -np.inf, s)
+    return s
+
+
+def attention64(q, k, v, causal, scale):
+    """float64 O and LSE straight from the formula (shifted exp), independent of common/."""
+    s = scores64(q, k, causal, scale)
     m = s.max(-1, keepdims=True)
     e = np.exp(s - m)
     total = e.sum(-1, keepdims=True)
-    return np.einsum("bhij,bhjd->bhid", e, v) / total, (m + np.log(total))[..., 0]
+    return np.einsum("bhij,bhjd->bhid", e, v.astype(np.float64)) / total, (m + np.log(total))[..., 0]
 
 
 # --- the matrix --------------------------------------------------------------------------------
@@ -155,18 +165,19 @@ def matrix_case(chapter, b, h, n, d, causal):
 
 
 # --- large logits ------------------------------------------------------------------------------
-def large_logit_inputs(ctx, d, qk_std="4.5", least=50):
+def large_logit_inputs(ctx, d, qk_std="4.5", least=50, grad=False):
+    """B=1 H=2 N=300 inputs with logits of at least `least`; grad: dO too (reference.py inputs --grad)."""
     def make():
-        out = ctx.tmpdir() / f"qk_std_{qk_std}_d{d}"
+        out = ctx.tmpdir() / f"qk_std_{qk_std}_d{d}{'_grad' if grad else ''}"
         proc = ctx.run([ctx.python, ctx.root / "common" / "reference.py", "inputs", "--qk-std", qk_std,
                         "--batch", "1", "--heads", "2", "--seqlen", "300", "--headdim", str(d), "--seed", "7",
-                        "--out", out], timeout=300)
+                        "--out", out] + (["--grad"] if grad else []), timeout=300)
         assert proc.returncode == 0, f"reference.py inputs --qk-std {qk_std} failed: {proc.stderr.strip()}"
         q, k = (np.load(out / f"{x}.npy").astype(np.float64) for x in "qk")
         biggest = np.abs(np.einsum("bhid,bhjd->bhij", q, k)).max() / math.sqrt(d)
         assert biggest >= least, f"qk_std {qk_std} inputs reach |logit| {biggest:.1f} only: expected >= {least}"
         return out
-    return ctx.once(("large_logit_inputs", d, qk_std), make)
+    return ctx.once(("large_logit_inputs", d, qk_std, grad), make)
 
 
 def large_logit_case(chapter, d, causal, qk_std="4.5", least=50):
@@ -252,15 +263,16 @@ def one_hot_case(chapter, causal):
 
 
 # --- --output against float64 computed here ----------------------------------------------------
-def output_inputs(ctx, b, h, n, d):
+def output_inputs(ctx, b, h, n, d, grad=False):
+    """A folder of N(0, 1) fp16 q, k, v (and with grad, do) .npy files of shape [b, h, n, d]."""
     def make():
-        folder = ctx.tmpdir() / f"out_inputs_b{b}_h{h}_n{n}_d{d}"
+        folder = ctx.tmpdir() / f"{'grad' if grad else 'out'}_inputs_b{b}_h{h}_n{n}_d{d}"
         folder.mkdir()
-        rng = np.random.default_rng(2024 + n + d)
-        for name in "qkv":
+        rng = np.random.default_rng((4048 if grad else 2024) + n + d)
+        for name in ("q", "k", "v", "do") if grad else ("q", "k", "v"):
             np.save(folder / f"{name}.npy", rng.standard_normal((b, h, n, d)).astype(np.float16))
         return folder
-    return ctx.once(("output_inputs", b, h, n, d), make)
+    return ctx.once(("output_inputs", b, h, n, d, grad), make)
 
 
 def output_case(chapter, b, h, n, d, causal):
@@ -302,9 +314,9 @@ TORCH_RULE_SHAPES = [(2, 3, 200, 64, True), (1, 2, 129, 128, False), (1, 4, 1024
 FP16_TC = {6, 7, 9}  # chapters on fp16 tensor cores; 08's steps on fp16 operands are checked beside them
 
 
-def torch_fp16_error(q, k, v, causal, want_o):
-    """Max abs error of PyTorch's fp16 flash attention against float64 on the same inputs; None
-    without PyTorch or a CUDA device for it."""
+def torch_flash():
+    """(torch, a function running PyTorch's SDPA on its flash backend), or None without PyTorch or
+    a CUDA device for it."""
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -312,9 +324,20 @@ def torch_fp16_error(q, k, v, causal, want_o):
         return None
     if not torch.cuda.is_available():
         return None
-    q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def attend(q, k, v, causal):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return torch, attend
+
+
+def torch_fp16_error(q, k, v, causal, want_o):
+    """Max abs error of PyTorch's fp16 flash attention against float64 on the same inputs; None
+    without PyTorch or a CUDA device for it."""
+    if not (found := torch_flash()):
+        return None
+    torch, attend = found
+    o = attend(*(torch.from_numpy(x).cuda() for x in (q, k, v)), causal)
     return float(np.abs(o.float().cpu().numpy().astype(np.float64) - want_o).max())
 
 
@@ -394,8 +417,7 @@ def step_case(step, build_name, dtype, b, h, n, d, causal, inputs=None):
         shown = f"{step} ({build_name}) {'<qk-std 4.5> ' if inputs else ''}B={b} H={h} N={n} D={d}" \
                 f"{' causal' if causal else ''}"
         assert proc.returncode == 0 and row and row["status"] == "PASS", f"{shown}: expected PASS, got {describe(proc, row)}"
-        echoed = tuple(int(row[k]) for k in ("batch", "heads", "seqlen", "headdim", "causal"))
-        assert echoed == (b, h, n, d, int(causal)), f"{shown}: the CSV row reports shape {echoed}"
+        check_shape_echoed(row, shown, b, h, n, d, causal)
         step_row_checks(step, dtype, row, shown, b, h, n, d)
         return f"rel_l2 {row['rel_l2']}"
     return case
@@ -416,8 +438,7 @@ def backward_chapters(ctx):
 
 def check_backward_row(proc, row, shown, b, h, n, d, causal):
     assert proc.returncode == 0 and row and row["status"] == "PASS", f"{shown}: expected PASS, got {describe(proc, row)}"
-    echoed = tuple(int(row[k]) for k in ("batch", "heads", "seqlen", "headdim", "causal"))
-    assert echoed == (b, h, n, d, int(causal)), f"{shown}: the CSV row reports shape {echoed}, expected {(b, h, n, d, int(causal))}"
+    check_shape_echoed(row, shown, b, h, n, d, causal)
     errors = [float(row[f"{g}_rel_l2"] or "nan") for g in GRADS]
     assert all(e <= BACKWARD_TOL for e in errors), f"{shown}: dQ, dK, dV rel L2 {errors}, expected <= {BACKWARD_TOL}"
     # Device memory: Q, K, V, O, dO, dQ, dK, dV fp16, LSE fp32 and the backward's workspace.
@@ -437,38 +458,17 @@ def backward_case(chapter, b, h, n, d, causal, variant=None):
 
 def backward_large_logit_case(chapter, d, causal):
     def case(ctx):
-        def make():
-            out = ctx.tmpdir() / f"grad_qk_std_d{d}"
-            proc = ctx.run([ctx.python, ctx.root / "common" / "reference.py", "inputs", "--qk-std", "4.5", "--grad",
-                            "--batch", "1", "--heads", "2", "--seqlen", "300", "--headdim", str(d), "--seed", "7",
-                            "--out", out], timeout=300)
-            assert proc.returncode == 0, f"reference.py inputs --qk-std 4.5 --grad failed: {proc.stderr.strip()}"
-            return out
-        folder = ctx.once(("grad_large_logit_inputs", d), make)
+        folder = large_logit_inputs(ctx, d, grad=True)
         proc, row = run_csv(ctx, chapter, ["--input", str(folder), "--backward"] + (["--causal"] if causal else []))
         shown = f"{chapter} --backward --input <qk-std 4.5, B=1 H=2 N=300 D={d}>{' --causal' if causal else ''}"
         return check_backward_row(proc, row, shown, 1, 2, 300, d, causal)
     return case
 
 
-def grad_inputs(ctx, b, h, n, d):
-    def make():
-        folder = ctx.tmpdir() / f"grad_inputs_b{b}_h{h}_n{n}_d{d}"
-        folder.mkdir()
-        rng = np.random.default_rng(4048 + n + d)
-        for name in ("q", "k", "v", "do"):
-            np.save(folder / f"{name}.npy", rng.standard_normal((b, h, n, d)).astype(np.float16))
-        return folder
-    return ctx.once(("grad_inputs", b, h, n, d), make)
-
-
 def attention64_grads(q, k, v, do, causal, scale):
     """float64 dQ, dK, dV of L = sum(O * dO), straight from the formula, independent of common/."""
     q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
-    s = np.einsum("bhid,bhjd->bhij", q, k) * scale
-    if causal:
-        n = s.shape[-1]
-        s = np.where(np.triu(np.ones((n, n), bool), 1), -np.inf, s)
+    s = scores64(q, k, causal, scale)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     o = np.einsum("bhij,bhjd->bhid", p, v)
@@ -480,16 +480,11 @@ def attention64_grads(q, k, v, do, causal, scale):
 
 def torch_grad_errors(q, k, v, do, causal, want):
     """Max abs error of each of PyTorch's fp16 flash-attention gradients against float64; None without it."""
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:
+    if not (found := torch_flash()):
         return None
-    if not torch.cuda.is_available():
-        return None
+    torch, attend = found
     q, k, v = (torch.from_numpy(x).cuda().requires_grad_() for x in (q, k, v))
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    o = attend(q, k, v, causal)
     o.backward(torch.from_numpy(do).cuda())
     return [float(np.abs(x.grad.float().cpu().numpy().astype(np.float64) - w).max()) for x, w in zip((q, k, v), want)]
 
@@ -509,7 +504,7 @@ def backward_output_case(chapter, b, h, n, d, causal):
     """--output's dQ, dK, dV against float64 computed here, every row; and FlashAttention's own rule on
     gradients: max abs error at most twice that of PyTorch's fp16 backward (skipped without PyTorch)."""
     def case(ctx):
-        folder, out = grad_inputs(ctx, b, h, n, d), ctx.tmpdir() / "out"
+        folder, out = output_inputs(ctx, b, h, n, d, grad=True), ctx.tmpdir() / "out"
         shown = f"{chapter} --backward --output, B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
         proc, row, grads = backward_output(ctx, chapter, folder, out, causal)
         check_backward_row(proc, row, shown, b, h, n, d, causal)
@@ -541,7 +536,7 @@ def backward_repeat_case(chapter, variant, b, h, n, d, causal):
     where it is reduced without atomics (the DETERMINISTIC_DQ build)."""
     def case(ctx):
         build_name = f"{chapter}.{variant}" if variant else None
-        folder = grad_inputs(ctx, b, h, n, d)
+        folder = output_inputs(ctx, b, h, n, d, grad=True)
         shown = f"{build_name or chapter} --backward twice, B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
         runs = []
         for i in range(2):

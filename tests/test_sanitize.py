@@ -12,8 +12,7 @@ Skipped, with the reason, without a GPU or without compute-sanitizer.
 import unittest
 
 from sanitizer import check_summary, find_sanitizer
-from test_cpu_backward_cli import has_backward
-from test_gpu import BACKWARD_VARIANTS, STEP_BUILDS
+from test_gpu import BACKWARD_VARIANTS, STEP_BUILDS, backward_chapters
 
 SUITE = "sanitize"
 PARALLEL = 8
@@ -64,7 +63,7 @@ def cases(ctx):
         for chapter in ctx.chapters + [build for _, build, _ in STEP_BUILDS]:  # and 08's steps, BUILD/08_fp8.stepK
             name = f"{tool}[{chapter} B={b} H={h} N={n} D={d}{' causal' if causal else ''}]"
             out.append((name, sanitize_case(chapter, tool, extra, b, h, n, d, causal)))
-        for chapter in [c for c in ctx.chapters if has_backward(ctx, c)]:
+        for chapter in backward_chapters(ctx):
             for build in [chapter] + [f"{chapter}.{variant}" for variant in BACKWARD_VARIANTS]:
                 name = f"{tool}[{build} --backward B={b} H={h} N={n} D={d}{' causal' if causal else ''}]"
                 out.append((name, sanitize_case(build, tool, extra, b, h, n, d, causal, backward=True)))
