@@ -184,9 +184,14 @@ def measure_anchors(shapes):
     return anchors.run_anchors(shapes, cache_dir(), warmup=BENCH_WARMUP, iters=BENCH_ITERS)
 
 
+def results_csv(out_dir):
+    """This GPU's results CSV in out_dir (docs/results/NVIDIA_H200.csv, say)."""
+    return os.path.join(out_dir, gpu_slug(gpu_name()) + ".csv")
+
+
 def save_results(out_dir, rows, env, readme):
     """Write <gpu>.csv/.notes.csv/.env (and .png), then regenerate every table."""
-    csv_path = os.path.join(out_dir, gpu_slug(gpu_name()) + ".csv")
+    csv_path = results_csv(out_dir)
     write_results(csv_path, rows)
     write_env(env_path(csv_path), env)
     say(f"{csv_path}: {len(rows)} rows written")
@@ -209,7 +214,13 @@ def command_bench(args):
     if torch_gpu_ready("PyTorch not found: anchor rows skipped (pip install torch to measure them)"):
         rows += measure_anchors(shapes)
     env = collect_env(shlex.join([sys.executable] + sys.argv))
-    save_results(args.out, rows, env, args.readme)
+    kept = rows_not_measured(args.out, rows)
+    if kept:  # and what the file said of where its rows come from
+        before = read_env(env_path(results_csv(args.out)))
+        env.update({k: v for k, v in before.items() if k.startswith("rows_")})
+        env["kept_rows"] = (f"{len(kept)} rows of chapters or shapes this run did not measure, kept from the file "
+                            "before it (the rows_* lines say where they come from)")
+    save_results(args.out, kept + rows, env, args.readme)
     print_summary(rows)
     failed = [r for r in rows if r["status"] == "FAIL" and not is_anchor(r["impl"])]
     for r in failed:
@@ -217,12 +228,22 @@ def command_bench(args):
     return 1 if failed else 0
 
 
+def rows_not_measured(out_dir, rows):
+    """The rows of out_dir's results CSV for this GPU that `rows` do not replace (other chapters,
+    other shapes: a bench of a few chapters or --quick keeps the rest of the file)."""
+    csv_path = results_csv(out_dir)
+    if not os.path.exists(csv_path):
+        return []
+    measured = {row_key(r) for r in rows}
+    return [r for r in read_results(csv_path) if row_key(r) not in measured]
+
+
 def command_compare(args):
     """`make compare`: the anchors only, merged into <gpu>.csv."""
     if not torch_gpu_ready("PyTorch not found: make compare skipped"):
         return 0
     rows = measure_anchors(bench_shapes(args.quick))
-    csv_path = os.path.join(args.out, gpu_slug(gpu_name()) + ".csv")
+    csv_path = results_csv(args.out)
     kept = [r for r in read_results(csv_path) if not is_anchor(r["impl"])] if os.path.exists(csv_path) else []
     env = read_env(env_path(csv_path)) or collect_env("(none: make compare only)")
     env["compare_command"] = shlex.join([sys.executable] + sys.argv)

@@ -483,6 +483,31 @@ def test_bench_on_fake_binaries():
         assert "| 05_good | 269 MB | 16.0 |" in read(readme)
 
 
+def test_bench_of_some_chapters_keeps_the_others():
+    """A bench of a few chapters (or --quick) replaces their rows and keeps every other row of the file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        make_fake_build(os.path.join(tmp, "build"), ["05_good", "06_good"])
+        out = os.path.join(tmp, "results")
+        readme = os.path.join(tmp, "README.md")
+        with open(readme, "w") as f:
+            f.write(f"{report.STAGE_BEGIN}\n{report.STAGE_END}\n")
+
+        def bench(*names):
+            args = stages.parse_args(["bench", "--build", os.path.join(tmp, "build"), "--quick", "--out", out,
+                                      "--readme", readme] + list(names))
+            return without_torch(stages.command_bench, args)
+        bench("05_good", "06_good")
+        csv_path = [os.path.join(out, p) for p in os.listdir(out) if p.endswith(".csv") and not p.endswith(".notes.csv")][0]
+        first = {results.row_key(r): r for r in results.read_results(csv_path)}
+        code, printed = bench("06_good")
+        assert code == 0, printed
+        second = {results.row_key(r): r for r in results.read_results(csv_path)}
+        assert second.keys() == first.keys(), "a bench of 06 alone dropped or added rows"
+        assert all(second[k] == first[k] for k in first if k[0] == "05_good"), "05's rows changed"
+        env = results.read_env(results.env_path(csv_path))
+        assert env["kept_rows"].startswith("8 rows"), env.get("kept_rows")
+
+
 def test_bench_stops_when_every_chapter_skips():
     with tempfile.TemporaryDirectory() as tmp:
         make_fake_build(os.path.join(tmp, "build"), ["01_old", "02_old"])
