@@ -129,7 +129,7 @@ run: all
 	@$(PYTHON) common/stages.py run --build $(BUILD) $(CHAPTERS)
 
 test: $(PY_DEPS)
-	@$(PYTHON) tests/run.py --build $(BUILD) --make '$(MAKE)'
+	@$(PYTHON) tests/run.py --build $(BUILD) --make '$(MAKE)' $(TEST_ARGS)
 
 bench: all
 	@$(PYTHON) common/stages.py bench --build $(BUILD) $(CHAPTERS)
@@ -233,7 +233,7 @@ help:
 	@echo "make            build every chapter into $(BUILD)/ (ARCH=$(ARCH); ARCH=sm_90, sm_80, multi...)"
 	@echo "make lib        every build above as a library too: $(BUILD)/lib/NN_name.so (C ABI: common/library.h)"
 	@echo "make run        run every chapter on the default shape and print the stage table"
-	@echo "make test       CPU tests, and the GPU matrix when a GPU is present"
+	@echo "make test       CPU tests, and the GPU matrix when a GPU is present (TEST_ARGS='-v -k NAME': each test with its time, only those named)"
 	@echo "make bench      the benchmark sweep -> docs/results/ (CSV, Markdown, plot) and README table"
 	@echo "make compare    PyTorch SDPA anchors on the bench shapes (needs PyTorch)"
 	@echo "make sanitize   compute-sanitizer memcheck/racecheck/synccheck/initcheck, every chapter"

@@ -206,8 +206,9 @@ class Results:
             self.running.remove(job)
             self.write(job.text + (text if job.midline else f"  {text.strip()}") + "\n")
 
-    def record(self, test_id, outcome, message="", job=None):
-        """Count a result; its mark or lines go on the job's line (without a job: lines printed now)."""
+    def record(self, test_id, outcome, message="", job=None, seconds=None):
+        """Count a result; its mark or lines go on the job's line (without a job: lines printed now);
+        -v lines end with the test's time."""
         with self.lock:
             for counts in [self] + ([job] if job else []):
                 if outcome == "pass":
@@ -222,7 +223,8 @@ class Results:
                 self.failures.append(test_id)
             if self.verbose or outcome == "fail":
                 note = f": {first_line(message)}" if message else ""
-                lines = [f"  {outcome.upper():4} {test_id}{note}"]
+                took = f" ({seconds:.1f} s)" if seconds is not None and self.verbose else ""
+                lines = [f"  {outcome.upper():4} {test_id}{took}{note}"]
                 if outcome == "fail":
                     lines += [f"       {line}" for line in detail_lines(message)]
                 text = "\n".join(lines) + "\n"
@@ -317,15 +319,21 @@ def collect(name, module, ctx, results, pattern):
 
 def run_module(name, module, ctx, results, tests, cases):
     job = results.begin(name, len(tests) + len(cases))
+
+    def run_one(test_id, fn):
+        start = time.time()
+        outcome, message = call_test(fn, ctx)
+        results.record(test_id, outcome, message, job, seconds=time.time() - start)
+
     for test_id, fn in tests:
-        results.record(test_id, *call_test(fn, ctx), job)
+        run_one(test_id, fn)
     groups = {}
     for test_id, fn, group in cases:
         groups.setdefault(group, []).append((test_id, fn))
 
     def run_group(members):
         for test_id, fn in members:
-            results.record(test_id, *call_test(fn, ctx), job)
+            run_one(test_id, fn)
 
     workers = max(1, int(getattr(module, "PARALLEL", 1)))
     if workers == 1 or len(groups) <= 1:
@@ -440,7 +448,7 @@ def main(argv=None):
                         help="whether a GPU is usable (auto: probe)")
     parser.add_argument("--no-build", action="store_true", help="use the binaries already built")
     parser.add_argument("--list", action="store_true", help="list the test ids and exit")
-    parser.add_argument("-v", "--verbose", action="store_true", help="one line per test")
+    parser.add_argument("-v", "--verbose", action="store_true", help="one line per test, with its time")
     parser.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder")
     args = parser.parse_args(argv)
 

@@ -1,0 +1,84 @@
+"""The graded exercises on a GPU, the part that does not time (common/exercises.py): beside the
+other modules. test_gpu_exercises.py times the speed stubs and grades a solution, alone.
+
+  todo        the copy with its correctness exercises stubbed, at a shape that reaches every stub
+              (ragged N, causal), in each pass they are in (`pass: backward`: with --backward): exit 1
+              with "TODO: exercise NN.name is not written yet" on stderr, never a CUDA error, a crash or
+              a hang
+  wrong       each exercise's `wrong` solution (the chapter with one line of it changed) fails the
+              matrix the grade runs for that exercise (08.pack_p: D = 64 alone; 09's: --backward), so
+              that the grade cannot pass it
+  grade       `make grade CH=04` in a copy of the repository, on this GPU, with a wrong solution:
+              FAIL naming the matrix, exit 1
+"""
+import contextlib
+import io
+
+import exercises as ex
+from test_cpu_exercises import marked_chapters
+from test_gpu_exercises import REACH_EVERY_STUB, build_copy, build_text, graded_copy, make_in_copy
+
+SUITE = "gpu"
+PARALLEL = 4  # small runs, and builds: beside test_gpu on the GPU
+
+
+def todo_case(chapter):
+    def build(ctx):
+        # The correctness exercises stubbed; the speed ones keep their solution, since a speed stub
+        # may take a path around a correctness block (03.one_pass's two passes skip online_update).
+        names = [n for n in ex.exercise_parts(ex.parse(ex.chapter_source(chapter, ctx.root), chapter))
+                 if ex.EXERCISES[n]["kind"] == "correctness"]
+        return build_copy(ctx, chapter, names)
+
+    def case(ctx):
+        ctx.require_binary(chapter, native=True)
+        binary = build(ctx)
+        names = [n for n in ex.exercise_parts(ex.parse(ex.chapter_source(chapter, ctx.root), chapter))
+                 if ex.EXERCISES[n]["kind"] == "correctness"]
+        notes = []
+        for pass_name in ex.matrix_passes(names):  # 09's stubs are in the backward: reached with --backward
+            case = REACH_EVERY_STUB + (pass_name,)
+            status, row, note = ex.run_case(binary, chapter, ex.case_args(case) + ["--warmup", "0", "--iters", "1"])
+            shown = f"{chapter}, its correctness exercises stubbed, {ex.case_text(case)}"
+            assert status == "error" and note.startswith("TODO: exercise") and "not written yet" in note, (
+                f"{shown}: expected exit 1 with the TODO message, got {status}: {note!r}")
+            notes.append(note)
+        return "; ".join(notes)
+    return case
+
+
+def wrong_case(chapter, name):
+    def build(ctx):
+        wrong = ex.wrong_solution(ex.chapter_source(chapter, ctx.root), name)
+        return build_text(ctx, chapter, wrong, f"{name}'s wrong solution")
+
+    def case(ctx):
+        ctx.require_binary(chapter, native=True)
+        binary = build(ctx)
+        cases, failures = ex.matrix_cases([name]), []
+        with contextlib.redirect_stdout(io.StringIO()):
+            failed = ex.matrix(binary, chapter, cases, failures)
+        assert failed, f"{name}: its wrong solution passes all {len(cases)} runs of the grade's matrix"
+        return f"{failed} of {len(cases)} runs fail, e.g. {ex.case_text(failures[0])}"
+    return case
+
+
+def cases(ctx):
+    out = []
+    for chapter in marked_chapters(ctx):
+        out.append((f"todo[{chapter}]", todo_case(chapter)))
+        out += [(f"wrong[{name}]", wrong_case(chapter, name))
+                for name in ex.exercise_parts(ex.parse(ex.chapter_source(chapter, ctx.root), chapter))
+                if ex.EXERCISES[name].get("wrong")]
+    return out
+
+
+def test_grade_fails_a_wrong_solution(ctx):
+    chapter = "04_fused"
+    ctx.require_binary(chapter, native=True)
+    copy = graded_copy(ctx, chapter, lambda source: ex.wrong_solution(source, "04.online_softmax"))
+    graded = make_in_copy(ctx, copy, "grade", "CH=04")
+    last = (graded.stdout.splitlines() or [""])[-1]
+    assert "Error 1" in graded.stderr and last.startswith(f"FAIL {chapter}") and "the GPU matrix" in last, (
+        f"make grade CH=04, a wrong solution, on this GPU: expected FAIL naming the matrix:\n{graded.stdout}")
+    return last[:80]
