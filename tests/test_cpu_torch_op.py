@@ -1,16 +1,19 @@
-"""The PyTorch op's module (common/torch_op.py) without PyTorch or a GPU.
+"""The PyTorch op's module (common/torch_op.py) and `make train` (common/train.py) without PyTorch or a GPU.
 
-It imports where PyTorch is missing and says so in one line: available() is False, attention() raises
-ImportError. The chapter names resolve to the builds `make lib` makes. The ctypes binding is common/library.h's: its codes, its FaShape (common/shape.h's
+Both import where PyTorch is missing and say so in one line: available() is False, attention() raises
+ImportError, train.py and `make train` print one line and exit 0. The chapter names resolve to the
+builds `make lib` makes. The ctypes binding is common/library.h's: its codes, its FaShape (common/shape.h's
 AttnShape, field by field), its functions and their arities; loaded on a chapter's library (built by
 test_cpu_library's rule), it reads what the chapter says about itself and its workspaces, and its calls
 are refused as the C probe's are, with the code and line turned into a LibraryError. PyTorch is hidden
 from each child process (sys.modules['torch'] = None), so all of this holds where it is installed too.
 """
 import ctypes
+import importlib.util
 import json
 import re
 import shlex
+import unittest
 
 import torch_op
 from chapters import read_chapter
@@ -41,6 +44,32 @@ def test_imports_without_torch(ctx):
     assert lines[:1] == ["available False"], f"torch_op.available() without PyTorch: {proc.stdout!r}"
     assert len(lines) == 2 and lines[1].startswith("ImportError ") and "PyTorch" in lines[1] and "pip install torch" in lines[1], (
         f"attention() without PyTorch should raise ImportError in one line naming PyTorch: {proc.stdout!r}")
+
+
+def test_train_without_torch(ctx):
+    """train.py says in one line that nothing was trained, exit 0; a wrong chapter is still a usage error."""
+    body = "import runpy\nsys.argv = ['train.py'] + sys.argv[1:]\nrunpy.run_path({!r}, run_name='__main__')\n".format(
+        str(ctx.root / "common" / "train.py"))
+    proc = run_hidden(ctx, body, args=["--quick"])
+    assert proc.returncode == 0, f"train.py --quick without PyTorch: exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"
+    assert re.fullmatch(r"train\.py: PyTorch not found \(pip install torch\): nothing trained\n", proc.stdout), (
+        f"train.py without PyTorch: expected one line saying so, got {proc.stdout!r} (stderr {proc.stderr.strip()!r})")
+    wrong = run_hidden(ctx, body, args=["--chapter", "42"])
+    assert wrong.returncode == 2 and "chapter '42': no such chapter" in wrong.stderr, (
+        f"train.py --chapter 42: exit {wrong.returncode}, stderr {wrong.stderr.strip()!r}")
+
+
+def test_make_train_without_torch(ctx):
+    if importlib.util.find_spec("torch") is not None:
+        raise unittest.SkipTest("PyTorch is installed here: `make train` would train (test_gpu_torch_op runs it)")
+    make = shlex.split(ctx.make) + ["--no-print-directory", f"BUILD={ctx.rel(ctx.multiarch)}", f"PYTHON_SYS={ctx.python}"]
+    proc = ctx.run(make + ["train", "CH=07", "TRAIN_ARGS=--quick"], env=make_env(), timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("nothing trained") and \
+        len(proc.stdout.strip().splitlines()) == 1, (
+            f"make train without PyTorch: exit {proc.returncode}, stdout {proc.stdout!r}, stderr {proc.stderr.strip()[-800:]!r}")
+    wrong = ctx.run(make + ["train", "CH=42"], env=make_env(), timeout=300)
+    assert wrong.returncode != 0 and "no chapter '42'" in wrong.stderr, (
+        f"make train CH=42: exit {wrong.returncode}, stderr {wrong.stderr.strip()!r}")
 
 
 BUILD_NAMES = {
