@@ -155,8 +155,11 @@ class Library:
 
     def __init__(self, path):
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{os.path.relpath(path, ROOT)} not found: build the chapters' libraries "
-                                    f"with `make lib` (or `make {os.path.relpath(path, ROOT)}`)")
+            default = os.path.dirname(os.path.abspath(path)) == os.path.join(ROOT, "build", "lib")
+            shown = os.path.relpath(path, ROOT) if default else path
+            how = "`make lib` (this one alone: `make {}`)".format(shown) if default else \
+                "`make lib BUILD={}`".format(os.path.dirname(os.path.dirname(path)))
+            raise FileNotFoundError(f"{shown} not found: build the chapters' libraries with {how}")
         self.path = path
         self.dll = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)  # every library exports the same names
         for name, (restype, argtypes) in SIGNATURES.items():
