@@ -46,7 +46,7 @@ HEADERS := common/harness.h common/npy.h common/shape.h
 COMMON_OBJ := $(BUILD)/common/harness.o $(BUILD)/common/npy.o
 .SECONDARY: $(COMMON_OBJ)
 
-.PHONY: all lib run test bench compare sanitize diff profile sass exercise grade ablation help clean FORCE
+.PHONY: all lib run test bench compare sanitize diff profile sass exercise grade ablation train help clean FORCE
 .DEFAULT_GOAL := all
 
 all: $(addprefix $(BUILD)/,$(CHAPTERS) $(STEP_BUILDS) $(VARIANT_BUILDS)) $(PY_DEPS)
@@ -213,6 +213,18 @@ ablation: $(PY_DEPS)
 	@test -n "$(call chapter_dir,$(CH))" || $(call no_chapter,$(CH),CH)
 	@$(PYTHON) common/ablation.py run $(call chapter_dir,$(CH)) --build $(BUILD) --make '$(MAKE)'
 
+# A chapter as a PyTorch op (common/torch_op.py) in a small GPT (common/train.py): trained twice from
+# one seed, with PyTorch's SDPA and with CH's forward (default here: 07; a step such as CH=08.3 too)
+# and 09's backward, on the Python standard library's source; both loss curves, each run's tokens/s
+# and a CSV -> docs/results/train/. It builds the two libraries it loads. TRAIN_ARGS: train.py's
+# options, e.g. --quick (200 steps, output under BUILD/train/) or --steps 2000 --batch 16. Without
+# PyTorch or a GPU: one line, exit 0.
+TRAIN_CH = $(if $(filter file,$(origin CH)),07,$(CH))
+TRAIN_ARGS ?=
+train: $(PY_DEPS)
+	@test -n "$(call chapter_dir,$(TRAIN_CH))" || $(call no_chapter,$(TRAIN_CH),CH)
+	@$(PYTHON) common/train.py --chapter $(TRAIN_CH) --build $(BUILD) $(TRAIN_ARGS)
+
 # The ceilings docs/design.md quotes, measured on this GPU by tools/peaks.cu: fp32 FFMA, fp16
 # mma.sync, wgmma fp16 and e4m3 (sm_90a: built so when ARCH is sm_90; skipped in one line on other
 # GPUs) and the device copy; the table also goes to docs/results/logs/common/peaks_<gpu>.log.
@@ -243,6 +255,7 @@ help:
 	@echo "make grade CH=04      build and grade exercises/NN_name/attention.cu: PASS, FAIL, or UNGRADED (exit 77) where no GPU runs it"
 	@echo "make handout CH=04    the copy, the grader and no solution -> $(BUILD)/handout/NN_name.tar.gz (for a class)"
 	@echo "make ablation CH=07   each idea of 04, 07 or 08 switched off, checked and timed in one run (GPU)"
+	@echo "make train CH=07 [TRAIN_ARGS=--quick]   a small GPT trained with SDPA, then with chapter CH's forward and 09's backward (PyTorch)"
 	@echo "make peaks      this GPU's ceilings (FFMA, mma.sync, wgmma, copy) -> docs/results/logs/common/ (GPU)"
 	@echo "make clean      remove build/ and the input/reference cache"
 	@echo "chapters: $(CHAPTERS)"

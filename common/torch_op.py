@@ -1,0 +1,402 @@
+"""A chapter as a PyTorch op: BUILD/lib/<build>.so (`make lib`, common/library.h) loaded with ctypes
+and registered as torch.ops.fa_tutorial.attention, with a fake implementation (torch.compile,
+torch.export) and an autograd formula whose backward is 09's.
+
+    import torch_op                                    # common/ on sys.path
+    o = torch_op.attention(q, k, v, causal=True, chapter="07", backward="09")
+
+q, k, v: torch.float16 CUDA tensors [B, H, N, D], contiguous, D = 64 or 128, one shape for all
+three (self-attention). The op runs on torch.cuda.current_stream(), takes its workspace from
+PyTorch's allocator and returns O (fp16, [B, H, N, D]); return_lse=True also returns the LSE
+(fp32, [B, H, N], natural log), which is not differentiable. A chapter is named as the Makefile
+names it: 7, 07 or 07_async_pipeline; a step of 08 as 08.3 or 08_fp8.step3 (08.5 is 08_fp8); a
+variant build as 09.deterministic or 09_backward.deterministic.
+
+What the op refuses, and why:
+  - TypeError: a dtype other than torch.float16 (the kernels read fp16; a cast is the caller's).
+  - ValueError: a tensor off CUDA, on two devices, not 4-dimensional, shapes that differ, D not
+    64 or 128, a non-contiguous tensor, data not 16-byte aligned. A non-contiguous q, k or v is
+    refused rather than copied: the kernels index [B, H, N, D] with D fastest, and a copy moves
+    every byte once more; the op leaves that copy, and its cost, where the caller can see it
+    (`.contiguous()`). The gradient dO is the exception: autograd, not the caller, makes it, so
+    the backward makes it contiguous itself.
+  - FileNotFoundError: the chapter's library is not built (make lib).
+  - LibraryError (a RuntimeError): a call the library answered with a code other than FA_OK,
+    with fa_last_error()'s line (the shape rules of common/shape.h, no GPU, a GPU the chapter
+    does not run on, a CUDA error).
+
+The backward. fa_backward takes "the O and LSE that this library's fa_forward made", because it
+recomputes P = exp(S * scale - LSE) from them and D = rowsum(dO * O). The forward may be another
+chapter's; what decides is how close its O and LSE are to the exact ones, which the chapter's
+precision (fa_precision) says:
+  - fp32 (01-05) and fp16 tensor-core (06, 07, 09, 08.1-08.3) chapters meet the tolerances 09's
+    own forward meets (rel L2 of O <= 3e-3 or better, LSE within 1e-3: docs/design.md,
+    "Tolerances"); 07's forward is 09's, copied. Their O and LSE are the same math within the
+    rounding 09's forward has itself, and the backward uses them as they are.
+  - FP8 chapters (08.4, 08_fp8) are not: their O is up to 6e-2 off on N(0, 1) inputs, and that
+    error would enter D and, through the LSE, P, giving gradients of neither the FP8 function nor
+    exact attention. For them the backward first recomputes O and LSE with the backward chapter's
+    own forward (one extra forward pass), then runs its backward: the gradient is that of exact
+    attention at the fp16 inputs, the straight-through rule of FP8 training, computed in fp16.
+
+Importing this module needs no PyTorch (nor a GPU): available() says whether the op is usable,
+and attention() raises ImportError in one line where PyTorch is missing. Library (the ctypes
+binding) needs neither PyTorch nor a GPU to load a library and ask it about itself.
+"""
+import ctypes
+import functools
+import math
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from chapters import read_steps  # noqa: E402
+from runner import chapters, find_chapter  # noqa: E402
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+ROOT = os.path.dirname(HERE)
+NAMESPACE = "fa_tutorial"
+HEAD_DIMS = (64, 128)
+ABI_VERSION = 1  # common/library.h's FA_ABI_VERSION
+ALIGNMENT = 16   # bytes, FA_ALIGNMENT
+# common/library.h's return codes and precisions (tests/test_cpu_torch_op.py checks them against it).
+FA_OK, FA_ERR_INVALID_ARGUMENT, FA_ERR_NO_BACKWARD, FA_ERR_NO_GPU, FA_ERR_UNSUPPORTED_GPU, FA_ERR_CUDA = range(6)
+CODE_NAMES = {FA_OK: "FA_OK", FA_ERR_INVALID_ARGUMENT: "FA_ERR_INVALID_ARGUMENT", FA_ERR_NO_BACKWARD: "FA_ERR_NO_BACKWARD",
+              FA_ERR_NO_GPU: "FA_ERR_NO_GPU", FA_ERR_UNSUPPORTED_GPU: "FA_ERR_UNSUPPORTED_GPU", FA_ERR_CUDA: "FA_ERR_CUDA"}
+FA_PRECISION_FP32, FA_PRECISION_FP16_TC, FA_PRECISION_FP8_TC = range(3)
+NO_TORCH = "PyTorch is not installed (pip install torch): the chapters' PyTorch op needs it"
+
+
+def available():
+    """Whether the op can be used here: PyTorch imports (a GPU is the call's business)."""
+    return torch is not None
+
+
+def require_torch():
+    if torch is None:
+        raise ImportError(NO_TORCH)
+
+
+# --- Which library ---------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def build_name(chapter):
+    """The build a chapter argument names, as `make lib` names its library: '7', '07' and
+    '07_async_pipeline' -> '07_async_pipeline'; '08.3' and '08_fp8.step3' -> '08_fp8.step3' (the last
+    step, '08.5', is the chapter, '08_fp8'); '09.deterministic' -> '09_backward.deterministic'."""
+    text = str(chapter).strip()
+    head, _, tail = text.partition(".")
+    folder = find_chapter(head) if head else None
+    if folder is None:
+        raise ValueError(f"chapter {chapter!r}: no such chapter (name one as 7, 07 or 07_async_pipeline; "
+                         f"chapters: {', '.join(chapters())})")
+    if not tail:
+        return folder
+    step = tail[len("step"):] if tail.startswith("step") else tail
+    if not step.isdigit():
+        return f"{folder}.{tail}"  # a variant build, such as 09_backward.deterministic
+    numbers = [s["step"] for s in read_steps(os.path.join(ROOT, folder, "attention.cu"))]
+    if not numbers:
+        raise ValueError(f"chapter {chapter!r}: {folder} is not built in steps")
+    if int(step) not in numbers:
+        raise ValueError(f"chapter {chapter!r}: {folder}'s steps are {folder[:2]}.{numbers[0]} ... "
+                         f"{folder[:2]}.{numbers[-1]}")
+    return folder if int(step) == numbers[-1] else f"{folder}.step{int(step)}"
+
+
+def build_dir(build=None):
+    """The build folder: `build`, else $FA_BUILD, else build/ (make's default BUILD); a relative
+    path is taken from the repository's root, where make runs."""
+    folder = build or os.environ.get("FA_BUILD") or "build"
+    return folder if os.path.isabs(folder) else os.path.join(ROOT, folder)
+
+
+def library_path(chapter, build=None):
+    return os.path.join(build_dir(build), "lib", build_name(chapter) + ".so")
+
+
+# --- The C ABI through ctypes (no PyTorch) -----------------------------------------------------------
+class FaShape(ctypes.Structure):
+    """common/shape.h's AttnShape (library.h's FaShape): six 4-byte fields, in this order."""
+    _fields_ = [("batch", ctypes.c_int), ("heads", ctypes.c_int), ("seqlen", ctypes.c_int),
+                ("headdim", ctypes.c_int), ("causal", ctypes.c_int), ("scale", ctypes.c_float)]
+
+
+class LibraryError(RuntimeError):
+    """A library call answered a code other than FA_OK; the message is its fa_last_error() line."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{message} ({CODE_NAMES.get(code, f'code {code}')})")
+        self.code = code
+
+
+POINTER = ctypes.c_void_p
+SIGNATURES = {  # name: (restype, argtypes), as common/library.h declares them
+    "fa_abi_version": (ctypes.c_int, []), "fa_chapter_name": (ctypes.c_char_p, []),
+    "fa_precision": (ctypes.c_int, []), "fa_has_backward": (ctypes.c_int, []),
+    "fa_min_sm": (ctypes.c_int, []), "fa_max_sm": (ctypes.c_int, []), "fa_last_error": (ctypes.c_char_p, []),
+    "fa_workspace_bytes": (ctypes.c_int, [ctypes.POINTER(FaShape), ctypes.POINTER(ctypes.c_size_t)]),
+    "fa_backward_workspace_bytes": (ctypes.c_int, [ctypes.POINTER(FaShape), ctypes.POINTER(ctypes.c_size_t)]),
+    "fa_forward": (ctypes.c_int, [ctypes.POINTER(FaShape)] + [POINTER] * 6 + [ctypes.c_size_t, POINTER]),
+    "fa_backward": (ctypes.c_int, [ctypes.POINTER(FaShape)] + [POINTER] * 10 + [ctypes.c_size_t, POINTER]),
+}
+
+
+def make_shape(batch, heads, seqlen, headdim, causal, scale):
+    return FaShape(int(batch), int(heads), int(seqlen), int(headdim), int(bool(causal)), float(scale))
+
+
+class Library:
+    """One chapter's library: what it says about itself, and its calls on device pointers (ints)."""
+
+    def __init__(self, path):
+        if not os.path.isfile(path):
+            default = os.path.dirname(os.path.abspath(path)) == os.path.join(ROOT, "build", "lib")
+            shown = os.path.relpath(path, ROOT) if default else path
+            how = "`make lib` (this one alone: `make {}`)".format(shown) if default else \
+                "`make lib BUILD={}`".format(os.path.dirname(os.path.dirname(path)))
+            raise FileNotFoundError(f"{shown} not found: build the chapters' libraries with {how}")
+        self.path = path
+        self.dll = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)  # every library exports the same names
+        for name, (restype, argtypes) in SIGNATURES.items():
+            function = getattr(self.dll, name)
+            function.restype, function.argtypes = restype, argtypes
+        if self.dll.fa_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{path}: ABI version {self.dll.fa_abi_version()}, this module speaks {ABI_VERSION}: "
+                               f"rebuild it with `make lib`")
+        self.name = self.dll.fa_chapter_name().decode()
+        self.precision = self.dll.fa_precision()
+        self.has_backward = bool(self.dll.fa_has_backward())
+        self.min_sm, self.max_sm = self.dll.fa_min_sm(), self.dll.fa_max_sm()
+
+    def runs_on(self, sm):
+        """Whether the chapter runs on compute capability sm (e.g. 90 for sm_90)."""
+        return sm >= self.min_sm and (self.max_sm == 0 or sm <= self.max_sm)
+
+    def check(self, code):
+        if code != FA_OK:
+            raise LibraryError(code, self.dll.fa_last_error().decode(errors="replace"))
+
+    def workspace_bytes(self, shape):
+        size = ctypes.c_size_t(0)
+        self.check(self.dll.fa_workspace_bytes(ctypes.byref(shape), ctypes.byref(size)))
+        return size.value
+
+    def backward_workspace_bytes(self, shape):
+        size = ctypes.c_size_t(0)
+        self.check(self.dll.fa_backward_workspace_bytes(ctypes.byref(shape), ctypes.byref(size)))
+        return size.value
+
+    def forward(self, shape, q, k, v, o, lse, workspace, workspace_bytes, stream):
+        self.check(self.dll.fa_forward(ctypes.byref(shape), q, k, v, o, lse, workspace, workspace_bytes, stream))
+
+    def backward(self, shape, q, k, v, o, lse, d_o, dq, dk, dv, workspace, workspace_bytes, stream):
+        self.check(self.dll.fa_backward(ctypes.byref(shape), q, k, v, o, lse, d_o, dq, dk, dv, workspace,
+                                        workspace_bytes, stream))
+
+
+@functools.lru_cache(maxsize=None)
+def load_path(path):
+    return Library(path)
+
+
+def library(chapter, build=None):
+    """The chapter's Library, loaded once per path."""
+    return load_path(library_path(chapter, build))
+
+
+# --- The checks of the tensors (PyTorch) -----------------------------------------------------------
+def check_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} is a {type(t).__name__}: expected a torch.Tensor")
+    if t.dtype != torch.float16:
+        raise TypeError(f"{name} is {t.dtype}: the chapters take torch.float16 (cast with .half(); "
+                        f"the op does not cast behind the caller's back)")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} is on {t.device}: the chapters run on a CUDA device (move it with .cuda())")
+    if t.dim() != 4:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}: expected [B, H, N, D] (4 dimensions)")
+
+
+def check_contiguous(name, t):
+    if not t.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}): the kernels "
+                         f"read [B, H, N, D] with D fastest; pass {name}.contiguous() (the op does not copy "
+                         f"behind the caller's back)")
+
+
+def check_inputs(**tensors):
+    """q, k, v (and, for the backward, o, d_o): fp16 CUDA [B, H, N, D], one shape and device,
+    D 64 or 128, contiguous. No data is read: the fake implementation runs it too."""
+    for name, t in tensors.items():
+        check_tensor(name, t)
+    (first, q), *others = tensors.items()
+    for name, t in others:
+        if t.shape != q.shape:
+            shapes = ", ".join(f"{n} {tuple(x.shape)}" for n, x in tensors.items())
+            raise ValueError(f"{shapes}: expected one shape [B, H, N, D] (self-attention: N queries and N keys, "
+                             f"one head dimension)")
+        if t.device != q.device:
+            raise ValueError(f"{first} is on {q.device} and {name} on {t.device}: expected one device")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head dimension D = {q.shape[-1]}: the kernels are written for D = 64 or 128")
+    for name, t in tensors.items():
+        check_contiguous(name, t)
+
+
+def check_lse(lse, q):
+    if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:3]) or not lse.is_contiguous():
+        raise ValueError(f"lse is {lse.dtype} {tuple(lse.shape)}: expected a contiguous torch.float32 [B, H, N]")
+
+
+def check_aligned(**tensors):
+    for name, t in tensors.items():
+        if t.data_ptr() % ALIGNMENT:
+            raise ValueError(f"{name}'s data (0x{t.data_ptr():x}) is not {ALIGNMENT}-byte aligned: the kernels load "
+                             f"{ALIGNMENT} bytes at once (a tensor of its own, or .clone(), is)")
+
+
+# --- Running a library on tensors ------------------------------------------------------------------
+def shape_of(q, causal, scale):
+    return make_shape(*q.shape, causal, scale)
+
+
+def scratch(size, device):
+    """(pointer, bytes) of a workspace from PyTorch's allocator (NULL when none is needed), and the
+    tensor that holds it."""
+    if not size:
+        return None, 0, None
+    held = torch.empty(size, dtype=torch.uint8, device=device)
+    return held.data_ptr(), size, held
+
+
+def stream_of(device):
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def run_forward(lib, q, k, v, causal, scale):
+    """O and LSE of one fa_forward on the current stream."""
+    shape = shape_of(q, causal, scale)
+    o, lse = q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    with torch.cuda.device(q.device):
+        pointer, size, held = scratch(lib.workspace_bytes(shape), q.device)
+        lib.forward(shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), pointer, size,
+                    stream_of(q.device))
+    del held  # the stream-ordered allocator reuses it only after the enqueued kernels, on this stream
+    return o, lse
+
+
+def run_backward(lib, q, k, v, o, lse, d_o, causal, scale):
+    """dQ, dK, dV of one fa_backward on the current stream."""
+    shape = shape_of(q, causal, scale)
+    dq, dk, dv = (q.new_empty(q.shape) for _ in range(3))
+    with torch.cuda.device(q.device):
+        pointer, size, held = scratch(lib.backward_workspace_bytes(shape), q.device)
+        lib.backward(shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), d_o.data_ptr(),
+                     dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), pointer, size, stream_of(q.device))
+    del held
+    return dq, dk, dv
+
+
+def backward_library(backward):
+    if not backward:
+        raise RuntimeError("fa_tutorial::attention: no backward chapter was given (backward=None): "
+                           "pass backward='09' to differentiate through the op")
+    lib = library(backward)
+    if not lib.has_backward:
+        raise RuntimeError(f"backward={backward!r}: {lib.name} has no backward pass (fa_has_backward is 0): "
+                           f"name a chapter that has one, such as 09")
+    return lib
+
+
+def saved_forward_is_exact_enough(chapter):
+    """Whether the forward chapter's O and LSE can enter the backward as they are (see the module's
+    docstring): yes for fp32 and fp16 tensor-core chapters, no for FP8 ones."""
+    return library(chapter).precision != FA_PRECISION_FP8_TC
+
+
+def forward_impl(q, k, v, causal, scale, chapter, backward):
+    check_inputs(q=q, k=k, v=v)
+    check_aligned(q=q, k=k, v=v)
+    return run_forward(library(chapter), q, k, v, causal, scale)
+
+
+def forward_fake(q, k, v, causal, scale, chapter, backward):
+    check_inputs(q=q, k=k, v=v)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def backward_impl(q, k, v, o, lse, d_o, causal, scale, chapter, backward):
+    check_inputs(q=q, k=k, v=v, o=o, d_o=d_o)
+    check_lse(lse, q)
+    check_aligned(q=q, k=k, v=v, o=o, lse=lse, d_o=d_o)
+    lib = backward_library(backward)
+    if not saved_forward_is_exact_enough(chapter):
+        o, lse = run_forward(lib, q, k, v, causal, scale)
+    return run_backward(lib, q, k, v, o, lse, d_o, causal, scale)
+
+
+def backward_fake(q, k, v, o, lse, d_o, causal, scale, chapter, backward):
+    check_inputs(q=q, k=k, v=v, o=o, d_o=d_o)
+    return tuple(q.new_empty(q.shape) for _ in range(3))
+
+
+def setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, chapter, backward = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.mark_non_differentiable(lse)
+    ctx.causal, ctx.scale, ctx.chapter, ctx.backward = causal, scale, chapter, backward
+
+
+def backward_formula(ctx, grad_o, grad_lse):
+    """dQ, dK, dV from the backward op; the LSE's gradient is None (it is marked non-differentiable)."""
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fa_tutorial.attention_backward(q, k, v, o, lse, grad_o.contiguous(), ctx.causal, ctx.scale,
+                                                          ctx.chapter, ctx.backward)
+    return dq, dk, dv, None, None, None, None
+
+
+def register():
+    """torch.ops.fa_tutorial.attention and .attention_backward, once per process."""
+    try:
+        if hasattr(getattr(torch.ops, NAMESPACE), "attention"):
+            return
+    except (AttributeError, RuntimeError):
+        pass
+    from typing import Tuple
+    Tensor = torch.Tensor
+
+    def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, chapter: str,
+                     backward: str) -> Tuple[Tensor, Tensor]:
+        return forward_impl(q, k, v, causal, scale, chapter, backward)
+
+    def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, d_o: Tensor, causal: bool,
+                              scale: float, chapter: str, backward: str) -> Tuple[Tensor, Tensor, Tensor]:
+        return backward_impl(q, k, v, o, lse, d_o, causal, scale, chapter, backward)
+
+    forward_op = torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())(attention_op)
+    forward_op.register_fake(forward_fake)
+    forward_op.register_autograd(backward_formula, setup_context=setup_context)
+    backward_op = torch.library.custom_op(f"{NAMESPACE}::attention_backward", mutates_args=())(attention_backward_op)
+    backward_op.register_fake(backward_fake)
+
+
+def attention(q, k, v, causal=False, chapter="07", backward="09", scale=None, return_lse=False):
+    """O = softmax(q kᵀ * scale [causal mask]) v by a chapter's forward (scale: 1/sqrt(D) unless
+    given); differentiable through `backward`'s fa_backward (None: not differentiable). With
+    return_lse, (O, LSE)."""
+    require_torch()
+    check_tensor("q", q)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    o, lse = torch.ops.fa_tutorial.attention(q, k, v, bool(causal), float(scale), str(chapter), str(backward or ""))
+    return (o, lse) if return_lse else o
+
+
+if torch is not None:
+    register()

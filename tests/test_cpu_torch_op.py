@@ -1,0 +1,210 @@
+"""The PyTorch op's module (common/torch_op.py) and `make train` (common/train.py) without PyTorch or a GPU.
+
+Both import where PyTorch is missing and say so in one line: available() is False, attention() raises
+ImportError, train.py and `make train` print one line and exit 0. The chapter names resolve to the
+builds `make lib` makes. The ctypes binding is common/library.h's: its codes, its FaShape (common/shape.h's
+AttnShape, field by field), its functions and their arities; loaded on a chapter's library (built by
+test_cpu_library's rule), it reads what the chapter says about itself and its workspaces, and its calls
+are refused as the C probe's are, with the code and line turned into a LibraryError. PyTorch is hidden
+from each child process (sys.modules['torch'] = None), so all of this holds where it is installed too.
+"""
+import ctypes
+import importlib.util
+import json
+import re
+import shlex
+import unittest
+
+import torch_op
+from chapters import read_chapter
+from test_cpu_backward_cli import has_backward
+from test_cpu_cli import WORKSPACE
+from test_cpu_library import backward_workspace, codes, exported_names, header, library, make_env
+
+HIDE_TORCH = "import sys\nsys.modules['torch'] = None  # `import torch` raises ImportError from here on\n"
+NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+BINDING_CHAPTERS = ("07_async_pipeline", "08_fp8", "09_backward")
+
+
+def run_hidden(ctx, body, env=None, args=()):
+    """body run by ctx.python with PyTorch hidden and common/ on sys.path: the CompletedProcess."""
+    script = HIDE_TORCH + f"sys.path.insert(0, {str(ctx.root / 'common')!r})\n" + body
+    return ctx.run([ctx.python, "-c", script, *args], env=env, timeout=120)
+
+
+def test_imports_without_torch(ctx):
+    proc = run_hidden(ctx, "import torch_op\n"
+                           "print('available', torch_op.available())\n"
+                           "try:\n"
+                           "    torch_op.attention(None, None, None)\n"
+                           "except ImportError as exc:\n"
+                           "    print('ImportError', exc)\n")
+    assert proc.returncode == 0, f"importing torch_op without PyTorch: exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"
+    lines = proc.stdout.splitlines()
+    assert lines[:1] == ["available False"], f"torch_op.available() without PyTorch: {proc.stdout!r}"
+    assert len(lines) == 2 and lines[1].startswith("ImportError ") and "PyTorch" in lines[1] and "pip install torch" in lines[1], (
+        f"attention() without PyTorch should raise ImportError in one line naming PyTorch: {proc.stdout!r}")
+
+
+def test_train_without_torch(ctx):
+    """train.py says in one line that nothing was trained, exit 0; a wrong chapter is still a usage error."""
+    body = "import runpy\nsys.argv = ['train.py'] + sys.argv[1:]\nrunpy.run_path({!r}, run_name='__main__')\n".format(
+        str(ctx.root / "common" / "train.py"))
+    proc = run_hidden(ctx, body, args=["--quick"])
+    assert proc.returncode == 0, f"train.py --quick without PyTorch: exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"
+    assert re.fullmatch(r"train\.py: PyTorch not found \(pip install torch\): nothing trained\n", proc.stdout), (
+        f"train.py without PyTorch: expected one line saying so, got {proc.stdout!r} (stderr {proc.stderr.strip()!r})")
+    wrong = run_hidden(ctx, body, args=["--chapter", "42"])
+    assert wrong.returncode == 2 and "chapter '42': no such chapter" in wrong.stderr, (
+        f"train.py --chapter 42: exit {wrong.returncode}, stderr {wrong.stderr.strip()!r}")
+
+
+def test_make_train_without_torch(ctx):
+    if importlib.util.find_spec("torch") is not None:
+        raise unittest.SkipTest("PyTorch is installed here: `make train` would train (test_gpu_torch_op runs it)")
+    make = shlex.split(ctx.make) + ["--no-print-directory", f"BUILD={ctx.rel(ctx.multiarch)}", f"PYTHON_SYS={ctx.python}"]
+    proc = ctx.run(make + ["train", "CH=07", "TRAIN_ARGS=--quick"], env=make_env(), timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("nothing trained") and \
+        len(proc.stdout.strip().splitlines()) == 1, (
+            f"make train without PyTorch: exit {proc.returncode}, stdout {proc.stdout!r}, stderr {proc.stderr.strip()[-800:]!r}")
+    wrong = ctx.run(make + ["train", "CH=42"], env=make_env(), timeout=300)
+    assert wrong.returncode != 0 and "no chapter '42'" in wrong.stderr, (
+        f"make train CH=42: exit {wrong.returncode}, stderr {wrong.stderr.strip()!r}")
+
+
+BUILD_NAMES = {
+    "7": "07_async_pipeline", "07": "07_async_pipeline", "07_async_pipeline": "07_async_pipeline",
+    "8": "08_fp8", "08.5": "08_fp8", "08.1": "08_fp8.step1", "8.3": "08_fp8.step3", "08_fp8.step4": "08_fp8.step4",
+    "09": "09_backward", "09.deterministic": "09_backward.deterministic",
+    "09_backward.deterministic": "09_backward.deterministic",
+}
+NAMES_REFUSED = {"42": r"chapter '42': no such chapter.*07_async_pipeline", "": r"no such chapter",
+                 "seven": r"no such chapter", "08.6": r"08_fp8's steps are 08\.1 \.\.\. 08\.5",
+                 "07.2": r"07_async_pipeline is not built in steps"}
+
+
+def test_build_names(ctx):
+    """Chapter names as the Makefile takes them, to the builds `make lib` makes (its targets)."""
+    dry = ctx.run(shlex.split(ctx.make) + ["-n", "--no-print-directory", "BUILD=build", "ARCH=sm_80", "lib"],
+                  env=make_env(), timeout=120)
+    built = set(re.findall(r"build/lib/(\S+)\.so\b", dry.stdout))
+    wrong = [f"{name!r} -> {torch_op.build_name(name)!r}, expected {want!r}" for name, want in BUILD_NAMES.items()
+             if torch_op.build_name(name) != want]
+    assert not wrong, "build names: " + "; ".join(wrong)
+    assert set(BUILD_NAMES.values()) <= built, f"names of builds `make lib` does not make: {set(BUILD_NAMES.values()) - built}"
+    for name, pattern in NAMES_REFUSED.items():
+        try:
+            got = torch_op.build_name(name)
+        except ValueError as exc:
+            assert re.search(pattern, str(exc)), f"build_name({name!r}): {exc}, expected to match {pattern!r}"
+        else:
+            raise AssertionError(f"build_name({name!r}) gave {got!r}: expected a ValueError")
+    return f"{len(BUILD_NAMES)} names, {len(NAMES_REFUSED)} refused"
+
+
+def test_constants_are_library_h(ctx):
+    code = codes(ctx)
+    ours = {"OK": torch_op.FA_OK, "ERR_INVALID_ARGUMENT": torch_op.FA_ERR_INVALID_ARGUMENT,
+            "ERR_NO_BACKWARD": torch_op.FA_ERR_NO_BACKWARD, "ERR_NO_GPU": torch_op.FA_ERR_NO_GPU,
+            "ERR_UNSUPPORTED_GPU": torch_op.FA_ERR_UNSUPPORTED_GPU, "ERR_CUDA": torch_op.FA_ERR_CUDA,
+            "PRECISION_FP32": torch_op.FA_PRECISION_FP32, "PRECISION_FP16_TC": torch_op.FA_PRECISION_FP16_TC,
+            "PRECISION_FP8_TC": torch_op.FA_PRECISION_FP8_TC, "ABI_VERSION": torch_op.ABI_VERSION}
+    assert ours == code, f"torch_op's constants {ours} differ from common/library.h's {code}"
+    alignment = int(re.search(r"#define FA_ALIGNMENT (\d+)", header(ctx)).group(1))
+    assert torch_op.ALIGNMENT == alignment, f"torch_op.ALIGNMENT {torch_op.ALIGNMENT}, library.h {alignment}"
+
+
+C_TYPES = {"int": ctypes.c_int, "float": ctypes.c_float}
+
+
+def test_shape_is_shape_h(ctx):
+    """FaShape: AttnShape's fields in common/shape.h, in its order, of its C types."""
+    body = re.search(r"typedef struct \{(.*?)\} AttnShape;", (ctx.root / "common" / "shape.h").read_text(), re.S)
+    assert body, "common/shape.h: no `typedef struct { ... } AttnShape;`"
+    fields = [(name, C_TYPES[kind]) for kind, name in re.findall(r"^\s*(int|float)\s+(\w+);", body.group(1), re.M)]
+    assert fields and list(torch_op.FaShape._fields_) == fields, (
+        f"torch_op.FaShape {torch_op.FaShape._fields_} is not common/shape.h's AttnShape {fields}")
+    assert ctypes.sizeof(torch_op.FaShape) == 24, f"sizeof(FaShape) {ctypes.sizeof(torch_op.FaShape)}, the C one is 24"
+
+
+def test_signatures_are_library_h(ctx):
+    """One ctypes signature per function library.h declares, with its arity and its return type."""
+    declared = {}
+    for ret, name, params in re.findall(r"^FA_API ([^;(]*?)\b(fa_\w+)\(([^)]*)\);", header(ctx), re.M | re.S):
+        arity = 0 if params.strip() == "void" else len(params.split(","))
+        declared[name] = (ctypes.c_char_p if "char *" in ret else ctypes.c_int, arity)
+    assert set(declared) == exported_names(ctx), f"library.h's declarations read as {sorted(declared)}"
+    ours = {name: (restype, len(argtypes)) for name, (restype, argtypes) in torch_op.SIGNATURES.items()}
+    assert ours == declared, f"torch_op.SIGNATURES {ours} differ from library.h's {declared}"
+
+
+BINDING_PROBE = """
+import json
+import torch_op
+out = {}
+for chapter, path in json.loads(sys.argv[1]).items():
+    lib = torch_op.Library(path)
+    facts = {"name": lib.name, "precision": lib.precision, "has_backward": lib.has_backward,
+             "min_sm": lib.min_sm, "max_sm": lib.max_sm, "workspace": {}, "backward_workspace": {}, "refused": {}}
+    for b, h, n, d in json.loads(sys.argv[2]):
+        shape = torch_op.make_shape(b, h, n, d, 0, 0.125)
+        facts["workspace"][f"{b} {h} {n} {d}"] = lib.workspace_bytes(shape)
+        if lib.has_backward:
+            facts["backward_workspace"][f"{b} {h} {n} {d}"] = lib.backward_workspace_bytes(shape)
+    good, pointers = torch_op.make_shape(1, 2, 16, 64, 1, 0.125), [0x7F0000000000 + 0x1000000 * i for i in range(1, 10)]
+    calls = {
+        "headdim 96": lambda: lib.workspace_bytes(torch_op.make_shape(1, 2, 16, 96, 0, 0.125)),
+        "scale 0": lambda: lib.forward(torch_op.make_shape(1, 2, 16, 64, 0, 0.0), *pointers[:5], None, 0, None),
+        "q misaligned": lambda: lib.forward(good, pointers[0] + 2, *pointers[1:5], None, 0, None),
+        "valid forward": lambda: lib.forward(good, *pointers[:5], pointers[5], 1 << 30, None),
+        "valid backward": lambda: lib.backward(good, *pointers[:9], pointers[0], 1 << 30, None),
+    }
+    for label, call in calls.items():
+        try:
+            call()
+            facts["refused"][label] = None
+        except torch_op.LibraryError as exc:
+            facts["refused"][label] = [exc.code, str(exc)]
+    out[chapter] = facts
+print(json.dumps(out))
+"""
+SHAPES = [(1, 2, 16, 64), (2, 3, 100, 128), (3, 5, 1000, 64)]
+
+
+def test_binding_without_gpu(ctx):
+    """torch_op.Library on built libraries, every GPU hidden and PyTorch too: what each chapter says of
+    itself, its workspaces (the chapter's rule), and its refusals as LibraryErrors with library.h's codes."""
+    paths = {chapter: str(library(ctx, chapter)) for chapter in BINDING_CHAPTERS}
+    proc = run_hidden(ctx, BINDING_PROBE, env=NO_GPU_ENV, args=[json.dumps(paths), json.dumps(SHAPES)])
+    assert proc.returncode == 0, f"the binding's probe: exit {proc.returncode}: {proc.stderr.strip()[-2000:]}"
+    found = json.loads(proc.stdout)
+    code = codes(ctx)
+    wrong = []
+    for chapter in BINDING_CHAPTERS:
+        facts, chapter_says = found[chapter], read_chapter(ctx.root / chapter / "attention.cu")
+        backward = has_backward(ctx, chapter)
+        said = {"name": facts["name"], "precision": facts["precision"], "has_backward": facts["has_backward"],
+                "min_sm": facts["min_sm"], "max_sm": facts["max_sm"]}
+        want = {"name": chapter_says["name"], "precision": code[chapter_says["precision"]], "has_backward": backward,
+                "min_sm": chapter_says["min_sm"], "max_sm": chapter_says["max_sm"]}
+        if said != want:
+            wrong.append(f"{chapter}: says {said}, its source {want}")
+        for b, h, n, d in SHAPES:
+            key = f"{b} {h} {n} {d}"
+            if facts["workspace"][key] != WORKSPACE[int(chapter[:2])](b, h, n, d):
+                wrong.append(f"{chapter}: workspace of {key} is {facts['workspace'][key]}")
+            if backward and facts["backward_workspace"][key] != backward_workspace(b, h, n, d):
+                wrong.append(f"{chapter}: backward workspace of {key} is {facts['backward_workspace'][key]}")
+        expect = {"headdim 96": ("ERR_INVALID_ARGUMENT", r"fa_workspace_bytes: head dimension 96"),
+                  "scale 0": ("ERR_INVALID_ARGUMENT", r"fa_forward: scale 0\b"),
+                  "q misaligned": ("ERR_INVALID_ARGUMENT", r"fa_forward: q \(0x[0-9a-f]+\) is not 16-byte aligned"),
+                  "valid forward": ("ERR_NO_GPU", r"fa_forward: no usable CUDA GPU"),
+                  "valid backward": ("ERR_NO_GPU", r"fa_backward: no usable CUDA GPU") if backward
+                  else ("ERR_NO_BACKWARD", r"fa_backward: this chapter has no backward pass")}
+        for label, (name, pattern) in expect.items():
+            got = facts["refused"][label]
+            if not got or got[0] != code[name] or not re.search(pattern, got[1]) or f"(FA_{name})" not in got[1] \
+                    or not got[1].startswith(chapter_says["name"] + ": "):
+                wrong.append(f"{chapter} {label}: {got}, expected FA_{name} matching {pattern!r}")
+    assert not wrong, f"{len(wrong)} wrong answers of the binding:\n" + "\n".join(wrong)
+    return f"{len(BINDING_CHAPTERS)} libraries"
