@@ -535,8 +535,9 @@ __device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_R
     //     row, and the odd lane four of the second; then one float4 atomicAdd each per n8 tile. Keep the
     //     scalar loop for older GPUs, under #if __CUDA_ARCH__ >= 900 ... #else ... #endif: the build makes
     //     sm_80 code too, where float4 atomics do not exist.
-    //   stub: measured: the chapter's backward with this scalar reduction took 9.63 ms at B=4 H=16 N=4096 D=128,
-    //     with the vector one 6.58 ms, 1.46x (docs/results/logs/09/backward_vs_fa2_h200_scalar_red.csv and
+    //   stub: measured: the chapter's backward (its first kernel: four warps, 64 keys per block) with this scalar
+    //     reduction took 9.63 ms at B=4 H=16 N=4096 D=128, with the vector one 6.58 ms, 1.46x
+    //     (docs/results/logs/09/backward_vs_fa2_h200_scalar_red.csv and
     //     docs/results/logs/09/backward_vs_fa2_h200_vector_red.csv, ours_ms)
 #if __CUDA_ARCH__ >= 900
     const bool odd = quad_lane % 2;
