@@ -21,7 +21,8 @@ folder() { if [ "$1" = new ]; then echo build; else echo "build/arr_$1"; fi; }
 failed=0
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
 
-# Builds, in parallel (each its own folder), and the exercise's stub in build/exercises/.
+# Builds, in parallel (each its own folder), and the exercise's stub in build/exercises/ (after
+# the chapter's build, whose folder's harness objects it shares).
 pids=() logs=()
 for v in "${VARIANTS[@]}"; do
     b=$(folder "$v")
@@ -30,13 +31,13 @@ for v in "${VARIANTS[@]}"; do
         > "$b/arrangements_make.log" 2>&1 &
     pids+=($!) logs+=("$b/arrangements_make.log")
 done
-mkdir -p build/exercises
-{ "${PYTHON}" common/exercises.py make 09_backward --only dq_red --force && make -s build/exercises/09_backward; } \
-    > build/exercises/arrangements_make.log 2>&1 &
-pids+=($!) logs+=(build/exercises/arrangements_make.log)
 for i in "${!pids[@]}"; do
     wait "${pids[$i]}" || { failed=1; echo "BUILD FAILED, ${logs[$i]}:"; tail -n 20 "${logs[$i]}"; }
 done
+mkdir -p build/exercises
+{ "${PYTHON}" common/exercises.py make 09_backward --only dq_red --force && make -s build/exercises/09_backward; } \
+    > build/exercises/arrangements_make.log 2>&1 ||
+    { failed=1; echo "BUILD FAILED, the 09.dq_red stub:"; tail -n 20 build/exercises/arrangements_make.log; }
 
 # Registers and spills of the backward kernels, per build (ptxas' report in BUILD/X.log).
 for v in "${VARIANTS[@]}"; do
