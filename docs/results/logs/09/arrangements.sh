@@ -2,8 +2,9 @@
 # 09's backward, the main kernel's arrangements side by side in one GPU call: each built with its
 # switches (its own BUILD folder under build/), its ptxas report (registers, spills), its gradients
 # checked at ragged shapes in both dQ modes, the deterministic build run twice (bitwise the same
-# dQ?), then every build timed beside FlashAttention-2's backward (backward_vs_fa2.py), with the
-# 09.dq_red exercise's stub (scalar atomics) as one more row.
+# dQ?), the chapter's build through compute-sanitizer racecheck and synccheck, then every build
+# timed beside FlashAttention-2's backward (backward_vs_fa2.py), with the 09.dq_red exercise's
+# stub (scalar atomics) as one more row.
 #
 #   bash docs/results/logs/09/arrangements.sh [K]   (K: the first K shapes of backward_vs_fa2.py;
 #                                                     default 2: B4 H16 N4096, D 128 and 64)
@@ -54,10 +55,9 @@ done
 
 # Correctness: --backward at ragged shapes, both D, causal and not, every build (8 at a time).
 check() {  # folder binary N D causal|noncausal
-    local out status mask=()
-    [ "$5" = causal ] && mask=(--causal)
-    out=$("$1/$2" --backward --batch 1 --heads 2 --seqlen "$3" --headdim "$4" "${mask[@]}" --warmup 0 --iters 1 \
-        --csv 2>&1)
+    local out status mask=""
+    [ "$5" = causal ] && mask=--causal
+    out=$("$1/$2" --backward --batch 1 --heads 2 --seqlen "$3" --headdim "$4" $mask --warmup 0 --iters 1 --csv 2>&1)
     status=$(echo "$out" | tail -n 1 | awk -F, 'NF >= 22 { print $11 " dq " $20 " dk " $21 " dv " $22 }')
     echo "$1/$2 N=$3 D=$4 $5: ${status:-ERROR $(echo "$out" | tail -n 1)}"
 }
@@ -83,6 +83,19 @@ for bin in 09_backward.deterministic 09_backward; do
     done
     if cmp -s build/arr_repeat_1/dq.npy build/arr_repeat_2/dq.npy; then echo "$bin: dQ bitwise the same in two runs"
     else echo "$bin: dQ differs between two runs"; [ "$bin" = 09_backward.deterministic ] && failed=1; fi
+done
+
+# compute-sanitizer racecheck and synccheck of the chapter's atomic build (its barriers moved):
+# ragged, wrapping round (N=300: three key blocks, five query tiles) and causal.
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for run in "racecheck 300 128 noncausal" "racecheck 200 64 causal" "synccheck 300 64 noncausal"; do
+    set -- $run
+    mask="" && [ "$4" = causal ] && mask=--causal
+    out=$(timeout 300 "$sanitizer" --tool "$1" --error-exitcode 99 --target-processes application-only \
+        build/09_backward --backward --batch 1 --heads 1 --seqlen "$2" --headdim "$3" $mask --warmup 0 --iters 1 2>&1)
+    code=$?
+    echo "$1 N=$2 D=$3 $4: exit $code, $(echo "$out" | grep -E "SUMMARY" | tail -n 1)"
+    [ "$code" = 0 ] || failed=1
 done
 
 # Timing, beside FlashAttention-2's backward, in one run.
