@@ -137,11 +137,11 @@ __device__ void load_k_step(unsigned frag[KEY_TILES / 2][2 * B_REGS], const __ha
 }
 
 // --- The pipeline: rows of a tile copied to shared memory asynchronously (cp.async) ---------
-// Thread t copies chunk t % CHUNKS of rows t / CHUNKS, + ROWS_PER_PASS, ...: a fixed number of
-// 16-byte copies whose addresses differ by constants. Rows past seqlen are zero-filled.
-template <int HEAD_DIM, int TILE_ROWS>
+// Thread t of BLOCK_THREADS copies chunk t % CHUNKS of rows t / CHUNKS, + ROWS_PER_PASS, ...: a
+// fixed number of 16-byte copies whose addresses differ by constants. Rows past seqlen are zero-filled.
+template <int HEAD_DIM, int TILE_ROWS, int BLOCK_THREADS = THREADS>
 __device__ void load_tile_async(__half *tile, const __half *src, int row0, int seqlen) {
-    constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS_PER_PASS = THREADS / CHUNKS;
+    constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS_PER_PASS = BLOCK_THREADS / CHUNKS;
     static_assert(TILE_ROWS % ROWS_PER_PASS == 0, "every thread copies the same number of chunks");
     const int row = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
     const __half *from = src + (size_t)(row0 + row) * HEAD_DIM + chunk * CHUNK_HALVES;
@@ -383,34 +383,63 @@ __global__ void __launch_bounds__(THREADS, 2)
 #ifndef DETERMINISTIC_DQ
 #define DETERMINISTIC_DQ 0  // dQ by a kernel of its own over query tiles, bitwise repeatable (0: atomics)
 #endif
+// Warps of the main kernel, per head dim. Warp w owns keys 16w..16w+15, so eight warps hold 128
+// keys (FlashAttention-2's block): each Q and dO tile is read, and each dQ row summed before its
+// atomics, once per 128 keys instead of once per 64. Four (64 keys, two blocks per SM) was this
+// chapter's first arrangement: -DBWD_WARPS_D128=4 -DBWD_WARPS_D64=4 builds it again.
+#ifndef BWD_WARPS_D64
+#define BWD_WARPS_D64 8
+#endif
+#ifndef BWD_WARPS_D128
+#define BWD_WARPS_D128 8
+#endif
+// The blocks of a head run side by side; from the same query tile they would add into the same
+// dQ rows at the same time, and atomics on one address wait for each other in L2.
+#ifndef BWD_STAGGER
+#define BWD_STAGGER 1  // non-causal blocks start at their diagonal query tile too, and wrap round (0: at tile 0)
+#endif
 // Each warp owns one m16 tile of rows: 16 keys in the main kernel, 16 queries in the dQ kernel.
 // Two m16 tiles, as 07's forward has, would need 2 x 16 x D fp32 accumulators for each of dK
 // and dV: 256 registers per lane at D=128 before any score.
 #define BWD_WARP_ROWS MMA_M
-#define BWD_BLOCK_KV (WARPS * BWD_WARP_ROWS)  // keys per block of the main kernel: 64
-#define BWD_BLOCK_Q (WARPS * BWD_WARP_ROWS)   // queries per step of its loop (and per dQ block): 64
-#define BWD_STAGES 2                          // (Q, dO, LSE, D) tiles in the main kernel's ring
-#define WORKSPACE_ALIGN 256                   // bytes: the dQ accumulator starts aligned for 16-byte accesses
+#define BWD_BLOCK_Q 64  // queries per step of the main kernel's loop, and per block of the dQ kernel
+#define DQ_BLOCK_KV 64  // keys per streamed tile of the dQ kernel
+#ifndef BWD_STAGES
+#define BWD_STAGES 2  // (Q, dO, LSE, D) tiles in the main kernel's ring; (K, V) in the dQ kernel's
+#endif
+#define WORKSPACE_ALIGN 256  // bytes: the dQ accumulator starts aligned for 16-byte accesses
 
-static_assert(THREADS == 2 * BWD_BLOCK_Q, "half the block copies a tile's LSE, half its D, one float each");
-static_assert(BWD_BLOCK_Q % MMA_K == 0 && BWD_BLOCK_KV % MMA_K == 0, "whole k16 steps of queries and keys");
+static_assert(THREADS == BWD_BLOCK_Q / BWD_WARP_ROWS * WARP_SIZE, "the dQ kernel's four warps own 16 queries each");
+static_assert(BWD_BLOCK_Q % MMA_K == 0 && DQ_BLOCK_KV % MMA_K == 0, "whole k16 steps of queries and keys");
 
 template <int HEAD_DIM>
 struct BwdConfig {
+    static constexpr int BLOCK_WARPS = HEAD_DIM == 128 ? BWD_WARPS_D128 : BWD_WARPS_D64;  // main kernel
+    static constexpr int BLOCK_THREADS = BLOCK_WARPS * WARP_SIZE;
+    static constexpr int BLOCK_KV = BLOCK_WARPS * BWD_WARP_ROWS;  // keys per block: 128 (64 with four warps)
+    // Eight warps per SM at up to 255 registers each fill its 64 K registers: two blocks of four or one of eight.
+    static constexpr int MIN_BLOCKS = 8 / BLOCK_WARPS;
+    // dQ += dS K of a query tile: warp w takes the 16 queries of m16 tile w % DQ_ROW_TILES, against
+    // every key of the block, for DQ_WARP_DIMS of the dims (all of them with four warps, half with eight).
+    static constexpr int DQ_ROW_TILES = BWD_BLOCK_Q / MMA_M;  // 4
+    static constexpr int DQ_WARP_DIMS = HEAD_DIM * DQ_ROW_TILES / BLOCK_WARPS;
     static constexpr int STRIDE = HEAD_DIM + PAD;  // halves per row, as the forward's tiles
-    static constexpr int KV_HALVES = BWD_BLOCK_KV * STRIDE, Q_HALVES = BWD_BLOCK_Q * STRIDE;
+    static constexpr int KV_HALVES = BLOCK_KV * STRIDE, Q_HALVES = BWD_BLOCK_Q * STRIDE;
     // dS^T of the block, [key][query], for dQ += dS K (the atomic version only).
-    static constexpr int DS_STRIDE = BWD_BLOCK_Q + PAD, DS_HALVES = DETERMINISTIC_DQ ? 0 : BWD_BLOCK_KV * DS_STRIDE;
+    static constexpr int DS_STRIDE = BWD_BLOCK_Q + PAD, DS_HALVES = DETERMINISTIC_DQ ? 0 : BLOCK_KV * DS_STRIDE;
     // Main kernel: the LSE and D ring (floats), K and V, the Q and dO ring, dS^T.
     static constexpr int SMEM_BYTES = 2 * BWD_STAGES * BWD_BLOCK_Q * (int)sizeof(float) +
                                       (2 * KV_HALVES + 2 * BWD_STAGES * Q_HALVES + DS_HALVES) * (int)sizeof(__half);
-    // dQ kernel: Q and dO, and a ring of (K, V) tiles.
-    static constexpr int DQ_SMEM_BYTES = (2 * Q_HALVES + 2 * BWD_STAGES * KV_HALVES) * (int)sizeof(__half);
+    // dQ kernel: Q and dO, and a ring of (K, V) tiles of DQ_BLOCK_KV keys.
+    static constexpr int DQ_KV_HALVES = DQ_BLOCK_KV * STRIDE;
+    static constexpr int DQ_SMEM_BYTES = (2 * Q_HALVES + 2 * BWD_STAGES * DQ_KV_HALVES) * (int)sizeof(__half);
     // The A operands that are the same at every step (a warp's K and V rows in the main kernel,
     // its Q and dO rows in the dQ kernel) take HEAD_DIM / 2 registers per lane for the two. At
     // D=64 they stay in registers; at D=128 the two 16 x 128 fp32 accumulators (dK and dV) hold
     // 128 registers already, so they are re-read from shared memory at every step.
     static constexpr bool A_IN_REGISTERS = HEAD_DIM == 64;
+    static_assert(BLOCK_WARPS == 4 || BLOCK_WARPS == 8, "four warps (64 keys per block) or eight (128)");
+    static_assert(DQ_WARP_DIMS % (2 * MMA_N) == 0, "a warp's dims of dQ are whole pairs of n8 tiles");
 };
 
 // The A fragments of k16 step `ks` of a warp's 16 rows of a [row][dim] tile (07's load_q_step
@@ -431,10 +460,12 @@ __device__ void load_trans_pair(unsigned frag[2 * B_REGS], const __half *tile, i
     ldmatrix_x4_trans(frag, tile + tile_offset<HEAD_DIM>(row, dp * 2 + lane / (2 * LDM_ROWS)));
 }
 
-// A tile's LSE and D, one float per query: threads 0..63 copy LSE, 64..127 D (4-byte copies: a
-// head's rows start at any float). Rows past seqlen are zero-filled (their scores are masked).
+// A tile's LSE and D, one float per query: threads 0..63 copy LSE, 64..127 D, the others (eight
+// warps) none (4-byte copies: a head's rows start at any float). Rows past seqlen are zero-filled
+// (their scores are masked).
 __device__ void load_rows_async(float *lse_tile, float *delta_tile, const float *lse, const float *delta, int row0,
                                 int seqlen) {
+    if (threadIdx.x >= 2 * BWD_BLOCK_Q) return;
     const int row = threadIdx.x % BWD_BLOCK_Q;
     const bool is_lse = threadIdx.x < BWD_BLOCK_Q, valid = row0 + row < seqlen;  // is_lse: the same per warp
     const float *from = is_lse ? lse : delta;
@@ -447,9 +478,9 @@ template <int HEAD_DIM>
 __device__ void load_query_tile_async(__half *q_ring, __half *do_ring, float *lse_ring, float *delta_ring,
                                       const __half *q_head, const __half *do_head, const float *lse_head,
                                       const float *delta_head, int slot, int query0, int seqlen) {
-    constexpr int Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
-    load_tile_async<HEAD_DIM, BWD_BLOCK_Q>(q_ring + slot * Q_HALVES, q_head, query0, seqlen);
-    load_tile_async<HEAD_DIM, BWD_BLOCK_Q>(do_ring + slot * Q_HALVES, do_head, query0, seqlen);
+    constexpr int Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES, BLOCK_THREADS = BwdConfig<HEAD_DIM>::BLOCK_THREADS;
+    load_tile_async<HEAD_DIM, BWD_BLOCK_Q, BLOCK_THREADS>(q_ring + slot * Q_HALVES, q_head, query0, seqlen);
+    load_tile_async<HEAD_DIM, BWD_BLOCK_Q, BLOCK_THREADS>(do_ring + slot * Q_HALVES, do_head, query0, seqlen);
     load_rows_async(lse_ring + slot * BWD_BLOCK_Q, delta_ring + slot * BWD_BLOCK_Q, lse_head, delta_head, query0,
                     seqlen);
 }
@@ -504,19 +535,25 @@ __device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_R
     //     row, and the odd lane four of the second; then one float4 atomicAdd each per n8 tile. Keep the
     //     scalar loop for older GPUs, under #if __CUDA_ARCH__ >= 900 ... #else ... #endif: the build makes
     //     sm_80 code too, where float4 atomics do not exist.
-    //   stub: measured: the chapter's backward with this scalar reduction took 9.63 ms at B=4 H=16 N=4096 D=128,
-    //     with the vector one 6.58 ms, 1.46x (docs/results/logs/09/backward_vs_fa2_h200_scalar_red.csv and
+    //   stub: measured: the chapter's backward (its first kernel: four warps, 64 keys per block) with this scalar
+    //     reduction took 9.63 ms at B=4 H=16 N=4096 D=128, with the vector one 6.58 ms, 1.46x
+    //     (docs/results/logs/09/backward_vs_fa2_h200_scalar_red.csv and
     //     docs/results/logs/09/backward_vs_fa2_h200_vector_red.csv, ours_ms)
 #if __CUDA_ARCH__ >= 900
     const bool odd = quad_lane % 2;
     const int row = row0 + (odd ? ACC_ROW_STEP : 0), col = dim0 + 2 * (quad_lane - quad_lane % 2);
+    float4 four[DIM_TILES];  // every swap first, then the REDs from one address, under one branch
 #pragma unroll
     for (int nt = 0; nt < DIM_TILES; nt++) {
         const float give_x = odd ? part[nt][0] : part[nt][2], give_y = odd ? part[nt][1] : part[nt][3];
         const float got_x = __shfl_xor_sync(0xffffffff, give_x, 1), got_y = __shfl_xor_sync(0xffffffff, give_y, 1);
-        const float4 four = odd ? make_float4(got_x, got_y, part[nt][2], part[nt][3])
-                                : make_float4(part[nt][0], part[nt][1], got_x, got_y);
-        if (row < seqlen) atomicAdd((float4 *)(dq_head + (size_t)row * HEAD_DIM + col + nt * MMA_N), four);
+        four[nt] = odd ? make_float4(got_x, got_y, part[nt][2], part[nt][3])
+                       : make_float4(part[nt][0], part[nt][1], got_x, got_y);
+    }
+    if (row < seqlen) {
+        float *dq_row = dq_head + (size_t)row * HEAD_DIM + col;
+#pragma unroll
+        for (int nt = 0; nt < DIM_TILES; nt++) atomicAdd((float4 *)(dq_row + nt * MMA_N), four[nt]);
     }
 #else
 #pragma unroll
@@ -544,6 +581,42 @@ __device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_R
     //     }
     // }
     // EXERCISE END
+}
+
+// dQ += dS K for the query tile at query0, dS^T from shared memory ([key][query]): warp w takes
+// the 16 queries of m16 tile w % DQ_ROW_TILES against every key of the block, for its
+// DQ_WARP_DIMS dims, and adds that partial into the fp32 accumulator in device memory. In
+// passes of at most 8 n8 tiles (64 dims): with four warps at D=128, the whole 16 x 128 partial
+// beside dK and dV made sm_80's ptxas spill.
+template <int HEAD_DIM>
+__device__ void add_dq_of_tile(float *dq_head, const __half *ds_tile, const __half *k_tile, int query0, int seqlen) {
+    constexpr int BLOCK_KV = BwdConfig<HEAD_DIM>::BLOCK_KV, DS_STRIDE = BwdConfig<HEAD_DIM>::DS_STRIDE;
+    constexpr int DQ_ROW_TILES = BwdConfig<HEAD_DIM>::DQ_ROW_TILES, DQ_WARP_DIMS = BwdConfig<HEAD_DIM>::DQ_WARP_DIMS;
+    constexpr int KEY_STEPS = BLOCK_KV / MMA_K;                                        // k16 steps of dS K
+    constexpr int DQ_DIM_TILES = DQ_WARP_DIMS / MMA_N > 8 ? 8 : DQ_WARP_DIMS / MMA_N;  // n8 tiles per pass
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, group = lane / QUAD_LANES;
+    const int warp_row0 = warp % DQ_ROW_TILES * BWD_WARP_ROWS, dim0 = warp / DQ_ROW_TILES * DQ_WARP_DIMS;
+#pragma unroll
+    for (int pass = 0; pass < DQ_WARP_DIMS / MMA_N / DQ_DIM_TILES; pass++) {
+        float dq_part[DQ_DIM_TILES][ACC_REGS] = {};
+#pragma unroll
+        for (int kk = 0; kk < KEY_STEPS; kk++) {
+            // dS as the A operand from dS^T: ldmatrix.trans; matrix l / 8 holds queries
+            // + 8 (l / 8 % 2) and keys + 8 (l / 16): lane l gives key row 16kk + 8 (l / 16) + l % 8.
+            unsigned ds_a[A_REGS];
+            const int key = kk * MMA_K + lane / (2 * LDM_ROWS) * LDM_ROWS + lane % LDM_ROWS;
+            ldmatrix_x4_trans(ds_a, ds_tile + key * DS_STRIDE + warp_row0 + lane / LDM_ROWS % 2 * LDM_ROWS);
+#pragma unroll
+            for (int dp = 0; dp < DQ_DIM_TILES / 2; dp++) {
+                unsigned k_frag[2 * B_REGS];
+                load_trans_pair<HEAD_DIM>(k_frag, k_tile, kk, dim0 / (2 * MMA_N) + pass * DQ_DIM_TILES / 2 + dp);
+                mma_16x8x16(dq_part[2 * dp], ds_a, k_frag[0], k_frag[1]);
+                mma_16x8x16(dq_part[2 * dp + 1], ds_a, k_frag[2], k_frag[3]);
+            }
+        }
+        add_dq_partial<HEAD_DIM, DQ_DIM_TILES>(dq_head, dq_part, query0 + warp_row0 + group,
+                                               dim0 + pass * DQ_DIM_TILES * MMA_N, seqlen);
+    }
 }
 
 // (1) D_i = sum_d dO[i, d] * O[i, d] in fp32, and (atomic version) row i of the dQ accumulator
@@ -576,24 +649,32 @@ __global__ void __launch_bounds__(THREADS)
     }
 }
 
-// (2) dK and dV of one 64-key tile (and its share of dQ). Grid: (key tiles, b*h); causal:
-// (b*h, key tiles), the first (heaviest: most query tiles see them) key tiles first.
+// The first query of step `step` of the main kernel's loop, which starts at query tile first_tile
+// and wraps round past the last of the query_tiles (first_tile + step < 2 query_tiles).
+__device__ int step_query0(int first_tile, int step, int query_tiles) {
+    const int tile = first_tile + step;
+    return (tile < query_tiles ? tile : tile - query_tiles) * BWD_BLOCK_Q;
+}
+
+// (2) dK and dV of one tile of BLOCK_KV keys (and its share of dQ). Grid: (key tiles, b*h);
+// causal: (b*h, key tiles), the first (heaviest: most query tiles see them) key tiles first.
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(THREADS, 2)
+__global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<HEAD_DIM>::MIN_BLOCKS)
     flash_attention_backward_kernel(const __half *q, const __half *k, const __half *v, const __half *d_o,
                                     const float *lse, const float *delta, float *dq_acc, __half *dk, __half *dv,
                                     int seqlen, float scale, float scale_log2, int causal) {
     constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
+    constexpr int BLOCK_KV = BwdConfig<HEAD_DIM>::BLOCK_KV, BLOCK_THREADS = BwdConfig<HEAD_DIM>::BLOCK_THREADS;
     constexpr bool A_IN_REGISTERS = BwdConfig<HEAD_DIM>::A_IN_REGISTERS;
     constexpr int QUERY_TILES = BWD_BLOCK_Q / MMA_N;  // n8 tiles of S^T per warp: 8
-    constexpr int DIM_TILES = HEAD_DIM / MMA_N;       // n8 tiles of dK, dV (and dQ)
+    constexpr int DIM_TILES = HEAD_DIM / MMA_N;       // n8 tiles of dK, dV
     constexpr int K_STEPS = HEAD_DIM / MMA_K;         // k16 steps of S^T = K Q^T and dP^T = V dO^T
     constexpr int Q_STEPS = BWD_BLOCK_Q / MMA_K;      // k16 steps of dV += P^T dO and dK += dS^T Q
     extern __shared__ __align__(128) unsigned char smem[];
     float *lse_ring = (float *)smem;                                     // [BWD_STAGES][BWD_BLOCK_Q]
     float *delta_ring = lse_ring + BWD_STAGES * BWD_BLOCK_Q;             // [BWD_STAGES][BWD_BLOCK_Q]
-    __half *k_tile = (__half *)(delta_ring + BWD_STAGES * BWD_BLOCK_Q);  // [BWD_BLOCK_KV][STRIDE]
-    __half *v_tile = k_tile + KV_HALVES;                                 // [BWD_BLOCK_KV][STRIDE]
+    __half *k_tile = (__half *)(delta_ring + BWD_STAGES * BWD_BLOCK_Q);  // [BLOCK_KV][STRIDE]
+    __half *v_tile = k_tile + KV_HALVES;                                 // [BLOCK_KV][STRIDE]
     __half *q_ring = v_tile + KV_HALVES;                                 // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
     __half *do_ring = q_ring + BWD_STAGES * Q_HALVES;                    // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
 
@@ -601,39 +682,51 @@ __global__ void __launch_bounds__(THREADS, 2)
     const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;  // accumulator row and column pair
     const int key_tile = causal ? blockIdx.y : blockIdx.x;
     const size_t head = causal ? blockIdx.x : blockIdx.y;
-    const int key0 = key_tile * BWD_BLOCK_KV, warp_row0 = warp * BWD_WARP_ROWS;  // warp_row0: in the key tile
+    const int key0 = key_tile * BLOCK_KV, warp_row0 = warp * BWD_WARP_ROWS;  // warp_row0: in the key tile
     const __half *q_head = q + head * seqlen * HEAD_DIM, *do_head = d_o + head * seqlen * HEAD_DIM;
     const float *lse_head = lse + head * seqlen, *delta_head = delta + head * seqlen;
 
-    // Causal: the queries before key0 see none of this tile's keys; the loop starts at the
-    // query tile that holds query key0 (the diagonal).
-    const int first_tile = causal ? key0 / BWD_BLOCK_Q : 0;
-    const int q_tiles = ceil_div(seqlen, BWD_BLOCK_Q) - first_tile;  // >= 1: key0 < seqlen
+    // The loop starts at the query tile that holds query key0 (the diagonal). Causal: the queries
+    // before it see none of this block's keys, so the loop ends at the last tile. Otherwise
+    // (BWD_STAGGER) it wraps round to tile 0 and ends before the diagonal.
+    const int query_tiles = ceil_div(seqlen, BWD_BLOCK_Q);
+    const int first_tile = causal || BWD_STAGGER ? key0 / BWD_BLOCK_Q : 0;
+    const int q_tiles = causal ? query_tiles - first_tile : query_tiles;  // >= 1: key0 < seqlen
 
     // K and V of the block join the first commit group; then the first BWD_STAGES - 1 query tiles.
-    load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(k_tile, k + head * seqlen * HEAD_DIM, key0, seqlen);
-    load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(v_tile, v + head * seqlen * HEAD_DIM, key0, seqlen);
+    load_tile_async<HEAD_DIM, BLOCK_KV, BLOCK_THREADS>(k_tile, k + head * seqlen * HEAD_DIM, key0, seqlen);
+    load_tile_async<HEAD_DIM, BLOCK_KV, BLOCK_THREADS>(v_tile, v + head * seqlen * HEAD_DIM, key0, seqlen);
     for (int t = 0; t < BWD_STAGES - 1; t++) {
         if (t < q_tiles)
             load_query_tile_async<HEAD_DIM>(q_ring, do_ring, lse_ring, delta_ring, q_head, do_head, lse_head,
-                                            delta_head, t, (first_tile + t) * BWD_BLOCK_Q, seqlen);
+                                            delta_head, t, step_query0(first_tile, t, query_tiles), seqlen);
         __pipeline_commit();
     }
 
     // On chip for the whole loop: the warp's 16 x HEAD_DIM dK and dV accumulators.
     float dk_acc[DIM_TILES][ACC_REGS] = {}, dv_acc[DIM_TILES][ACC_REGS] = {};
     unsigned k_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS], v_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS];
+#if !DETERMINISTIC_DQ
+    __half *ds_tile = do_ring + BWD_STAGES * Q_HALVES;  // [BLOCK_KV][DS_STRIDE]: dS^T of the last tile
+    float *dq_head = dq_acc + head * seqlen * HEAD_DIM;
+#endif
 
     for (int tile = 0; tile < q_tiles; tile++) {
         // 07's ring: tile `tile` has landed once at most BWD_STAGES-2 younger groups are in flight.
         __pipeline_wait_prior(BWD_STAGES - 2);
-        __syncthreads();  // ...for every thread's copies; the slot refilled next and dS^T are consumed
+        __syncthreads();  // ...for every thread's copies; the slot refilled next is consumed; dS^T is in
         const int next = tile + BWD_STAGES - 1;
         if (next < q_tiles)
             load_query_tile_async<HEAD_DIM>(q_ring, do_ring, lse_ring, delta_ring, q_head, do_head, lse_head,
-                                            delta_head, next % BWD_STAGES, (first_tile + next) * BWD_BLOCK_Q, seqlen);
+                                            delta_head, next % BWD_STAGES, step_query0(first_tile, next, query_tiles),
+                                            seqlen);
         __pipeline_commit();  // possibly empty: keeps one group per tile
-        const int slot = tile % BWD_STAGES, query0 = (first_tile + tile) * BWD_BLOCK_Q;
+#if !DETERMINISTIC_DQ
+        // The last tile's dQ, now that the barrier above has made its dS^T every warp's.
+        if (tile > 0)
+            add_dq_of_tile<HEAD_DIM>(dq_head, ds_tile, k_tile, step_query0(first_tile, tile - 1, query_tiles), seqlen);
+#endif
+        const int slot = tile % BWD_STAGES, query0 = step_query0(first_tile, tile, query_tiles);
         const __half *q_tile = q_ring + slot * Q_HALVES, *do_tile = do_ring + slot * Q_HALVES;
         const float *lse_tile = lse_ring + slot * BWD_BLOCK_Q, *delta_tile = delta_ring + slot * BWD_BLOCK_Q;
 
@@ -663,8 +756,7 @@ __global__ void __launch_bounds__(THREADS, 2)
         }
 
         // The mask: only on a diagonal tile (causal), a ragged last query tile, the last key tile.
-        if (query0 + BWD_BLOCK_Q > seqlen || key0 + BWD_BLOCK_KV > seqlen ||
-            (causal && key0 + BWD_BLOCK_KV - 1 > query0))
+        if (query0 + BWD_BLOCK_Q > seqlen || key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0))
             mask_tile<QUERY_TILES, true>(score, key0 + warp_row0 + group, query0 + 2 * quad_lane, seqlen, causal);
 
             // P^T = exp(S^T * scale - LSE), LSE the forward's: no running max, no sum. The columns
@@ -753,13 +845,13 @@ __global__ void __launch_bounds__(THREADS, 2)
 
 #if !DETERMINISTIC_DQ
         // dQ_i += dS K. A warp holds dS^T for its own 16 keys, but dQ of a query sums over all
-        // 64 keys of the block: dS^T goes to shared memory ([key][query], 4-byte stores of
-        // adjacent queries, conflict-free with the padded rows), then warp w takes queries
-        // 16w..16w+15 against all 64 keys and adds its 16 x HEAD_DIM partial to the fp32
-        // accumulator in device memory. Every key tile adds to the same rows: atomics (RED).
+        // the keys of the block: dS^T goes to shared memory ([key][query], 4-byte stores of
+        // adjacent queries, conflict-free with the padded rows), and the next tile's barrier
+        // makes it every warp's: add_dq_of_tile runs there (or after the loop, for the last tile),
+        // so that one barrier serves the ring and dS^T. Every key tile adds to the same rows:
+        // atomics (RED).
         constexpr int DS_STRIDE = BwdConfig<HEAD_DIM>::DS_STRIDE;
-        constexpr int KEY_STEPS = BWD_BLOCK_KV / MMA_K;     // k16 steps of dS K
-        __half *ds_tile = do_ring + BWD_STAGES * Q_HALVES;  // [BWD_BLOCK_KV][DS_STRIDE]
+        __syncthreads();  // every warp has read the last tile's dS^T
 #pragma unroll
         for (int kk = 0; kk < Q_STEPS; kk++)
 #pragma unroll
@@ -768,35 +860,14 @@ __global__ void __launch_bounds__(THREADS, 2)
                 const int query = kk * MMA_K + i / 2 * MMA_N + 2 * quad_lane;
                 *(unsigned *)&ds_tile[key * DS_STRIDE + query] = ds_frag[kk][i];
             }
-        __syncthreads();  // every warp's dS^T rows are in
-        // In passes of DQ_DIM_TILES n8 tiles of dims: at D=128 the 16 x 128 partial at once would
-        // be 64 more registers beside dK and dV, and sm_80's ptxas spills.
-        constexpr int DQ_DIM_TILES = DIM_TILES > 8 ? 8 : DIM_TILES;
-#pragma unroll
-        for (int pass = 0; pass < DIM_TILES / DQ_DIM_TILES; pass++) {
-            float dq_part[DQ_DIM_TILES][ACC_REGS] = {};
-#pragma unroll
-            for (int kk = 0; kk < KEY_STEPS; kk++) {
-                // dS as the A operand from dS^T: ldmatrix.trans; matrix l / 8 holds queries
-                // + 8 (l / 8 % 2) and keys + 8 (l / 16): lane l gives key row 16kk + 8 (l / 16) + l % 8.
-                unsigned ds_a[A_REGS];
-                const int key = kk * MMA_K + lane / (2 * LDM_ROWS) * LDM_ROWS + lane % LDM_ROWS;
-                ldmatrix_x4_trans(ds_a, ds_tile + key * DS_STRIDE + warp_row0 + lane / LDM_ROWS % 2 * LDM_ROWS);
-#pragma unroll
-                for (int dp = 0; dp < DQ_DIM_TILES / 2; dp++) {
-                    unsigned k_frag[2 * B_REGS];
-                    load_trans_pair<HEAD_DIM>(k_frag, k_tile, kk, pass * DQ_DIM_TILES / 2 + dp);
-                    mma_16x8x16(dq_part[2 * dp], ds_a, k_frag[0], k_frag[1]);
-                    mma_16x8x16(dq_part[2 * dp + 1], ds_a, k_frag[2], k_frag[3]);
-                }
-            }
-            add_dq_partial<HEAD_DIM, DQ_DIM_TILES>(dq_acc + head * seqlen * HEAD_DIM, dq_part,
-                                                   query0 + warp_row0 + group, pass * DQ_DIM_TILES * MMA_N, seqlen);
-        }
-#else
-        (void)dq_acc;  // DETERMINISTIC_DQ: dQ is the dQ kernel's
 #endif
     }
+#if !DETERMINISTIC_DQ
+    __syncthreads();  // every warp's dS^T rows of the last tile are in
+    add_dq_of_tile<HEAD_DIM>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen);
+#else
+    (void)dq_acc;  // DETERMINISTIC_DQ: dQ is the dQ kernel's
+#endif
     __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
 
     // dK = scale * dS^T Q and dV, each row written once, as fp16.
@@ -840,17 +911,17 @@ template <int HEAD_DIM>
 __global__ void __launch_bounds__(THREADS, 2)
     flash_attention_dq_kernel(const __half *q, const __half *k, const __half *v, const __half *d_o, const float *lse,
                               const float *delta, __half *dq, int seqlen, float scale, float scale_log2, int causal) {
-    constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
+    constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::DQ_KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
     constexpr bool A_IN_REGISTERS = BwdConfig<HEAD_DIM>::A_IN_REGISTERS;
-    constexpr int KEY_TILES = BWD_BLOCK_KV / MMA_N;  // n8 tiles of scores per warp: 8
-    constexpr int DIM_TILES = HEAD_DIM / MMA_N;      // n8 tiles of dQ
-    constexpr int K_STEPS = HEAD_DIM / MMA_K;        // k16 steps of S = Q K^T and dP = dO V^T
-    constexpr int KEY_STEPS = BWD_BLOCK_KV / MMA_K;  // k16 steps of dQ += dS K
+    constexpr int KEY_TILES = DQ_BLOCK_KV / MMA_N;  // n8 tiles of scores per warp: 8
+    constexpr int DIM_TILES = HEAD_DIM / MMA_N;     // n8 tiles of dQ
+    constexpr int K_STEPS = HEAD_DIM / MMA_K;       // k16 steps of S = Q K^T and dP = dO V^T
+    constexpr int KEY_STEPS = DQ_BLOCK_KV / MMA_K;  // k16 steps of dQ += dS K
     extern __shared__ __align__(128) unsigned char smem[];
     __half *q_tile = (__half *)smem;                   // [BWD_BLOCK_Q][STRIDE]
     __half *do_tile = q_tile + Q_HALVES;               // [BWD_BLOCK_Q][STRIDE]
-    __half *k_ring = do_tile + Q_HALVES;               // [BWD_STAGES][BWD_BLOCK_KV][STRIDE]
-    __half *v_ring = k_ring + BWD_STAGES * KV_HALVES;  // [BWD_STAGES][BWD_BLOCK_KV][STRIDE]
+    __half *k_ring = do_tile + Q_HALVES;               // [BWD_STAGES][DQ_BLOCK_KV][STRIDE]
+    __half *v_ring = k_ring + BWD_STAGES * KV_HALVES;  // [BWD_STAGES][DQ_BLOCK_KV][STRIDE]
 
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;
@@ -859,14 +930,14 @@ __global__ void __launch_bounds__(THREADS, 2)
     const int query0 = query_tile * BWD_BLOCK_Q, warp_row0 = warp * BWD_WARP_ROWS;
     const __half *k_head = k + head * seqlen * HEAD_DIM, *v_head = v + head * seqlen * HEAD_DIM;
     const int key_end = causal ? min(seqlen, query0 + BWD_BLOCK_Q) : seqlen;
-    const int kv_tiles = ceil_div(key_end, BWD_BLOCK_KV);
+    const int kv_tiles = ceil_div(key_end, DQ_BLOCK_KV);
 
     load_tile_async<HEAD_DIM, BWD_BLOCK_Q>(q_tile, q + head * seqlen * HEAD_DIM, query0, seqlen);
     load_tile_async<HEAD_DIM, BWD_BLOCK_Q>(do_tile, d_o + head * seqlen * HEAD_DIM, query0, seqlen);
     for (int t = 0; t < BWD_STAGES - 1; t++) {
         if (t < kv_tiles) {
-            load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(k_ring + t * KV_HALVES, k_head, t * BWD_BLOCK_KV, seqlen);
-            load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(v_ring + t * KV_HALVES, v_head, t * BWD_BLOCK_KV, seqlen);
+            load_tile_async<HEAD_DIM, DQ_BLOCK_KV>(k_ring + t * KV_HALVES, k_head, t * DQ_BLOCK_KV, seqlen);
+            load_tile_async<HEAD_DIM, DQ_BLOCK_KV>(v_ring + t * KV_HALVES, v_head, t * DQ_BLOCK_KV, seqlen);
         }
         __pipeline_commit();
     }
@@ -887,15 +958,15 @@ __global__ void __launch_bounds__(THREADS, 2)
         __syncthreads();
         const int next = tile + BWD_STAGES - 1;
         if (next < kv_tiles) {
-            load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(k_ring + next % BWD_STAGES * KV_HALVES, k_head, next * BWD_BLOCK_KV,
-                                                    seqlen);
-            load_tile_async<HEAD_DIM, BWD_BLOCK_KV>(v_ring + next % BWD_STAGES * KV_HALVES, v_head, next * BWD_BLOCK_KV,
-                                                    seqlen);
+            load_tile_async<HEAD_DIM, DQ_BLOCK_KV>(k_ring + next % BWD_STAGES * KV_HALVES, k_head, next * DQ_BLOCK_KV,
+                                                   seqlen);
+            load_tile_async<HEAD_DIM, DQ_BLOCK_KV>(v_ring + next % BWD_STAGES * KV_HALVES, v_head, next * DQ_BLOCK_KV,
+                                                   seqlen);
         }
         __pipeline_commit();
         const __half *k_tile = k_ring + tile % BWD_STAGES * KV_HALVES;
         const __half *v_tile = v_ring + tile % BWD_STAGES * KV_HALVES;
-        const int key0 = tile * BWD_BLOCK_KV;
+        const int key0 = tile * DQ_BLOCK_KV;
         if constexpr (A_IN_REGISTERS) {  // Q and dO landed with the first tile
             if (tile == 0)
                 for (int ks = 0; ks < K_STEPS; ks++) {
@@ -932,8 +1003,7 @@ __global__ void __launch_bounds__(THREADS, 2)
                 mma_16x8x16(ds[2 * np + 1], do_frag, b_frag[np][2], b_frag[np][3]);
             }
         }
-        if (query0 + BWD_BLOCK_Q > seqlen || key0 + BWD_BLOCK_KV > seqlen ||
-            (causal && key0 + BWD_BLOCK_KV - 1 > query0))
+        if (query0 + BWD_BLOCK_Q > seqlen || key0 + DQ_BLOCK_KV > seqlen || (causal && key0 + DQ_BLOCK_KV - 1 > query0))
             mask_tile<KEY_TILES, false>(score, query0 + warp_row0 + group, key0 + 2 * quad_lane, seqlen, causal);
 
         // P = exp(S * scale - LSE), dS = P * (dP - D): per row now, as the forward's layout.
@@ -1006,7 +1076,7 @@ static size_t backward_workspace_bytes(const AttnShape *s) {
 template <int HEAD_DIM>
 static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream) {
     const AttnShape *s = &args->shape;
-    const int heads = s->batch * s->heads, key_tiles = ceil_div(s->seqlen, BWD_BLOCK_KV);
+    const int heads = s->batch * s->heads, key_tiles = ceil_div(s->seqlen, BwdConfig<HEAD_DIM>::BLOCK_KV);
     const float scale = s->scale, scale_log2 = s->scale * LOG2E;
     float *delta = (float *)args->workspace;
     float *dq_acc = DETERMINISTIC_DQ ? NULL : (float *)((char *)args->workspace + delta_bytes(s));
@@ -1020,9 +1090,9 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
     RETURN_IF_ERROR(cudaFuncSetAttribute(flash_attention_backward_kernel<HEAD_DIM>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     dim3 grid = s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
-    flash_attention_backward_kernel<HEAD_DIM>
-        <<<grid, THREADS, smem, stream>>>(args->q, args->k, args->v, args->d_o, args->lse, delta, dq_acc, args->dk,
-                                          args->dv, s->seqlen, scale, scale_log2, s->causal);
+    flash_attention_backward_kernel<HEAD_DIM><<<grid, BwdConfig<HEAD_DIM>::BLOCK_THREADS, smem, stream>>>(
+        args->q, args->k, args->v, args->d_o, args->lse, delta, dq_acc, args->dk, args->dv, s->seqlen, scale,
+        scale_log2, s->causal);
     RETURN_IF_ERROR(cudaGetLastError());
 
 #if !DETERMINISTIC_DQ

@@ -1,13 +1,15 @@
 """09_backward's tile loops emulated in NumPy, lane by lane, in float64, against the float64
 backward of common/reference.py: the index arithmetic of the kernels checked without a GPU.
 
-The emulation follows attention.cu: its tile sizes (read from the source), its grids and how a
-block finds its key (or query) tile and head, the ring's slots, the zero fill of rows past N,
+The emulation follows attention.cu: its tile sizes and warps per head dim (read from the source;
+the four-warp arrangement that -DBWD_WARPS_D128=4 -DBWD_WARPS_D64=4 builds, without BWD_STAGGER,
+emulated too), its grids and how a block finds its key (or query) tile and head, the order of its
+query tiles (from the diagonal, wrapping round), the ring's slots, the zero fill of rows past N,
 the mask and the tiles that take it, the causal tiles skipped, and every fragment: which lane
 gives which ldmatrix row address, what ldmatrix (.trans or not) and mma.sync m16n8k16 then hold
 (the register layouts of the PTX ISA), the repacking of accumulators into A operands, dS^T's
-round trip through shared memory and the atomics into the fp32 dQ accumulator, in the kernel's
-order. Each product is the kernel's own sequence of mma.sync on those fragments, in float64
+round trip through shared memory (one buffer: a tile's dQ is added at the next tile's top) and
+the atomics into the fp32 dQ accumulator, in the kernel's order. Each product is the kernel's own sequence of mma.sync on those fragments, in float64
 (no fp16 rounding), so the emulation must agree with the reference to rounding error. It also
 checks what the kernel relies on without computing it: that no tile left unmasked needed a
 mask, that the skipped tiles and the rows whose atomics are skipped would have added zero,
@@ -43,15 +45,21 @@ def constants():
         out[name] = int(eval(expr, {"__builtins__": {}}))  # integer arithmetic on literals only
         return out[name]
 
-    for name in ("WARPS", "MMA_M", "MMA_N", "MMA_K", "PAD", "BWD_WARP_ROWS", "BWD_BLOCK_KV", "BWD_BLOCK_Q",
-                 "BWD_STAGES", "CHUNK_HALVES"):
+    for name in ("WARPS", "MMA_M", "MMA_N", "MMA_K", "PAD", "BWD_WARP_ROWS", "BWD_WARPS_D64", "BWD_WARPS_D128",
+                 "BWD_STAGGER", "BWD_BLOCK_Q", "DQ_BLOCK_KV", "BWD_STAGES", "CHUNK_HALVES"):
         value(name)
     return out
 
 
 C = constants()
-WARPS, ROWS, BKV, BQ, STAGES, PAD = (C[n] for n in ("WARPS", "BWD_WARP_ROWS", "BWD_BLOCK_KV", "BWD_BLOCK_Q",
-                                                     "BWD_STAGES", "PAD"))
+DQ_WARPS, ROWS, BQ, DQ_BKV, STAGES, PAD = (C[n] for n in ("WARPS", "BWD_WARP_ROWS", "BWD_BLOCK_Q", "DQ_BLOCK_KV",
+                                                           "BWD_STAGES", "PAD"))
+DQ_ROW_TILES = BQ // 16  # m16 tiles of queries per step: warp w of the main kernel adds dQ of tile w % 4
+
+
+def main_warps(d):
+    """The main kernel's warps at head dim d, as the source's defaults say (BwdConfig::BLOCK_WARPS)."""
+    return C[f"BWD_WARPS_D{d}"]
 
 
 def ceil_div(a, b):
@@ -156,8 +164,8 @@ def load_tile(smem, base, stride, src, row0, seqlen, rows, d):
         smem.mem[at:at + d] = src[row0 + r] if row0 + r < seqlen else 0.0
 
 
-def mask_needed(query0, key0, seqlen, causal):
-    return query0 + BQ > seqlen or key0 + BKV > seqlen or (causal and key0 + BKV - 1 > query0)
+def mask_needed(query0, key0, seqlen, causal, bkv):
+    return query0 + BQ > seqlen or key0 + bkv > seqlen or (causal and key0 + bkv - 1 > query0)
 
 
 def hidden(key, query, seqlen, causal):
@@ -181,9 +189,14 @@ def lane_cols(col0, tiles):
 
 
 # --- the kernels -----------------------------------------------------------------------------
-def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic):
-    """dQ, dK, dV [BH, N, D] and D [BH, N] as 09's kernels compute them (float64)."""
+def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=None, stagger=None):
+    """dQ, dK, dV [BH, N, D] and D [BH, N] as 09's kernels compute them (float64), with the main
+    kernel's `warps` (default: the source's, per head dim) and BWD_STAGGER (default: the source's)."""
     heads, seqlen, d = q.shape
+    warps = main_warps(d) if warps is None else warps
+    stagger = bool(C["BWD_STAGGER"]) if stagger is None else stagger
+    bkv = warps * ROWS  # BwdConfig::BLOCK_KV
+    dq_warp_dims = d * DQ_ROW_TILES // warps  # BwdConfig::DQ_WARP_DIMS
     stride, ds_stride = d + PAD, BQ + PAD
     k_steps, q_tiles_n8, q_steps, dim_tiles = d // 16, BQ // 8, BQ // 16, d // 8
     log2e = 1 / np.log(2)
@@ -196,26 +209,33 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic):
     dk, dv = np.zeros((heads, seqlen, d)), np.zeros((heads, seqlen, d))
 
     # (2) the main kernel, block by block in its grid's order.
-    key_tiles = ceil_div(seqlen, BKV)
+    key_tiles = ceil_div(seqlen, bkv)
+    query_tiles = ceil_div(seqlen, BQ)
     grid = (heads, key_tiles) if causal else (key_tiles, heads)
     for by in range(grid[1]):
         for bx in range(grid[0]):
             key_tile, head = (by, bx) if causal else (bx, by)
-            key0 = key_tile * BKV
-            first_tile = key0 // BQ if causal else 0
-            n_tiles = ceil_div(seqlen, BQ) - first_tile
+            key0 = key_tile * bkv
+            first_tile = key0 // BQ if causal or stagger else 0
+            n_tiles = query_tiles - first_tile if causal else query_tiles
             assert n_tiles >= 1
+
+            def step_query0(step):  # the loop's query tiles: from first_tile on, wrapping round
+                tile = first_tile + step
+                assert tile < 2 * query_tiles
+                return (tile if tile < query_tiles else tile - query_tiles) * BQ
+
             if causal and first_tile > 0:  # the skipped query tiles: every key of the block after every query
                 assert first_tile * BQ - 1 < key0
             # shared memory: LSE/D ring (floats, kept apart here), K, V, the Q/dO ring, dS^T
-            k_base, v_base = 0, BKV * stride
-            q_ring, do_ring = 2 * BKV * stride, 2 * BKV * stride + STAGES * BQ * stride
+            k_base, v_base = 0, bkv * stride
+            q_ring, do_ring = 2 * bkv * stride, 2 * bkv * stride + STAGES * BQ * stride
             ds_base = do_ring + STAGES * BQ * stride
-            smem = Shared(ds_base + BKV * ds_stride)
+            smem = Shared(ds_base + bkv * ds_stride)
             lse_ring, delta_ring = np.zeros((STAGES, BQ)), np.zeros((STAGES, BQ))
 
             def fill(slot, t):
-                query0 = (first_tile + t) * BQ
+                query0 = step_query0(t)
                 load_tile(smem, q_ring + slot * BQ * stride, stride, q[head], query0, seqlen, BQ, d)
                 load_tile(smem, do_ring + slot * BQ * stride, stride, do[head], query0, seqlen, BQ, d)
                 rows = query0 + np.arange(BQ)
@@ -223,22 +243,55 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic):
                 lse_ring[slot] = np.where(ok, lse[head][np.minimum(rows, seqlen - 1)], 0.0)
                 delta_ring[slot] = np.where(ok, delta[head][np.minimum(rows, seqlen - 1)], 0.0)
 
-            load_tile(smem, k_base, stride, k[head], key0, seqlen, BKV, d)
-            load_tile(smem, v_base, stride, v[head], key0, seqlen, BKV, d)
+            def add_dq_of_tile(query0):
+                """dQ += dS K from dS^T in shared memory: warp w takes queries 16 (w % 4).. against
+                every key of the block, for dims dq_warp_dims (w / 4).., in passes of <= 8 n8 tiles."""
+                dq_dim_tiles = min(dq_warp_dims // 8, 8)
+                for w in range(warps):
+                    row0, dim0 = w % DQ_ROW_TILES * ROWS, w // DQ_ROW_TILES * dq_warp_dims
+                    for pas in range(dq_warp_dims // 8 // dq_dim_tiles):
+                        part = np.zeros((dq_dim_tiles, 32, 4))
+                        for kk in range(bkv // 16):
+                            key = kk * 16 + LANES // 16 * 8 + LANES % 8
+                            dsa = smem.ldmatrix_x4(ds_base + key * ds_stride + row0 + LANES // 8 % 2 * 8, trans=True)
+                            for dp in range(dq_dim_tiles // 2):
+                                kf = load_trans_pair(smem, k_base, stride, kk, dim0 // 16 + pas * dq_dim_tiles // 2 + dp)
+                                mma(part[2 * dp], dsa, kf[:, 0], kf[:, 1])
+                                mma(part[2 * dp + 1], dsa, kf[:, 2], kf[:, 3])
+                        # add_dq_partial's sm_90 path: the lanes of a quad pair swap half their
+                        # values, then each adds four adjacent dims of one row (red.global.add.v4.f32).
+                        odd = QUAD % 2 == 1
+                        partner = LANES ^ 1
+                        query = query0 + row0 + GROUP + np.where(odd, 8, 0)  # [32]
+                        ok = query < seqlen
+                        for nt in range(dq_dim_tiles):
+                            give = np.where(odd[:, None], part[nt][:, 0:2], part[nt][:, 2:4])
+                            got = give[partner]
+                            four = np.where(odd[:, None], np.concatenate([got, part[nt][:, 2:4]], 1),
+                                            np.concatenate([part[nt][:, 0:2], got], 1))
+                            for e in range(4):
+                                col = dim0 + pas * dq_dim_tiles * 8 + nt * 8 + 4 * (QUAD // 2) + e
+                                assert np.all(four[~ok, e] == 0), "a skipped atomic (query past N) was not zero"
+                                np.add.at(dq_acc[head], (query[ok], col[ok]), four[ok, e])  # the vector atomicAdd
+
+            load_tile(smem, k_base, stride, k[head], key0, seqlen, bkv, d)
+            load_tile(smem, v_base, stride, v[head], key0, seqlen, bkv, d)
             for t in range(STAGES - 1):
                 if t < n_tiles:
                     fill(t, t)
-            dk_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(WARPS)]
-            dv_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(WARPS)]
+            dk_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(warps)]
+            dv_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(warps)]
             for tile in range(n_tiles):
                 nxt = tile + STAGES - 1
                 if nxt < n_tiles:
                     fill(nxt % STAGES, nxt)
-                slot, query0 = tile % STAGES, (first_tile + tile) * BQ
+                if not deterministic and tile > 0:  # the last tile's dQ, after the barrier at the top
+                    add_dq_of_tile(step_query0(tile - 1))
+                slot, query0 = tile % STAGES, step_query0(tile)
                 q_tile, do_tile = q_ring + slot * BQ * stride, do_ring + slot * BQ * stride
-                masked_here = mask_needed(query0, key0, seqlen, causal)
+                masked_here = mask_needed(query0, key0, seqlen, causal, bkv)
                 ds_frags = []
-                for w in range(WARPS):
+                for w in range(warps):
                     row0 = w * ROWS
                     score = np.zeros((q_tiles_n8, 32, 4))
                     for ks in range(k_steps):
@@ -289,41 +342,16 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic):
                     ds_frags.append(dsf)
                 if deterministic:
                     continue
-                # dS^T to shared memory (after every warp's S^T: the kernel's stores, then a barrier)
-                for w in range(WARPS):
+                # dS^T to shared memory, after a barrier (every warp has read the last tile's), over it
+                for w in range(warps):
                     for kk in range(q_steps):
                         for i in range(4):
                             key = w * ROWS + GROUP + i % 2 * 8
                             query = kk * 16 + i // 2 * 8 + 2 * QUAD
                             smem.store_words(ds_base + key * ds_stride + query, ds_frags[w][kk][:, i])
-                dq_dim_tiles = min(dim_tiles, 8)
-                for w in range(WARPS):
-                    row0 = w * ROWS
-                    for pas in range(dim_tiles // dq_dim_tiles):
-                        part = np.zeros((dq_dim_tiles, 32, 4))
-                        for kk in range(BKV // 16):
-                            key = kk * 16 + LANES // 16 * 8 + LANES % 8
-                            dsa = smem.ldmatrix_x4(ds_base + key * ds_stride + row0 + LANES // 8 % 2 * 8, trans=True)
-                            for dp in range(dq_dim_tiles // 2):
-                                kf = load_trans_pair(smem, k_base, stride, kk, pas * dq_dim_tiles // 2 + dp)
-                                mma(part[2 * dp], dsa, kf[:, 0], kf[:, 1])
-                                mma(part[2 * dp + 1], dsa, kf[:, 2], kf[:, 3])
-                        # add_dq_partial's sm_90 path: the lanes of a quad pair swap half their
-                        # values, then each adds four adjacent dims of one row (red.global.add.v4.f32).
-                        odd = QUAD % 2 == 1
-                        partner = LANES ^ 1
-                        query = query0 + row0 + GROUP + np.where(odd, 8, 0)  # [32]
-                        ok = query < seqlen
-                        for nt in range(dq_dim_tiles):
-                            give = np.where(odd[:, None], part[nt][:, 0:2], part[nt][:, 2:4])
-                            got = give[partner]
-                            four = np.where(odd[:, None], np.concatenate([got, part[nt][:, 2:4]], 1),
-                                            np.concatenate([part[nt][:, 0:2], got], 1))
-                            for e in range(4):
-                                col = pas * dq_dim_tiles * 8 + nt * 8 + 4 * (QUAD // 2) + e
-                                assert np.all(four[~ok, e] == 0), "a skipped atomic (query past N) was not zero"
-                                np.add.at(dq_acc[head], (query[ok], col[ok]), four[ok, e])  # the vector atomicAdd
-            for w in range(WARPS):
+            if not deterministic:  # the last tile's dQ, after the loop
+                add_dq_of_tile(step_query0(n_tiles - 1))
+            for w in range(warps):
                 for r in range(2):
                     key = key0 + w * ROWS + GROUP + 8 * r
                     ok = key < seqlen
@@ -346,7 +374,7 @@ def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale):
     """DETERMINISTIC_DQ's dQ kernel: per query tile, the key tiles in order, dQ in registers."""
     heads, seqlen, d = q.shape
     stride = d + PAD
-    k_steps, key_tiles_n8, key_steps, dim_tiles = d // 16, BKV // 8, BKV // 16, d // 8
+    k_steps, key_tiles_n8, key_steps, dim_tiles = d // 16, DQ_BKV // 8, DQ_BKV // 16, d // 8
     log2e = 1 / np.log(2)
     dq = np.zeros((heads, seqlen, d))
     visits = np.zeros((heads, seqlen, seqlen), dtype=np.int64)
@@ -357,29 +385,29 @@ def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale):
             query_tile, head = (grid[1] - 1 - by, bx) if causal else (bx, by)
             query0 = query_tile * BQ
             key_end = min(seqlen, query0 + BQ) if causal else seqlen
-            kv_tiles = ceil_div(key_end, BKV)
+            kv_tiles = ceil_div(key_end, DQ_BKV)
             q_base, do_base, k_ring = 0, BQ * stride, 2 * BQ * stride
-            v_ring = k_ring + STAGES * BKV * stride
-            smem = Shared(v_ring + STAGES * BKV * stride)
+            v_ring = k_ring + STAGES * DQ_BKV * stride
+            smem = Shared(v_ring + STAGES * DQ_BKV * stride)
             load_tile(smem, q_base, stride, q[head], query0, seqlen, BQ, d)
             load_tile(smem, do_base, stride, do[head], query0, seqlen, BQ, d)
 
             def fill(slot, t):
-                load_tile(smem, k_ring + slot * BKV * stride, stride, k[head], t * BKV, seqlen, BKV, d)
-                load_tile(smem, v_ring + slot * BKV * stride, stride, v[head], t * BKV, seqlen, BKV, d)
+                load_tile(smem, k_ring + slot * DQ_BKV * stride, stride, k[head], t * DQ_BKV, seqlen, DQ_BKV, d)
+                load_tile(smem, v_ring + slot * DQ_BKV * stride, stride, v[head], t * DQ_BKV, seqlen, DQ_BKV, d)
 
             for t in range(STAGES - 1):
                 if t < kv_tiles:
                     fill(t, t)
-            acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(WARPS)]
-            rows_of = [lane_rows(query0 + w * ROWS) for w in range(WARPS)]
+            acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(DQ_WARPS)]
+            rows_of = [lane_rows(query0 + w * ROWS) for w in range(DQ_WARPS)]
             for tile in range(kv_tiles):
                 nxt = tile + STAGES - 1
                 if nxt < kv_tiles:
                     fill(nxt % STAGES, nxt)
-                k_tile, v_tile = k_ring + tile % STAGES * BKV * stride, v_ring + tile % STAGES * BKV * stride
-                key0 = tile * BKV
-                for w in range(WARPS):
+                k_tile, v_tile = k_ring + tile % STAGES * DQ_BKV * stride, v_ring + tile % STAGES * DQ_BKV * stride
+                key0 = tile * DQ_BKV
+                for w in range(DQ_WARPS):
                     row0 = w * ROWS
                     rows = rows_of[w]
                     ok = rows < seqlen
@@ -400,7 +428,7 @@ def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale):
                             mma(dsv[2 * np_ + 1], of, vf[np_][:, 2], vf[np_][:, 3])
                     score = score.transpose(1, 0, 2)
                     hide = tile_hidden(rows, lane_cols(key0, key_tiles_n8), False, seqlen, causal)
-                    if mask_needed(query0, key0, seqlen, causal):
+                    if mask_needed(query0, key0, seqlen, causal, DQ_BKV):
                         score = np.where(hide, -np.inf, score)
                     else:
                         assert not hide.any(), f"dQ tile (queries {query0}, keys {key0}) needed the mask it skips"
@@ -416,9 +444,9 @@ def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale):
                             kf = load_trans_pair(smem, k_tile, stride, kk, dp)
                             mma(acc[w][2 * dp], dsf, kf[:, 0], kf[:, 1])
                             mma(acc[w][2 * dp + 1], dsf, kf[:, 2], kf[:, 3])
-            if causal and kv_tiles * BKV < seqlen:  # the key tiles skipped: after every query of the tile
-                assert kv_tiles * BKV > query0 + BQ - 1
-            for w in range(WARPS):
+            if causal and kv_tiles * DQ_BKV < seqlen:  # the key tiles skipped: after every query of the tile
+                assert kv_tiles * DQ_BKV > query0 + BQ - 1
+            for w in range(DQ_WARPS):
                 rows = rows_of[w]
                 for r in range(2):
                     ok = rows[:, r] < seqlen
@@ -432,7 +460,7 @@ def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale):
 
 
 # --- the checks ----------------------------------------------------------------------------------
-def check_shape(heads, seqlen, d, causal, deterministic, seed=0):
+def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, stagger=None):
     q, k, v = reference.make_inputs(1, heads, seqlen, d, seed)
     do = reference.make_grad_output(1, heads, seqlen, d, seed)
     scale = 1 / np.sqrt(d)
@@ -440,24 +468,30 @@ def check_shape(heads, seqlen, d, causal, deterministic, seed=0):
     o, lse = reference.attention_reference(q, k, v, rows, causal, scale)
     want = reference.attention_backward(q, k, v, do, rows, rows, causal, scale)
     f64 = [x[0].astype(np.float64) for x in (q, k, v, do)]
-    got = emulate_backward(*f64, o[0], lse[0], causal, scale, deterministic)
+    got = emulate_backward(*f64, o[0], lse[0], causal, scale, deterministic, warps, stagger)
     for name, g, w in zip(("dQ", "dK", "dV", "D"), got, want):
         w = w[0]
         assert np.all(np.isfinite(g)), f"{name}: non-finite values"
         err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1.0)
         assert err < 1e-10, (f"{name} at H={heads} N={seqlen} D={d} causal={causal} "
-                             f"deterministic={deterministic}: relative error {err:.2e}")
+                             f"deterministic={deterministic} warps={warps} stagger={stagger}: relative error {err:.2e}")
     return got
 
 
-SHAPES = [  # (heads, N, D, causal): N = 1, a ragged tile, whole tiles, ragged and causal
+SHAPES = [  # (heads, N, D, causal): N = 1, a ragged tile, whole tiles, ragged and causal, wrapping round
     (1, 1, 64, False), (1, 1, 128, True), (1, 77, 64, True), (2, 77, 128, False),
-    (1, 128, 64, True), (1, 130, 128, True), (1, 200, 64, False),
+    (1, 128, 64, True), (1, 130, 128, True), (1, 200, 64, False), (1, 260, 64, False),
 ]
+# The other arrangements the source builds (-DBWD_WARPS_D64=, -DBWD_WARPS_D128=, -DBWD_STAGGER=):
+# (warps, stagger), each on a few shapes. Four warps without BWD_STAGGER is the chapter's first kernel.
+ARRANGEMENTS = [(4, False), (4, True), (8, False)]
+ARRANGEMENT_SHAPES = [(1, 77, 128, True), (1, 200, 64, False)]
 
 
 def test_tile_constants_read_from_the_source():
-    assert BKV == WARPS * ROWS and BQ % 16 == 0 and STAGES >= 2, C
+    assert all(main_warps(d) in (4, 8) for d in (64, 128)) and C["BWD_STAGGER"] in (0, 1), C
+    assert DQ_WARPS * ROWS == BQ and BQ % 16 == 0 and DQ_BKV % 16 == 0 and STAGES >= 2, C
+    return f"main kernel: {main_warps(64)} warps at D=64, {main_warps(128)} at D=128; BWD_STAGGER {C['BWD_STAGGER']}"
 
 
 def test_atomic_version_matches_reference():
@@ -473,6 +507,14 @@ def test_deterministic_version_matches_reference_and_atomics():
         atom = check_shape(heads, n, d, causal, deterministic=False)
         assert np.array_equal(det[1], atom[1]) and np.array_equal(det[2], atom[2])
     return f"{len(SHAPES)} shapes"
+
+
+def test_other_arrangements_match_reference():
+    for warps, stagger in ARRANGEMENTS:
+        for heads, n, d, causal in ARRANGEMENT_SHAPES:
+            for deterministic in (False, True):
+                check_shape(heads, n, d, causal, deterministic, warps=warps, stagger=stagger)
+    return f"(warps, stagger) {ARRANGEMENTS}, {len(ARRANGEMENT_SHAPES)} shapes each, both dQ modes"
 
 
 def test_workspace_bytes_formula_in_source():
@@ -495,13 +537,23 @@ KERNEL_EXPRESSIONS = [
     "warp_row0 + group + i % 2 * ACC_ROW_STEP",  # dS^T's stores
     "kk * MMA_K + i / 2 * MMA_N + 2 * quad_lane",
     "key >= seqlen || query >= seqlen || (causal && key > query)",  # mask_tile
-    "query0 + BWD_BLOCK_Q > seqlen || key0 + BWD_BLOCK_KV > seqlen || (causal && key0 + BWD_BLOCK_KV - 1 > query0)",
-    "first_tile = causal ? key0 / BWD_BLOCK_Q : 0",
+    "query0 + BWD_BLOCK_Q > seqlen || key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0)",
+    "query0 + BWD_BLOCK_Q > seqlen || key0 + DQ_BLOCK_KV > seqlen || (causal && key0 + DQ_BLOCK_KV - 1 > query0)",
+    "BLOCK_WARPS = HEAD_DIM == 128 ? BWD_WARPS_D128 : BWD_WARPS_D64",  # main_warps
+    "BLOCK_KV = BLOCK_WARPS * BWD_WARP_ROWS",
+    "first_tile = causal || BWD_STAGGER ? key0 / BWD_BLOCK_Q : 0",
+    "q_tiles = causal ? query_tiles - first_tile : query_tiles",
+    "return (tile < query_tiles ? tile : tile - query_tiles) * BWD_BLOCK_Q",  # step_query0
+    "if (tile > 0) add_dq_of_tile<HEAD_DIM>(dq_head, ds_tile, k_tile, step_query0(first_tile, tile - 1, query_tiles)",
+    "add_dq_of_tile<HEAD_DIM>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen)",
     "key_tile = causal ? blockIdx.y : blockIdx.x",
     "query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x",
     "key_end = causal ? min(seqlen, query0 + BWD_BLOCK_Q) : seqlen",
-    "DQ_DIM_TILES = DIM_TILES > 8 ? 8 : DIM_TILES",
-    "pass * DQ_DIM_TILES / 2 + dp",
+    "DQ_WARP_DIMS = HEAD_DIM * DQ_ROW_TILES / BLOCK_WARPS",  # add_dq_of_tile
+    "warp_row0 = warp % DQ_ROW_TILES * BWD_WARP_ROWS, dim0 = warp / DQ_ROW_TILES * DQ_WARP_DIMS",
+    "DQ_DIM_TILES = DQ_WARP_DIMS / MMA_N > 8 ? 8 : DQ_WARP_DIMS / MMA_N",
+    "dim0 / (2 * MMA_N) + pass * DQ_DIM_TILES / 2 + dp",
+    "dim0 + pass * DQ_DIM_TILES * MMA_N",
     "dim3(heads, key_tiles) : dim3(key_tiles, heads)",
 ]
 

@@ -1,10 +1,13 @@
 """Time 09's backward (both builds) beside PyTorch's flash-attention backward (FlashAttention-2's
 kernels) on the same shapes, in one run: medians of 30 after 5 warm-up runs, CUDA events.
 
-  python3 docs/results/logs/09/backward_vs_fa2.py [K]     (K: only the first K shapes)
+  python3 docs/results/logs/09/backward_vs_fa2.py [K] [--build LABEL=BINARY ...]
 
-Prints one CSV line per shape and mask (ms; speedup = FA2's time / ours). Needs PyTorch and a GPU,
-and `make` first (build/09_backward, build/09_backward.deterministic).
+K: only the first K shapes. --build (repeatable): time these binaries instead of the two builds,
+each under its label, in the order given (a variant made with `make BUILD=... EXTRA_NVFLAGS=...`).
+Prints one CSV line per shape and mask (ms; speedup = FA2's time / ours): the columns torch_ms,
+then LABEL_ms and LABEL_speedup of each build, then the status and gradient errors of the first.
+Needs PyTorch and a GPU, and `make` first (build/09_backward, build/09_backward.deterministic).
 """
 import os
 import statistics
@@ -18,7 +21,8 @@ sys.path.insert(0, os.path.join(ROOT, "common"))
 from runner import run_case, shape_args  # noqa: E402
 
 SHAPES = [(4, 16, 4096, 128), (4, 16, 4096, 64), (8, 16, 2048, 128), (8, 16, 2048, 64), (2, 16, 8192, 128)]
-BUILDS = ("09_backward", "09_backward.deterministic")
+BUILDS = (("ours", os.path.join(ROOT, "build", "09_backward")),
+          ("det", os.path.join(ROOT, "build", "09_backward.deterministic")))
 WARMUP, ITERS = 5, 30
 
 
@@ -42,25 +46,43 @@ def torch_backward_ms(b, h, n, d, causal):
     return statistics.median(times)
 
 
-def ours(build, b, h, n, d, causal):
-    """(ms or nan, the row's status and gradient errors, or what went wrong) of one build, unchecked."""
+def ours(binary, b, h, n, d, causal):
+    """(ms or nan, the row's status and gradient errors, or what went wrong) of one binary, unchecked."""
     args = shape_args((b, h, n, d, causal)) + ["--backward", "--no-check", "--warmup", str(WARMUP), "--iters", str(ITERS)]
-    status, row, note = run_case(os.path.join(ROOT, "build", build), "09_backward", args)
+    status, row, note = run_case(binary, "09_backward", args)
     if row is None or row["ms"] is None:
         return float("nan"), f"{status} {note}"
     errors = " ".join("" if row[g] is None else f"{row[g]:.3e}" for g in ("dq_rel_l2", "dk_rel_l2", "dv_rel_l2"))
     return row["ms"], f"{status} {errors}"
 
 
+def arguments(argv):
+    """(shapes, [(label, binary)]) from [K] [--build LABEL=BINARY ...]."""
+    count, builds, rest = None, [], list(argv)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--build" and rest and "=" in rest[0]:
+            label, binary = rest.pop(0).split("=", 1)
+            builds.append((label, os.path.abspath(binary)))
+        elif arg.isdigit() and count is None:
+            count = int(arg)
+        else:
+            sys.exit(f"usage: backward_vs_fa2.py [K] [--build LABEL=BINARY ...] (got {arg!r})")
+    return SHAPES[:count] if count else SHAPES, builds or list(BUILDS)
+
+
 def main():
-    shapes = SHAPES[:int(sys.argv[1])] if len(sys.argv) > 1 else SHAPES
-    print("shape,causal,torch_ms,ours_ms,det_ms,speedup,det_speedup,status,rel")
+    shapes, builds = arguments(sys.argv[1:])
+    labels = [label for label, _ in builds]
+    print(",".join(["shape", "causal", "torch_ms"] + [f"{x}_ms" for x in labels] + [f"{x}_speedup" for x in labels] +
+                   ["status", "rel"]))
     for b, h, n, d in shapes:
         for causal in (False, True):
             fa2 = torch_backward_ms(b, h, n, d, causal)
-            (atomic, said), (deterministic, _) = (ours(build, b, h, n, d, causal) for build in BUILDS)
-            print(f"B{b}H{h}N{n}D{d},{int(causal)},{fa2:.3f},{atomic:.3f},{deterministic:.3f},"
-                  f"{fa2 / atomic:.2f},{fa2 / deterministic:.2f},{said}", flush=True)
+            runs = [ours(binary, b, h, n, d, causal) for _, binary in builds]
+            said = runs[0][1]
+            print(",".join([f"B{b}H{h}N{n}D{d}", str(int(causal)), f"{fa2:.3f}"] + [f"{ms:.3f}" for ms, _ in runs] +
+                           [f"{fa2 / ms:.2f}" for ms, _ in runs] + [said]), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,109 @@
+#!/bin/bash
+# 09's backward, the main kernel's arrangements side by side in one GPU call: each built with its
+# switches (its own BUILD folder under build/), its ptxas report (registers, spills), its gradients
+# checked at ragged shapes in both dQ modes, the deterministic build run twice (bitwise the same
+# dQ?), the chapter's build through compute-sanitizer racecheck and synccheck, then every build
+# timed beside FlashAttention-2's backward (backward_vs_fa2.py), with the 09.dq_red exercise's
+# stub (scalar atomics) as one more row.
+#
+#   bash docs/results/logs/09/arrangements.sh [K]   (K: the first K shapes of backward_vs_fa2.py;
+#                                                     default 2: B4 H16 N4096, D 128 and 64)
+# Variants: new (the source's defaults), old (four warps, 64 keys per block, no stagger: the
+# chapter's first arrangement), w4_stagger, w8_nostagger (one change each). PYTHON: a Python with
+# PyTorch (default python3). Exit 1 if a build or a check failed.
+set -u
+cd "$(dirname "$0")/../../../.." || exit 2
+SHAPES=${1:-2}
+PYTHON=${PYTHON:-python3}
+VARIANTS=(new old w4_stagger w8_nostagger)
+declare -A FLAGS=([new]="" [old]="-DBWD_WARPS_D128=4 -DBWD_WARPS_D64=4 -DBWD_STAGGER=0"
+                  [w4_stagger]="-DBWD_WARPS_D128=4 -DBWD_WARPS_D64=4" [w8_nostagger]="-DBWD_STAGGER=0")
+folder() { if [ "$1" = new ]; then echo build; else echo "build/arr_$1"; fi; }
+failed=0
+nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
+
+# Builds, in parallel (each its own folder), and the exercise's stub in build/exercises/ (after
+# the chapter's build, whose folder's harness objects it shares).
+pids=() logs=()
+for v in "${VARIANTS[@]}"; do
+    b=$(folder "$v")
+    mkdir -p "$b"
+    make -s -j4 BUILD="$b" EXTRA_NVFLAGS="${FLAGS[$v]}" "$b/09_backward" "$b/09_backward.deterministic" \
+        > "$b/arrangements_make.log" 2>&1 &
+    pids+=($!) logs+=("$b/arrangements_make.log")
+done
+for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || { failed=1; echo "BUILD FAILED, ${logs[$i]}:"; tail -n 20 "${logs[$i]}"; }
+done
+mkdir -p build/exercises
+{ "${PYTHON}" common/exercises.py make 09_backward --only dq_red --force && make -s build/exercises/09_backward; } \
+    > build/exercises/arrangements_make.log 2>&1 ||
+    { failed=1; echo "BUILD FAILED, the 09.dq_red stub:"; tail -n 20 build/exercises/arrangements_make.log; }
+
+# Registers and spills of the backward kernels, per build (ptxas' report in BUILD/X.log).
+for v in "${VARIANTS[@]}"; do
+    for bin in 09_backward 09_backward.deterministic; do
+        awk -v tag="$v $bin" '
+            /Compiling entry function/ {
+                name = $0; sub(/.*_Z[0-9]+/, "", name); sub(/EEv.* for /, " ", name); sub(/ILi/, " D", name) }
+            /spill stores/ { spill = $5 " + " $9 }
+            /Used [0-9]+ registers/ && name ~ /^flash_attention_(backward|dq)_kernel/ {
+                print tag ": " name ": " $5 " registers, spill " spill " bytes" }
+        ' "$(folder "$v")/$bin.log"
+    done
+done
+
+# Correctness: --backward at ragged shapes, both D, causal and not, every build (8 at a time).
+check() {  # folder binary N D causal|noncausal
+    local out status mask=""
+    [ "$5" = causal ] && mask=--causal
+    out=$("$1/$2" --backward --batch 1 --heads 2 --seqlen "$3" --headdim "$4" $mask --warmup 0 --iters 1 --csv 2>&1)
+    status=$(echo "$out" | tail -n 1 | awk -F, 'NF >= 22 { print $11 " dq " $20 " dk " $21 " dv " $22 }')
+    echo "$1/$2 N=$3 D=$4 $5: ${status:-ERROR $(echo "$out" | tail -n 1)}"
+}
+export -f check
+for v in "${VARIANTS[@]}"; do
+    for bin in 09_backward 09_backward.deterministic; do
+        for n in 1 17 127 1000; do
+            for d in 64 128; do
+                for c in noncausal causal; do echo "$(folder "$v") $bin $n $d $c"; done
+            done
+        done
+    done
+done | xargs -P 8 -n 5 bash -c 'check "$@"' _ | sort > build/arrangements_checks.txt
+grep -c ": PASS" build/arrangements_checks.txt | sed 's/^/checks passed: /'
+if grep -v ": PASS" build/arrangements_checks.txt; then failed=1; fi
+
+# DETERMINISTIC_DQ: the same dQ, bit for bit, in two runs (and the atomic build, for contrast).
+for bin in 09_backward.deterministic 09_backward; do
+    for run in 1 2; do
+        rm -rf "build/arr_repeat_$run"
+        build/$bin --backward --batch 2 --heads 4 --seqlen 1000 --headdim 128 --causal --warmup 0 --iters 1 \
+            --no-check --output "build/arr_repeat_$run" > /dev/null 2>&1
+    done
+    if cmp -s build/arr_repeat_1/dq.npy build/arr_repeat_2/dq.npy; then echo "$bin: dQ bitwise the same in two runs"
+    else echo "$bin: dQ differs between two runs"; [ "$bin" = 09_backward.deterministic ] && failed=1; fi
+done
+
+# compute-sanitizer racecheck and synccheck of the chapter's atomic build (its barriers moved):
+# ragged, wrapping round (N=300: three key blocks, five query tiles) and causal.
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for run in "racecheck 300 128 noncausal" "racecheck 200 64 causal" "synccheck 300 64 noncausal"; do
+    set -- $run
+    mask="" && [ "$4" = causal ] && mask=--causal
+    out=$(timeout 300 "$sanitizer" --tool "$1" --error-exitcode 99 --target-processes application-only \
+        build/09_backward --backward --batch 1 --heads 1 --seqlen "$2" --headdim "$3" $mask --warmup 0 --iters 1 2>&1)
+    code=$?
+    echo "$1 N=$2 D=$3 $4: exit $code, $(echo "$out" | grep -E "SUMMARY" | tail -n 1)"
+    [ "$code" = 0 ] || failed=1
+done
+
+# Timing, beside FlashAttention-2's backward, in one run.
+builds=()
+for v in "${VARIANTS[@]}"; do
+    builds+=(--build "$v=$(folder "$v")/09_backward")
+    case $v in new | old) builds+=(--build "${v}_det=$(folder "$v")/09_backward.deterministic") ;; esac
+done
+builds+=(--build "dq_red_stub=build/exercises/09_backward")
+"${PYTHON}" docs/results/logs/09/backward_vs_fa2.py "$SHAPES" "${builds[@]}"
+exit $failed
