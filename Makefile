@@ -144,6 +144,7 @@ sanitize: all
 # such as 08.3 names its chapter's folder.
 chapter_dir = $(firstword $(patsubst %/attention.cu,%,$(wildcard $(call chapter_of,$(1))_*/attention.cu 0$(call chapter_of,$(1))_*/attention.cu $(call chapter_of,$(1))/attention.cu)))
 chapter_of = $(firstword $(subst ., ,$(1)))
+comma := ,
 no_chapter = { echo "make $@: no chapter '$(1)' (name one by its number, e.g. $(2)=04; chapters: $(CHAPTERS))" >&2; exit 2; }
 
 A ?= 04
@@ -217,12 +218,12 @@ ablation: $(PY_DEPS)
 # one seed, with PyTorch's SDPA and with CH's forward (default here: 07; a step such as CH=08.3 too)
 # and 09's backward, on the Python standard library's source; both loss curves, each run's tokens/s
 # and a CSV -> docs/results/train/. It builds the two libraries it loads. TRAIN_ARGS: train.py's
-# options, e.g. --quick (200 steps, output under BUILD/train/) or --steps 2000 --batch 16. Without
-# PyTorch or a GPU: one line, exit 0.
+# options, e.g. --quick (200 steps, output under BUILD/train/) or --steps 2000 --batch 16.
+# CH=07,08: one SDPA run, then one run per chapter. Without PyTorch or a GPU: one line, exit 0.
 TRAIN_CH = $(if $(filter file,$(origin CH)),07,$(CH))
 TRAIN_ARGS ?=
 train: $(PY_DEPS)
-	@test -n "$(call chapter_dir,$(TRAIN_CH))" || $(call no_chapter,$(TRAIN_CH),CH)
+	@$(foreach c,$(subst $(comma), ,$(TRAIN_CH)),test -n "$(call chapter_dir,$(c))" || $(call no_chapter,$(c),CH);) true
 	@$(PYTHON) common/train.py --chapter $(TRAIN_CH) --build $(BUILD) $(TRAIN_ARGS)
 
 # The ceilings docs/design.md quotes, measured on this GPU by tools/peaks.cu: fp32 FFMA, fp16

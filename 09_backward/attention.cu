@@ -525,7 +525,7 @@ __device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_R
     // EXERCISE 09.dq_red BEGIN: add the partial with one 16-byte RED per lane and n8 tile on sm_90, not one per float
     //   kind: speed
     //   pass: backward
-    //   gate: 1.25x
+    //   gate: 1.10x
     //   shape: headline
     //   hint: The stub adds each float of the partial alone: 2 x ACC_ROWS x DIM_TILES 4-byte atomicAdds per lane
     //     per pass, each a RED of its own. sm_90 adds four adjacent floats in one RED (atomicAdd on a float4,
@@ -535,10 +535,9 @@ __device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_R
     //     row, and the odd lane four of the second; then one float4 atomicAdd each per n8 tile. Keep the
     //     scalar loop for older GPUs, under #if __CUDA_ARCH__ >= 900 ... #else ... #endif: the build makes
     //     sm_80 code too, where float4 atomics do not exist.
-    //   stub: measured: the chapter's backward (its first kernel: four warps, 64 keys per block) with this scalar
-    //     reduction took 9.63 ms at B=4 H=16 N=4096 D=128, with the vector one 6.58 ms, 1.46x
-    //     (docs/results/logs/09/backward_vs_fa2_h200_scalar_red.csv and
-    //     docs/results/logs/09/backward_vs_fa2_h200_vector_red.csv, ours_ms)
+    //   stub: measured: the chapter's backward with this scalar reduction took 6.46 ms at B=4 H=16 N=4096
+    //     D=128, with the vector one 5.45 ms, 1.19x (docs/results/logs/09/arrangements_h200.txt: dq_red_stub
+    //     against new); with the first kernel's four warps, twice the REDs, 9.63 against 6.58 ms, 1.46x
 #if __CUDA_ARCH__ >= 900
     const bool odd = quad_lane % 2;
     const int row = row0 + (odd ? ACC_ROW_STEP : 0), col = dim0 + 2 * (quad_lane - quad_lane % 2);

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""`make train CH=07`: a small GPT trained twice from one seed, once with PyTorch's SDPA and once with
-a chapter's attention (common/torch_op.py: the forward from CH, the backward from 09), on the bytes of
-the Python standard library's own source; the two loss curves, side by side.
+"""`make train CH=07`: a small GPT trained from one seed, once with PyTorch's SDPA and once with a
+chapter's attention (common/torch_op.py: the forward from CH, the backward from 09), on the bytes of
+the Python standard library's own source; the loss curves, side by side. CH=07,08: one SDPA run,
+then one run per chapter, from the same seed.
 
-  train.py [--chapter 07] [--backward 09] [--steps N] [--batch B] [--eval-every K] [--eval-batches E]
+  train.py [--chapter 07[,08...]] [--backward 09] [--steps N] [--batch B] [--eval-every K] [--eval-batches E]
            [--seed S] [--lr LR] [--quick] [--out CSV] [--build DIR] [--make CMD] [--no-build]
 
 The model: 6 layers, 6 heads of D = 64 (width 384), context 512, bytes as tokens (256), learned
@@ -60,9 +61,9 @@ CLIP_NORM = 1.0
 PROGRESS_EVERY = 25    # steps between progress-bar updates on a terminal (each reads the loss: a sync)
 FIELDS = ("step", "run", "train_loss", "val_loss", "tokens_per_s")
 SDPA_RUN = "sdpa"
-# An H200 runs a step of batch 32 in roughly 12-18 ms (estimated, not yet measured): 5000 steps are
-# about 1-1.5 minutes a run.
-DEFAULTS = {"steps": 5000, "batch": 32, "eval_every": 250, "eval_batches": 16}
+# An H200 ran a step of batch 32 in 17 ms with SDPA, 22 ms with 07 + 09 (--quick's tokens/s): 3000
+# steps are about a minute a run.
+DEFAULTS = {"steps": 3000, "batch": 32, "eval_every": 150, "eval_batches": 16}
 QUICK = {"steps": 200, "batch": 32, "eval_every": 50, "eval_batches": 4}
 
 
@@ -310,9 +311,9 @@ def write_csv(path, rows):
 
 
 def plot(path, rows, title):
-    """Both runs' validation (solid) and training (dashed) losses against the step, and below them the
-    difference of the validation losses (second run minus first), to path; None, or the one-line
-    reason it was not drawn."""
+    """Every run's validation (solid) and training (dashed) losses against the step, and below them the
+    difference of the validation losses (each later run minus the first), to path; None, or the
+    one-line reason it was not drawn."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -333,12 +334,14 @@ def plot(path, rows, title):
     ax.set_title(textwrap.fill(title, 100), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    first, second = ({r["step"]: r["val_loss"] for r in rows if r["run"] == run} for run in runs[:2])
-    steps = sorted(set(first) & set(second))
-    below.plot(steps, [second[s] - first[s] for s in steps], marker=".", color="black")
+    first = {r["step"]: r["val_loss"] for r in rows if r["run"] == runs[0]}
+    for run, line in zip(runs[1:], ax.get_lines()[2::2]):  # each run after the first, in its colour
+        other = {r["step"]: r["val_loss"] for r in rows if r["run"] == run}
+        steps = sorted(set(first) & set(other))
+        below.plot(steps, [other[s] - first[s] for s in steps], marker=".", color=line.get_color(), label=run)
     below.axhline(0, color="grey", linewidth=0.8)
     below.set_xlabel("step")
-    below.set_ylabel(f"validation loss,\n{runs[1]} - {runs[0]}", fontsize=8)
+    below.set_ylabel(f"validation loss,\nminus {runs[0]}'s", fontsize=8)
     below.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -346,20 +349,24 @@ def plot(path, rows, title):
     return None
 
 
-def summary_lines(results, chapter_run):
+def summary_lines(results, chapter_runs):
     """Each run's final validation loss and tokens per second, and the difference of the final
-    validation losses (chapter minus SDPA)."""
+    validation losses (each chapter minus SDPA)."""
     lines = [f"{run:<26} final validation loss {rows[-1]['val_loss']:.4f}, {rate / 1e6:.2f}M tokens/s"
              for run, (rows, rate) in results.items()]
-    difference = results[chapter_run][0][-1]["val_loss"] - results[SDPA_RUN][0][-1]["val_loss"]
-    lines.append(f"difference of the final validation losses ({chapter_run} - {SDPA_RUN}): {difference:+.4f}")
+    sdpa = results[SDPA_RUN][0][-1]["val_loss"]
+    for run in chapter_runs:
+        difference = results[run][0][-1]["val_loss"] - sdpa
+        lines.append(f"difference of the final validation losses ({run} - {SDPA_RUN}): {difference:+.4f} "
+                     f"({difference / sdpa:+.2%})")
     return lines
 
 
 # --- Main -------------------------------------------------------------------------------------------
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--chapter", default="07", help="the forward's chapter: 07, 08, 08.3, ... (default 07)")
+    parser.add_argument("--chapter", default="07",
+                        help="the forward's chapter: 07, 08, 08.3, ..., or several, 07,08 (default 07)")
     parser.add_argument("--backward", default="09", help="the backward's chapter (default 09)")
     parser.add_argument("--steps", type=int, help=f"training steps per run (default {DEFAULTS['steps']})")
     parser.add_argument("--batch", type=int, help=f"sequences of {CONTEXT} bytes per step (default {DEFAULTS['batch']})")
@@ -407,18 +414,18 @@ def build_libraries(args, names):
     return subprocess.run(cmd, cwd=ROOT, env=make_env()).returncode
 
 
-def output_path(args, forward):
+def output_path(args, forwards):
     if args.out:
         return args.out
     folder = os.path.join(torch_op.build_dir(args.build), "train") if args.quick else \
         os.path.join(ROOT, "docs", "results", "train")
-    return os.path.join(folder, f"train_{forward}{'_quick' if args.quick else ''}.csv")
+    return os.path.join(folder, f"train_{'+'.join(forwards)}{'_quick' if args.quick else ''}.csv")
 
 
-def gpu_refusal(forward, backward):
-    """The one-line reason this GPU runs one of the two libraries not, or None."""
+def gpu_refusal(names):
+    """The one-line reason this GPU runs one of the libraries not, or None."""
     major, minor = torch.cuda.get_device_capability()
-    for lib in (torch_op.library(forward), torch_op.library(backward)):
+    for lib in [torch_op.library(name) for name in names]:
         if not lib.runs_on(major * 10 + minor):
             needs = runs_on({"min_sm": lib.min_sm, "max_sm": lib.max_sm})
             return f"{lib.name} runs on {needs}, this GPU is sm_{major}{minor}: nothing trained"
@@ -428,7 +435,8 @@ def gpu_refusal(forward, backward):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        forward, backward = torch_op.build_name(args.chapter), torch_op.build_name(args.backward)
+        forwards = [torch_op.build_name(c) for c in args.chapter.split(",")]
+        backward = torch_op.build_name(args.backward)
     except ValueError as exc:
         print(f"train.py: {exc}", file=sys.stderr)
         return 2
@@ -436,14 +444,15 @@ def main(argv=None):
     if reason:
         print(f"train.py: {reason}")
         return 0
-    if not args.no_build and build_libraries(args, [forward, backward]) != 0:
-        print(f"train.py: building the libraries of {forward} and {backward} failed (output above)", file=sys.stderr)
+    names = list(dict.fromkeys(forwards + [backward]))
+    if not args.no_build and build_libraries(args, names) != 0:
+        print(f"train.py: building the libraries of {', '.join(names)} failed (output above)", file=sys.stderr)
         return 1
     os.environ["FA_BUILD"] = torch_op.build_dir(args.build)
     if not torch_op.library(backward).has_backward:
         print(f"train.py: --backward {args.backward}: {backward} has no backward pass", file=sys.stderr)
         return 2
-    reason = gpu_refusal(forward, backward)
+    reason = gpu_refusal(names)
     if reason:
         print(f"train.py: {reason}")
         return 0
@@ -453,19 +462,18 @@ def main(argv=None):
     print(f"model: {LAYERS} layers, {HEADS} heads of D = {HEAD_DIM}, context {CONTEXT}, "
           f"{parameter_count(build_model(sdpa_attention)) / 1e6:.1f}M parameters; {args.steps} steps of "
           f"{args.batch} x {CONTEXT} bytes, seed {args.seed}; GPU {torch.cuda.get_device_name()}")
-    chapter_run = forward
-    attends = {SDPA_RUN: sdpa_attention, chapter_run: chapter_attention(forward, backward)}
+    attends = {SDPA_RUN: sdpa_attention, **{forward: chapter_attention(forward, backward) for forward in forwards}}
     results = {run: train_run(run, attend, corpus, args.steps, args.batch, args.eval_every, args.eval_batches,
                               args.seed, args.lr) for run, attend in attends.items()}
     rows = [row for run_rows, _ in results.values() for row in run_rows]
-    path = output_path(args, forward)
+    path = output_path(args, forwards)
     write_csv(path, rows)
     title = (f"{LAYERS}-layer GPT on the Python standard library's source, {args.steps} steps x {args.batch} x "
-             f"{CONTEXT} bytes, seed {args.seed}: SDPA against {forward} (backward {backward}), "
+             f"{CONTEXT} bytes, seed {args.seed}: SDPA against {', '.join(forwards)} (backward {backward}), "
              f"{torch.cuda.get_device_name()}")
     figure = os.path.splitext(path)[0] + ".png"
     note = plot(figure, rows, title)
-    for line in summary_lines(results, chapter_run):
+    for line in summary_lines(results, forwards):
         print(line)
     print(f"wrote {os.path.relpath(path)}" + (f" ({note})" if note else f" and its figure, {os.path.basename(figure)}"))
     finite = all(math.isfinite(r["val_loss"]) for r in rows)
