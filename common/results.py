@@ -83,6 +83,12 @@ def _variants(makefile=os.path.join(ROOT, "Makefile")):
 VARIANTS = _variants()
 
 
+def build_chapter(impl):
+    """The name a build's binary prints for itself (its --csv row, its messages): its chapter's for a
+    variant build (09_backward for 09_backward.deterministic), else the impl itself."""
+    return next((chapter for chapter, builds in VARIANTS.items() if impl in builds), impl)
+
+
 def backward_builds(chapter, root=ROOT):
     """The builds of a chapter whose backward the bench times: the chapter and its VARIANTS, where
     it registers a backward pass (a `Backward` in its source); () for the others."""

@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import (fmt_ms, fmt_rel, fmt_tflops, print_backward_summary, print_summary, plot_results,  # noqa: E402
                     regenerate_tables, run_stage_table, say)
 from results import (BENCH_ITERS, BENCH_WARMUP, CHAPTER_DTYPES, GRAD_FIELDS, HEADLINE_D, HEADLINE_N, PASSES,  # noqa: E402
-                     QUICK_NS, STEPS, backward_builds, bench_shape, bench_shapes, collect_env, csv_pass, env_path,
+                     QUICK_NS, STEPS, backward_builds, bench_shape, build_chapter, bench_shapes, collect_env, csv_pass, env_path,
                      gpu_name, gpu_slug, is_anchor, make_row, pass_csv, read_env, read_results, row_key, shape_label,
                      step_binary, work, write_env, write_results)
 from runner import chapters as chapters_of, classify, run_binary  # noqa: E402
@@ -125,7 +125,7 @@ def bench_one(binary, name, dtype, shape, last, unsupported, pass_="forward"):
     if slow:
         return make_row(name, shape, "SKIP", note=slow, dtype=dtype, grads=unknown)
     code, stdout, stderr = run_binary(binary, shape_flags(shape, BENCH_WARMUP, BENCH_ITERS, pass_))
-    status, row, note = classify(name, code, stdout, stderr)
+    status, row, note = classify(build_chapter(name), code, stdout, stderr)
     if status == "skipped":
         unsupported[binary] = note
         return make_row(name, shape, "SKIP", note=note, dtype=dtype, grads=unknown)

@@ -339,6 +339,12 @@ def test_bench_backward_skips_and_refusals():
         code, printed, _ = bench_skipping(tmp)
         assert code == 77 and result_files(tmp) == [], (code, printed)
         assert "nothing measured" in printed, printed
+        # A variant build speaks with its chapter's name (09_backward: skipped: ...): its note is the reason alone.
+        assert results.build_chapter("09_backward.deterministic") == "09_backward"
+        assert results.build_chapter("08.3") == "08.3" and results.build_chapter("09_backward") == "09_backward"
+        row = stages.bench_one(os.path.join(tmp, "build", "09_backward.deterministic"), "09_backward.deterministic",
+                               "fp16", results.bench_shape(128, 1024, 0), None, {}, "backward")
+        assert (row["status"], row["note"], row["dq_rel_l2"]) == ("SKIP", "no CUDA GPU available (x)", None), row
 
 
 def bench_skipping(tmp):
@@ -347,7 +353,8 @@ def bench_skipping(tmp):
     for name in ("09_backward", "09_backward.deterministic"):
         path = os.path.join(tmp, "build", name)
         with open(path, "w") as f:
-            f.write(f"#!{sys.executable}\nimport sys\nprint('{name}: skipped: no CUDA GPU available (x)')\nsys.exit(77)\n")
+            f.write(f"#!{sys.executable}\nimport sys\nprint('09_backward: skipped: no CUDA GPU available (x)')\n"
+                    "sys.exit(77)\n")
         os.chmod(path, 0o755)
     return bench(tmp, "--pass", "backward", "09_backward")
 
