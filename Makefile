@@ -131,11 +131,18 @@ run: all
 test: $(PY_DEPS)
 	@$(PYTHON) tests/run.py --build $(BUILD) --make '$(MAKE)' $(TEST_ARGS)
 
+# make bench: the forward's sweep, then the backward's (the chapters that have a backward pass, 09's
+# deterministic build, PyTorch's backward: docs/results/<gpu>.backward.csv). BENCH_PASS=backward: the
+# backward's alone, the forward's rows left as they are (BENCH_PASS=forward: the forward's alone);
+# QUICK=1: only N = 1k and 4k. make compare takes both too.
+BENCH_PASS ?= both
+bench_flags = --pass $(BENCH_PASS)$(if $(filter-out 0,$(QUICK)), --quick)
+
 bench: all
-	@$(PYTHON) common/stages.py bench --build $(BUILD) $(CHAPTERS)
+	@$(PYTHON) common/stages.py bench --build $(BUILD) $(bench_flags) $(CHAPTERS)
 
 compare: all
-	@$(PYTHON) common/stages.py compare --build $(BUILD)
+	@$(PYTHON) common/stages.py compare --build $(BUILD) $(bench_flags)
 
 sanitize: all
 	@$(PYTHON) tests/run.py --build $(BUILD) --make '$(MAKE)' --suite sanitize
@@ -247,8 +254,9 @@ help:
 	@echo "make lib        every build above as a library too: $(BUILD)/lib/NN_name.so (C ABI: common/library.h)"
 	@echo "make run        run every chapter on the default shape and print the stage table"
 	@echo "make test       CPU tests, and the GPU matrix when a GPU is present (TEST_ARGS='-v -k NAME': each test with its time, only those named)"
-	@echo "make bench      the benchmark sweep -> docs/results/ (CSV, Markdown, plot) and README table"
-	@echo "make compare    PyTorch SDPA anchors on the bench shapes (needs PyTorch)"
+	@echo "make bench      the benchmark sweep -> docs/results/ (CSV, Markdown, plot) and README table, then the backward's (.backward.csv)"
+	@echo "                BENCH_PASS=backward (or forward): that sweep alone; QUICK=1: only N = 1k and 4k"
+	@echo "make compare    PyTorch SDPA anchors on the bench shapes, forward and backward (needs PyTorch; BENCH_PASS, QUICK too)"
 	@echo "make sanitize   compute-sanitizer memcheck/racecheck/synccheck/initcheck, every chapter"
 	@echo "make diff A=04 B=05   the one idea chapter B adds over chapter A (A=07 B=08.1, A=08.1 B=08.2 ...: 08's steps)"
 	@echo "make profile CH=04    Nsight Compute on one chapter;  make sass CH=04 [KERNEL=name]   its SASS (one arch)"

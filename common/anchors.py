@@ -20,8 +20,19 @@ shape or runs out of memory gives a SKIP row with its reason. Status is PASS whe
 is within the fp16 tensor-core tolerance (3e-3, docs/design.md), else FAIL; for cudnn_fp8
 within FP8_REL_L2_TOL (e4m3 inputs and an e4m3 output: ~6e-2 on N(0, 1) inputs).
 
+The backward (run_anchors(..., "backward"), the rows of <gpu>.backward.csv), for the four PyTorch
+anchors (cuDNN's FP8 attention has none here): one forward on Q, K, V that require their gradient,
+then the backward alone, torch.autograd.grad(o, (q, k, v), dO, retain_graph=True) between CUDA
+events, median of `iters` after `warmup`; TFLOP/s with 2.5x the forward's FLOPs. dO and the float64
+gradients are the harness's own (`reference.py backward` in the same cache folder: do.npy, and dQ,
+dK, dV at their sampled rows); each gradient's rel L2 over those rows of every head (as the harness
+measures a chapter's), PASS when each is within 3e-3 (the forward anchors' bound; a chapter's own
+backward bound is 1e-3). device_bytes: the peak allocation through one forward and backward beyond
+what was allocated before it (O, what autograd keeps, the backward's scratch, dQ, dK, dV), plus Q, K,
+V and dO: everything the harness counts for a chapter's backward.
+
   anchors.py [--batch B --heads H --seqlen N --headdim D] [--causal] [--warmup W] [--iters K]
-             [--cache DIR]      prints the anchor rows as CSV (default: the headline shape)
+             [--cache DIR] [--backward]   prints the anchor rows as CSV (default: the headline shape)
 
 PyTorch is imported inside the functions: importing this module needs only NumPy.
 """
@@ -38,10 +49,12 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import reference  # noqa: E402  (common/reference.py, NumPy only)
-from results import ANCHORS, CSV_FIELDS, forward_tflops, make_row, shape_label  # noqa: E402
+from results import (ANCHOR_REL_L2_TOL, ANCHORS, BACKWARD_ANCHORS, BACKWARD_CSV_FIELDS, CSV_FIELDS,  # noqa: E402
+                     GRAD_FIELDS, backward_tflops, forward_tflops, make_row, shape_label)
 BACKENDS = {"torch_flash": "FLASH_ATTENTION", "torch_cudnn": "CUDNN_ATTENTION",
             "torch_efficient": "EFFICIENT_ATTENTION"}
-REL_L2_TOL = 3e-3
+REL_L2_TOL = ANCHOR_REL_L2_TOL
+GRADS = ("dq", "dk", "dv")
 FP8_REL_L2_TOL = 8e-2  # the e4m3 input floor (~4.7e-2 at D=128) plus O rounded to e4m3 (~2.6e-2)
 E4M3_MAX = 448.0
 SEED = 0
@@ -63,14 +76,22 @@ def shape_folder(cache_dir, shape):
                                    f"_d{shape['headdim']}_seed{SEED}")
 
 
-def prepare(cache_dir, shape):
-    """Make sure the inputs and reference exist; return the reference file paths."""
+def reference_args(cache_dir, shape, command="prepare"):
+    """(folder, the reference.py command line) that makes a shape's inputs and references in the
+    binaries' cache, as the harness runs it: "prepare" (the forward's), or "backward" (dO and the
+    float64 gradients too)."""
     folder = shape_folder(cache_dir, shape)
-    argv = ["prepare", "--out", folder, "--batch", str(shape["batch"]), "--heads", str(shape["heads"]),
-            "--seqlen", str(shape["seqlen"]), "--headdim", str(shape["headdim"]), "--seed", str(SEED),
-            "--scale", scale_text(shape["headdim"])] + (["--causal"] if shape["causal"] else [])
+    return folder, [command, "--out", folder, "--batch", str(shape["batch"]), "--heads", str(shape["heads"]),
+                    "--seqlen", str(shape["seqlen"]), "--headdim", str(shape["headdim"]), "--seed", str(SEED),
+                    "--scale", scale_text(shape["headdim"])] + (["--causal"] if shape["causal"] else [])
+
+
+def prepare(cache_dir, shape, command="prepare"):
+    """Make sure the inputs and reference exist (command "backward": the gradients' too); return the
+    folder and the forward's reference file paths."""
+    folder, argv = reference_args(cache_dir, shape, command)
     if reference.main(argv) != 0:
-        raise RuntimeError(f"reference.py prepare failed for {folder}")
+        raise RuntimeError(f"reference.py {command} failed for {folder}")
     return folder, reference.ref_paths(folder, shape["causal"], scale_text(shape["headdim"]))
 
 
@@ -207,69 +228,134 @@ def first_line(exc, caught=()):
     return (text + (f" ({said})" if said else ""))[:300]
 
 
-def measure(torch, impl, shape, tensors, ref, warmup, iters):
-    """One anchor at one shape: a PASS/FAIL row, or a SKIP row when it cannot run."""
-    q, k, v = tensors
-    scale = float(scale_of(shape["headdim"]))
-    make = {"torch_eager": eager_forward, "cudnn_fp8": cudnn_fp8_forward}.get(impl, sdpa_forward)
-    fp8 = impl == "cudnn_fp8"
+def attempt(torch, impl, run, lenient=False):
+    """run() under impl's backend, torch's warnings recorded: (its result, None), or (None, the reason)
+    when it cannot run: out of memory, or a RuntimeError or ImportError (no kernel for the shape, a
+    missing backend); lenient: any exception (the cuDNN frontend raises its own types)."""
     out_of_memory = getattr(torch.cuda, "OutOfMemoryError", MemoryError)
     reason, caught = None, []
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with backend_context(impl):
-                forward = make(torch, q, k, v, shape["causal"], scale)
-                forward, decode = forward if fp8 else (forward, lambda out: out)
-                rel = rel_l2_of(torch, decode(forward()), *ref)
-                device_bytes = None if fp8 else peak_bytes(torch, forward, tensors)
-                ms = median_ms(torch, forward, warmup, iters)
+                return run(), None
     except out_of_memory as exc:
         reason = "out of memory: " + first_line(exc)
-    except Exception as exc:  # the cuDNN frontend raises its own types; elsewhere only these mean "cannot run"
-        if not fp8 and not isinstance(exc, (RuntimeError, ImportError)):
+    except Exception as exc:
+        if not lenient and not isinstance(exc, (RuntimeError, ImportError)):
             raise
         reason = first_line(exc, caught)
-    if reason:  # outside the except block, so the traceback no longer holds tensors
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # outside the except block, so the traceback no longer holds tensors
+    return None, reason
+
+
+def measure(torch, impl, shape, tensors, ref, warmup, iters):
+    """One anchor at one shape: a PASS/FAIL row, or a SKIP row when it cannot run."""
+    q, k, v = tensors
+    scale = float(scale_of(shape["headdim"]))
+    make = {"torch_eager": eager_forward, "cudnn_fp8": cudnn_fp8_forward}.get(impl, sdpa_forward)
+    fp8 = impl == "cudnn_fp8"
+
+    def run():
+        forward = make(torch, q, k, v, shape["causal"], scale)
+        forward, decode = forward if fp8 else (forward, lambda out: out)
+        rel = rel_l2_of(torch, decode(forward()), *ref)
+        device_bytes = None if fp8 else peak_bytes(torch, forward, tensors)
+        return rel, device_bytes, median_ms(torch, forward, warmup, iters)
+    done, reason = attempt(torch, impl, run, lenient=fp8)
+    if reason:
         return make_row(impl, shape, "SKIP", note=reason)
+    rel, device_bytes, ms = done
     status = "PASS" if rel <= (FP8_REL_L2_TOL if fp8 else REL_L2_TOL) else "FAIL"
     return make_row(impl, shape, status, round(ms, 4), round(forward_tflops(shape, ms), 2),
                     float(f"{rel:.3e}"), dtype="fp8" if fp8 else "fp16", device_bytes=device_bytes)
 
 
-def load_shape(torch, cache_dir, shape):
-    """Device q, k, v and the reference (rows, o) of a shape."""
-    folder, paths = prepare(cache_dir, shape)
-    q, k, v = (torch.from_numpy(a).cuda() for a in reference.load_inputs(folder))
-    return (q, k, v), (np.load(paths["rows"]), np.load(paths["o"]))
+def tensor_bytes(tensors):
+    """The bytes of some tensors' elements."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def run_anchors(shapes, cache_dir, warmup=3, iters=10):
-    """Rows of every anchor on every shape (dicts with batch, heads, seqlen, headdim, causal)."""
+def measure_backward(torch, impl, shape, tensors, ref, warmup, iters):
+    """One anchor's backward at one shape (tensors: q, k, v, dO; ref: GRADS' (rows, float64 values)):
+    a PASS/FAIL row with each gradient's error, or a SKIP row when it cannot run."""
+    q, k, v, d_o = tensors
+    scale = float(scale_of(shape["headdim"]))
+    make = eager_forward if impl == "torch_eager" else sdpa_forward
+
+    def run():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # the same memory, now autograd leaves
+        forward = make(torch, *leaves, shape["causal"], scale)
+        # Memory first: one forward and backward, from what is allocated now (the inputs, eager's mask)
+        # to the peak, which holds O, what autograd keeps for the backward, its scratch, dQ, dK and dV.
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        grads = torch.autograd.grad(forward(), leaves, d_o)
+        torch.cuda.synchronize()
+        device_bytes = torch.cuda.max_memory_allocated() - before + tensor_bytes(tensors)
+        errors = [rel_l2_of(torch, grad, *ref[name]) for grad, name in zip(grads, GRADS)]
+        del grads
+        out = forward()  # kept, with its graph, for the timed backward passes
+        ms = median_ms(torch, lambda: torch.autograd.grad(out, leaves, d_o, retain_graph=True), warmup, iters)
+        return errors, device_bytes, ms
+    done, reason = attempt(torch, impl, run)
+    if reason:
+        return make_row(impl, shape, "SKIP", note=reason, grads=(None,) * 3)
+    errors, device_bytes, ms = done
+    status = "PASS" if all(e <= REL_L2_TOL for e in errors) else "FAIL"  # a NaN fails
+    worst = float("nan") if any(e != e for e in errors) else max(errors)  # as the harness's rel_l2: the largest
+    return make_row(impl, shape, status, round(ms, 4), round(backward_tflops(shape, ms), 2), float(f"{worst:.3e}"),
+                    device_bytes=device_bytes, grads=tuple(float(f"{e:.3e}") for e in errors))
+
+
+def load_shape(torch, cache_dir, shape, backward=False):
+    """Device q, k, v and the reference (rows, o) of a shape; backward: q, k, v and dO, and each
+    gradient's reference {"dq": (rows, values), "dk": ..., "dv": ...}."""
+    folder, paths = prepare(cache_dir, shape, "backward" if backward else "prepare")
+    arrays = reference.load_inputs(folder)
+    if not backward:
+        return tuple(torch.from_numpy(a).cuda() for a in arrays), (np.load(paths["rows"]), np.load(paths["o"]))
+    arrays.append(reference.load_grad_output(folder, arrays[0].shape))
+    grad = reference.grad_paths(folder, shape["causal"], scale_text(shape["headdim"]))
+    ref = {name: (np.load(grad["dq_rows" if name == "dq" else "dkv_rows"]), np.load(grad[name])) for name in GRADS}
+    return tuple(torch.from_numpy(a).cuda() for a in arrays), ref
+
+
+def progress(row):
+    """One progress line of an anchor's row."""
+    if row["status"] == "SKIP":
+        return f"  {row['impl']:<16} SKIP  {row['note']}"
+    grads = "".join(f"  {name} {row[field]:.1e}" for name, field in zip(GRADS, GRAD_FIELDS) if row.get(field) is not None)
+    return (f"  {row['impl']:<16} {row['status']:<5} {row['ms']:9.4f} ms {row['tflops']:7.1f} TFLOP/s  "
+            f"rel_l2 {row['rel_l2']:.1e}{grads}")
+
+
+def run_anchors(shapes, cache_dir, warmup=3, iters=10, pass_="forward"):
+    """Rows of every anchor on every shape (dicts with batch, heads, seqlen, headdim, causal): of the
+    forward, or with pass_ "backward" of the backward (BACKWARD_ANCHORS: PyTorch's four)."""
     try:
         import torch
     except ImportError:
         print("PyTorch not found: anchor rows skipped", flush=True)
         return []
+    backward = pass_ == "backward"
+    impls, timer = (BACKWARD_ANCHORS, measure_backward) if backward else (ANCHORS, measure)
+    grads = (None,) * 3 if backward else None
     rows = []
     for shape in shapes:
-        print(f"anchors {shape_label(shape)}", flush=True)
+        print(f"anchors{' (backward)' if backward else ''} {shape_label(shape)}", flush=True)
         try:
-            tensors, ref = load_shape(torch, cache_dir, shape)
+            tensors, ref = load_shape(torch, cache_dir, shape, backward)
         except (RuntimeError, OSError, ValueError) as exc:
             torch.cuda.empty_cache()
-            rows += [make_row(impl, shape, "SKIP", note=first_line(exc)) for impl in ANCHORS]
+            rows += [make_row(impl, shape, "SKIP", note=first_line(exc), grads=grads) for impl in impls]
             print(f"  inputs unavailable: {first_line(exc)}", flush=True)
             continue
-        for impl in ANCHORS:
-            result = measure(torch, impl, shape, tensors, ref, warmup, iters)
+        for impl in impls:
+            result = timer(torch, impl, shape, tensors, ref, warmup, iters)
             rows.append(result)
-            if result["status"] == "SKIP":
-                print(f"  {impl:<16} SKIP  {result['note']}", flush=True)
-            else:
-                print(f"  {impl:<16} {result['status']:<5} {result['ms']:9.4f} ms "
-                      f"{result['tflops']:7.1f} TFLOP/s  rel_l2 {result['rel_l2']:.1e}", flush=True)
+            print(progress(result), flush=True)
         del tensors
         torch.cuda.empty_cache()
     return rows
@@ -284,12 +370,13 @@ def main(argv=None):
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--backward", action="store_true", help="the backward pass (PyTorch's four anchors)")
     parser.add_argument("--cache", default=os.environ.get("FA_CACHE") or os.path.join(os.path.dirname(HERE), ".cache"))
     args = parser.parse_args(argv)
     shape = {"batch": args.batch, "heads": args.heads, "seqlen": args.seqlen, "headdim": args.headdim,
              "causal": int(args.causal)}
-    rows = run_anchors([shape], args.cache, args.warmup, args.iters)
-    fields = CSV_FIELDS
+    rows = run_anchors([shape], args.cache, args.warmup, args.iters, "backward" if args.backward else "forward")
+    fields = BACKWARD_CSV_FIELDS if args.backward else CSV_FIELDS
     writer = csv.writer(sys.stdout, lineterminator="\n")
     writer.writerow(fields + ("note",))
     for r in rows:

@@ -14,6 +14,8 @@ INITIALIZER = re.compile(r'const\s+Chapter\s+chapter\s*=\s*\{\s*"([^"]+)",\s*"((
 STEP_DEFINES = re.compile(r'#(?:el)?if STEP == (\d+)\n#define STEP_NAME "([^"]+)"\n#define STEP_ADDS "((?:[^"\\]|\\.)*)"\n'
                           r'#define STEP_PRECISION (PRECISION_\w+)\n')
 STEP_INITIALIZER = re.compile(r'const\s+Chapter\s+chapter\s*=\s*\{\s*STEP_NAME,\s*STEP_ADDS,\s*STEP_PRECISION,\s*(\d+),\s*(\d+),')
+# A chapter with a backward pass registers a `Backward` beside its forward (common/harness.h).
+BACKWARD_DEFINITION = re.compile(r"^[ \t]*(?:static[ \t]+)?const[ \t]+(?:struct[ \t]+)?Backward[ \t]+\w+[ \t]*=", re.M)
 CHAPTERS_BEGIN, CHAPTERS_END = "<!-- chapters:begin -->", "<!-- chapters:end -->"
 
 
@@ -32,6 +34,11 @@ def read_steps(path, words=None):
     return [{"step": int(step), "name": name, "adds": adds.replace('\\"', '"'), "precision": precision,
              "math": words.get(precision, precision)}
             for step, name, adds, precision in STEP_DEFINES.findall(open(path).read())]
+
+
+def has_backward(path):
+    """Whether the chapter of this attention.cu defines a `Backward` (its --backward pass)."""
+    return BACKWARD_DEFINITION.search(open(path).read()) is not None
 
 
 def read_chapter(path, words=None):

@@ -1,6 +1,7 @@
 """What a result is and where results live: the benchmark's shapes, the result row shared by
 common/stages.py (chapters) and common/anchors.py (PyTorch), the FLOP convention of its TFLOP/s,
-the results CSV with its notes, and the .env that records the machine a run was made on."""
+the results CSV with its notes, and the .env that records the machine a run was made on; the
+two passes (the forward, and the backward of the chapters that have one), each in a file of its own."""
 import csv
 import datetime
 import glob
@@ -8,7 +9,7 @@ import os
 import re
 import subprocess
 
-from chapters import read_steps
+from chapters import has_backward, read_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,12 +23,29 @@ HARNESS_FIELDS = CSV_FIELDS[:-1] + ("max_abs", "lse_err", "kernels", "workspace_
 HARNESS_NUMBERS = ("max_abs", "lse_err", "prepare_ms", "attend_ms", "rel_l2_floor",  # floats, None when empty
                    "dq_rel_l2", "dk_rel_l2", "dv_rel_l2")
 INT_FIELDS = ("batch", "heads", "seqlen", "headdim", "causal")
-FLOAT_FIELDS = ("ms", "tflops", "rel_l2")
+GRAD_FIELDS = ("dq_rel_l2", "dk_rel_l2", "dv_rel_l2")  # a backward row's: each gradient's rel L2 (below)
+FLOAT_FIELDS = ("ms", "tflops", "rel_l2") + GRAD_FIELDS
 KEY_FIELDS = ("impl", "dtype", "batch", "heads", "seqlen", "headdim", "causal")
 NOTE_FIELDS = KEY_FIELDS + ("note",)
 TIMED = ("PASS", "unchecked")   # statuses whose timing is shown
 ANCHORS = ("torch_flash", "torch_cudnn", "torch_efficient", "torch_eager", "cudnn_fp8")
+BACKWARD_ANCHORS = ANCHORS[:4]  # cuDNN's FP8 attention is measured forward only
 FA2, CUDNN, EAGER = "torch_flash", "torch_cudnn", "torch_eager"
+
+# --- The two passes ------------------------------------------------------------------------------
+# The backward (`--backward`, for a chapter that registers one) is swept over the same shapes as the
+# forward, and its rows live in a file of their own beside the forward's: <gpu>.backward.csv (its
+# .notes.csv, .env and .md beside it by the same rule), so that no forward table ever sees them. Its
+# columns are CSV_FIELDS with the backward's numbers (ms and TFLOP/s of the backward alone, FLOPs 2.5x
+# the forward's; rel_l2 the largest of the three gradients' errors; device_bytes all that is held
+# through one forward and backward), then GRAD_FIELDS: each gradient's relative L2 error.
+PASSES = ("forward", "backward")
+BACKWARD_TAG = ".backward"  # <gpu>.backward.csv: the file's name says which pass its rows are
+BACKWARD_CSV_FIELDS = CSV_FIELDS + GRAD_FIELDS
+BACKWARD_REL_L2_TOL = 1e-3  # a chapter's bound on each gradient (common/harness.cu's BACKWARD_REL_L2_TOL)
+ANCHOR_REL_L2_TOL = 3e-3    # an anchor's, forward or backward: the fp16 tensor-core bound (docs/design.md)
+
+
 # A chapter built in steps (08: 08.1 ... 08.5, read from its source by chapters.read_steps): the
 # Makefile's BUILD/<chapter>.step<k> for every step but the last, which is the chapter itself. Each
 # step's rows carry its own name as impl ("08.1"), which sorts before the chapter's ("08_fp8"), so
@@ -47,6 +65,35 @@ def _steps():
 
 
 STEPS, CHAPTER_DTYPES, STEP_ALIASES = _steps()  # CHAPTER_DTYPES: a build's dtype where it is not fp16
+
+
+# A chapter's variant builds, the Makefile's VARIANT_BUILDS (BUILD/<chapter>.<variant>, the chapter's
+# source with one switch set: 09_backward.deterministic, -DDETERMINISTIC_DQ=1). They change the
+# backward alone, so each is a row of the backward sweep (impl: the build's name), not of the forward's.
+def _variants(makefile=os.path.join(ROOT, "Makefile")):
+    if not os.path.exists(makefile):
+        return {}
+    found = re.search(r"^VARIANT_BUILDS\s*:?=[ \t]*(.*)$", open(makefile).read(), re.M)
+    variants = {}
+    for build in found.group(1).split() if found else ():
+        variants.setdefault(build.partition(".")[0], []).append(build)
+    return {chapter: tuple(builds) for chapter, builds in variants.items()}
+
+
+VARIANTS = _variants()
+
+
+def build_chapter(impl):
+    """The name a build's binary prints for itself (its --csv row, its messages): its chapter's for a
+    variant build (09_backward for 09_backward.deterministic), else the impl itself."""
+    return next((chapter for chapter, builds in VARIANTS.items() if impl in builds), impl)
+
+
+def backward_builds(chapter, root=ROOT):
+    """The builds of a chapter whose backward the bench times: the chapter and its VARIANTS, where
+    it registers a backward pass (a `Backward` in its source); () for the others."""
+    path = os.path.join(root, chapter, "attention.cu")
+    return (chapter,) + VARIANTS.get(chapter, ()) if os.path.exists(path) and has_backward(path) else ()
 
 # --- The benchmark's shapes (docs/design.md) ----------------------------------------------
 BENCH_DS = (128, 64)
@@ -83,16 +130,25 @@ def forward_tflops(shape, ms):
     return (flops / 2 if shape["causal"] else flops) / (ms * 1e-3) / 1e12
 
 
+def backward_tflops(shape, ms):
+    """TFLOP/s of one backward: 2.5x the forward's FLOPs (the FlashAttention papers' convention)."""
+    return 2.5 * forward_tflops(shape, ms)
+
+
 def shape_label(shape):
     """B=4 H=16 N=4096 D=128 causal."""
     mask = "causal" if shape["causal"] else "non-causal"
     return f"B={shape['batch']} H={shape['heads']} N={shape['seqlen']} D={shape['headdim']} {mask}"
 
 
-def make_row(impl, shape, status, ms=None, tflops=None, rel_l2=None, note=None, dtype="fp16", device_bytes=None):
-    """One result row (a dict of CSV_FIELDS, plus an optional note)."""
+def make_row(impl, shape, status, ms=None, tflops=None, rel_l2=None, note=None, dtype="fp16", device_bytes=None,
+             grads=None):
+    """One result row (a dict of CSV_FIELDS, plus an optional note); grads: a backward row's
+    (dq, dk, dv) relative L2 errors (GRAD_FIELDS; (None, None, None) where not measured)."""
     row = {"impl": impl, **{k: int(shape[k]) for k in INT_FIELDS}, "dtype": dtype,
            "ms": ms, "tflops": tflops, "rel_l2": rel_l2, "status": status, "device_bytes": device_bytes}
+    if grads is not None:
+        row.update(zip(GRAD_FIELDS, grads))
     if note:
         row["note"] = note
     return row
@@ -119,7 +175,7 @@ def find_row(rows, name, headdim, seqlen, causal):
 
 def timed(row, field):
     """row[field] when the row is a trustworthy timing (PASS or unchecked), else None."""
-    return row[field] if row is not None and row["status"] in TIMED else None
+    return row.get(field) if row is not None and row["status"] in TIMED else None
 
 
 def is_anchor(impl):
@@ -167,19 +223,38 @@ def parse_value(field, text):
     return text
 
 
+def csv_pass(path):
+    """Which pass a results CSV holds, from its name: "backward" for <gpu>.backward.csv, else "forward"."""
+    return "backward" if os.path.splitext(path)[0].endswith(BACKWARD_TAG) else "forward"
+
+
+def pass_csv(csv_path, pass_):
+    """The results CSV of a pass beside csv_path (of either pass): <gpu>.csv or <gpu>.backward.csv."""
+    base = os.path.splitext(csv_path)[0]
+    base = base[:-len(BACKWARD_TAG)] if base.endswith(BACKWARD_TAG) else base
+    return base + (BACKWARD_TAG if pass_ == "backward" else "") + ".csv"
+
+
+def csv_fields(path):
+    """The columns of a results CSV: CSV_FIELDS, and GRAD_FIELDS after them in a backward file."""
+    return BACKWARD_CSV_FIELDS if csv_pass(path) == "backward" else CSV_FIELDS
+
+
 def notes_path(csv_path):
     """Where the skip/fail notes of a results CSV live: <gpu>.notes.csv."""
     return os.path.splitext(csv_path)[0] + ".notes.csv"
 
 
 def write_results(path, rows):
-    """Write rows to path (exact CSV_FIELDS header) and their notes to the .notes.csv beside it."""
+    """Write rows to path (exact header: csv_fields, by the file's pass) and their notes to the
+    .notes.csv beside it."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fields = csv_fields(path)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(CSV_FIELDS)
+        writer.writerow(fields)
         for row in rows:
-            writer.writerow([format_value(row.get(k)) for k in CSV_FIELDS])
+            writer.writerow([format_value(row.get(k)) for k in fields])
     with open(notes_path(path), "w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
         writer.writerow(NOTE_FIELDS)
@@ -189,13 +264,14 @@ def write_results(path, rows):
 
 
 def read_results(path):
-    """Rows of a results CSV, with the notes of its .notes.csv (if any) attached."""
+    """Rows of a results CSV, with the notes of its .notes.csv (if any) attached; a backward file's
+    rows also have GRAD_FIELDS (None where a column or a cell is empty)."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         missing = [k for k in CSV_FIELDS if k not in (reader.fieldnames or []) and k not in OPTIONAL_FIELDS]
         if missing:
             raise ValueError(f"{path}: not a results CSV (missing columns {', '.join(missing)})")
-        rows = [{k: parse_value(k, line.get(k)) for k in CSV_FIELDS} for line in reader]
+        rows = [{k: parse_value(k, line.get(k)) for k in csv_fields(path)} for line in reader]
     notes, fields = {}, KEY_FIELDS
     if os.path.exists(notes_path(path)):
         with open(notes_path(path), newline="") as f:

@@ -3,12 +3,17 @@
 
   stages.py run     --build DIR CH...                       (make run)
       Each chapter on its default shape; prints the stage table. Exit 1 on FAIL or error.
-  stages.py bench   --build DIR CH... [--quick] [--out DIR] [--readme FILE]   (make bench)
-      The benchmark sweep (docs/design.md), then the PyTorch anchors when PyTorch has a GPU; writes
-      DIR/<gpu>.csv, .notes.csv, .env, .md (and .png with matplotlib), then `table`.
-      Exit 1 if a chapter row FAILed.
-  stages.py compare --build DIR [--quick] [--out DIR] [--readme FILE]        (make compare)
-      Only the PyTorch anchors, merged into DIR/<gpu>.csv (torch_* rows replaced), then `table`.
+  stages.py bench   --build DIR CH... [--pass forward|backward|both] [--quick] [--out DIR] [--readme FILE]
+      (make bench) The benchmark sweep (docs/design.md), then the PyTorch anchors when PyTorch has a
+      GPU; writes DIR/<gpu>.csv, .notes.csv, .env, .md (and .png with matplotlib), then `table`.
+      Then (--pass both, the default) the backward's sweep: each chapter among CH that has a backward
+      pass, and its variant builds (09_backward.deterministic), timed with --backward on the same
+      shapes, then PyTorch's backward anchors; their rows go to DIR/<gpu>.backward.csv (.notes.csv,
+      .env, .md beside it), the forward's files untouched. --pass backward: that sweep alone;
+      --pass forward: the forward's alone. Exit 1 if a chapter row FAILed.
+  stages.py compare --build DIR [--pass forward|backward|both] [--quick] [--out DIR] [--readme FILE]
+      (make compare) Only the PyTorch anchors, merged into DIR/<gpu>.csv (torch_* rows replaced), and
+      the backward's into DIR/<gpu>.backward.csv, then `table`.
   stages.py memory  --build DIR CH... [--csv FILE] [--readme FILE]
       The device memory of each chapter (the harness's device_bytes) and each PyTorch anchor (its
       peak) at the headline shapes, merged into the results CSV; `bench` records it for every row.
@@ -16,29 +21,36 @@
       Regenerate the Markdown from a results CSV (default: the newest docs/results/*.csv):
       <gpu>.md beside it, the stage table in the README (default: the repository's), the
       measured table in every NN_name/README.md beside that README, and every measured number
-      quoted in the prose of those READMEs and of docs/*.md (inline markers, common/report.py).
+      quoted in the prose of those READMEs and of docs/*.md (inline markers, common/report.py);
+      from <gpu>.backward.csv beside it, where there is one, <gpu>.backward.md and the backward's
+      measured block of the chapter READMEs that have one.
 
-The CSV header is exactly CSV_FIELDS; why a row was skipped or failed goes to <gpu>.notes.csv.
+The CSV header is exactly CSV_FIELDS (a backward file's: then GRAD_FIELDS); why a row was skipped or
+failed goes to <gpu>.notes.csv.
 
 Only NumPy and the standard library are needed; PyTorch and matplotlib are optional.
 """
 import argparse
+import concurrent.futures
 import datetime
 import glob
 import math
 import os
 import shlex
 import shutil
+import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
-from report import (fmt_ms, fmt_rel, fmt_tflops, print_summary, plot_results, regenerate_tables,  # noqa: E402
-                    run_stage_table, say)
-from results import (BENCH_ITERS, BENCH_WARMUP, CHAPTER_DTYPES, HEADLINE_D, HEADLINE_N, QUICK_NS, STEPS,  # noqa: E402
-                     bench_shape, bench_shapes, collect_env, env_path, gpu_name, gpu_slug, is_anchor, make_row,
-                     read_env, read_results, row_key, shape_label, step_binary, work, write_env, write_results)
-from runner import classify, run_binary  # noqa: E402
+from report import (fmt_ms, fmt_rel, fmt_tflops, print_backward_summary, print_summary, plot_results,  # noqa: E402
+                    regenerate_tables, run_stage_table, say)
+from results import (BENCH_ITERS, BENCH_WARMUP, CHAPTER_DTYPES, GRAD_FIELDS, HEADLINE_D, HEADLINE_N, PASSES,  # noqa: E402
+                     QUICK_NS, STEPS, backward_builds, bench_shape, build_chapter, bench_shapes, collect_env, csv_pass, env_path,
+                     gpu_name, gpu_slug, is_anchor, make_row, pass_csv, read_env, read_results, row_key, shape_label,
+                     step_binary, work, write_env, write_results)
+from runner import chapters as chapters_of, classify, run_binary  # noqa: E402
 
 # --- Running the chapters: the sweep and its skip policy -------------------------------------
 RUNS_PER_SHAPE = BENCH_WARMUP + BENCH_ITERS + 1   # warm-up, timed, and the checked run
@@ -94,32 +106,35 @@ def command_run(args):
     return 1 if bad else 0
 
 
-def shape_flags(shape, warmup, iters):
-    """A binary's command line for a shape dict, with --csv."""
+def shape_flags(shape, warmup, iters, pass_="forward"):
+    """A binary's command line for a shape dict, with --csv (and --backward for that pass)."""
     flags = ["--batch", shape["batch"], "--heads", shape["heads"], "--seqlen", shape["seqlen"],
              "--headdim", shape["headdim"], "--warmup", warmup, "--iters", iters, "--csv"]
-    return [str(f) for f in flags] + (["--causal"] if shape["causal"] else [])
+    return ([str(f) for f in flags] + (["--causal"] if shape["causal"] else [])
+            + (["--backward"] if pass_ == "backward" else []))
 
 
-def bench_one(binary, name, dtype, shape, last, unsupported):
+def bench_one(binary, name, dtype, shape, last, unsupported, pass_="forward"):
     """One chapter's binary at one bench shape, under the skip policy; returns a result row
-    (dtype: the one its rows carry, also on the rows of runs that printed none)."""
+    (dtype: the one its rows carry, also on the rows of runs that printed none; a backward row also
+    has each gradient's error, GRAD_FIELDS)."""
+    unknown = (None,) * len(GRAD_FIELDS) if pass_ == "backward" else None  # a backward row's, not measured
     if binary in unsupported:
-        return make_row(name, shape, "SKIP", note=unsupported[binary], dtype=dtype)
+        return make_row(name, shape, "SKIP", note=unsupported[binary], dtype=dtype, grads=unknown)
     slow = too_slow(last, shape)
     if slow:
-        return make_row(name, shape, "SKIP", note=slow, dtype=dtype)
-    code, stdout, stderr = run_binary(binary, shape_flags(shape, BENCH_WARMUP, BENCH_ITERS))
-    status, row, note = classify(name, code, stdout, stderr)
+        return make_row(name, shape, "SKIP", note=slow, dtype=dtype, grads=unknown)
+    code, stdout, stderr = run_binary(binary, shape_flags(shape, BENCH_WARMUP, BENCH_ITERS, pass_))
+    status, row, note = classify(build_chapter(name), code, stdout, stderr)
     if status == "skipped":
         unsupported[binary] = note
-        return make_row(name, shape, "SKIP", note=note, dtype=dtype)
+        return make_row(name, shape, "SKIP", note=note, dtype=dtype, grads=unknown)
     if status == "usage":
-        return make_row(name, shape, "SKIP", note=note, dtype=dtype)
+        return make_row(name, shape, "SKIP", note=note, dtype=dtype, grads=unknown)
     if status == "error":
-        return make_row(name, shape, "FAIL", note=note, dtype=dtype)
+        return make_row(name, shape, "FAIL", note=note, dtype=dtype, grads=unknown)
     return make_row(name, shape, status, row["ms"], row["tflops"], row["rel_l2"], note=note, dtype=row["dtype"],
-                    device_bytes=row["device_bytes"])
+                    device_bytes=row["device_bytes"], grads=unknown and tuple(row.get(k) for k in GRAD_FIELDS))
 
 
 def row_progress(row):
@@ -142,15 +157,26 @@ def chapter_binaries(build, chapters):
     return out
 
 
-def bench_chapters(build, chapters, shapes):
-    """Every chapter (and step build) on every shape; None when every one was skipped (no GPU)."""
+def backward_binaries(build, chapters):
+    """[(impl, binary, dtype)] of the backward's sweep: each chapter that has a backward pass, then its
+    variant builds (09_backward, then BUILD/09_backward.deterministic)."""
+    return [(name, os.path.join(build, name), "fp16") for chapter in chapters for name in backward_builds(chapter)]
+
+
+def pass_binaries(build, chapters, pass_):
+    """The binaries a pass times: chapter_binaries for the forward, backward_binaries for the backward."""
+    return backward_binaries(build, chapters) if pass_ == "backward" else chapter_binaries(build, chapters)
+
+
+def bench_chapters(build, chapters, shapes, pass_="forward"):
+    """Every chapter (and step build) of the pass on every shape; None when every one was skipped (no GPU)."""
     rows, last, unsupported = [], {}, {}
-    binaries = chapter_binaries(build, chapters)
+    binaries = pass_binaries(build, chapters, pass_)
     for i, shape in enumerate(shapes):
-        say(f"[{i + 1}/{len(shapes)}] {shape_label(shape)}")
+        say(f"[{i + 1}/{len(shapes)}] {shape_label(shape)}{' (backward)' if pass_ == 'backward' else ''}")
         for name, binary, dtype in binaries:
             key = (binary, shape["headdim"], shape["causal"])
-            row = bench_one(binary, name, dtype, shape, last.get(key), unsupported)
+            row = bench_one(binary, name, dtype, shape, last.get(key), unsupported, pass_)
             if row["ms"] is not None:
                 last[key] = (work(shape), row["ms"])
             rows.append(row)
@@ -178,60 +204,120 @@ def cache_dir():
     return os.environ.get("FA_CACHE") or os.path.join(ROOT, ".cache")
 
 
-def measure_anchors(shapes):
-    """The anchor rows for shapes (PyTorch must be importable)."""
+def measure_anchors(shapes, pass_="forward"):
+    """The anchor rows of a pass for shapes (PyTorch must be importable)."""
     import anchors
-    return anchors.run_anchors(shapes, cache_dir(), warmup=BENCH_WARMUP, iters=BENCH_ITERS)
+    return anchors.run_anchors(shapes, cache_dir(), warmup=BENCH_WARMUP, iters=BENCH_ITERS, pass_=pass_)
 
 
-def results_csv(out_dir):
-    """This GPU's results CSV in out_dir (docs/results/NVIDIA_H200.csv, say)."""
-    return os.path.join(out_dir, gpu_slug(gpu_name()) + ".csv")
+def prepare_references(shapes, command="backward", jobs=None):
+    """Make every shape's inputs and float64 reference in the binaries' cache ahead of the sweep, `jobs`
+    shapes at once, the largest first, each process with its share of the CPU's threads. The backward's
+    reference costs O(N²·D) per head at every shape (the key rows' dK and dV need every query's P), tens
+    of seconds at 16k, which the first binary of each shape would otherwise compute alone, one shape
+    after the other. What is already there is kept; a shape that fails is left to its binaries, which
+    say why."""
+    import anchors
+    cpus = os.cpu_count() or 1
+    jobs = max(1, min(len(shapes), jobs or cpus // 2))
+    threads = str(max(1, cpus // jobs))
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    script = os.path.join(ROOT, "common", "reference.py")
+    order = sorted(shapes, key=lambda s: -work(s) * (1 if s["causal"] else 2))
+    say(f"references ({command}): {len(order)} shapes, {jobs} at once, {threads} threads each")
+    started = time.monotonic()
+
+    def make(shape):
+        _, argv = anchors.reference_args(cache_dir(), shape, command)
+        begin = time.monotonic()
+        done = subprocess.run([sys.executable, script] + argv, capture_output=True, text=True, env=env)
+        return shape, done, time.monotonic() - begin
+
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        for shape, done, seconds in pool.map(make, order):
+            why = (done.stderr.strip().splitlines() or ["failed"])[-1] if done.returncode else ""
+            say(f"  {shape_label(shape)}: {f'FAILED: {why}' if why else f'{seconds:.0f} s'}")
+    say(f"references ready in {time.monotonic() - started:.0f} s")
 
 
-def save_results(out_dir, rows, env, readme):
-    """Write <gpu>.csv/.notes.csv/.env (and .png), then regenerate every table."""
-    csv_path = results_csv(out_dir)
+def results_csv(out_dir, pass_="forward"):
+    """This GPU's results CSV of a pass in out_dir (docs/results/NVIDIA_H200.csv, .backward.csv)."""
+    return pass_csv(os.path.join(out_dir, gpu_slug(gpu_name()) + ".csv"), pass_)
+
+
+def save_results(out_dir, rows, env, readme, pass_="forward"):
+    """Write the pass's <gpu>.csv/.notes.csv/.env (and the forward's .png), then regenerate every table."""
+    csv_path = results_csv(out_dir, pass_)
     write_results(csv_path, rows)
     write_env(env_path(csv_path), env)
     say(f"{csv_path}: {len(rows)} rows written")
-    plot_results(rows, os.path.splitext(csv_path)[0] + ".png", env["gpu"])
+    if pass_ == "forward":
+        plot_results(rows, os.path.splitext(csv_path)[0] + ".png", env["gpu"])
     regenerate_tables(csv_path, readme)
     return csv_path
 
 
+def passes_of(args):
+    """The passes a command runs: --pass forward, backward, or both (forward first)."""
+    return PASSES if args.pass_ == "both" else (args.pass_,)
+
+
 def command_bench(args):
-    """`make bench`: the sweep, the anchors, every results file and table."""
+    """`make bench`: each pass's sweep, its anchors, its results files, and every table."""
     shapes = bench_shapes(args.quick)
     chapters = [c.rstrip("/") for c in args.chapters]
-    say(f"bench: {len(chapters)} chapters x {len(shapes)} shapes"
+    if args.pass_ == "backward" and not backward_binaries(args.build, chapters):
+        print(f"stages.py bench --pass backward: none of {', '.join(chapters)} has a backward pass "
+              f"(the chapters that have one: {', '.join(c for c in chapters_of(ROOT) if backward_builds(c))})",
+              file=sys.stderr)
+        return 2
+    codes = []
+    for pass_ in passes_of(args):
+        if pass_ == "backward" and not backward_binaries(args.build, chapters):
+            continue  # (--pass both) no chapter here has a backward pass
+        codes.append(bench_pass(args, chapters, shapes, pass_))
+        if codes[-1] == 77:
+            break  # no GPU: the other pass would skip the same way
+    return 1 if 1 in codes else 77 if codes == [77] else 0
+
+
+def bench_pass(args, chapters, shapes, pass_):
+    """One pass of `make bench`: its sweep, its anchors, its results file (other rows kept) and the tables;
+    0, 1 when a chapter row FAILed, 77 when every chapter skipped (nothing written)."""
+    backward = pass_ == "backward"
+    binaries = pass_binaries(args.build, chapters, pass_)
+    say(f"bench{' --backward' if backward else ''}: {len(binaries)} builds x {len(shapes)} shapes"
         f"{' (--quick)' if args.quick else ''}; a shape projected over {BUDGET_S} s is skipped")
-    rows = bench_chapters(args.build, chapters, shapes)
+    if backward and gpu_name():  # (no GPU: the binaries will skip, and need no reference)
+        prepare_references(shapes)
+    rows = bench_chapters(args.build, chapters, shapes, pass_)
     if rows is None:
         say("every chapter skipped (exit 77, their reasons above): nothing measured, docs/results left alone")
         torch_gpu_ready("PyTorch not found: the anchors would be skipped too (pip install torch for make compare)")
         return 77
     if torch_gpu_ready("PyTorch not found: anchor rows skipped (pip install torch to measure them)"):
-        rows += measure_anchors(shapes)
+        rows += measure_anchors(shapes, pass_)
     env = collect_env(shlex.join([sys.executable] + sys.argv))
-    kept = rows_not_measured(args.out, rows)
+    env["pass"] = pass_
+    kept = rows_not_measured(args.out, rows, pass_)
     if kept:  # and what the file said of where its rows come from
-        before = read_env(env_path(results_csv(args.out)))
+        before = read_env(env_path(results_csv(args.out, pass_)))
         env.update({k: v for k, v in before.items() if k.startswith("rows_")})
         env["kept_rows"] = (f"{len(kept)} rows of chapters or shapes this run did not measure, kept from the file "
                             "before it (the rows_* lines say where they come from)")
-    save_results(args.out, kept + rows, env, args.readme)
-    print_summary(rows)
+    save_results(args.out, kept + rows, env, args.readme, pass_)
+    (print_backward_summary if backward else print_summary)(rows)
     failed = [r for r in rows if r["status"] == "FAIL" and not is_anchor(r["impl"])]
     for r in failed:
-        say(f"FAIL {r['impl']} {shape_label(r)}: {r.get('note') or 'rel_l2 ' + fmt_rel(r['rel_l2'])}")
+        say(f"FAIL {r['impl']}{' --backward' if backward else ''} {shape_label(r)}: "
+            f"{r.get('note') or 'rel_l2 ' + fmt_rel(r['rel_l2'])}")
     return 1 if failed else 0
 
 
-def rows_not_measured(out_dir, rows):
-    """The rows of out_dir's results CSV for this GPU that `rows` do not replace (other chapters,
-    other shapes: a bench of a few chapters or --quick keeps the rest of the file)."""
-    csv_path = results_csv(out_dir)
+def rows_not_measured(out_dir, rows, pass_="forward"):
+    """The rows of out_dir's results CSV of the pass for this GPU that `rows` do not replace (other
+    chapters, other shapes: a bench of a few chapters or --quick keeps the rest of the file)."""
+    csv_path = results_csv(out_dir, pass_)
     if not os.path.exists(csv_path):
         return []
     measured = {row_key(r) for r in rows}
@@ -239,17 +325,20 @@ def rows_not_measured(out_dir, rows):
 
 
 def command_compare(args):
-    """`make compare`: the anchors only, merged into <gpu>.csv."""
+    """`make compare`: the anchors only, merged into <gpu>.csv (and the backward's into <gpu>.backward.csv)."""
     if not torch_gpu_ready("PyTorch not found: make compare skipped"):
         return 0
-    rows = measure_anchors(bench_shapes(args.quick))
-    csv_path = results_csv(args.out)
-    kept = [r for r in read_results(csv_path) if not is_anchor(r["impl"])] if os.path.exists(csv_path) else []
-    env = read_env(env_path(csv_path)) or collect_env("(none: make compare only)")
-    env["compare_command"] = shlex.join([sys.executable] + sys.argv)
-    env["compare_date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    save_results(args.out, kept + rows, env, args.readme)
-    print_summary(kept + rows)
+    for pass_ in passes_of(args):
+        if pass_ == "backward":
+            prepare_references(bench_shapes(args.quick))
+        rows = measure_anchors(bench_shapes(args.quick), pass_)
+        csv_path = results_csv(args.out, pass_)
+        kept = [r for r in read_results(csv_path) if not is_anchor(r["impl"])] if os.path.exists(csv_path) else []
+        env = read_env(env_path(csv_path)) or dict(collect_env("(none: make compare only)"), **{"pass": pass_})
+        env["compare_command"] = shlex.join([sys.executable] + sys.argv)
+        env["compare_date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        save_results(args.out, kept + rows, env, args.readme, pass_)
+        (print_backward_summary if pass_ == "backward" else print_summary)(kept + rows)
     return 0
 
 
@@ -282,10 +371,13 @@ def command_memory(args):
     return 0
 
 
-def default_csv():
-    """The newest results CSV under docs/results, or None."""
-    found = [p for p in glob.glob(os.path.join(ROOT, "docs", "results", "*.csv"))
-             if not p.endswith(".notes.csv")]
+def default_csv(folder=os.path.join(ROOT, "docs", "results")):
+    """The newest forward results CSV in folder (`table` reads the backward's beside it), or None; a
+    backward CSV where no forward one is beside it."""
+    found = [p for p in glob.glob(os.path.join(folder, "*.csv")) if not p.endswith(".notes.csv")]
+    forward = [p for p in found if csv_pass(p) == "forward"]
+    alone = [p for p in found if csv_pass(p) == "backward" and pass_csv(p, "forward") not in found]
+    found = forward or alone
     return max(found, key=os.path.getmtime) if found else None
 
 
@@ -318,10 +410,14 @@ def parse_args(argv):
     for p in (run, bench, memory):
         p.add_argument("chapters", nargs="+", metavar="CH", help="chapter names, in order")
     for p in (bench, compare):
+        p.add_argument("--pass", dest="pass_", choices=PASSES + ("both",), default="both",
+                       help="the forward's sweep, the backward's (chapters with a backward pass, their variant "
+                            "builds, PyTorch's backward), or both (default)")
         p.add_argument("--quick", action="store_true", help=f"only N in {QUICK_NS}")
         p.add_argument("--out", default=os.path.join("docs", "results"), help="results folder")
     for p in (table, memory):
-        p.add_argument("--csv", help="results CSV (default: the newest docs/results/*.csv)")
+        p.add_argument("--csv", help="results CSV (default: the newest docs/results/*.csv; table: the "
+                                     "<gpu>.backward.csv beside it too)")
     for p in (bench, compare, table, memory):
         p.add_argument("--readme", default=os.path.join(ROOT, "README.md"),
                        help="README with the stage-table markers; chapter READMEs beside it")

@@ -48,3 +48,16 @@ def test_profile_without_gpu_or_ncu_says_so(ctx):
     assert proc.returncode != 0, "make profile without a GPU or ncu: expected a failure"
     want = "ncu" if not have_ncu else "no NVIDIA GPU"
     assert want in proc.stderr, f"make profile should say '{want}': {proc.stderr.strip()!r}"
+
+
+def test_bench_passes_and_quick(ctx):
+    """make bench runs both passes; BENCH_PASS=backward the backward's alone, QUICK=1 only N = 1k and 4k
+    (make -n: what it would run, the build already made)."""
+    for args, want in (((), "--pass both "), (("BENCH_PASS=backward", "QUICK=1"), "--pass backward --quick "),
+                       (("BENCH_PASS=forward", "QUICK=0"), "--pass forward ")):
+        proc = make(ctx, "-n", "bench", *args)
+        line = next((l for l in proc.stdout.splitlines() if "common/stages.py bench" in l), "")
+        assert proc.returncode == 0 and want in line and "09_backward" in line, \
+            f"make -n bench {' '.join(args)}: expected `{want.strip()}` in {line!r} ({proc.stderr.strip()[-200:]})"
+    proc = make(ctx, "-n", "compare", "BENCH_PASS=backward")
+    assert "common/stages.py compare" in proc.stdout and "--pass backward" in proc.stdout, proc.stdout[-300:]
