@@ -419,7 +419,7 @@ def output_path(args, forwards):
         return args.out
     folder = os.path.join(torch_op.build_dir(args.build), "train") if args.quick else \
         os.path.join(ROOT, "docs", "results", "train")
-    return os.path.join(folder, f"train_{'+'.join(forwards)}{'_quick' if args.quick else ''}.csv")
+    return os.path.join(folder, f"train_{'_'.join(forwards)}{'_quick' if args.quick else ''}.csv")
 
 
 def gpu_refusal(names):
