@@ -97,6 +97,7 @@ def solution_copy(ctx):
     """The grade's copy with 04's solution put back, and what `make grade` builds, made once."""
     def make():
         copy = graded_copy(ctx, "04_fused", lambda source: source)
+        (copy / "build" / "exercises").mkdir(parents=True, exist_ok=True)  # as make grade makes it first
         built = make_in_copy(ctx, copy, "build/04_fused", "build/exercises/04_fused")
         assert built.returncode == 0, f"make build/04_fused build/exercises/04_fused: {built.stderr.strip()[-2000:]}"
         return copy
