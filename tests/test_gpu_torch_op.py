@@ -156,8 +156,11 @@ def gradient_case(chapter, b, h, n, d, causal, transposed_grad=False):
         leaves = [torch.from_numpy(x).cuda().requires_grad_() for x in (q, k, v)]
         o = torch_op.attention(*leaves, causal=causal, chapter=chapter, backward="09")
         grad = torch.from_numpy(do).cuda()
-        if transposed_grad:  # autograd hands the op a dO laid out [B, N, H, D]: not contiguous as [B, H, N, D]
-            (o.transpose(1, 2).float() * grad.transpose(1, 2).float()).sum().backward()
+        if transposed_grad:  # dO's values, its memory laid out [B, N, H, D]: autograd hands the op that layout
+            arrived = []
+            o.register_hook(lambda g: arrived.append(g.is_contiguous()))
+            (o.float() * grad.transpose(1, 2).contiguous().transpose(1, 2).float()).sum().backward()
+            assert arrived == [False], f"the op's dO was contiguous ({arrived}): the case tests nothing"
         else:
             o.backward(grad)
         want = attention64_grads(q, k, v, do, causal, 1 / math.sqrt(d))
