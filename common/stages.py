@@ -133,8 +133,9 @@ def bench_one(binary, name, dtype, shape, last, unsupported, pass_="forward"):
         return make_row(name, shape, "SKIP", note=note, dtype=dtype, grads=unknown)
     if status == "error":
         return make_row(name, shape, "FAIL", note=note, dtype=dtype, grads=unknown)
+    grads = tuple(row.get(k) for k in GRAD_FIELDS) if pass_ == "backward" else None
     return make_row(name, shape, status, row["ms"], row["tflops"], row["rel_l2"], note=note, dtype=row["dtype"],
-                    device_bytes=row["device_bytes"], grads=unknown and tuple(row.get(k) for k in GRAD_FIELDS))
+                    device_bytes=row["device_bytes"], grads=grads)
 
 
 def row_progress(row):
