@@ -422,6 +422,16 @@ def output_path(args, forwards):
     return os.path.join(folder, f"train_{'_'.join(forwards)}{'_quick' if args.quick else ''}.csv")
 
 
+def load_refusal(names):
+    """The one-line reason one of the libraries does not load (not built, another ABI), or None."""
+    for name in names:
+        try:
+            torch_op.library(name)
+        except (OSError, RuntimeError) as exc:
+            return str(exc)
+    return None
+
+
 def gpu_refusal(names):
     """The one-line reason this GPU runs one of the libraries not, or None."""
     major, minor = torch.cuda.get_device_capability()
@@ -435,7 +445,7 @@ def gpu_refusal(names):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        forwards = [torch_op.build_name(c) for c in args.chapter.split(",")]
+        forwards = list(dict.fromkeys(torch_op.build_name(c) for c in args.chapter.split(",")))  # each once
         backward = torch_op.build_name(args.backward)
     except ValueError as exc:
         print(f"train.py: {exc}", file=sys.stderr)
@@ -449,6 +459,10 @@ def main(argv=None):
         print(f"train.py: building the libraries of {', '.join(names)} failed (output above)", file=sys.stderr)
         return 1
     os.environ["FA_BUILD"] = torch_op.build_dir(args.build)
+    reason = load_refusal(names)
+    if reason:
+        print(f"train.py: {reason}", file=sys.stderr)
+        return 1
     if not torch_op.library(backward).has_backward:
         print(f"train.py: --backward {args.backward}: {backward} has no backward pass", file=sys.stderr)
         return 2

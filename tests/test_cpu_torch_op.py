@@ -1,7 +1,8 @@
 """The PyTorch op's module (common/torch_op.py) and `make train` (common/train.py) without PyTorch or a GPU.
 
 Both import where PyTorch is missing and say so in one line: available() is False, attention() raises
-ImportError, train.py and `make train` print one line and exit 0. The chapter names resolve to the
+ImportError, train.py and `make train` print one line and exit 0; train.py without its libraries
+(--no-build) says so in one line, exit 1. The chapter names resolve to the
 builds `make lib` makes. The ctypes binding is common/library.h's: its codes, its FaShape (common/shape.h's
 AttnShape, field by field), its functions and their arities; loaded on a chapter's library (built by
 test_cpu_library's rule), it reads what the chapter says about itself and its workspaces, and its calls
@@ -57,6 +58,18 @@ def test_train_without_torch(ctx):
     wrong = run_hidden(ctx, body, args=["--chapter", "42"])
     assert wrong.returncode == 2 and "chapter '42': no such chapter" in wrong.stderr, (
         f"train.py --chapter 42: exit {wrong.returncode}, stderr {wrong.stderr.strip()!r}")
+
+
+def test_train_without_libraries(ctx):
+    """train.py --no-build on a build folder without the libraries: one line naming the make command,
+    exit 1, not a traceback (its GPU check stood in for, so that it gets that far here)."""
+    body = ("import train\ntrain.why_not_here = lambda: None  # as on a GPU\n"
+            "sys.exit(train.main(sys.argv[1:]))\n")
+    empty = ctx.tmpdir()
+    proc = run_hidden(ctx, body, args=["--no-build", "--build", str(empty), "--chapter", "07"])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "not found" in lines[0] and f"make lib BUILD={empty}" in lines[0], (
+        f"train.py --no-build without its libraries: exit {proc.returncode}, stderr {proc.stderr.strip()[-1500:]!r}")
 
 
 def test_make_train_without_torch(ctx):
