@@ -140,14 +140,24 @@ def test_shape_is_shape_h(ctx):
     assert ctypes.sizeof(torch_op.FaShape) == 24, f"sizeof(FaShape) {ctypes.sizeof(torch_op.FaShape)}, the C one is 24"
 
 
+def c_parameter_type(param):
+    """The ctypes type of one C parameter of library.h ('const FaShape *shape', 'size_t workspace_bytes')."""
+    if "FaShape *" in param:
+        return ctypes.POINTER(torch_op.FaShape)
+    if param.split()[0] == "size_t":
+        return ctypes.POINTER(ctypes.c_size_t) if "*" in param else ctypes.c_size_t
+    assert "*" in param, f"library.h: a parameter the binding has no rule for: {param!r}"
+    return ctypes.c_void_p  # a device pointer, the stream
+
+
 def test_signatures_are_library_h(ctx):
-    """One ctypes signature per function library.h declares, with its arity and its return type."""
+    """One ctypes signature per function library.h declares: its return type and each parameter's type, in order."""
     declared = {}
     for ret, name, params in re.findall(r"^FA_API ([^;(]*?)\b(fa_\w+)\(([^)]*)\);", header(ctx), re.M | re.S):
-        arity = 0 if params.strip() == "void" else len(params.split(","))
-        declared[name] = (ctypes.c_char_p if "char *" in ret else ctypes.c_int, arity)
+        kinds = [] if params.strip() == "void" else [c_parameter_type(p.strip()) for p in params.split(",")]
+        declared[name] = (ctypes.c_char_p if "char *" in ret else ctypes.c_int, kinds)
     assert set(declared) == exported_names(ctx), f"library.h's declarations read as {sorted(declared)}"
-    ours = {name: (restype, len(argtypes)) for name, (restype, argtypes) in torch_op.SIGNATURES.items()}
+    ours = {name: (restype, list(argtypes)) for name, (restype, argtypes) in torch_op.SIGNATURES.items()}
     assert ours == declared, f"torch_op.SIGNATURES {ours} differ from library.h's {declared}"
 
 
