@@ -22,24 +22,23 @@ SUITE = "gpu"
 PARALLEL = 4  # small runs, and builds: beside test_gpu on the GPU
 
 
-def todo_case(chapter):
-    def build(ctx):
-        # The correctness exercises stubbed; the speed ones keep their solution, since a speed stub
-        # may take a path around a correctness block (03.one_pass's two passes skip online_update).
-        names = [n for n in ex.exercise_parts(ex.parse(ex.chapter_source(chapter, ctx.root), chapter))
-                 if ex.EXERCISES[n]["kind"] == "correctness"]
-        return build_copy(ctx, chapter, names)
+def correctness_names(ctx, chapter):
+    """The chapter's correctness exercises. Only they are stubbed: a speed stub may take a path around
+    a correctness block (03.one_pass's two passes skip online_update)."""
+    return [n for n in ex.exercise_parts(ex.parse(ex.chapter_source(chapter, ctx.root), chapter))
+            if ex.EXERCISES[n]["kind"] == "correctness"]
 
+
+def todo_case(chapter):
     def case(ctx):
         ctx.require_binary(chapter, native=True)
-        binary = build(ctx)
-        names = [n for n in ex.exercise_parts(ex.parse(ex.chapter_source(chapter, ctx.root), chapter))
-                 if ex.EXERCISES[n]["kind"] == "correctness"]
+        names = correctness_names(ctx, chapter)
+        binary = build_copy(ctx, chapter, names)
         notes = []
         for pass_name in ex.matrix_passes(names):  # 09's stubs are in the backward: reached with --backward
-            case = REACH_EVERY_STUB + (pass_name,)
-            status, row, note = ex.run_case(binary, chapter, ex.case_args(case) + ["--warmup", "0", "--iters", "1"])
-            shown = f"{chapter}, its correctness exercises stubbed, {ex.case_text(case)}"
+            shape = REACH_EVERY_STUB + (pass_name,)
+            status, _, note = ex.run_case(binary, chapter, ex.case_args(shape) + ["--warmup", "0", "--iters", "1"])
+            shown = f"{chapter}, its correctness exercises stubbed, {ex.case_text(shape)}"
             assert status == "error" and note.startswith("TODO: exercise") and "not written yet" in note, (
                 f"{shown}: expected exit 1 with the TODO message, got {status}: {note!r}")
             notes.append(note)
