@@ -429,7 +429,8 @@ def test_attempt_reasons():
 def test_backward_anchors_on_cpu_torch():
     """The anchors' backward on PyTorch's CPU tensors (tests/fixtures/anchors_on_cpu.py stands in for
     the CUDA calls): dO and the reference gradients found in the cache, each gradient's error as the
-    harness measures it, device memory counted as documented, a SKIP for a backend with no CPU kernel."""
+    harness measures it, device memory counted as documented, a SKIP for a backend with no CPU kernel,
+    and no forward inside a backward's timed window."""
     import importlib.util
     if importlib.util.find_spec("torch") is None:
         raise unittest.SkipTest("PyTorch is not installed here")
@@ -452,6 +453,12 @@ def test_backward_anchors_on_cpu_torch():
     assert all(r["status"] == "PASS" for r in backward if r["impl"] == "torch_eager"), backward
     forward = [r for r in rows if "dq_rel_l2" not in r]
     assert [r["impl"] for r in forward] == list(results.ANCHORS), forward
+    # The timed windows: a backward's hold no forward, a forward's one each (so the count is seen).
+    windows = {line.split()[1]: json.loads(line.split(None, 2)[2]) for line in proc.stdout.splitlines()
+               if line.startswith("WINDOWS ")}
+    timed = sum(r["status"] == "PASS" for r in backward)
+    assert len(windows["backward"]) == 2 * timed and not any(windows["backward"]), windows
+    assert windows["forward"] and set(windows["forward"]) == {1}, windows
     return ", ".join(f"{r['impl']} {r['status']}" for r in backward[:4])
 
 
