@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """CPU tests of the backward's rows in the bench: its results file beside the forward's, its sweep
 (on fake binaries), its anchors (without PyTorch, and on PyTorch's CPU tensors where PyTorch is
 installed), its tables and its inline values.
 
-No GPU, PyTorch or matplotlib needed. Each test_* function takes no arguments; run them all with
-`python tests/test_stages_backward.py` (or through tests/run.py).
+No GPU, PyTorch or matplotlib needed. Each test_* function takes no arguments; tests/run.py runs them
+(`tests/run.py --suite cpu -k stages_backward`).
 """
 import contextlib
 import io
@@ -461,27 +460,3 @@ def test_backward_anchors_on_cpu_torch():
     assert windows["forward"] and set(windows["forward"]) == {1}, windows
     return ", ".join(f"{r['impl']} {r['status']}" for r in backward[:4])
 
-
-def main():
-    import traceback
-    tests = [(name, f) for name, f in sorted(globals().items()) if name.startswith("test_") and callable(f)]
-    passed = failed = skipped = 0
-    for name, test in tests:
-        try:
-            test()
-        except unittest.SkipTest as exc:
-            skipped += 1
-            print(f"SKIP {name}: {exc}")
-        except Exception:
-            failed += 1
-            print(f"FAIL {name}")
-            traceback.print_exc()
-        else:
-            passed += 1
-            print(f"ok   {name}")
-    print(f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
