@@ -694,9 +694,12 @@ def repo_copy(ctx):
     return copy
 
 
-def make_in(ctx, copy, *args):
+def make_in(ctx, copy, *args, hide_gpu=True):
+    """make ARGS in a repository copy (BUILD=build), with the GPUs hidden unless hide_gpu is False."""
     tools = ctx.root / ".cache" / "tools"
-    env = {"CUDA_VISIBLE_DEVICES": "", "PATH": f"{tools}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {"PATH": f"{tools}{os.pathsep}{os.environ.get('PATH', '')}"}
+    if hide_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return ctx.run(shlex.split(ctx.make) + ["--no-print-directory", f"PYTHON_SYS={sys.executable}",
                                             "BUILD=build", *args], env=env, cwd=copy, timeout=900)
 

@@ -14,11 +14,10 @@ its harness objects (BUILD/common/*.o), into a temporary folder.
               the test with its reason); the copy, the student copy and the builds are made ahead
 """
 import shlex
-import sys
 import unittest
 
 import exercises as ex
-from test_cpu_exercises import ARCH_FLAG_OF, marked_chapters, repo_copy, write_tree
+from test_cpu_exercises import ARCH_FLAG_OF, make_in, marked_chapters, repo_copy, write_tree
 
 SUITE = "gpu"
 PARALLEL = 1  # timings: one binary at a time
@@ -77,8 +76,8 @@ def cases(ctx):
 
 
 def make_in_copy(ctx, copy, *args):
-    return ctx.run(shlex.split(ctx.make) + ["--no-print-directory", f"PYTHON_SYS={sys.executable}", "BUILD=build",
-                                            *args], cwd=copy, timeout=900)
+    """make ARGS in a repository copy, on this GPU."""
+    return make_in(ctx, copy, *args, hide_gpu=False)
 
 
 def graded_copy(ctx, chapter, solution_of):
