@@ -386,12 +386,21 @@ __global__ void __launch_bounds__(THREADS, 2)
 // Warps of the main kernel, per head dim. Warp w owns keys 16w..16w+15, so eight warps hold 128
 // keys (FlashAttention-2's block): each Q and dO tile is read, and each dQ row summed before its
 // atomics, once per 128 keys instead of once per 64. Four (64 keys, two blocks per SM) was this
-// chapter's first arrangement: -DBWD_WARPS_D128=4 -DBWD_WARPS_D64=4 builds it again.
+// chapter's first arrangement: -DBWD_WIDE_BLOCK=0 builds it again (or BWD_WARPS_D64/D128 per head dim).
+#ifndef BWD_WIDE_BLOCK
+#define BWD_WIDE_BLOCK 1  // eight warps, 128 keys per block (0: four warps, 64 keys)
+#endif
 #ifndef BWD_WARPS_D64
-#define BWD_WARPS_D64 8
+#define BWD_WARPS_D64 (4 + 4 * BWD_WIDE_BLOCK)
 #endif
 #ifndef BWD_WARPS_D128
-#define BWD_WARPS_D128 8
+#define BWD_WARPS_D128 (4 + 4 * BWD_WIDE_BLOCK)
+#endif
+// At D=128 with eight warps, FlashAttention-2's split: S^T and dP^T by 4 x 2 warps over (keys,
+// queries), dK and dV by 4 x 2 over (keys, dims), dQ by 2 x 4 over (queries, dims), P^T and dS^T
+// passed between them through shared memory; each warp reads half the Q and dO it read before.
+#ifndef BWD_SPLIT
+#define BWD_SPLIT 1  // FlashAttention-2's warp split at D=128, P^T and dS^T through shared memory (0: each warp its 16 keys throughout)
 #endif
 // The blocks of a head run side by side; from the same query tile they would add into the same
 // dQ rows at the same time, and atomics on one address wait for each other in L2.
