@@ -434,11 +434,17 @@ struct BwdConfig {
     static constexpr int DQ_WARP_DIMS = HEAD_DIM * DQ_ROW_TILES / BLOCK_WARPS;
     static constexpr int STRIDE = HEAD_DIM + PAD;  // halves per row, as the forward's tiles
     static constexpr int KV_HALVES = BLOCK_KV * STRIDE, Q_HALVES = BWD_BLOCK_Q * STRIDE;
-    // dS^T of the block, [key][query], for dQ += dS K (the atomic version only).
-    static constexpr int DS_STRIDE = BWD_BLOCK_Q + PAD, DS_HALVES = DETERMINISTIC_DQ ? 0 : BLOCK_KV * DS_STRIDE;
+    // A [key][query] tile of the block (dS^T, P^T); dS^T for dQ += dS K (the atomic version only).
+    static constexpr int DS_STRIDE = BWD_BLOCK_Q + PAD, KEY_QUERY_HALVES = BLOCK_KV * DS_STRIDE;
+    static constexpr int DS_HALVES = DETERMINISTIC_DQ ? 0 : KEY_QUERY_HALVES;
     // Main kernel: the LSE and D ring (floats), K and V, the Q and dO ring, dS^T.
-    static constexpr int SMEM_BYTES = 2 * BWD_STAGES * BWD_BLOCK_Q * (int)sizeof(float) +
-                                      (2 * KV_HALVES + 2 * BWD_STAGES * Q_HALVES + DS_HALVES) * (int)sizeof(__half);
+    static constexpr int RING_BYTES = 2 * BWD_STAGES * BWD_BLOCK_Q * (int)sizeof(float) +
+                                      (2 * KV_HALVES + 2 * BWD_STAGES * Q_HALVES) * (int)sizeof(__half);
+    static constexpr int SMEM_BYTES = RING_BYTES + DS_HALVES * (int)sizeof(__half);
+    // BWD_SPLIT (D=128, eight warps): the split kernel, with P^T and dS^T both in shared memory:
+    // 173 KiB, more than sm_80's 163 KiB per block, where the kernel above runs instead.
+    static constexpr bool SPLIT = BWD_SPLIT && HEAD_DIM == 128 && BLOCK_WARPS == 8;
+    static constexpr int SPLIT_SMEM_BYTES = RING_BYTES + 2 * KEY_QUERY_HALVES * (int)sizeof(__half);
     // dQ kernel: Q and dO, and a ring of (K, V) tiles of DQ_BLOCK_KV keys.
     static constexpr int DQ_KV_HALVES = DQ_BLOCK_KV * STRIDE;
     static constexpr int DQ_SMEM_BYTES = (2 * Q_HALVES + 2 * BWD_STAGES * DQ_KV_HALVES) * (int)sizeof(__half);
@@ -457,6 +463,14 @@ template <int HEAD_DIM>
 __device__ void load_a_step(unsigned frag[A_REGS], const __half *tile, int row0, int ks) {
     const int lane = threadIdx.x % WARP_SIZE;
     ldmatrix_x4(frag, tile + tile_offset<HEAD_DIM>(row0 + lane % MMA_M, ks * STEP_CHUNKS + lane / MMA_M));
+}
+
+// The same from a [key][query] tile (P^T, dS^T: DS_STRIDE halves per row), k16 step ks over queries.
+template <int HEAD_DIM>
+__device__ void load_a_step_key_query(unsigned frag[A_REGS], const __half *tile, int row0, int ks) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    ldmatrix_x4(frag, tile + (row0 + lane % MMA_M) * BwdConfig<HEAD_DIM>::DS_STRIDE +
+                          (ks * STEP_CHUNKS + lane / MMA_M) * CHUNK_HALVES);
 }
 
 // The B fragments of two n8 tiles of columns (16 dims, dims 16dp..) at k16 step kk of a
@@ -512,6 +526,41 @@ __device__ void mask_tile(float score[COL_TILES][ACC_REGS], int row0, int col0, 
                 if (key >= seqlen || query >= seqlen || (causal && key > query)) score[nt][2 * r + e] = -INFINITY;
             }
     }
+}
+
+// dS^T = P^T * (dP^T - D) in place of dP^T, for one m16 tile of keys against COL_TILES n8 tiles of
+// the query tile's queries from col0 on; D per column (query), as LSE is in P^T. Masked entries
+// have P = 0, so dS = 0 there whatever dP is.
+template <int COL_TILES>
+__device__ void ds_from_dp(float ds[COL_TILES][ACC_REGS], const float score[COL_TILES][ACC_REGS],
+                           const float *delta_tile, int col0) {
+    const int quad_lane = threadIdx.x % QUAD_LANES;
+    // EXERCISE 09.ds BEGIN: dS^T = P^T * (dP^T - D) in place of dP^T in ds, each element with its query's D
+    //   kind: correctness
+    //   pass: backward
+    //   hint: P^T is in score, dP^T in ds, both in the accumulator layout: element [nt][2r + e] of lane l
+    //     is key row0 + l / 4 + 8r (row0: the m16 tile's first key), query col0 + 8nt + 2 (l % 4) + e of
+    //     the tile. delta_tile holds D of the tile's 64 queries. Compute ds[nt][2r + e] = score[nt][2r + e]
+    //     * (ds[nt][2r + e] - D) in place: D is that of the element's query (the column, as LSE is in P^T),
+    //     never of its key; a lane's two queries col0 + 8nt + 2 (l % 4) and the next are adjacent, one
+    //     float2 of delta_tile. Both main kernels call this (at D=128 the split one). dV never sees dS: a
+    //     wrong dS shows in dQ and dK alone. The formula is in docs/concepts.md, "Log-sum-exp, and why LSE
+    //     is an output".
+    //   wrong old: score[nt][2 * r] * (ds[nt][2 * r] - row_delta.x)
+    //   wrong new: score[nt][2 * r] * ds[nt][2 * r]
+#pragma unroll
+    for (int nt = 0; nt < COL_TILES; nt++) {
+        const float2 row_delta = *(const float2 *)&delta_tile[col0 + nt * MMA_N + 2 * quad_lane];
+#pragma unroll
+        for (int r = 0; r < ACC_ROWS; r++) {
+            ds[nt][2 * r] = score[nt][2 * r] * (ds[nt][2 * r] - row_delta.x);
+            ds[nt][2 * r + 1] = score[nt][2 * r + 1] * (ds[nt][2 * r + 1] - row_delta.y);
+        }
+    }
+    // EXERCISE 09.ds STUB
+    // EXERCISE_TODO("09.ds");
+    // (void)ds, (void)score, (void)delta_tile, (void)col0, (void)quad_lane;  // only the code cut here reads them
+    // EXERCISE END
 }
 
 // Two n8 accumulator tiles (16 columns) of one m16 tile, as the A operand of a k16 step over
@@ -592,38 +641,51 @@ __device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_R
 }
 
 // dQ += dS K for the query tile at query0, dS^T from shared memory ([key][query]): warp w takes
-// the 16 queries of m16 tile w % DQ_ROW_TILES against every key of the block, for its
-// DQ_WARP_DIMS dims, and adds that partial into the fp32 accumulator in device memory. In
-// passes of at most 8 n8 tiles (64 dims): with four warps at D=128, the whole 16 x 128 partial
-// beside dK and dV made sm_80's ptxas spill.
-template <int HEAD_DIM>
+// WARP_ROW_TILES m16 tiles of queries (the warps side by side over the tile's queries,
+// QUERY_WARPS of them, w % QUERY_WARPS) against every key of the block, for its DQ_WARP_DIMS
+// dims, and adds that partial into the fp32 accumulator in device memory. One m16 tile per warp
+// is the first kernel's (16 queries x 64 dims at D=128: the whole dS row, half of K); the split
+// kernel takes two (32 queries x 32 dims: FlashAttention-2's, a quarter of K, four fewer
+// ldmatrix per step). In passes of at most 8 n8 tiles (64 dims): with four warps at D=128, the
+// whole 16 x 128 partial beside dK and dV made sm_80's ptxas spill.
+template <int HEAD_DIM, int WARP_ROW_TILES>
 __device__ void add_dq_of_tile(float *dq_head, const __half *ds_tile, const __half *k_tile, int query0, int seqlen) {
     constexpr int BLOCK_KV = BwdConfig<HEAD_DIM>::BLOCK_KV, DS_STRIDE = BwdConfig<HEAD_DIM>::DS_STRIDE;
-    constexpr int DQ_ROW_TILES = BwdConfig<HEAD_DIM>::DQ_ROW_TILES, DQ_WARP_DIMS = BwdConfig<HEAD_DIM>::DQ_WARP_DIMS;
+    constexpr int QUERY_WARPS = BwdConfig<HEAD_DIM>::DQ_ROW_TILES / WARP_ROW_TILES;
+    constexpr int DQ_WARP_DIMS = HEAD_DIM * QUERY_WARPS / BwdConfig<HEAD_DIM>::BLOCK_WARPS;
     constexpr int KEY_STEPS = BLOCK_KV / MMA_K;                                        // k16 steps of dS K
     constexpr int DQ_DIM_TILES = DQ_WARP_DIMS / MMA_N > 8 ? 8 : DQ_WARP_DIMS / MMA_N;  // n8 tiles per pass
+    static_assert(DQ_WARP_DIMS % (2 * MMA_N) == 0, "a warp's dims of dQ are whole pairs of n8 tiles");
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, group = lane / QUAD_LANES;
-    const int warp_row0 = warp % DQ_ROW_TILES * BWD_WARP_ROWS, dim0 = warp / DQ_ROW_TILES * DQ_WARP_DIMS;
+    const int warp_row0 = warp % QUERY_WARPS * WARP_ROW_TILES * MMA_M, dim0 = warp / QUERY_WARPS * DQ_WARP_DIMS;
 #pragma unroll
     for (int pass = 0; pass < DQ_WARP_DIMS / MMA_N / DQ_DIM_TILES; pass++) {
-        float dq_part[DQ_DIM_TILES][ACC_REGS] = {};
+        float dq_part[WARP_ROW_TILES][DQ_DIM_TILES][ACC_REGS] = {};
 #pragma unroll
         for (int kk = 0; kk < KEY_STEPS; kk++) {
             // dS as the A operand from dS^T: ldmatrix.trans; matrix l / 8 holds queries
             // + 8 (l / 8 % 2) and keys + 8 (l / 16): lane l gives key row 16kk + 8 (l / 16) + l % 8.
-            unsigned ds_a[A_REGS];
+            unsigned ds_a[WARP_ROW_TILES][A_REGS];
             const int key = kk * MMA_K + lane / (2 * LDM_ROWS) * LDM_ROWS + lane % LDM_ROWS;
-            ldmatrix_x4_trans(ds_a, ds_tile + key * DS_STRIDE + warp_row0 + lane / LDM_ROWS % 2 * LDM_ROWS);
+#pragma unroll
+            for (int mt = 0; mt < WARP_ROW_TILES; mt++)
+                ldmatrix_x4_trans(ds_a[mt], ds_tile + key * DS_STRIDE + warp_row0 + mt * MMA_M +
+                                                lane / LDM_ROWS % 2 * LDM_ROWS);
 #pragma unroll
             for (int dp = 0; dp < DQ_DIM_TILES / 2; dp++) {
                 unsigned k_frag[2 * B_REGS];
                 load_trans_pair<HEAD_DIM>(k_frag, k_tile, kk, dim0 / (2 * MMA_N) + pass * DQ_DIM_TILES / 2 + dp);
-                mma_16x8x16(dq_part[2 * dp], ds_a, k_frag[0], k_frag[1]);
-                mma_16x8x16(dq_part[2 * dp + 1], ds_a, k_frag[2], k_frag[3]);
+#pragma unroll
+                for (int mt = 0; mt < WARP_ROW_TILES; mt++) {
+                    mma_16x8x16(dq_part[mt][2 * dp], ds_a[mt], k_frag[0], k_frag[1]);
+                    mma_16x8x16(dq_part[mt][2 * dp + 1], ds_a[mt], k_frag[2], k_frag[3]);
+                }
             }
         }
-        add_dq_partial<HEAD_DIM, DQ_DIM_TILES>(dq_head, dq_part, query0 + warp_row0 + group,
-                                               dim0 + pass * DQ_DIM_TILES * MMA_N, seqlen);
+#pragma unroll
+        for (int mt = 0; mt < WARP_ROW_TILES; mt++)
+            add_dq_partial<HEAD_DIM, DQ_DIM_TILES>(dq_head, dq_part[mt], query0 + warp_row0 + mt * MMA_M + group,
+                                                   dim0 + pass * DQ_DIM_TILES * MMA_N, seqlen);
     }
 }
 
@@ -732,7 +794,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
 #if !DETERMINISTIC_DQ
         // The last tile's dQ, now that the barrier above has made its dS^T every warp's.
         if (tile > 0)
-            add_dq_of_tile<HEAD_DIM>(dq_head, ds_tile, k_tile, step_query0(first_tile, tile - 1, query_tiles), seqlen);
+            add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, tile - 1, query_tiles), seqlen);
 #endif
         const int slot = tile % BWD_STAGES, query0 = step_query0(first_tile, tile, query_tiles);
         const __half *q_tile = q_ring + slot * Q_HALVES, *do_tile = do_ring + slot * Q_HALVES;
@@ -809,34 +871,9 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
             }
         }
 
-        // dS^T = P^T * (dP^T - D), in place of dP^T; D per column (query), as LSE. Masked
-        // entries have P = 0, so dS = 0 there whatever dP is.
+        // dS^T = P^T * (dP^T - D), in place of dP^T.
         unsigned ds_frag[Q_STEPS][A_REGS];  // dS^T as the A operand of dK += dS^T Q
-        // EXERCISE 09.ds BEGIN: dS^T = P^T * (dP^T - D) in place of dP^T in ds, each element with its query's D
-        //   kind: correctness
-        //   pass: backward
-        //   hint: P^T is in score, dP^T in ds, both in the accumulator layout: element [nt][2r + e] of lane l
-        //     is key 16w + l / 4 + 8r (w the warp), query 8nt + 2 (l % 4) + e of the tile. delta_tile holds D
-        //     of the tile's 64 queries. Compute ds[nt][2r + e] = score[nt][2r + e] * (ds[nt][2r + e] - D) in
-        //     place: D is that of the element's query (the column, as LSE is in P^T above), never of its key;
-        //     a lane's two queries 8nt + 2 (l % 4) and the next are adjacent, one float2 of delta_tile. dV
-        //     never sees dS: a wrong dS shows in dQ and dK alone. The formula is in docs/concepts.md,
-        //     "Log-sum-exp, and why LSE is an output".
-        //   wrong old: score[nt][2 * r] * (ds[nt][2 * r] - row_delta.x)
-        //   wrong new: score[nt][2 * r] * ds[nt][2 * r]
-#pragma unroll
-        for (int nt = 0; nt < QUERY_TILES; nt++) {
-            const float2 row_delta = *(const float2 *)&delta_tile[nt * MMA_N + 2 * quad_lane];
-#pragma unroll
-            for (int r = 0; r < ACC_ROWS; r++) {
-                ds[nt][2 * r] = score[nt][2 * r] * (ds[nt][2 * r] - row_delta.x);
-                ds[nt][2 * r + 1] = score[nt][2 * r + 1] * (ds[nt][2 * r + 1] - row_delta.y);
-            }
-        }
-        // EXERCISE 09.ds STUB
-        // EXERCISE_TODO("09.ds");
-        // (void)delta_tile;  // D of the tile's queries: only the code cut here reads it
-        // EXERCISE END
+        ds_from_dp<QUERY_TILES>(ds, score, delta_tile, 0);
 #pragma unroll
         for (int kk = 0; kk < Q_STEPS; kk++) pack_a(ds_frag[kk], ds[2 * kk], ds[2 * kk + 1]);
 
@@ -872,7 +909,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
     }
 #if !DETERMINISTIC_DQ
     __syncthreads();  // every warp's dS^T rows of the last tile are in
-    add_dq_of_tile<HEAD_DIM>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen);
+    add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen);
 #else
     (void)dq_acc;  // DETERMINISTIC_DQ: dQ is the dQ kernel's
 #endif
@@ -891,6 +928,210 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
             *(unsigned *)&dv_row[nt * MMA_N] = pack_half2(dv_acc[nt][2 * r], dv_acc[nt][2 * r + 1]);
         }
     }
+}
+
+// --- BWD_SPLIT: FlashAttention-2's warp split at D=128 --------------------------------------
+// Above, every warp multiplies its own 16 keys by all 64 queries of the tile: the eight warps
+// each read the whole Q and dO tile (128 dims) twice per tile, 184 ldmatrix per warp and tile
+// against 320 mma.sync. Here the warps split each product 4 x 2 instead, and pass P^T and dS^T
+// through shared memory from the products that make them to those that use them:
+//   S^T, dP^T (keys x queries): warp w takes keys 32 (w % 4).., queries 32 (w / 4)..
+//   dV, dK (keys x dims):       keys 32 (w % 4).., dims 64 (w / 4)..
+//   dQ (queries x dims):        queries 32 (w % 2).., dims 32 (w / 2)..  (add_dq_of_tile<.., 2>)
+// 144 ldmatrix per warp and tile, and 32 4-byte stores of P^T and dS^T.
+#define SPLIT_KEY_WARPS 4                                // warps side by side over the block's keys
+#define SPLIT_WARP_KEYS (2 * MMA_M)                       // keys per warp: two m16 tiles
+#define SPLIT_WARP_QUERIES (BWD_BLOCK_Q / 2)              // queries per warp in S^T, dP^T: 32
+#define SPLIT_WARP_DIMS 64                               // dims per warp in dK, dV (D=128 / 2)
+#define SPLIT_M_TILES (SPLIT_WARP_KEYS / MMA_M)           // 2
+#define SPLIT_Q_TILES (SPLIT_WARP_QUERIES / MMA_N)        // n8 tiles of queries: 4
+#define SPLIT_D_TILES (SPLIT_WARP_DIMS / MMA_N)           // n8 tiles of dims: 8
+static_assert(SPLIT_KEY_WARPS * SPLIT_WARP_KEYS == 128, "four warps of 32 keys: the block's 128");
+
+// acc += A B^T over the HEAD_DIM dims, A's rows a_row0.. (M m16 tiles) and B's rows b_row0..
+// (N n8 tiles) both [row][dim] tiles in shared memory: S^T = K Q^T, dP^T = V dO^T.
+template <int HEAD_DIM, int M, int N>
+__device__ void rows_times_rows(float acc[M][N][ACC_REGS], const __half *a_tile, int a_row0, const __half *b_tile,
+                                int b_row0) {
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++) {
+        unsigned a_frag[M][A_REGS], b_frag[N / 2][2 * B_REGS];
+#pragma unroll
+        for (int mt = 0; mt < M; mt++) load_a_step<HEAD_DIM>(a_frag[mt], a_tile, a_row0 + mt * MMA_M, ks);
+        load_k_step<HEAD_DIM, N>(b_frag, b_tile + tile_offset<HEAD_DIM>(b_row0, 0), ks);
+#pragma unroll
+        for (int mt = 0; mt < M; mt++)
+#pragma unroll
+            for (int np = 0; np < N / 2; np++) {
+                mma_16x8x16(acc[mt][2 * np], a_frag[mt], b_frag[np][0], b_frag[np][1]);
+                mma_16x8x16(acc[mt][2 * np + 1], a_frag[mt], b_frag[np][2], b_frag[np][3]);
+            }
+    }
+}
+
+// acc += A B over the tile's BWD_BLOCK_Q queries: A's rows a_row0.. (M m16 tiles) of a
+// [key][query] tile (P^T or dS^T), B the dims dim0.. (N n8 tiles) of a [query][dim] tile (dO or
+// Q) through ldmatrix.trans: dV += P^T dO, dK += dS^T Q.
+template <int HEAD_DIM, int M, int N>
+__device__ void keys_times_queries(float acc[M][N][ACC_REGS], const __half *a_tile, int a_row0, const __half *b_tile,
+                                   int dim0) {
+#pragma unroll
+    for (int kk = 0; kk < BWD_BLOCK_Q / MMA_K; kk++) {
+        unsigned a_frag[M][A_REGS];
+#pragma unroll
+        for (int mt = 0; mt < M; mt++) load_a_step_key_query<HEAD_DIM>(a_frag[mt], a_tile, a_row0 + mt * MMA_M, kk);
+#pragma unroll
+        for (int dp = 0; dp < N / 2; dp++) {
+            unsigned b_frag[2 * B_REGS];
+            load_trans_pair<HEAD_DIM>(b_frag, b_tile, kk, dim0 / (2 * MMA_N) + dp);
+#pragma unroll
+            for (int mt = 0; mt < M; mt++) {
+                mma_16x8x16(acc[mt][2 * dp], a_frag[mt], b_frag[0], b_frag[1]);
+                mma_16x8x16(acc[mt][2 * dp + 1], a_frag[mt], b_frag[2], b_frag[3]);
+            }
+        }
+    }
+}
+
+// A warp's keys x queries accumulators, rounded to fp16, into a [key][query] tile: 4-byte stores
+// of a lane's two adjacent queries (32 different banks over the warp, rows DS_STRIDE apart).
+template <int HEAD_DIM, int M, int N>
+__device__ void store_key_query(__half *tile, const float acc[M][N][ACC_REGS], int key0, int query0) {
+    const int lane = threadIdx.x % WARP_SIZE, group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;
+#pragma unroll
+    for (int mt = 0; mt < M; mt++)
+#pragma unroll
+        for (int r = 0; r < ACC_ROWS; r++) {
+            __half *row = tile + (key0 + mt * MMA_M + group + r * ACC_ROW_STEP) * BwdConfig<HEAD_DIM>::DS_STRIDE;
+#pragma unroll
+            for (int nt = 0; nt < N; nt++)
+                *(unsigned *)&row[query0 + nt * MMA_N + 2 * quad_lane] =
+                    pack_half2(acc[mt][nt][2 * r], acc[mt][nt][2 * r + 1]);
+        }
+}
+
+// (2') The main kernel with the split: the same grid, ring, loop order and dQ atomics.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
+    flash_attention_backward_split_kernel(const __half *q, const __half *k, const __half *v, const __half *d_o,
+                                          const float *lse, const float *delta, float *dq_acc, __half *dk,
+                                          __half *dv, int seqlen, float scale, float scale_log2, int causal) {
+    constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
+    constexpr int BLOCK_KV = BwdConfig<HEAD_DIM>::BLOCK_KV, BLOCK_THREADS = BwdConfig<HEAD_DIM>::BLOCK_THREADS;
+    constexpr int KEY_QUERY_HALVES = BwdConfig<HEAD_DIM>::KEY_QUERY_HALVES;
+    static_assert(BwdConfig<HEAD_DIM>::BLOCK_WARPS == 8 && HEAD_DIM == 2 * SPLIT_WARP_DIMS, "eight warps, D=128");
+    extern __shared__ __align__(128) unsigned char smem[];
+    float *lse_ring = (float *)smem;                                     // [BWD_STAGES][BWD_BLOCK_Q]
+    float *delta_ring = lse_ring + BWD_STAGES * BWD_BLOCK_Q;             // [BWD_STAGES][BWD_BLOCK_Q]
+    __half *k_tile = (__half *)(delta_ring + BWD_STAGES * BWD_BLOCK_Q);  // [BLOCK_KV][STRIDE]
+    __half *v_tile = k_tile + KV_HALVES;                                 // [BLOCK_KV][STRIDE]
+    __half *q_ring = v_tile + KV_HALVES;                                 // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
+    __half *do_ring = q_ring + BWD_STAGES * Q_HALVES;                    // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
+    __half *pt_tile = do_ring + BWD_STAGES * Q_HALVES;                   // [BLOCK_KV][DS_STRIDE]: P^T
+    __half *ds_tile = pt_tile + KEY_QUERY_HALVES;                        // [BLOCK_KV][DS_STRIDE]: dS^T
+
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;
+    const int warp_key0 = warp % SPLIT_KEY_WARPS * SPLIT_WARP_KEYS;       // in S^T, dP^T, dK, dV
+    const int warp_query0 = warp / SPLIT_KEY_WARPS * SPLIT_WARP_QUERIES;  // in S^T, dP^T
+    const int warp_dim0 = warp / SPLIT_KEY_WARPS * SPLIT_WARP_DIMS;       // in dK, dV
+    const int key_tile = causal ? blockIdx.y : blockIdx.x;
+    const size_t head = causal ? blockIdx.x : blockIdx.y;
+    const int key0 = key_tile * BLOCK_KV;
+    const __half *q_head = q + head * seqlen * HEAD_DIM, *do_head = d_o + head * seqlen * HEAD_DIM;
+    const float *lse_head = lse + head * seqlen, *delta_head = delta + head * seqlen;
+
+    // The loop's query tiles, as the kernel above: from the diagonal, wrapping round unless causal.
+    const int query_tiles = ceil_div(seqlen, BWD_BLOCK_Q);
+    const int first_tile = causal || BWD_STAGGER ? key0 / BWD_BLOCK_Q : 0;
+    const int q_tiles = causal ? query_tiles - first_tile : query_tiles;
+
+    load_tile_async<HEAD_DIM, BLOCK_KV, BLOCK_THREADS>(k_tile, k + head * seqlen * HEAD_DIM, key0, seqlen);
+    load_tile_async<HEAD_DIM, BLOCK_KV, BLOCK_THREADS>(v_tile, v + head * seqlen * HEAD_DIM, key0, seqlen);
+    for (int t = 0; t < BWD_STAGES - 1; t++) {
+        if (t < q_tiles)
+            load_query_tile_async<HEAD_DIM>(q_ring, do_ring, lse_ring, delta_ring, q_head, do_head, lse_head,
+                                            delta_head, t, step_query0(first_tile, t, query_tiles), seqlen);
+        __pipeline_commit();
+    }
+
+    float dk_acc[SPLIT_M_TILES][SPLIT_D_TILES][ACC_REGS] = {}, dv_acc[SPLIT_M_TILES][SPLIT_D_TILES][ACC_REGS] = {};
+#if !DETERMINISTIC_DQ
+    float *dq_head = dq_acc + head * seqlen * HEAD_DIM;
+#else
+    (void)dq_acc;  // DETERMINISTIC_DQ: dQ is the dQ kernel's
+#endif
+
+    for (int tile = 0; tile < q_tiles; tile++) {
+        __pipeline_wait_prior(BWD_STAGES - 2);
+        __syncthreads();  // the tile has landed; every warp is done with the last tile's P^T and dS^T
+        const int next = tile + BWD_STAGES - 1;
+        if (next < q_tiles)
+            load_query_tile_async<HEAD_DIM>(q_ring, do_ring, lse_ring, delta_ring, q_head, do_head, lse_head,
+                                            delta_head, next % BWD_STAGES, step_query0(first_tile, next, query_tiles),
+                                            seqlen);
+        __pipeline_commit();
+        const int slot = tile % BWD_STAGES, query0 = step_query0(first_tile, tile, query_tiles);
+        const __half *q_tile = q_ring + slot * Q_HALVES, *do_tile = do_ring + slot * Q_HALVES;
+        const float *lse_tile = lse_ring + slot * BWD_BLOCK_Q, *delta_tile = delta_ring + slot * BWD_BLOCK_Q;
+
+        // S^T = K Q^T and P^T = exp(S^T * scale - LSE): the warp's 32 keys x 32 queries.
+        float score[SPLIT_M_TILES][SPLIT_Q_TILES][ACC_REGS] = {};
+        rows_times_rows<HEAD_DIM, SPLIT_M_TILES, SPLIT_Q_TILES>(score, k_tile, warp_key0, q_tile, warp_query0);
+        if (query0 + BWD_BLOCK_Q > seqlen || key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0)) {
+#pragma unroll
+            for (int mt = 0; mt < SPLIT_M_TILES; mt++)
+                mask_tile<SPLIT_Q_TILES, true>(score[mt], key0 + warp_key0 + mt * MMA_M + group,
+                                               query0 + warp_query0 + 2 * quad_lane, seqlen, causal);
+        }
+#pragma unroll
+        for (int nt = 0; nt < SPLIT_Q_TILES; nt++) {
+            const float2 row_lse = *(const float2 *)&lse_tile[warp_query0 + nt * MMA_N + 2 * quad_lane];
+#pragma unroll
+            for (int mt = 0; mt < SPLIT_M_TILES; mt++)
+#pragma unroll
+                for (int r = 0; r < ACC_ROWS; r++) {
+                    float *p = &score[mt][nt][2 * r];
+                    p[0] = exp2_approx(fmaf(p[0], scale_log2, -row_lse.x * LOG2E));
+                    p[1] = exp2_approx(fmaf(p[1], scale_log2, -row_lse.y * LOG2E));
+                }
+        }
+        store_key_query<HEAD_DIM, SPLIT_M_TILES, SPLIT_Q_TILES>(pt_tile, score, warp_key0, warp_query0);
+
+        // dP^T = V dO^T, then dS^T = P^T * (dP^T - D), D per query (column), as LSE.
+        float ds[SPLIT_M_TILES][SPLIT_Q_TILES][ACC_REGS] = {};
+        rows_times_rows<HEAD_DIM, SPLIT_M_TILES, SPLIT_Q_TILES>(ds, v_tile, warp_key0, do_tile, warp_query0);
+#pragma unroll
+        for (int mt = 0; mt < SPLIT_M_TILES; mt++)
+            ds_from_dp<SPLIT_Q_TILES>(ds[mt], score[mt], delta_tile, warp_query0);
+        store_key_query<HEAD_DIM, SPLIT_M_TILES, SPLIT_Q_TILES>(ds_tile, ds, warp_key0, warp_query0);
+        __syncthreads();  // P^T and dS^T of the whole block are in
+
+        // dV += P^T dO and dK += dS^T Q: the warp's 32 keys x 64 dims, over the tile's 64 queries.
+        keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dv_acc, pt_tile, warp_key0, do_tile, warp_dim0);
+        keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dk_acc, ds_tile, warp_key0, q_tile, warp_dim0);
+#if !DETERMINISTIC_DQ
+        add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_tile, k_tile, query0, seqlen);  // dQ += dS K, atomics
+#endif
+    }
+    __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
+
+    // dK = scale * dS^T Q and dV, each row written once, as fp16.
+#pragma unroll
+    for (int mt = 0; mt < SPLIT_M_TILES; mt++)
+#pragma unroll
+        for (int r = 0; r < ACC_ROWS; r++) {
+            const int key = key0 + warp_key0 + mt * MMA_M + group + r * ACC_ROW_STEP;
+            if (key >= seqlen) continue;
+            __half *dk_row = dk + (head * seqlen + key) * HEAD_DIM + warp_dim0 + 2 * quad_lane;
+            __half *dv_row = dv + (head * seqlen + key) * HEAD_DIM + warp_dim0 + 2 * quad_lane;
+#pragma unroll
+            for (int nt = 0; nt < SPLIT_D_TILES; nt++) {
+                *(unsigned *)&dk_row[nt * MMA_N] =
+                    pack_half2(dk_acc[mt][nt][2 * r] * scale, dk_acc[mt][nt][2 * r + 1] * scale);
+                *(unsigned *)&dv_row[nt * MMA_N] = pack_half2(dv_acc[mt][nt][2 * r], dv_acc[mt][nt][2 * r + 1]);
+            }
+        }
 }
 
 #if !DETERMINISTIC_DQ
@@ -1094,13 +1335,24 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
         <<<row_grid, THREADS, 0, stream>>>(args->o, args->d_o, delta, dq_acc, s->seqlen);
     RETURN_IF_ERROR(cudaGetLastError());
 
+    // The split kernel where BWD_SPLIT builds it and the GPU gives a block its shared memory.
+    int device = 0, smem_optin = 0;
+    RETURN_IF_ERROR(cudaGetDevice(&device));
+    RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    auto main_kernel = flash_attention_backward_kernel<HEAD_DIM>;
     int smem = BwdConfig<HEAD_DIM>::SMEM_BYTES;
-    RETURN_IF_ERROR(cudaFuncSetAttribute(flash_attention_backward_kernel<HEAD_DIM>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if constexpr (BwdConfig<HEAD_DIM>::SPLIT) {
+        if (smem_optin >= BwdConfig<HEAD_DIM>::SPLIT_SMEM_BYTES) {
+            main_kernel = flash_attention_backward_split_kernel<HEAD_DIM>;
+            smem = BwdConfig<HEAD_DIM>::SPLIT_SMEM_BYTES;
+        }
+    }
+    RETURN_IF_ERROR(cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     dim3 grid = s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
-    flash_attention_backward_kernel<HEAD_DIM><<<grid, BwdConfig<HEAD_DIM>::BLOCK_THREADS, smem, stream>>>(
-        args->q, args->k, args->v, args->d_o, args->lse, delta, dq_acc, args->dk, args->dv, s->seqlen, scale,
-        scale_log2, s->causal);
+    main_kernel<<<grid, BwdConfig<HEAD_DIM>::BLOCK_THREADS, smem, stream>>>(args->q, args->k, args->v, args->d_o,
+                                                                            args->lse, delta, dq_acc, args->dk,
+                                                                            args->dv, s->seqlen, scale, scale_log2,
+                                                                            s->causal);
     RETURN_IF_ERROR(cudaGetLastError());
 
 #if !DETERMINISTIC_DQ

@@ -46,7 +46,8 @@ def constants():
         return out[name]
 
     for name in ("WARPS", "MMA_M", "MMA_N", "MMA_K", "PAD", "BWD_WARP_ROWS", "BWD_WARPS_D64", "BWD_WARPS_D128",
-                 "BWD_STAGGER", "BWD_BLOCK_Q", "DQ_BLOCK_KV", "BWD_STAGES", "CHUNK_HALVES"):
+                 "BWD_STAGGER", "BWD_SPLIT", "BWD_BLOCK_Q", "DQ_BLOCK_KV", "BWD_STAGES", "CHUNK_HALVES",
+                 "SPLIT_KEY_WARPS", "SPLIT_WARP_KEYS", "SPLIT_WARP_QUERIES", "SPLIT_WARP_DIMS"):
         value(name)
     return out
 
@@ -189,12 +190,14 @@ def lane_cols(col0, tiles):
 
 
 # --- the kernels -----------------------------------------------------------------------------
-def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=None, stagger=None):
+def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=None, stagger=None, split=None):
     """dQ, dK, dV [BH, N, D] and D [BH, N] as 09's kernels compute them (float64), with the main
-    kernel's `warps` (default: the source's, per head dim) and BWD_STAGGER (default: the source's)."""
+    kernel's `warps` (default: the source's, per head dim), BWD_STAGGER and BWD_SPLIT (default: the
+    source's; the split kernel runs at D=128 with eight warps, BwdConfig::SPLIT)."""
     heads, seqlen, d = q.shape
     warps = main_warps(d) if warps is None else warps
     stagger = bool(C["BWD_STAGGER"]) if stagger is None else stagger
+    split = (bool(C["BWD_SPLIT"]) if split is None else split) and d == 128 and warps == 8
     bkv = warps * ROWS  # BwdConfig::BLOCK_KV
     dq_warp_dims = d * DQ_ROW_TILES // warps  # BwdConfig::DQ_WARP_DIMS
     stride, ds_stride = d + PAD, BQ + PAD
@@ -227,10 +230,11 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
 
             if causal and first_tile > 0:  # the skipped query tiles: every key of the block after every query
                 assert first_tile * BQ - 1 < key0
-            # shared memory: LSE/D ring (floats, kept apart here), K, V, the Q/dO ring, dS^T
+            # shared memory: LSE/D ring (floats, kept apart here), K, V, the Q/dO ring, (P^T,) dS^T
             k_base, v_base = 0, bkv * stride
             q_ring, do_ring = 2 * bkv * stride, 2 * bkv * stride + STAGES * BQ * stride
-            ds_base = do_ring + STAGES * BQ * stride
+            pt_base = do_ring + STAGES * BQ * stride  # the split kernel's P^T
+            ds_base = pt_base + (bkv * ds_stride if split else 0)
             smem = Shared(ds_base + bkv * ds_stride)
             lse_ring, delta_ring = np.zeros((STAGES, BQ)), np.zeros((STAGES, BQ))
 
@@ -243,17 +247,21 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                 lse_ring[slot] = np.where(ok, lse[head][np.minimum(rows, seqlen - 1)], 0.0)
                 delta_ring[slot] = np.where(ok, delta[head][np.minimum(rows, seqlen - 1)], 0.0)
 
-            def add_dq_of_tile(query0):
-                """dQ += dS K from dS^T in shared memory: warp w takes queries 16 (w % 4).. against
-                every key of the block, for dims dq_warp_dims (w / 4).., in passes of <= 8 n8 tiles."""
+            def add_dq_of_tile(query0, row_tiles=1):
+                """dQ += dS K from dS^T in shared memory: warp w takes `row_tiles` m16 tiles of queries
+                (w % query_warps) against every key of the block, for dims dq_warp_dims (w / query_warps)..,
+                in passes of <= 8 n8 tiles: one tile, 16 queries, in the first kernel; two in the split one."""
+                query_warps = DQ_ROW_TILES // row_tiles
+                dq_warp_dims = d * query_warps // warps  # add_dq_of_tile's DQ_WARP_DIMS
                 dq_dim_tiles = min(dq_warp_dims // 8, 8)
                 for w in range(warps):
-                    row0, dim0 = w % DQ_ROW_TILES * ROWS, w // DQ_ROW_TILES * dq_warp_dims
-                    for pas in range(dq_warp_dims // 8 // dq_dim_tiles):
+                    row0, dim0 = w % query_warps * row_tiles * ROWS, w // query_warps * dq_warp_dims
+                    for pas, mt in [(pas, mt) for pas in range(dq_warp_dims // 8 // dq_dim_tiles) for mt in range(row_tiles)]:
                         part = np.zeros((dq_dim_tiles, 32, 4))
                         for kk in range(bkv // 16):
                             key = kk * 16 + LANES // 16 * 8 + LANES % 8
-                            dsa = smem.ldmatrix_x4(ds_base + key * ds_stride + row0 + LANES // 8 % 2 * 8, trans=True)
+                            dsa = smem.ldmatrix_x4(ds_base + key * ds_stride + row0 + mt * 16 + LANES // 8 % 2 * 8,
+                                                   trans=True)
                             for dp in range(dq_dim_tiles // 2):
                                 kf = load_trans_pair(smem, k_base, stride, kk, dim0 // 16 + pas * dq_dim_tiles // 2 + dp)
                                 mma(part[2 * dp], dsa, kf[:, 0], kf[:, 1])
@@ -262,7 +270,7 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                         # values, then each adds four adjacent dims of one row (red.global.add.v4.f32).
                         odd = QUAD % 2 == 1
                         partner = LANES ^ 1
-                        query = query0 + row0 + GROUP + np.where(odd, 8, 0)  # [32]
+                        query = query0 + row0 + mt * 16 + GROUP + np.where(odd, 8, 0)  # [32]
                         ok = query < seqlen
                         for nt in range(dq_dim_tiles):
                             give = np.where(odd[:, None], part[nt][:, 0:2], part[nt][:, 2:4])
@@ -279,6 +287,11 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
             for t in range(STAGES - 1):
                 if t < n_tiles:
                     fill(t, t)
+            if split:
+                split_block(smem, (k_base, v_base, q_ring, do_ring, pt_base, ds_base), fill, step_query0,
+                            add_dq_of_tile, (lse_ring, delta_ring), (head, key0, n_tiles, seqlen, causal),
+                            scale_log2, deterministic, visits, dk, dv, scale)
+                continue
             dk_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(warps)]
             dv_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(warps)]
             for tile in range(n_tiles):
@@ -368,6 +381,101 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
     else:
         dq = dq_acc * scale  # (3) convert
     return dq, dk, dv, delta
+
+
+def split_block(smem, bases, fill, step_query0, add_dq_of_tile, rings, block, scale_log2, deterministic, visits,
+                dk, dv, scale):
+    """One block of flash_attention_backward_split_kernel (D=128, eight warps): S^T and dP^T by
+    warps 4 x 2 over (keys, queries), P^T and dS^T stored to shared memory, a barrier, dV and dK by
+    4 x 2 over (keys, dims), dQ by 2 x 4 over (queries, dims). Writes dK, dV; adds into visits."""
+    k_base, v_base, q_ring, do_ring, pt_base, ds_base = bases
+    lse_ring, delta_ring = rings
+    head, key0, n_tiles, seqlen, causal = block
+    d, stride, ds_stride, bkv = 128, 128 + PAD, BQ + PAD, 128
+    key_warps, warp_keys, warp_queries, warp_dims = (C[n] for n in ("SPLIT_KEY_WARPS", "SPLIT_WARP_KEYS",
+                                                                       "SPLIT_WARP_QUERIES", "SPLIT_WARP_DIMS"))
+    m_tiles, q_tiles, d_tiles = warp_keys // 16, warp_queries // 8, warp_dims // 8
+    log2e = 1 / np.log(2)
+    dk_acc = np.zeros((8, m_tiles, d_tiles, 32, 4))
+    dv_acc = np.zeros((8, m_tiles, d_tiles, 32, 4))
+
+    def rows_times_rows(a_base, a_row0, b_base, b_row0):  # acc[mt][nt] += A B^T over the dims
+        acc = np.zeros((m_tiles, q_tiles, 32, 4))
+        for ks in range(d // 16):
+            af = [load_a_step(smem, a_base, stride, a_row0 + mt * 16, ks) for mt in range(m_tiles)]
+            bf = load_k_step(smem, b_base + b_row0 * stride, stride, q_tiles, ks)
+            for mt in range(m_tiles):
+                for np_ in range(q_tiles // 2):
+                    mma(acc[mt][2 * np_], af[mt], bf[np_][:, 0], bf[np_][:, 1])
+                    mma(acc[mt][2 * np_ + 1], af[mt], bf[np_][:, 2], bf[np_][:, 3])
+        return acc
+
+    def keys_times_queries(acc, a_base, a_row0, b_base, dim0):  # acc[mt][nt] += A B over the queries
+        for kk in range(BQ // 16):
+            af = [smem.ldmatrix_x4(a_base + (a_row0 + mt * 16 + LANES % 16) * ds_stride + (kk * 2 + LANES // 16) * 8)
+                  for mt in range(m_tiles)]
+            for dp in range(d_tiles // 2):
+                bf = load_trans_pair(smem, b_base, stride, kk, dim0 // 16 + dp)
+                for mt in range(m_tiles):
+                    mma(acc[mt][2 * dp], af[mt], bf[:, 0], bf[:, 1])
+                    mma(acc[mt][2 * dp + 1], af[mt], bf[:, 2], bf[:, 3])
+
+    def store_key_query(base, acc, row0, col0):  # [mt][nt][lane][4] as fp16 pairs, one store per (mt, r, nt)
+        for mt in range(m_tiles):
+            for r in range(2):
+                for nt in range(q_tiles):
+                    key = row0 + mt * 16 + GROUP + 8 * r
+                    query = col0 + nt * 8 + 2 * QUAD
+                    smem.store_words(base + key * ds_stride + query, acc[mt][nt][:, 2 * r:2 * r + 2])
+
+    for tile in range(n_tiles):
+        nxt = tile + STAGES - 1
+        if nxt < n_tiles:
+            fill(nxt % STAGES, nxt)
+        slot, query0 = tile % STAGES, step_query0(tile)
+        q_tile, do_tile = q_ring + slot * BQ * stride, do_ring + slot * BQ * stride
+        masked_here = mask_needed(query0, key0, seqlen, causal, bkv)
+        for w in range(8):
+            kw0, qw0 = w % key_warps * warp_keys, w // key_warps * warp_queries
+            score = rows_times_rows(k_base, kw0, q_tile, qw0)
+            p = np.zeros_like(score)
+            cols = qw0 + np.arange(q_tiles)[None, :, None] * 8 + 2 * QUAD[:, None, None] + np.arange(2)
+            lse_l = np.tile(lse_ring[slot][cols], 2)  # [lane][nt][2r + e]: the column's (query's) LSE
+            dl = np.tile(delta_ring[slot][cols], 2)
+            for mt in range(m_tiles):
+                s = score[mt].transpose(1, 0, 2)  # [lane][nt][4]
+                rows = lane_rows(key0 + kw0 + mt * 16)
+                hide = tile_hidden(rows, lane_cols(query0 + qw0, q_tiles), True, seqlen, causal)
+                if masked_here:
+                    s = np.where(hide, -np.inf, s)
+                else:
+                    assert not hide.any(), f"split tile (keys {key0}, queries {query0}) needed the mask it skips"
+                keys, queries = np.broadcast_arrays(rows[:, None, :, None], lane_cols(query0 + qw0, q_tiles)[:, :, None, :])
+                seen = ~hide.reshape(keys.shape)
+                np.add.at(visits[head], (queries[seen], keys[seen]), 1)
+                p[mt] = np.exp2(s * scale_log2 - lse_l * log2e).transpose(1, 0, 2)
+            store_key_query(pt_base, p, kw0, qw0)
+            dpt = rows_times_rows(v_base, kw0, do_tile, qw0)
+            ds = p * (dpt - dl.transpose(1, 0, 2)[None])
+            store_key_query(ds_base, ds, kw0, qw0)
+        # __syncthreads: P^T and dS^T of the whole block are in
+        for w in range(8):
+            kw0, dw0 = w % key_warps * warp_keys, w // key_warps * warp_dims
+            keys_times_queries(dv_acc[w], pt_base, kw0, do_tile, dw0)
+            keys_times_queries(dk_acc[w], ds_base, kw0, q_tile, dw0)
+        if not deterministic:
+            add_dq_of_tile(query0, row_tiles=2)
+    for w in range(8):
+        kw0, dw0 = w % key_warps * warp_keys, w // key_warps * warp_dims
+        for mt in range(m_tiles):
+            for r in range(2):
+                key = key0 + kw0 + mt * 16 + GROUP + 8 * r
+                ok = key < seqlen
+                for nt in range(d_tiles):
+                    for e in range(2):
+                        col = dw0 + nt * 8 + 2 * QUAD + e
+                        dk[head][key[ok], col[ok]] = dk_acc[w][mt][nt][ok, 2 * r + e] * scale
+                        dv[head][key[ok], col[ok]] = dv_acc[w][mt][nt][ok, 2 * r + e]
 
 
 def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale):
@@ -460,7 +568,7 @@ def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale):
 
 
 # --- the checks ----------------------------------------------------------------------------------
-def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, stagger=None):
+def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, stagger=None, split=None):
     q, k, v = reference.make_inputs(1, heads, seqlen, d, seed)
     do = reference.make_grad_output(1, heads, seqlen, d, seed)
     scale = 1 / np.sqrt(d)
@@ -468,13 +576,13 @@ def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, sta
     o, lse = reference.attention_reference(q, k, v, rows, causal, scale)
     want = reference.attention_backward(q, k, v, do, rows, rows, causal, scale)
     f64 = [x[0].astype(np.float64) for x in (q, k, v, do)]
-    got = emulate_backward(*f64, o[0], lse[0], causal, scale, deterministic, warps, stagger)
+    got = emulate_backward(*f64, o[0], lse[0], causal, scale, deterministic, warps, stagger, split)
     for name, g, w in zip(("dQ", "dK", "dV", "D"), got, want):
         w = w[0]
         assert np.all(np.isfinite(g)), f"{name}: non-finite values"
         err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1.0)
         assert err < 1e-10, (f"{name} at H={heads} N={seqlen} D={d} causal={causal} "
-                             f"deterministic={deterministic} warps={warps} stagger={stagger}: relative error {err:.2e}")
+                             f"deterministic={deterministic} warps={warps} stagger={stagger} split={split}: relative error {err:.2e}")
     return got
 
 
@@ -482,16 +590,19 @@ SHAPES = [  # (heads, N, D, causal): N = 1, a ragged tile, whole tiles, ragged a
     (1, 1, 64, False), (1, 1, 128, True), (1, 77, 64, True), (2, 77, 128, False),
     (1, 128, 64, True), (1, 130, 128, True), (1, 200, 64, False), (1, 260, 64, False),
 ]
-# The other arrangements the source builds (-DBWD_WARPS_D64=, -DBWD_WARPS_D128=, -DBWD_STAGGER=):
-# (warps, stagger), each on a few shapes. Four warps without BWD_STAGGER is the chapter's first kernel.
-ARRANGEMENTS = [(4, False), (4, True), (8, False)]
+# The other arrangements the source builds (-DBWD_WIDE_BLOCK=, -DBWD_STAGGER=, -DBWD_SPLIT=):
+# (warps, stagger, split), each on a few shapes. Four warps without BWD_STAGGER is the chapter's
+# first kernel; the split applies at D=128 with eight warps only.
+ARRANGEMENTS = [(4, False, False), (4, True, False), (8, False, True), (8, True, False), (8, False, False)]
 ARRANGEMENT_SHAPES = [(1, 77, 128, True), (1, 200, 64, False)]
 
 
 def test_tile_constants_read_from_the_source():
     assert all(main_warps(d) in (4, 8) for d in (64, 128)) and C["BWD_STAGGER"] in (0, 1), C
+    assert C["BWD_SPLIT"] in (0, 1) and C["SPLIT_KEY_WARPS"] * C["SPLIT_WARP_KEYS"] == 128, C
     assert DQ_WARPS * ROWS == BQ and BQ % 16 == 0 and DQ_BKV % 16 == 0 and STAGES >= 2, C
-    return f"main kernel: {main_warps(64)} warps at D=64, {main_warps(128)} at D=128; BWD_STAGGER {C['BWD_STAGGER']}"
+    return (f"main kernel: {main_warps(64)} warps at D=64, {main_warps(128)} at D=128; BWD_STAGGER "
+            f"{C['BWD_STAGGER']}, BWD_SPLIT {C['BWD_SPLIT']}")
 
 
 def test_atomic_version_matches_reference():
@@ -510,11 +621,11 @@ def test_deterministic_version_matches_reference_and_atomics():
 
 
 def test_other_arrangements_match_reference():
-    for warps, stagger in ARRANGEMENTS:
+    for warps, stagger, split in ARRANGEMENTS:
         for heads, n, d, causal in ARRANGEMENT_SHAPES:
             for deterministic in (False, True):
-                check_shape(heads, n, d, causal, deterministic, warps=warps, stagger=stagger)
-    return f"(warps, stagger) {ARRANGEMENTS}, {len(ARRANGEMENT_SHAPES)} shapes each, both dQ modes"
+                check_shape(heads, n, d, causal, deterministic, warps=warps, stagger=stagger, split=split)
+    return f"(warps, stagger, split) {ARRANGEMENTS}, {len(ARRANGEMENT_SHAPES)} shapes each, both dQ modes"
 
 
 def test_workspace_bytes_formula_in_source():
@@ -533,7 +644,7 @@ KERNEL_EXPRESSIONS = [
     "kk * MMA_K + lane % LDM_ROWS + lane / LDM_ROWS % 2 * LDM_ROWS",  # load_trans_pair
     "dp * 2 + lane / (2 * LDM_ROWS)",
     "kk * MMA_K + lane / (2 * LDM_ROWS) * LDM_ROWS + lane % LDM_ROWS",  # dS from dS^T
-    "key * DS_STRIDE + warp_row0 + lane / LDM_ROWS % 2 * LDM_ROWS",
+    "lane / LDM_ROWS % 2 * LDM_ROWS);",
     "warp_row0 + group + i % 2 * ACC_ROW_STEP",  # dS^T's stores
     "kk * MMA_K + i / 2 * MMA_N + 2 * quad_lane",
     "key >= seqlen || query >= seqlen || (causal && key > query)",  # mask_tile
@@ -544,13 +655,37 @@ KERNEL_EXPRESSIONS = [
     "first_tile = causal || BWD_STAGGER ? key0 / BWD_BLOCK_Q : 0",
     "q_tiles = causal ? query_tiles - first_tile : query_tiles",
     "return (tile < query_tiles ? tile : tile - query_tiles) * BWD_BLOCK_Q",  # step_query0
-    "if (tile > 0) add_dq_of_tile<HEAD_DIM>(dq_head, ds_tile, k_tile, step_query0(first_tile, tile - 1, query_tiles)",
-    "add_dq_of_tile<HEAD_DIM>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen)",
+    "if (tile > 0) add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, tile - 1, query_tiles)",
+    "add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen)",
     "key_tile = causal ? blockIdx.y : blockIdx.x",
     "query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x",
     "key_end = causal ? min(seqlen, query0 + BWD_BLOCK_Q) : seqlen",
-    "DQ_WARP_DIMS = HEAD_DIM * DQ_ROW_TILES / BLOCK_WARPS",  # add_dq_of_tile
-    "warp_row0 = warp % DQ_ROW_TILES * BWD_WARP_ROWS, dim0 = warp / DQ_ROW_TILES * DQ_WARP_DIMS",
+    "QUERY_WARPS = BwdConfig<HEAD_DIM>::DQ_ROW_TILES / WARP_ROW_TILES",  # add_dq_of_tile
+    "DQ_WARP_DIMS = HEAD_DIM * QUERY_WARPS / BwdConfig<HEAD_DIM>::BLOCK_WARPS",
+    "warp_row0 = warp % QUERY_WARPS * WARP_ROW_TILES * MMA_M, dim0 = warp / QUERY_WARPS * DQ_WARP_DIMS",
+    "ds_tile + key * DS_STRIDE + warp_row0 + mt * MMA_M +",
+    "query0 + warp_row0 + mt * MMA_M + group",
+    # the split kernel (split_block)
+    "SPLIT = BWD_SPLIT && HEAD_DIM == 128 && BLOCK_WARPS == 8",
+    "warp_key0 = warp % SPLIT_KEY_WARPS * SPLIT_WARP_KEYS",
+    "warp_query0 = warp / SPLIT_KEY_WARPS * SPLIT_WARP_QUERIES",
+    "warp_dim0 = warp / SPLIT_KEY_WARPS * SPLIT_WARP_DIMS",
+    "load_k_step<HEAD_DIM, N>(b_frag, b_tile + tile_offset<HEAD_DIM>(b_row0, 0), ks)",
+    "(row0 + lane % MMA_M) * BwdConfig<HEAD_DIM>::DS_STRIDE +",
+    "(ks * STEP_CHUNKS + lane / MMA_M) * CHUNK_HALVES",
+    "load_trans_pair<HEAD_DIM>(b_frag, b_tile, kk, dim0 / (2 * MMA_N) + dp)",
+    "(key0 + mt * MMA_M + group + r * ACC_ROW_STEP) * BwdConfig<HEAD_DIM>::DS_STRIDE",
+    "row[query0 + nt * MMA_N + 2 * quad_lane]",
+    "pt_tile, score, warp_key0, warp_query0",
+    "ds_tile, ds, warp_key0, warp_query0",
+    "(dv_acc, pt_tile, warp_key0, do_tile, warp_dim0)",
+    "(dk_acc, ds_tile, warp_key0, q_tile, warp_dim0)",
+    "add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_tile, k_tile, query0, seqlen)",
+    "lse_tile[warp_query0 + nt * MMA_N + 2 * quad_lane]",
+    "delta_tile[warp_query0 + nt * MMA_N + 2 * quad_lane]",
+    "key0 + warp_key0 + mt * MMA_M + group,",
+    "query0 + warp_query0 + 2 * quad_lane, seqlen, causal",
+    "key = key0 + warp_key0 + mt * MMA_M + group + r * ACC_ROW_STEP",
     "DQ_DIM_TILES = DQ_WARP_DIMS / MMA_N > 8 ? 8 : DQ_WARP_DIMS / MMA_N",
     "dim0 / (2 * MMA_N) + pass * DQ_DIM_TILES / 2 + dp",
     "dim0 + pass * DQ_DIM_TILES * MMA_N",

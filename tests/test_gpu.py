@@ -34,6 +34,7 @@ the output case recomputes it here.
 """
 import csv
 import math
+import os
 import re
 import unittest
 
@@ -45,7 +46,9 @@ from test_cpu_backward_cli import has_backward
 from test_cpu_cli import WORKSPACE
 
 SUITE = "gpu"
-PARALLEL = 8
+# Cases at once: each is a short binary run plus its check in NumPy (CPU work), so as many as the
+# machine has cores, and at least 8 (the GPU runs them side by side; a case waits on it little).
+PARALLEL = max(8, os.cpu_count() or 1)
 
 DIMS = (64, 128)
 SEQLENS = (1, 17, 64, 127, 128, 384, 385, 1000, 1024, 2048)  # 384 = 2 x 192: 08's key tiles with none masked

@@ -6,18 +6,23 @@
 # timed beside FlashAttention-2's backward (backward_vs_fa2.py), with the 09.dq_red exercise's
 # stub (scalar atomics) as one more row.
 #
-#   bash docs/results/logs/09/arrangements.sh [K]   (K: the first K shapes of backward_vs_fa2.py;
-#                                                     default 2: B4 H16 N4096, D 128 and 64)
-# Variants: new (the source's defaults), old (four warps, 64 keys per block, no stagger: the
-# chapter's first arrangement), w4_stagger, w8_nostagger (one change each). PYTHON: a Python with
-# PyTorch (default python3). Exit 1 if a build or a check failed.
+#   bash docs/results/logs/09/arrangements.sh [K] [SET]   (K: the first K shapes of backward_vs_fa2.py,
+#                                         default 2: B4 H16 N4096, D 128 and 64; SET: warps or split)
+# Variants of SET warps: new (the source's defaults), old (four warps, 64 keys per block, no
+# stagger: the chapter's first arrangement), w4_stagger, w8_nostagger (one change each). SET split:
+# new and nosplit (-DBWD_SPLIT=0: at D=128 each warp keeps its 16 keys throughout). PYTHON: a
+# Python with PyTorch (default python3). Exit 1 if a build or a check failed.
 set -u
 cd "$(dirname "$0")/../../../.." || exit 2
 SHAPES=${1:-2}
 PYTHON=${PYTHON:-python3}
-VARIANTS=(new old w4_stagger w8_nostagger)
-declare -A FLAGS=([new]="" [old]="-DBWD_WARPS_D128=4 -DBWD_WARPS_D64=4 -DBWD_STAGGER=0"
-                  [w4_stagger]="-DBWD_WARPS_D128=4 -DBWD_WARPS_D64=4" [w8_nostagger]="-DBWD_STAGGER=0")
+case ${2:-warps} in
+    warps) VARIANTS=(new old w4_stagger w8_nostagger) ;;
+    split) VARIANTS=(new nosplit) ;;
+    *) echo "arrangements.sh: SET is warps or split, not '$2'"; exit 2 ;;
+esac
+declare -A FLAGS=([new]="" [old]="-DBWD_WIDE_BLOCK=0 -DBWD_STAGGER=0" [w4_stagger]="-DBWD_WIDE_BLOCK=0"
+                  [w8_nostagger]="-DBWD_STAGGER=0" [nosplit]="-DBWD_SPLIT=0")
 folder() { if [ "$1" = new ]; then echo build; else echo "build/arr_$1"; fi; }
 failed=0
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
@@ -51,6 +56,16 @@ for v in "${VARIANTS[@]}"; do
                 print tag ": " name ": " $5 " registers, spill " spill " bytes" }
         ' "$(folder "$v")/$bin.log"
     done
+done
+
+# What the main kernels issue, per build: tensor-core, ldmatrix, shared-memory stores, reductions.
+for v in "${VARIANTS[@]}"; do
+    cuobjdump -sass "$(folder "$v")/09_backward" | awk -v tag="$v" '
+        /Function :/ { name = $3 }
+        name ~ /flash_attention_backward/ { for (op in want) if ($0 ~ want[op]) n[name, op]++ }
+        BEGIN { want["HMMA"] = " HMMA"; want["LDSM"] = " LDSM"; want["STS"] = " STS"; want["RED"] = " RED" }
+        END { for (key in n) { split(key, part, SUBSEP); print tag ": " part[1] ": " n[key] " " part[2] } }
+    ' | sort
 done
 
 # Correctness: --backward at ragged shapes, both D, causal and not, every build (8 at a time).
@@ -88,7 +103,8 @@ done
 # compute-sanitizer racecheck and synccheck of the chapter's atomic build (its barriers moved):
 # ragged, wrapping round (N=300: three key blocks, five query tiles) and causal.
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-for run in "racecheck 300 128 noncausal" "racecheck 200 64 causal" "synccheck 300 64 noncausal"; do
+for run in "racecheck 300 128 noncausal" "racecheck 200 64 causal" "synccheck 300 64 noncausal" \
+    "synccheck 200 128 causal" "memcheck 130 128 causal"; do
     set -- $run
     mask="" && [ "$4" = causal ] && mask=--causal
     out=$(timeout 300 "$sanitizer" --tool "$1" --error-exitcode 99 --target-processes application-only \
@@ -102,7 +118,7 @@ done
 builds=()
 for v in "${VARIANTS[@]}"; do
     builds+=(--build "$v=$(folder "$v")/09_backward")
-    case $v in new | old) builds+=(--build "${v}_det=$(folder "$v")/09_backward.deterministic") ;; esac
+    case $v in new | old | nosplit) builds+=(--build "${v}_det=$(folder "$v")/09_backward.deterministic") ;; esac
 done
 builds+=(--build "dq_red_stub=build/exercises/09_backward")
 "${PYTHON}" docs/results/logs/09/backward_vs_fa2.py "$SHAPES" "${builds[@]}"
