@@ -219,8 +219,8 @@ def command_run(args):
             got = samples[(variant, causal)]
             ms = statistics.median(s[0] for s in got)
             attend = [s[1] for s in got if s[1] is not None]
-            out.append({"variant": variant, "kind": kind, "flags": flags, "impl": variant_impl(chapter, variant), **shape,
-                        "ms": f"{ms:.4f}", "tflops": f"{tflops(shape, ms):.1f}",
+            out.append({"variant": variant, "kind": kind, "flags": flags, "impl": variant_impl(chapter, variant),
+                        **shape, "ms": f"{ms:.4f}", "tflops": f"{tflops(shape, ms):.1f}",
                         "attend_ms": f"{statistics.median(attend):.4f}" if attend else "",
                         "round_ms": " ".join(f"{s[0]:.4f}" for s in got), "iters": ITERS})
     path = args.out or csv_path(chapter)
