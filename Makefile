@@ -263,7 +263,7 @@ help:
 	@echo "make exercise CH=04 [EX=name] [FORCE=1]   a student copy of the chapter's exercises -> exercises/"
 	@echo "make grade CH=04      build and grade exercises/NN_name/attention.cu: PASS, FAIL, or UNGRADED (exit 77) where no GPU runs it"
 	@echo "make handout CH=04    the copy, the grader and no solution -> $(BUILD)/handout/NN_name.tar.gz (for a class)"
-	@echo "make ablation CH=07   each idea of 04, 07 or 08 switched off, checked and timed in one run (GPU)"
+	@echo "make ablation CH=07   each idea of 04, 07, 08 or 09 (its backward) switched off, checked and timed in one run (GPU)"
 	@echo "make train CH=07 [TRAIN_ARGS=--quick]   a small GPT trained with SDPA, then with chapter CH's forward and 09's backward (PyTorch)"
 	@echo "make peaks      this GPU's ceilings (FFMA, mma.sync, wgmma, copy) -> docs/results/logs/common/ (GPU)"
 	@echo "make clean      remove build/ and the input/reference cache"

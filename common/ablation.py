@@ -17,7 +17,11 @@ README (between ABLATION_BEGIN and ABLATION_END).
 
 The rows of a table: the chapter before (the baseline), the chapter with every idea off, then
 the ideas switched on one at a time in the order listed (the last row is the chapter), then the
-chapter with each idea off alone (what that idea is worth in the finished kernel).
+chapter with each idea off alone (what that idea is worth in the finished kernel), then its
+variants (a switch that defaults to 0 set to 1, such as 09's DETERMINISTIC_DQ) against the chapter.
+A chapter that registers a backward pass (09) is ablated on its backward: every run gets
+--backward, TFLOP/s count 2.5x the forward's FLOPs, and the chapter before is the baseline only
+if it has a backward too (08 has none, so 09's table has no such row).
 """
 import argparse
 import csv
@@ -33,7 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import fmt_ms, fmt_speedup, fmt_tflops, markdown_table, replace_between, say  # noqa: E402
-from results import HEADLINE_D, HEADLINE_N, bench_shape, forward_tflops, write_if_changed  # noqa: E402
+from results import (HEADLINE_D, HEADLINE_N, backward_builds, backward_tflops, bench_shape, forward_tflops,  # noqa: E402
+                     write_if_changed)
 from runner import chapters, find_chapter as chapter_named, run_case, shape_args  # noqa: E402
 from chapters import read_steps  # noqa: E402
 from source import without_switches  # noqa: E402
@@ -46,7 +51,12 @@ ABLATION_SWITCHES = {
     "04_fused": ("LOOP_ORDER", "REGISTER_TILING", "LOG2_DOMAIN"),
     "07_async_pipeline": ("P_IN_REGISTERS", "ASYNC_RING", "QUERY_ROWS_128", "DOUBLE_BUFFER", "RESCALE_VOTE"),
     "08_fp8": ("WARP_SPECIALISED", "PINGPONG", "INTRA_OVERLAP", "SPLIT_EXP2"),
+    "09_backward": ("BWD_WIDE_BLOCK", "BWD_STAGGER", "BWD_SPLIT"),
 }
+# A chapter's variants, rows after those without one idea: (variant, a switch that defaults to 0 and
+# is set to 1, what that gives), each against the chapter. 09's is the build the bench also times.
+ABLATION_VARIANTS = {"09_backward": (("deterministic", "DETERMINISTIC_DQ", "dQ without atomics"),)}
+TFLOPS_OF_PASS = {"forward": forward_tflops, "backward": backward_tflops}
 
 
 def switch_words(text, name):
@@ -59,14 +69,22 @@ def switch_words(text, name):
     return re.sub(r"\s*\(0: [^)]*\)$", "", words)
 
 
+def chapter_pass(chapter, root=ROOT):
+    """The pass a chapter is ablated on: "backward" where it registers one (results.backward_builds)."""
+    return "backward" if backward_builds(chapter, root) else "forward"
+
+
 def ablations(root=ROOT):
-    """{chapter: {"before", "steps", "ideas": [(switch, words)]}} for ABLATION_SWITCHES."""
+    """{chapter: {"pass", "before" (None: no chapter before of the same pass), "steps",
+    "ideas": [(switch, words)], "variants": ABLATION_VARIANTS'}} for ABLATION_SWITCHES."""
     folders, out = chapters(root), {}
     for chapter, names in ABLATION_SWITCHES.items():
         path = os.path.join(root, chapter, "attention.cu")
         text = open(path).read()
-        out[chapter] = {"before": folders[folders.index(chapter) - 1], "steps": bool(read_steps(path)),
-                        "ideas": [(name, switch_words(text, name)) for name in names]}
+        previous, pass_ = folders[folders.index(chapter) - 1], chapter_pass(chapter, root)
+        out[chapter] = {"pass": pass_, "before": previous if chapter_pass(previous, root) == pass_ else None,
+                        "steps": bool(read_steps(path)), "ideas": [(name, switch_words(text, name)) for name in names],
+                        "variants": ABLATION_VARIANTS.get(chapter, ())}
     return out
 
 
@@ -82,11 +100,12 @@ ROUNDS, WARMUP, ITERS = 3, 3, 20
 
 
 def variants(chapter):
-    """[(variant name, kind, -D flags)]: before, none, the ideas on one by one, each off alone; for a
-    chapter built in steps: before, each step (step1 ... chapter), each idea off alone."""
+    """[(variant name, kind, -D flags)]: before, none, the ideas on one by one, each off alone, the
+    variants; for a chapter built in steps: before, each step (step1 ... chapter), each idea off
+    alone. No before row where the chapter before has not the chapter's pass."""
     spec = ABLATIONS[chapter]
     names = [name for name, _ in spec["ideas"]]
-    out = [("before", "before", "")]
+    out = [("before", "before", "")] if spec["before"] else []
     if spec.get("steps"):
         count = len(read_steps(os.path.join(ROOT, chapter, "attention.cu")))
         out += [(f"step{k}", "step", f"-DSTEP={k}") for k in range(1, count)] + [("chapter", "step", "")]
@@ -101,7 +120,7 @@ def variants(chapter):
         flags = f"-D{name}=0"
         if flags not in seen:
             out.append((f"without_{name.lower()}", "without", flags))
-    return out
+    return out + [(variant, "variant", f"-D{switch}=1") for variant, switch, _ in spec["variants"]]
 
 
 def variant_label(chapter, variant, kind):
@@ -114,6 +133,9 @@ def variant_label(chapter, variant, kind):
         step = steps[-1] if variant == "chapter" else steps[int(variant[len("step"):]) - 1]
         name = f"{chapter[:2]}.{step['step']}"
         return f"{name}: {step['adds']}" + (f" (**{chapter}**)" if variant == "chapter" else "")
+    if kind == "variant":
+        switch, words = next((s, w) for v, s, w in spec["variants"] if v == variant)
+        return f"{chapter} with `{switch}` ({words})"
     if variant == "none":
         return "every idea off"
     if variant == "chapter":
@@ -121,6 +143,17 @@ def variant_label(chapter, variant, kind):
     if kind == "step":
         return "+ " + dict(spec["ideas"])[variant[len("plus_"):].upper()]
     return f"{chapter} with `{variant[len('without_'):].upper()}` off"
+
+
+def variant_impl(chapter, variant):
+    """The chapter a variant's binary is (the one before, for the before row)."""
+    return ABLATIONS[chapter]["before"] if variant == "before" else chapter
+
+
+def case_args(chapter, dims, warmup, iters):
+    """The command line of a check or a timed run: the shape, its runs, the chapter's pass."""
+    backward = ["--backward"] if ABLATIONS[chapter]["pass"] == "backward" else []
+    return shape_args(dims) + ["--warmup", str(warmup), "--iters", str(iters)] + backward
 
 
 def binary_path(build, chapter, variant):
@@ -153,10 +186,9 @@ def command_run(args):
             return 1
     failed = 0
     for variant, _, flags in rows:
-        impl = ABLATIONS[chapter]["before"] if variant == "before" else chapter
+        impl = variant_impl(chapter, variant)
         for shape in CHECK_SHAPES:
-            status, _, note = run_case(binary_path(args.build, chapter, variant), impl,
-                                       shape_args(shape) + ["--warmup", "0", "--iters", "1"])
+            status, _, note = run_case(binary_path(args.build, chapter, variant), impl, case_args(chapter, shape, 0, 1))
             if status == "skipped":
                 say(f"ablation: {impl} did not run here: {note}")
                 return 1
@@ -172,25 +204,23 @@ def command_run(args):
             shape = bench_shape(HEADLINE_D, HEADLINE_N, causal)
             dims = (shape["batch"], shape["heads"], shape["seqlen"], shape["headdim"], causal)
             for variant, _, _ in rows:
-                impl = ABLATIONS[chapter]["before"] if variant == "before" else chapter
                 check = [] if rnd == 0 else ["--no-check"]
-                status, row, note = run_case(binary_path(args.build, chapter, variant), impl, shape_args(dims)
-                                              + ["--warmup", str(WARMUP), "--iters", str(ITERS)] + check)
+                status, row, note = run_case(binary_path(args.build, chapter, variant), variant_impl(chapter, variant),
+                                             case_args(chapter, dims, WARMUP, ITERS) + check)
                 if status not in ("PASS", "unchecked"):
                     say(f"FAIL {variant} {dims}: {status} {note or ''}")
                     return 1
                 # attend_ms: the attention kernel alone where the chapter times it (08, without quantisation)
                 samples.setdefault((variant, causal), []).append((row["ms"], row["attend_ms"]))
-    out = []
+    out, tflops = [], TFLOPS_OF_PASS[ABLATIONS[chapter]["pass"]]
     for causal in (0, 1):
         shape = bench_shape(HEADLINE_D, HEADLINE_N, causal)
         for variant, kind, flags in rows:
             got = samples[(variant, causal)]
             ms = statistics.median(s[0] for s in got)
             attend = [s[1] for s in got if s[1] is not None]
-            out.append({"variant": variant, "kind": kind, "flags": flags,
-                        "impl": ABLATIONS[chapter]["before"] if variant == "before" else chapter, **shape,
-                        "ms": f"{ms:.4f}", "tflops": f"{forward_tflops(shape, ms):.1f}",
+            out.append({"variant": variant, "kind": kind, "flags": flags, "impl": variant_impl(chapter, variant),
+                        **shape, "ms": f"{ms:.4f}", "tflops": f"{tflops(shape, ms):.1f}",
                         "attend_ms": f"{statistics.median(attend):.4f}" if attend else "",
                         "round_ms": " ".join(f"{s[0]:.4f}" for s in got), "iters": ITERS})
     path = args.out or csv_path(chapter)
@@ -219,7 +249,8 @@ def read_rows(path):
 
 def table_markdown(chapter, rows):
     """The README table from the CSV rows: ms and TFLOP/s per mask, and what each row changes
-    (a step: x faster than the row above; a row without an idea: x slower than the chapter)."""
+    (a step: x faster than the row above; a row without an idea, or a variant: x slower than the
+    chapter)."""
     by = {(r["variant"], int(r["causal"])): r for r in rows}
     order = [r["variant"] for r in rows if int(r["causal"]) == 0]
     alone = any(r["attend_ms"] for r in rows)
@@ -235,8 +266,9 @@ def table_markdown(chapter, rows):
         for causal in (0, 1):
             row = by[(variant, causal)]
             ms = float(row["ms"])
-            ref = float(by[("chapter", causal)]["ms"]) if kind == "without" else prev.get(causal)
-            if kind == "without":
+            against_chapter = kind in ("without", "variant")
+            ref = float(by[("chapter", causal)]["ms"]) if against_chapter else prev.get(causal)
+            if against_chapter:
                 change = f"{ms / ref:.2f}x slower" if ms >= ref else f"{ref / ms:.2f}x faster"
             elif ref is None:
                 change = ""
@@ -244,16 +276,23 @@ def table_markdown(chapter, rows):
                 change = fmt_speedup(ref / ms)
             cells += [fmt_ms(ms), fmt_tflops(float(row["tflops"]))] + \
                 ([fmt_ms(float(row["attend_ms"])) if row["attend_ms"] else ""] if alone else []) + [change]
-            if kind != "without":
+            if not against_chapter:
                 prev[causal] = ms
         body.append(cells)
-    shape = bench_shape(HEADLINE_D, HEADLINE_N, 0)
+    return table_caption(chapter, rows) + "\n\n" + markdown_table(header, body, "ll" + "r" * (len(header) - 2))
+
+
+def table_caption(chapter, rows):
+    """The shape, the pass (a backward's says so, and its FLOPs), how the times were taken, what
+    `change` is, and where the CSV comes from."""
+    spec, shape = ABLATIONS[chapter], bench_shape(HEADLINE_D, HEADLINE_N, 0)
     rounds = len(rows[0]["round_ms"].split())
-    caption = (f"*D={HEADLINE_D}, N={HEADLINE_N}, B={shape['batch']}, H={shape['heads']}; median of {rounds} "
-               f"interleaved rounds, each the median of {rows[0].get('iters') or ITERS} runs; `change`: a step's speedup over the row "
-               f"above, or how much slower the chapter is without one idea; `docs/results/logs/"
-               f"{chapter[:2]}/ablation_{chapter[:2]}.csv`, written by `make ablation CH={chapter[:2]}`.*")
-    return caption + "\n\n" + markdown_table(header, body, "ll" + "r" * (len(header) - 2))
+    backward = "the backward (dQ, dK, dV), FLOPs 2.5x the forward's; " if spec["pass"] == "backward" else ""
+    variants = "".join(f", or with `{switch}`" for _, switch, _ in spec["variants"])
+    return (f"*D={HEADLINE_D}, N={HEADLINE_N}, B={shape['batch']}, H={shape['heads']}; {backward}median of {rounds} "
+            f"interleaved rounds, each the median of {rows[0].get('iters') or ITERS} runs; `change`: a step's speedup over the row "
+            f"above, or how much slower the chapter is without one idea{variants}; `docs/results/logs/"
+            f"{chapter[:2]}/ablation_{chapter[:2]}.csv`, written by `make ablation CH={chapter[:2]}`.*")
 
 
 def update_readme(chapter):
@@ -318,9 +357,12 @@ def command_diff(args):
 
 def command_list(_args):
     for chapter, spec in ABLATIONS.items():
-        print(f"{chapter} (before: {spec['before']})")
+        backward = ", on its backward" if spec["pass"] == "backward" else ""
+        print(f"{chapter} (before: {spec['before'] or 'none of the same pass'}{backward})")
         for name, what in spec["ideas"]:
             print(f"  -D{name}=0   turns off {what}")
+        for _, switch, what in spec["variants"]:
+            print(f"  -D{switch}=1   turns on {what}")
     return 0
 
 

@@ -2,25 +2,38 @@
 
   switches   every switch the table names is a `#ifndef NAME` / `#define NAME 1` default in its
              chapter (08, built in steps: `#define NAME (STEP >= k)`), so the chapter as written
-             is the variant with every idea on
+             is the variant with every idea on; a variant's switch (09's DETERMINISTIC_DQ)
+             defaults to 0
+  rows       09, a backward chapter: its rows and their -D flags, no row for 08 (no backward),
+             the deterministic variant last; the forward chapters keep their before row
+  run        `ablation.py run` on stand-in binaries (test_cpu_exercises' fake_binary): every
+             check and timed run of 09 has --backward, of 04 none; 09's CSV counts the
+             backward's FLOPs (2.5x the forward's), its table says so, the variant is costed
+             against the chapter
   compiles   every variant of the table (each idea off alone, the ideas switched on one by one)
              compiles for sm_90 (08: sm_90a) with the chapter's flags, without a warning
   readme     each chapter README has the table's markers, and where the measured CSV exists, the
-             table between them is the one `ablation.py table` writes from it (never stale)
+             table between them is the one `ablation.py table` writes from it (never stale);
+             skipped, naming the CSV, where it is not measured yet (and then no table is there)
   table      the table's arithmetic on a made-up CSV: a step's speedup over the row above, a
              missing idea's cost against the chapter
   diff       each chapter (and each of 08's steps) as `make diff` shows it (the switches' off
              branches and their comments left out) has no switch branch left and still compiles;
              the filter on made-up sources
 """
+import argparse
+import contextlib
 import csv
+import io
 import os
 import re
+import unittest
 
 import ablation
 import chapters
+import results
 import source
-from test_cpu_exercises import ARCH_FLAG_OF, SASS_ARCH_FLAG, nvcc_flags
+from test_cpu_exercises import ARCH_FLAG_OF, SASS_ARCH_FLAG, fake_binary, nvcc_flags
 
 PARALLEL = 8
 
@@ -31,7 +44,86 @@ def test_switches_default_on(ctx):
         for name, _ in spec["ideas"]:
             pattern = rf"#ifndef {name}\n#define {name} (1\b|\(STEP >= \d\))"
             assert re.search(pattern, text), f"{chapter}/attention.cu: no `#ifndef {name}` / `#define {name} 1` default"
-    return f"{sum(len(s['ideas']) for s in ablation.ABLATIONS.values())} switches"
+        for _, switch, _ in spec["variants"]:
+            pattern = rf"#ifndef {switch}\n#define {switch} 0\b"
+            assert re.search(pattern, text), f"{chapter}/attention.cu: no `#ifndef {switch}` / `#define {switch} 0`"
+    return f"{sum(len(s['ideas']) + len(s['variants']) for s in ablation.ABLATIONS.values())} switches"
+
+
+BACKWARD_ROWS = [  # 09's table: the ideas on one by one, each off alone (BWD_SPLIT's is the row before the chapter)
+    ("none", "step", "-DBWD_WIDE_BLOCK=0 -DBWD_STAGGER=0 -DBWD_SPLIT=0"),
+    ("plus_bwd_wide_block", "step", "-DBWD_STAGGER=0 -DBWD_SPLIT=0"), ("plus_bwd_stagger", "step", "-DBWD_SPLIT=0"),
+    ("chapter", "step", ""), ("without_bwd_wide_block", "without", "-DBWD_WIDE_BLOCK=0"),
+    ("without_bwd_stagger", "without", "-DBWD_STAGGER=0"), ("deterministic", "variant", "-DDETERMINISTIC_DQ=1")]
+
+
+def test_backward_chapter_rows(ctx):
+    spec = ablation.ABLATIONS["09_backward"]
+    assert spec["pass"] == "backward" and spec["before"] is None, f"09: pass {spec['pass']}, before {spec['before']}"
+    got = ablation.variants("09_backward")
+    assert got == BACKWARD_ROWS, f"09's rows:\n{got}\nexpected:\n{BACKWARD_ROWS}"
+    label = ablation.variant_label("09_backward", "deterministic", "variant")
+    assert label == "09_backward with `DETERMINISTIC_DQ` (dQ without atomics)", label
+    for chapter, spec in ablation.ABLATIONS.items():
+        if chapter != "09_backward":
+            previous = ctx.chapters[ctx.chapters.index(chapter) - 1]
+            assert (spec["pass"], spec["before"]) == ("forward", previous), f"{chapter}: {spec['pass']} {spec['before']}"
+            assert ablation.variants(chapter)[0] == ("before", "before", ""), f"{chapter}: no before row first"
+    return f"{len(got)} rows, no before row"
+
+
+STAND_IN_MS = {"none": 2.0, "plus_bwd_wide_block": 1.5, "plus_bwd_stagger": 1.2, "chapter": 1.0,
+               "without_bwd_wide_block": 1.4, "without_bwd_stagger": 1.1, "deterministic": 1.25}
+
+
+def run_on_stand_ins(ctx, chapter):
+    """`ablation.py run CH --rounds 1` with `true` for make and a stand-in at each variant's binary
+    path (test_cpu_exercises.fake_binary, STAND_IN_MS or 1 ms); ({variant: [command lines]},
+    the CSV's rows, what it printed)."""
+    build, logs = ctx.tmpdir(), ctx.tmpdir()
+    for variant, _, _ in ablation.variants(chapter):
+        path = ablation.binary_path(str(build), chapter, variant)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.symlink(fake_binary(ctx, STAND_IN_MS.get(variant, 1.0), log=str(logs / variant)), path)
+    out = ctx.tmpdir() / "ablation.csv"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = ablation.command_run(argparse.Namespace(chapter=chapter[:2], build=str(build), make="true", rounds=1,
+                                                       out=str(out)))
+    assert code == 0, f"ablation.py run {chapter[:2]} on stand-ins: exit {code}\n{printed.getvalue()[-2000:]}"
+    lines = {v: (logs / v).read_text().splitlines() for v, _, _ in ablation.variants(chapter)}
+    return lines, ablation.read_rows(out), printed.getvalue()
+
+
+def test_run_passes_backward_only_for_a_backward_chapter(ctx):
+    for chapter, wanted in (("09_backward", True), ("04_fused", False)):
+        lines, _, _ = run_on_stand_ins(ctx, chapter)
+        runs = len(ablation.CHECK_SHAPES) + 2  # the checks, then one round of each mask
+        for variant, got in lines.items():
+            assert len(got) == runs, f"{chapter} {variant}: {len(got)} runs, expected {runs}: {got}"
+            wrong = [line for line in got if ("--backward" in line.split()) != wanted]
+            assert not wrong, f"{chapter} {variant}: {'without' if wanted else 'with'} --backward: {wrong[:2]}"
+    return "09: --backward on every run; 04: on none"
+
+
+def test_backward_table_counts_backward_flops(ctx):
+    _, rows, printed = run_on_stand_ins(ctx, "09_backward")
+    assert {r["variant"] for r in rows} == set(STAND_IN_MS) and len(rows) == 2 * len(STAND_IN_MS), (
+        f"09's CSV rows: {[r['variant'] for r in rows]}")
+    assert set(rows[0]) == set(ablation.FIELDS), f"09's CSV columns: {list(rows[0])} (expected FIELDS, no pass column)"
+    shape = results.bench_shape(results.HEADLINE_D, results.HEADLINE_N, 0)
+    flops = 2.5 * 4 * results.work(shape)  # 2.5x the forward's 4·B·H·N²·D: 1374.4 TFLOP/s in 1 ms
+    table = ablation.table_markdown("09_backward", rows)
+    assert table.strip() in printed, "the table printed is not the one the CSV makes"
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    chapter = next(v for k, v in lines.items() if k.endswith("**09_backward**"))
+    assert f"| {flops / 1e-3 / 1e12:.1f} |" in chapter and f"| {flops / 2 / 1e-3 / 1e12:.1f} |" in chapter, (
+        f"1 ms at the headline shape is {flops / 1e-3 / 1e12:.1f} TFLOP/s of the backward (causal: half): {chapter}")
+    variant = lines[ablation.variant_label("09_backward", "deterministic", "variant")]
+    assert variant.count("1.25x slower") == 2, f"1.25 ms against the chapter's 1 ms is 1.25x slower: {variant}"
+    assert "the backward (dQ, dK, dV), FLOPs 2.5x the forward's" in table, table.splitlines()[0]
+    assert "backward" not in ablation.table_caption("04_fused", rows), "04's caption names the backward"
+    return chapter
 
 
 def compile_case(chapter, variant, flags):
@@ -55,10 +147,12 @@ def readme_case(chapter):
         begin = ablation.ABLATION_BEGIN.format(nn=chapter[:2])
         assert begin in text and ablation.ABLATION_END in text, f"{chapter}/README.md: no ablation table markers"
         path = ablation.csv_path(chapter)
-        if not os.path.exists(path):
-            return "not measured yet"
-        table = ablation.table_markdown(chapter, ablation.read_rows(path))
         inside = text.split(begin, 1)[1].split(ablation.ABLATION_END, 1)[0]
+        if not os.path.exists(path):
+            assert not re.search(r"^\|", inside, re.M), f"{chapter}/README.md: a table with no CSV to make it"
+            raise unittest.SkipTest(f"{os.path.relpath(path, ctx.root)} not measured yet (`make ablation "
+                                    f"CH={chapter[:2]}` on a GPU writes it); the markers are there, no table")
+        table = ablation.table_markdown(chapter, ablation.read_rows(path))
         assert inside.strip() == table.strip(), (
             f"{chapter}/README.md: the ablation table differs from {os.path.relpath(path, ctx.root)}: "
             f"run `python3 common/ablation.py table {chapter[:2]}`")
