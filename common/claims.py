@@ -49,10 +49,11 @@ CLAIMS = {
             ptx_lacks=[PLAIN_MMA_PTX, r"\bwmma\.", r"\bcp\.async\.(ca|cg)\b"],
             sass_lacks=["HMMA", "HGMMA"], no_spills=True,
             sass_kernel_has={"attention_kernel": ["QGMMA", "UTMALDG", "SYNCS", "WARPGROUP", "USETMAXREG"]}),
-    9: dict(kernels=4,  # forward, preprocess (D), backward (dK, dV, dQ atomics), dQ to fp16
+    9: dict(kernels=5,  # forward, preprocess (D), backward (dK, dV, dQ atomics) and its D=128 split, dQ to fp16
             ptx_has=[PLAIN_MMA_PTX, r"\bcp\.async", r"\bldmatrix", r"\batom\.global\.add\.v4\.f32"],
             sass_has=["HMMA", "LDGSTS", "LDSM", "REDG"], no_spills=True,  # REDG: sm_90's RED (sm_80: RED)
-            sass_kernel_has={"flash_attention_backward_kernel": ["HMMA", "LDGSTS", "LDSM", "REDG"]}),
+            sass_kernel_has={"flash_attention_backward_kernel": ["HMMA", "LDGSTS", "LDSM", "REDG"],
+                             "flash_attention_backward_split_kernel": ["HMMA", "LDGSTS", "LDSM", "STS", "REDG"]}),
 }
 PTX_ARCH_OF = {8: "compute_90a"}  # by chapter number; the others: compute_90
 EVERY_CHAPTER = dict(source_lacks=[r"\bcuda(Malloc|Free)\w*\s*\("])  # the harness owns device memory

@@ -10,7 +10,8 @@
 #                                         default 2: B4 H16 N4096, D 128 and 64; SET: warps or split)
 # Variants of SET warps: new (the source's defaults), old (four warps, 64 keys per block, no
 # stagger: the chapter's first arrangement), w4_stagger, w8_nostagger (one change each). SET split:
-# new and nosplit (-DBWD_SPLIT=0: at D=128 each warp keeps its 16 keys throughout). PYTHON: a
+# new and nosplit (-DBWD_SPLIT=0: at D=128 each warp keeps its 16 keys throughout). SET ring: new,
+# stages3 (-DBWD_STAGES=3: a third Q/dO tile in flight) and nostagger (-DBWD_STAGGER=0). PYTHON: a
 # Python with PyTorch (default python3). Exit 1 if a build or a check failed.
 set -u
 cd "$(dirname "$0")/../../../.." || exit 2
@@ -19,10 +20,12 @@ PYTHON=${PYTHON:-python3}
 case ${2:-warps} in
     warps) VARIANTS=(new old w4_stagger w8_nostagger) ;;
     split) VARIANTS=(new nosplit) ;;
+    ring) VARIANTS=(new stages3 nostagger) ;;
     *) echo "arrangements.sh: SET is warps or split, not '$2'"; exit 2 ;;
 esac
 declare -A FLAGS=([new]="" [old]="-DBWD_WIDE_BLOCK=0 -DBWD_STAGGER=0" [w4_stagger]="-DBWD_WIDE_BLOCK=0"
-                  [w8_nostagger]="-DBWD_STAGGER=0" [nosplit]="-DBWD_SPLIT=0")
+                  [w8_nostagger]="-DBWD_STAGGER=0" [nosplit]="-DBWD_SPLIT=0"
+                  [stages3]="-DBWD_STAGES=3" [nostagger]="-DBWD_STAGGER=0")
 folder() { if [ "$1" = new ]; then echo build; else echo "build/arr_$1"; fi; }
 failed=0
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
@@ -118,7 +121,7 @@ done
 builds=()
 for v in "${VARIANTS[@]}"; do
     builds+=(--build "$v=$(folder "$v")/09_backward")
-    case $v in new | old | nosplit) builds+=(--build "${v}_det=$(folder "$v")/09_backward.deterministic") ;; esac
+    case $v in new | old | nosplit | stages3) builds+=(--build "${v}_det=$(folder "$v")/09_backward.deterministic") ;; esac
 done
 builds+=(--build "dq_red_stub=build/exercises/09_backward")
 "${PYTHON}" docs/results/logs/09/backward_vs_fa2.py "$SHAPES" "${builds[@]}"
