@@ -396,11 +396,11 @@ __global__ void __launch_bounds__(THREADS, 2)
 #ifndef BWD_WARPS_D128
 #define BWD_WARPS_D128 (4 + 4 * BWD_WIDE_BLOCK)
 #endif
-// With eight warps, FlashAttention-2's split: S^T and dP^T by 4 x 2 warps over (keys, queries),
-// dK and dV by 4 x 2 over (keys, dims), dQ by 2 x 4 over (queries, dims), P^T and dS^T passed
-// between them through shared memory; each warp reads half the Q and dO it read before.
+// At D=128 with eight warps, FlashAttention-2's split: S^T and dP^T by 4 x 2 warps over (keys,
+// queries), dK and dV by 4 x 2 over (keys, dims), dQ by 2 x 4 over (queries, dims), P^T and dS^T
+// passed between them through shared memory; each warp reads half the Q and dO it read before.
 #ifndef BWD_SPLIT
-#define BWD_SPLIT 1  // FlashAttention-2's warp split, P^T and dS^T in shared memory (0: 16 keys a warp)
+#define BWD_SPLIT 1  // FlashAttention-2's warp split at D=128, P^T and dS^T in shared memory (0: 16 keys a warp)
 #endif
 // The blocks of a head run side by side; from the same query tile they would add into the same
 // dQ rows at the same time, and atomics on one address wait for each other in L2.
@@ -441,9 +441,11 @@ struct BwdConfig {
     static constexpr int RING_BYTES = 2 * BWD_STAGES * BWD_BLOCK_Q * (int)sizeof(float) +
                                       (2 * KV_HALVES + 2 * BWD_STAGES * Q_HALVES) * (int)sizeof(__half);
     static constexpr int SMEM_BYTES = RING_BYTES + DS_HALVES * (int)sizeof(__half);
-    // BWD_SPLIT (eight warps): the split kernel, with P^T and dS^T both in shared memory: 109 KiB
-    // at D=64; 173 KiB at D=128, more than sm_80's 163 KiB per block, where the kernel above runs.
-    static constexpr bool SPLIT = BWD_SPLIT && BLOCK_WARPS == 8;
+    // BWD_SPLIT (D=128, eight warps): the split kernel, with P^T and dS^T both in shared memory:
+    // 173 KiB, more than sm_80's 163 KiB per block, where the kernel above runs instead. Not at
+    // D=64, where a warp holds its 16 rows of K and V in registers: split there (32 rows each), it
+    // read fewer bytes of shared memory but ran 2-5% slower on the H200 (09_backward/NOTES.md).
+    static constexpr bool SPLIT = BWD_SPLIT && HEAD_DIM == 128 && BLOCK_WARPS == 8;
     static constexpr int SPLIT_SMEM_BYTES = RING_BYTES + 2 * KEY_QUERY_HALVES * (int)sizeof(__half);
     // dQ kernel: Q and dO, and a ring of (K, V) tiles of DQ_BLOCK_KV keys.
     static constexpr int DQ_KV_HALVES = DQ_BLOCK_KV * STRIDE;
@@ -543,7 +545,7 @@ __device__ void ds_from_dp(float ds[COL_TILES][ACC_REGS], const float score[COL_
     //     the tile. delta_tile holds D of the tile's 64 queries. Compute ds[nt][2r + e] = score[nt][2r + e]
     //     * (ds[nt][2r + e] - D) in place: D is that of the element's query (the column, as LSE is in P^T),
     //     never of its key; a lane's two queries col0 + 8nt + 2 (l % 4) and the next are adjacent, one
-    //     float2 of delta_tile. Both main kernels call this (the split one by default). dV never sees dS: a
+    //     float2 of delta_tile. Both main kernels call this (at D=128 the split one). dV never sees dS: a
     //     wrong dS shows in dQ and dK alone. The formula is in docs/concepts.md, "Log-sum-exp, and why LSE
     //     is an output".
     //   wrong old: score[nt][2 * r] * (ds[nt][2 * r] - row_delta.x)
@@ -931,46 +933,42 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
     }
 }
 
-// --- BWD_SPLIT: FlashAttention-2's warp split ----------------------------------------------
+// --- BWD_SPLIT: FlashAttention-2's warp split at D=128 --------------------------------------
 // Above, every warp multiplies its own 16 keys by all 64 queries of the tile: the eight warps
-// each read the whole Q and dO tile twice per tile (at D=128: 184 ldmatrix per warp and tile
-// against 320 mma.sync). Here the warps split each product 4 x 2 instead, and pass P^T and dS^T
+// each read the whole Q and dO tile (128 dims) twice per tile, 184 ldmatrix per warp and tile
+// against 320 mma.sync. Here the warps split each product 4 x 2 instead, and pass P^T and dS^T
 // through shared memory from the products that make them to those that use them:
 //   S^T, dP^T (keys x queries): warp w takes keys 32 (w % 4).., queries 32 (w / 4)..
-//   dV, dK (keys x dims):       keys 32 (w % 4).., dims D/2 (w / 4)..
-//   dQ (queries x dims):        queries 32 (w % 2).., dims D/8 (w / 2)..  (add_dq_of_tile<.., 2>)
-// At D=128, 144 ldmatrix per warp and tile and 32 4-byte stores of P^T and dS^T; at D=64, where
-// a warp's 32 rows of K and V stay in registers, 72 where the kernel above has 88.
+//   dV, dK (keys x dims):       keys 32 (w % 4).., dims 64 (w / 4)..
+//   dQ (queries x dims):        queries 32 (w % 2).., dims 32 (w / 2)..  (add_dq_of_tile<.., 2>)
+// 144 ldmatrix per warp and tile, and 32 4-byte stores of P^T and dS^T.
 #define SPLIT_KEY_WARPS 4                           // warps side by side over the block's keys
-#define SPLIT_DIM_WARPS 2                           // ... over the dims of dK, dV (and the queries of S^T)
 #define SPLIT_WARP_KEYS (2 * MMA_M)                 // keys per warp: two m16 tiles
 #define SPLIT_WARP_QUERIES (BWD_BLOCK_Q / 2)        // queries per warp in S^T, dP^T: 32
+#define SPLIT_WARP_DIMS 64                          // dims per warp in dK, dV (D=128 / 2)
 #define SPLIT_M_TILES (SPLIT_WARP_KEYS / MMA_M)     // 2
 #define SPLIT_Q_TILES (SPLIT_WARP_QUERIES / MMA_N)  // n8 tiles of queries: 4
-static_assert(SPLIT_KEY_WARPS * SPLIT_WARP_KEYS == 128 && SPLIT_KEY_WARPS * SPLIT_DIM_WARPS == 8,
-              "4 x 2 warps, four of 32 keys: the block's 128");
+#define SPLIT_D_TILES (SPLIT_WARP_DIMS / MMA_N)     // n8 tiles of dims: 8
+static_assert(SPLIT_KEY_WARPS * SPLIT_WARP_KEYS == 128, "four warps of 32 keys: the block's 128");
 
 // acc += A B^T over the HEAD_DIM dims, A's rows a_row0.. (M m16 tiles) and B's rows b_row0..
-// (N n8 tiles) both [row][dim] tiles in shared memory: S^T = K Q^T, dP^T = V dO^T. At D=64 A is
-// the warp's K or V rows, already in registers (a_regs; unused at D=128).
+// (N n8 tiles) both [row][dim] tiles in shared memory: S^T = K Q^T, dP^T = V dO^T.
 template <int HEAD_DIM, int M, int N>
-__device__ void rows_times_rows(float acc[M][N][ACC_REGS], const unsigned a_regs[M][HEAD_DIM / MMA_K][A_REGS],
-                                const __half *a_tile, int a_row0, const __half *b_tile, int b_row0) {
+__device__ void rows_times_rows(float acc[M][N][ACC_REGS], const __half *a_tile, int a_row0, const __half *b_tile,
+                                int b_row0) {
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++) {
-        unsigned a_load[M][A_REGS], b_frag[N / 2][2 * B_REGS];
+        unsigned a_frag[M][A_REGS], b_frag[N / 2][2 * B_REGS];
+#pragma unroll
+        for (int mt = 0; mt < M; mt++) load_a_step<HEAD_DIM>(a_frag[mt], a_tile, a_row0 + mt * MMA_M, ks);
         load_k_step<HEAD_DIM, N>(b_frag, b_tile + tile_offset<HEAD_DIM>(b_row0, 0), ks);
 #pragma unroll
-        for (int mt = 0; mt < M; mt++) {
-            const unsigned *a_frag = a_load[mt];
-            if constexpr (BwdConfig<HEAD_DIM>::A_IN_REGISTERS) a_frag = a_regs[mt][ks];
-            else load_a_step<HEAD_DIM>(a_load[mt], a_tile, a_row0 + mt * MMA_M, ks);
+        for (int mt = 0; mt < M; mt++)
 #pragma unroll
             for (int np = 0; np < N / 2; np++) {
-                mma_16x8x16(acc[mt][2 * np], a_frag, b_frag[np][0], b_frag[np][1]);
-                mma_16x8x16(acc[mt][2 * np + 1], a_frag, b_frag[np][2], b_frag[np][3]);
+                mma_16x8x16(acc[mt][2 * np], a_frag[mt], b_frag[np][0], b_frag[np][1]);
+                mma_16x8x16(acc[mt][2 * np + 1], a_frag[mt], b_frag[np][2], b_frag[np][3]);
             }
-        }
     }
 }
 
@@ -1023,9 +1021,8 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
                                           int seqlen, float scale, float scale_log2, int causal) {
     constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
     constexpr int BLOCK_KV = BwdConfig<HEAD_DIM>::BLOCK_KV, BLOCK_THREADS = BwdConfig<HEAD_DIM>::BLOCK_THREADS;
-    constexpr int KEY_QUERY_HALVES = BwdConfig<HEAD_DIM>::KEY_QUERY_HALVES, K_STEPS = HEAD_DIM / MMA_K;
-    constexpr int WARP_DIMS = HEAD_DIM / SPLIT_DIM_WARPS, D_TILES = WARP_DIMS / MMA_N;  // of dK, dV per warp
-    static_assert(BwdConfig<HEAD_DIM>::BLOCK_WARPS == 8, "eight warps");
+    constexpr int KEY_QUERY_HALVES = BwdConfig<HEAD_DIM>::KEY_QUERY_HALVES;
+    static_assert(BwdConfig<HEAD_DIM>::BLOCK_WARPS == 8 && HEAD_DIM == 2 * SPLIT_WARP_DIMS, "eight warps, D=128");
     extern __shared__ __align__(128) unsigned char smem[];
     float *lse_ring = (float *)smem;                                     // [BWD_STAGES][BWD_BLOCK_Q]
     float *delta_ring = lse_ring + BWD_STAGES * BWD_BLOCK_Q;             // [BWD_STAGES][BWD_BLOCK_Q]
@@ -1040,7 +1037,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
     const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;
     const int warp_key0 = warp % SPLIT_KEY_WARPS * SPLIT_WARP_KEYS;       // in S^T, dP^T, dK, dV
     const int warp_query0 = warp / SPLIT_KEY_WARPS * SPLIT_WARP_QUERIES;  // in S^T, dP^T
-    const int warp_dim0 = warp / SPLIT_KEY_WARPS * WARP_DIMS;             // in dK, dV
+    const int warp_dim0 = warp / SPLIT_KEY_WARPS * SPLIT_WARP_DIMS;       // in dK, dV
     const int key_tile = causal ? blockIdx.y : blockIdx.x;
     const size_t head = causal ? blockIdx.x : blockIdx.y;
     const int key0 = key_tile * BLOCK_KV;
@@ -1061,8 +1058,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
         __pipeline_commit();
     }
 
-    float dk_acc[SPLIT_M_TILES][D_TILES][ACC_REGS] = {}, dv_acc[SPLIT_M_TILES][D_TILES][ACC_REGS] = {};
-    unsigned k_regs[SPLIT_M_TILES][K_STEPS][A_REGS], v_regs[SPLIT_M_TILES][K_STEPS][A_REGS];  // D=64 only
+    float dk_acc[SPLIT_M_TILES][SPLIT_D_TILES][ACC_REGS] = {}, dv_acc[SPLIT_M_TILES][SPLIT_D_TILES][ACC_REGS] = {};
 #if !DETERMINISTIC_DQ
     float *dq_head = dq_acc + head * seqlen * HEAD_DIM;
 #else
@@ -1081,18 +1077,10 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
         const int slot = tile % BWD_STAGES, query0 = step_query0(first_tile, tile, query_tiles);
         const __half *q_tile = q_ring + slot * Q_HALVES, *do_tile = do_ring + slot * Q_HALVES;
         const float *lse_tile = lse_ring + slot * BWD_BLOCK_Q, *delta_tile = delta_ring + slot * BWD_BLOCK_Q;
-        if constexpr (BwdConfig<HEAD_DIM>::A_IN_REGISTERS) {  // K and V landed with the first tile
-            if (tile == 0)
-                for (int mt = 0; mt < SPLIT_M_TILES; mt++)
-                    for (int ks = 0; ks < K_STEPS; ks++) {
-                        load_a_step<HEAD_DIM>(k_regs[mt][ks], k_tile, warp_key0 + mt * MMA_M, ks);
-                        load_a_step<HEAD_DIM>(v_regs[mt][ks], v_tile, warp_key0 + mt * MMA_M, ks);
-                    }
-        }
 
         // S^T = K Q^T and P^T = exp(S^T * scale - LSE): the warp's 32 keys x 32 queries.
         float score[SPLIT_M_TILES][SPLIT_Q_TILES][ACC_REGS] = {};
-        rows_times_rows<HEAD_DIM, SPLIT_M_TILES, SPLIT_Q_TILES>(score, k_regs, k_tile, warp_key0, q_tile, warp_query0);
+        rows_times_rows<HEAD_DIM, SPLIT_M_TILES, SPLIT_Q_TILES>(score, k_tile, warp_key0, q_tile, warp_query0);
         if (query0 + BWD_BLOCK_Q > seqlen || key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0)) {
 #pragma unroll
             for (int mt = 0; mt < SPLIT_M_TILES; mt++)
@@ -1115,16 +1103,16 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
 
         // dP^T = V dO^T, then dS^T = P^T * (dP^T - D), D per query (column), as LSE.
         float ds[SPLIT_M_TILES][SPLIT_Q_TILES][ACC_REGS] = {};
-        rows_times_rows<HEAD_DIM, SPLIT_M_TILES, SPLIT_Q_TILES>(ds, v_regs, v_tile, warp_key0, do_tile, warp_query0);
+        rows_times_rows<HEAD_DIM, SPLIT_M_TILES, SPLIT_Q_TILES>(ds, v_tile, warp_key0, do_tile, warp_query0);
 #pragma unroll
         for (int mt = 0; mt < SPLIT_M_TILES; mt++)
             ds_from_dp<SPLIT_Q_TILES>(ds[mt], score[mt], delta_tile, warp_query0);
         store_key_query<HEAD_DIM, SPLIT_M_TILES, SPLIT_Q_TILES>(ds_tile, ds, warp_key0, warp_query0);
         __syncthreads();  // P^T and dS^T of the whole block are in
 
-        // dV += P^T dO and dK += dS^T Q: the warp's 32 keys x D/2 dims, over the tile's 64 queries.
-        keys_times_queries<HEAD_DIM, SPLIT_M_TILES, D_TILES>(dv_acc, pt_tile, warp_key0, do_tile, warp_dim0);
-        keys_times_queries<HEAD_DIM, SPLIT_M_TILES, D_TILES>(dk_acc, ds_tile, warp_key0, q_tile, warp_dim0);
+        // dV += P^T dO and dK += dS^T Q: the warp's 32 keys x 64 dims, over the tile's 64 queries.
+        keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dv_acc, pt_tile, warp_key0, do_tile, warp_dim0);
+        keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dk_acc, ds_tile, warp_key0, q_tile, warp_dim0);
 #if !DETERMINISTIC_DQ
         add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_tile, k_tile, query0, seqlen);  // dQ += dS K, atomics
 #endif
@@ -1141,7 +1129,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
             __half *dk_row = dk + (head * seqlen + key) * HEAD_DIM + warp_dim0 + 2 * quad_lane;
             __half *dv_row = dv + (head * seqlen + key) * HEAD_DIM + warp_dim0 + 2 * quad_lane;
 #pragma unroll
-            for (int nt = 0; nt < D_TILES; nt++) {
+            for (int nt = 0; nt < SPLIT_D_TILES; nt++) {
                 *(unsigned *)&dk_row[nt * MMA_N] =
                     pack_half2(dk_acc[mt][nt][2 * r] * scale, dk_acc[mt][nt][2 * r + 1] * scale);
                 *(unsigned *)&dv_row[nt * MMA_N] = pack_half2(dv_acc[mt][nt][2 * r], dv_acc[mt][nt][2 * r + 1]);

@@ -47,7 +47,7 @@ def constants():
 
     for name in ("WARPS", "MMA_M", "MMA_N", "MMA_K", "PAD", "BWD_WARP_ROWS", "BWD_WARPS_D64", "BWD_WARPS_D128",
                  "BWD_STAGGER", "BWD_SPLIT", "BWD_BLOCK_Q", "DQ_BLOCK_KV", "BWD_STAGES", "CHUNK_HALVES",
-                 "SPLIT_KEY_WARPS", "SPLIT_DIM_WARPS", "SPLIT_WARP_KEYS", "SPLIT_WARP_QUERIES"):
+                 "SPLIT_KEY_WARPS", "SPLIT_WARP_KEYS", "SPLIT_WARP_QUERIES", "SPLIT_WARP_DIMS"):
         value(name)
     return out
 
@@ -193,11 +193,11 @@ def lane_cols(col0, tiles):
 def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=None, stagger=None, split=None):
     """dQ, dK, dV [BH, N, D] and D [BH, N] as 09's kernels compute them (float64), with the main
     kernel's `warps` (default: the source's, per head dim), BWD_STAGGER and BWD_SPLIT (default: the
-    source's; the split kernel runs with eight warps, BwdConfig::SPLIT)."""
+    source's; the split kernel runs at D=128 with eight warps, BwdConfig::SPLIT)."""
     heads, seqlen, d = q.shape
     warps = main_warps(d) if warps is None else warps
     stagger = bool(C["BWD_STAGGER"]) if stagger is None else stagger
-    split = (bool(C["BWD_SPLIT"]) if split is None else split) and warps == 8
+    split = (bool(C["BWD_SPLIT"]) if split is None else split) and d == 128 and warps == 8
     bkv = warps * ROWS  # BwdConfig::BLOCK_KV
     dq_warp_dims = d * DQ_ROW_TILES // warps  # BwdConfig::DQ_WARP_DIMS
     stride, ds_stride = d + PAD, BQ + PAD
@@ -290,7 +290,7 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
             if split:
                 split_block(smem, (k_base, v_base, q_ring, do_ring, pt_base, ds_base), fill, step_query0,
                             add_dq_of_tile, (lse_ring, delta_ring), (head, key0, n_tiles, seqlen, causal),
-                            scale_log2, deterministic, visits, dk, dv, scale, d)
+                            scale_log2, deterministic, visits, dk, dv, scale)
                 continue
             dk_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(warps)]
             dv_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(warps)]
@@ -384,16 +384,16 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
 
 
 def split_block(smem, bases, fill, step_query0, add_dq_of_tile, rings, block, scale_log2, deterministic, visits,
-                dk, dv, scale, d):
-    """One block of flash_attention_backward_split_kernel (eight warps): S^T and dP^T by
+                dk, dv, scale):
+    """One block of flash_attention_backward_split_kernel (D=128, eight warps): S^T and dP^T by
     warps 4 x 2 over (keys, queries), P^T and dS^T stored to shared memory, a barrier, dV and dK by
     4 x 2 over (keys, dims), dQ by 2 x 4 over (queries, dims). Writes dK, dV; adds into visits."""
     k_base, v_base, q_ring, do_ring, pt_base, ds_base = bases
     lse_ring, delta_ring = rings
     head, key0, n_tiles, seqlen, causal = block
-    stride, ds_stride, bkv = d + PAD, BQ + PAD, 128
-    key_warps, warp_keys, warp_queries = (C[n] for n in ("SPLIT_KEY_WARPS", "SPLIT_WARP_KEYS", "SPLIT_WARP_QUERIES"))
-    warp_dims = d // C["SPLIT_DIM_WARPS"]
+    d, stride, ds_stride, bkv = 128, 128 + PAD, BQ + PAD, 128
+    key_warps, warp_keys, warp_queries, warp_dims = (C[n] for n in ("SPLIT_KEY_WARPS", "SPLIT_WARP_KEYS",
+                                                                       "SPLIT_WARP_QUERIES", "SPLIT_WARP_DIMS"))
     m_tiles, q_tiles, d_tiles = warp_keys // 16, warp_queries // 8, warp_dims // 8
     log2e = 1 / np.log(2)
     dk_acc = np.zeros((8, m_tiles, d_tiles, 32, 4))
@@ -666,13 +666,10 @@ KERNEL_EXPRESSIONS = [
     "ds_tile + key * DS_STRIDE + warp_row0 + mt * MMA_M +",
     "query0 + warp_row0 + mt * MMA_M + group",
     # the split kernel (split_block)
-    "SPLIT = BWD_SPLIT && BLOCK_WARPS == 8",
+    "SPLIT = BWD_SPLIT && HEAD_DIM == 128 && BLOCK_WARPS == 8",
     "warp_key0 = warp % SPLIT_KEY_WARPS * SPLIT_WARP_KEYS",
     "warp_query0 = warp / SPLIT_KEY_WARPS * SPLIT_WARP_QUERIES",
-    "WARP_DIMS = HEAD_DIM / SPLIT_DIM_WARPS",
-    "load_a_step<HEAD_DIM>(k_regs[mt][ks], k_tile, warp_key0 + mt * MMA_M, ks)",  # D=64: K, V in registers
-    "load_a_step<HEAD_DIM>(v_regs[mt][ks], v_tile, warp_key0 + mt * MMA_M, ks)",
-    "warp_dim0 = warp / SPLIT_KEY_WARPS * WARP_DIMS",
+    "warp_dim0 = warp / SPLIT_KEY_WARPS * SPLIT_WARP_DIMS",
     "load_k_step<HEAD_DIM, N>(b_frag, b_tile + tile_offset<HEAD_DIM>(b_row0, 0), ks)",
     "(row0 + lane % MMA_M) * BwdConfig<HEAD_DIM>::DS_STRIDE +",
     "(ks * STEP_CHUNKS + lane / MMA_M) * CHUNK_HALVES",
