@@ -595,8 +595,8 @@ __device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_R
     //     row, and the odd lane four of the second; then one float4 atomicAdd each per n8 tile. Keep the
     //     scalar loop for older GPUs, under #if __CUDA_ARCH__ >= 900 ... #else ... #endif: the build makes
     //     sm_80 code too, where float4 atomics do not exist.
-    //   stub: measured: the chapter's backward with this scalar reduction took 6.46 ms at B=4 H=16 N=4096
-    //     D=128, with the vector one 5.45 ms, 1.19x (docs/results/logs/09/arrangements_h200.txt: dq_red_stub
+    //   stub: measured: the chapter's backward with this scalar reduction took 6.33 ms at B=4 H=16 N=4096
+    //     D=128, with the vector one 5.06 ms, 1.25x (docs/results/logs/09/split_h200.txt: dq_red_stub
     //     against new); with the first kernel's four warps, twice the REDs, 9.63 against 6.58 ms, 1.46x
 #if __CUDA_ARCH__ >= 900
     const bool odd = quad_lane % 2;
