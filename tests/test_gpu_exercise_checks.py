@@ -73,11 +73,13 @@ def cases(ctx):
 
 
 def test_grade_fails_a_wrong_solution(ctx):
-    chapter = "04_fused"
+    """make grade end to end on a wrong solution: 09's (its grade times a backward of 5 ms; 04's
+    times a forward of its own FFMA kernel, which made this the longest case of make test)."""
+    chapter = "09_backward"
     ctx.require_binary(chapter, native=True)
-    copy = graded_copy(ctx, chapter, lambda source: ex.wrong_solution(source, "04.online_softmax"))
-    graded = make_in_copy(ctx, copy, "grade", "CH=04")
+    copy = graded_copy(ctx, chapter, lambda source: ex.wrong_solution(source, "09.ds"))
+    graded = make_in_copy(ctx, copy, "grade", "CH=09")
     last = (graded.stdout.splitlines() or [""])[-1]
     assert "Error 1" in graded.stderr and last.startswith(f"FAIL {chapter}") and "the GPU matrix" in last, (
-        f"make grade CH=04, a wrong solution, on this GPU: expected FAIL naming the matrix:\n{graded.stdout}")
+        f"make grade CH=09, a wrong solution, on this GPU: expected FAIL naming the matrix:\n{graded.stdout}")
     return last[:80]

@@ -279,9 +279,17 @@ def test_training_run_learns(ctx):
     first, last = rows[0]["val_loss"], rows[-1]["val_loss"]
     assert last < 0.9 * first, f"validation loss {first:.3f} at step 0, {last:.3f} after {TRAIN_STEPS} steps: expected a fall"
     assert rows[-1]["train_loss"] < rows[1]["train_loss"], f"training loss did not fall: {rows}"
-    other = runs["sdpa"][-1]["val_loss"]
-    assert abs(last - other) < 0.05, f"after {TRAIN_STEPS} steps: validation loss {last:.4f} with the op, {other:.4f} with SDPA"
-    return f"validation loss {first:.3f} -> {last:.3f} (SDPA: {other:.3f})"
+    # The same model from the same seed: at step 0 the two runs differ by the forwards' rounding
+    # only. After it the loss falls steeply (about 0.02 a step here), and the runs part by their
+    # gradients' rounding (and the order of both backwards' dQ atomics), so what must agree is how
+    # far each has fallen: within a tenth of SDPA's fall. A wrong gradient stalls or slows the fall.
+    sdpa_first, other = runs["sdpa"][0]["val_loss"], runs["sdpa"][-1]["val_loss"]
+    assert abs(first - sdpa_first) < 1e-2, f"validation loss at step 0: {first:.4f} with the op, {sdpa_first:.4f} with SDPA"
+    fall, sdpa_fall = first - last, sdpa_first - other
+    assert abs(fall - sdpa_fall) < 0.1 * sdpa_fall, (
+        f"after {TRAIN_STEPS} steps: validation loss {first:.4f} -> {last:.4f} with the op, {sdpa_first:.4f} -> "
+        f"{other:.4f} with SDPA: falls of {fall:.4f} and {sdpa_fall:.4f} differ by more than a tenth of SDPA's")
+    return f"validation loss {first:.3f} -> {last:.3f} (SDPA: {sdpa_first:.3f} -> {other:.3f})"
 
 
 def test_train_script(ctx):
