@@ -8,8 +8,8 @@ other modules. test_gpu_exercises.py times the speed stubs and grades a solution
   wrong       each exercise's `wrong` solution (the chapter with one line of it changed) fails the
               matrix the grade runs for that exercise (08.pack_p: D = 64 alone; 09's: --backward), so
               that the grade cannot pass it
-  grade       `make grade CH=04` in a copy of the repository, on this GPU, with a wrong solution:
-              FAIL naming the matrix, exit 1
+  grade       `make grade CH=09` in a copy of the repository, on this GPU, with 09.ds's wrong
+              solution: FAIL naming the matrix, exit 1
 """
 import contextlib
 import io

@@ -17,8 +17,8 @@ BUILD=<build> <build>/lib/X.so: `make lib`'s, for the local GPU).
   compile    torch.compile(fullgraph=True) of a function calling the op, aot_eager and inductor:
              the same O and gradients as eager
   errors     each refusal: its exception type and words
-  training   50 steps of common/train.py's model with the op: finite losses that fall, and end
-             within 0.05 of the same run with SDPA; common/train.py end to end (its CSV, its summary)
+  training   50 steps of common/train.py's model with the op: finite losses that fall, from where
+             the same run with SDPA starts, as far as it within a tenth of its fall; common/train.py end to end (its CSV, its summary)
 """
 import csv
 import math
