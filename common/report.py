@@ -425,16 +425,23 @@ def backward_chapter_markdown(rows, chapter, source, gpu):
     return "\n".join(out + by_n_tables(rows, impls, chapter, vs=FA2 if FA2 in anchor_impls(rows) else None)) + "\n"
 
 
-def print_backward_summary(rows):
-    """The backward at the headline shape, as text, last thing its bench prints."""
+def print_headline_table(rows, what, title, note, header, body, align):
+    """A table at the headline shape, as text: `title`, the shape and `note` over header and
+    body(rows) (`what`: the rows' name in the line said instead when there are none there)."""
     if not any(r["seqlen"] == HEADLINE_N and r["headdim"] == HEADLINE_D for r in rows):
-        say(f"(no backward rows at the headline shape D={HEADLINE_D}, N={HEADLINE_N})")
+        say(f"(no {what} at the headline shape D={HEADLINE_D}, N={HEADLINE_N})")
         return
     shape = bench_shape(HEADLINE_D, HEADLINE_N, 0)
     say("")
-    say(f"The backward at D={HEADLINE_D} N={HEADLINE_N} B={shape['batch']} H={shape['heads']} "
-        "(non-causal | causal; TFLOP/s with 2.5x the forward's FLOPs):")
-    say(text_table(BACKWARD_HEADLINE_HEADER, backward_headline_body(rows), "l" + "r" * 8))
+    say(f"{title} D={HEADLINE_D} N={HEADLINE_N} B={shape['batch']} H={shape['heads']} {note}:")
+    say(text_table(header, body(rows), align))
+
+
+def print_backward_summary(rows):
+    """The backward at the headline shape, as text, last thing its bench prints."""
+    print_headline_table(rows, "backward rows", "The backward at",
+                         "(non-causal | causal; TFLOP/s with 2.5x the forward's FLOPs)", BACKWARD_HEADLINE_HEADER,
+                         backward_headline_body, "l" + "r" * 8)
 
 
 def run_stage_table(results, adds, width):
@@ -457,14 +464,8 @@ def run_stage_table(results, adds, width):
 
 def print_summary(rows):
     """The headline-shape stage table, as text, last thing bench prints."""
-    if not any(r["seqlen"] == HEADLINE_N and r["headdim"] == HEADLINE_D for r in rows):
-        say(f"(no rows at the headline shape D={HEADLINE_D}, N={HEADLINE_N})")
-        return
-    shape = bench_shape(HEADLINE_D, HEADLINE_N, 0)
-    say("")
-    say(f"Headline shape D={HEADLINE_D} N={HEADLINE_N} B={shape['batch']} H={shape['heads']} "
-        "(non-causal | causal):")
-    say(text_table(stage_header(), stage_body(rows), "l" + "r" * 15))
+    print_headline_table(rows, "rows", "Headline shape", "(non-causal | causal)", stage_header(), stage_body,
+                         "l" + "r" * 15)
 
 
 # --- Files with generated blocks -------------------------------------------------------------

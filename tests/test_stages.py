@@ -33,6 +33,12 @@ FIXTURE_GPU = "FAKE GPU H200"
 ALONE = True  # it swaps sys.stdout and sets os.environ["COLUMNS"], which are the whole process's
 
 
+def assert_golden(got, fixture, what):
+    """got is exactly tests/fixtures/<fixture> (what: the words of the failure)."""
+    want = read(os.path.join(FIXTURES, fixture))
+    assert got == want, f"{what} differs from tests/fixtures/{fixture}:\n" + got
+
+
 def read(path):
     """The text of a file."""
     with open(path) as f:
@@ -105,22 +111,19 @@ def test_env_round_trip():
 
 def test_stage_table_matches_golden():
     got = report.stage_table_markdown(fixture_rows(), "docs/results/FAKE_GPU.csv", FIXTURE_GPU)
-    want = read(os.path.join(FIXTURES, "stage_table.md"))
-    assert got == want, "stage table differs from tests/fixtures/stage_table.md:\n" + got
+    assert_golden(got, "stage_table.md", "stage table")
 
 
 def test_results_page_matches_golden():
     env = results.read_env(os.path.join(FIXTURES, "FAKE_GPU.env"))
     got = report.results_markdown(fixture_rows(), env, "FAKE_GPU.csv")
-    want = read(os.path.join(FIXTURES, "FAKE_GPU.md"))
-    assert got == want, "results page differs from tests/fixtures/FAKE_GPU.md:\n" + got
+    assert_golden(got, "FAKE_GPU.md", "results page")
 
 
 def test_chapter_table_matches_golden():
     got = report.chapter_table_markdown(fixture_rows(), "04_fused", "03_online_softmax",
                                         "../docs/results/FAKE_GPU.csv", FIXTURE_GPU)
-    want = read(os.path.join(FIXTURES, "chapter_04_fused.md"))
-    assert got == want, "chapter table differs from tests/fixtures/chapter_04_fused.md:\n" + got
+    assert_golden(got, "chapter_04_fused.md", "chapter table")
 
 
 def test_stage_cells_hand_computed():

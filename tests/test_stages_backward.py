@@ -27,7 +27,8 @@ import anchors  # noqa: E402
 import report  # noqa: E402
 import results  # noqa: E402
 import stages  # noqa: E402
-from test_stages import FIXTURE_CSV, FIXTURE_GPU, make_fake_build, quiet, read, value, without_torch  # noqa: E402
+from test_stages import (FIXTURE_CSV, FIXTURE_GPU, assert_golden, make_fake_build, quiet, read, value,  # noqa: E402
+                         without_torch)
 
 BACKWARD_CSV = os.path.join(FIXTURES, "FAKE_GPU.backward.csv")
 ALONE = True  # it swaps sys.stdout, and stands in for stages.prepare_references
@@ -113,15 +114,13 @@ def test_backward_builds_from_the_sources_and_the_makefile():
 def test_backward_page_matches_golden():
     env = results.read_env(os.path.join(FIXTURES, "FAKE_GPU.backward.env"))
     got = report.backward_results_markdown(backward_rows(), env, "FAKE_GPU.backward.csv")
-    want = read(os.path.join(FIXTURES, "FAKE_GPU.backward.md"))
-    assert got == want, "backward page differs from tests/fixtures/FAKE_GPU.backward.md:\n" + got
+    assert_golden(got, "FAKE_GPU.backward.md", "backward page")
 
 
 def test_backward_chapter_block_matches_golden():
     got = report.backward_chapter_markdown(backward_rows(), "09_backward", "../docs/results/FAKE_GPU.backward.csv",
                                            FIXTURE_GPU)
-    want = read(os.path.join(FIXTURES, "chapter_09_backward.md"))
-    assert got == want, "backward block differs from tests/fixtures/chapter_09_backward.md:\n" + got
+    assert_golden(got, "chapter_09_backward.md", "backward block")
 
 
 def test_backward_cells_hand_computed():
