@@ -530,6 +530,23 @@ __device__ void mask_tile(float score[COL_TILES][ACC_REGS], int row0, int col0, 
     }
 }
 
+// P^T = exp(S^T * scale - LSE) in place of S^T, for one m16 tile of keys against COL_TILES n8
+// tiles of queries from col0 on. LSE is the forward's: no running max, no sum. The columns are
+// queries, so each of a lane's columns has its own LSE (shared memory, broadcast).
+template <int COL_TILES>
+__device__ void p_from_scores(float score[COL_TILES][ACC_REGS], const float *lse_tile, int col0, float scale_log2) {
+    const int quad_lane = threadIdx.x % QUAD_LANES;
+#pragma unroll
+    for (int nt = 0; nt < COL_TILES; nt++) {
+        const float2 col_lse = *(const float2 *)&lse_tile[col0 + nt * MMA_N + 2 * quad_lane];
+#pragma unroll
+        for (int r = 0; r < ACC_ROWS; r++) {
+            score[nt][2 * r] = exp2_approx(fmaf(score[nt][2 * r], scale_log2, -col_lse.x * LOG2E));
+            score[nt][2 * r + 1] = exp2_approx(fmaf(score[nt][2 * r + 1], scale_log2, -col_lse.y * LOG2E));
+        }
+    }
+}
+
 // dS^T = P^T * (dP^T - D) in place of dP^T, for one m16 tile of keys against COL_TILES n8 tiles of
 // the query tile's queries from col0 on; D per column (query), as LSE is in P^T. Masked entries
 // have P = 0, so dS = 0 there whatever dP is.
@@ -572,6 +589,26 @@ __device__ void pack_a(unsigned frag[A_REGS], const float lo[ACC_REGS], const fl
     frag[1] = pack_half2(lo[2], lo[3]);
     frag[2] = pack_half2(hi[0], hi[1]);
     frag[3] = pack_half2(hi[2], hi[3]);
+}
+
+// dK = scale * dS^T Q and dV of one m16 tile of keys from key_row0 on, DIM_TILES n8 tiles of
+// dims from dim0 on: each row written once, as fp16.
+template <int HEAD_DIM, int DIM_TILES>
+__device__ void store_dk_dv(__half *dk_head, __half *dv_head, const float dk_acc[DIM_TILES][ACC_REGS],
+                            const float dv_acc[DIM_TILES][ACC_REGS], int key_row0, int dim0, int seqlen, float scale) {
+    const int group = threadIdx.x % WARP_SIZE / QUAD_LANES, quad_lane = threadIdx.x % QUAD_LANES;
+#pragma unroll
+    for (int r = 0; r < ACC_ROWS; r++) {
+        const int key = key_row0 + group + r * ACC_ROW_STEP;
+        if (key >= seqlen) continue;
+        __half *dk_row = dk_head + key * HEAD_DIM + dim0 + 2 * quad_lane;
+        __half *dv_row = dv_head + key * HEAD_DIM + dim0 + 2 * quad_lane;
+#pragma unroll
+        for (int nt = 0; nt < DIM_TILES; nt++) {
+            *(unsigned *)&dk_row[nt * MMA_N] = pack_half2(dk_acc[nt][2 * r] * scale, dk_acc[nt][2 * r + 1] * scale);
+            *(unsigned *)&dv_row[nt * MMA_N] = pack_half2(dv_acc[nt][2 * r], dv_acc[nt][2 * r + 1]);
+        }
+    }
 }
 
 // A warp's dQ partial (n8 tiles of dims from dim0, rows row0 and row0 + 8 of the lane's group)
@@ -832,17 +869,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
         if (query0 + BWD_BLOCK_Q > seqlen || key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0))
             mask_tile<QUERY_TILES, true>(score, key0 + warp_row0 + group, query0 + 2 * quad_lane, seqlen, causal);
 
-            // P^T = exp(S^T * scale - LSE), LSE the forward's: no running max, no sum. The columns
-            // are queries, so each of a lane's 16 columns has its own LSE (shared memory, broadcast).
-#pragma unroll
-        for (int nt = 0; nt < QUERY_TILES; nt++) {
-            const float2 row_lse = *(const float2 *)&lse_tile[nt * MMA_N + 2 * quad_lane];
-#pragma unroll
-            for (int r = 0; r < ACC_ROWS; r++) {
-                score[nt][2 * r] = exp2_approx(fmaf(score[nt][2 * r], scale_log2, -row_lse.x * LOG2E));
-                score[nt][2 * r + 1] = exp2_approx(fmaf(score[nt][2 * r + 1], scale_log2, -row_lse.y * LOG2E));
-            }
-        }
+        p_from_scores<QUERY_TILES>(score, lse_tile, 0, scale_log2);  // P^T, from the forward's LSE
 
         // dV += P^T dO: P^T repacked as the A operand (07's P), dO through ldmatrix.trans (07's V).
 #pragma unroll
@@ -918,19 +945,8 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
 #endif
     __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
 
-    // dK = scale * dS^T Q and dV, each row written once, as fp16.
-#pragma unroll
-    for (int r = 0; r < ACC_ROWS; r++) {
-        const int key = key0 + warp_row0 + group + r * ACC_ROW_STEP;
-        if (key >= seqlen) continue;
-        __half *dk_row = dk + (head * seqlen + key) * HEAD_DIM + 2 * quad_lane;
-        __half *dv_row = dv + (head * seqlen + key) * HEAD_DIM + 2 * quad_lane;
-#pragma unroll
-        for (int nt = 0; nt < DIM_TILES; nt++) {
-            *(unsigned *)&dk_row[nt * MMA_N] = pack_half2(dk_acc[nt][2 * r] * scale, dk_acc[nt][2 * r + 1] * scale);
-            *(unsigned *)&dv_row[nt * MMA_N] = pack_half2(dv_acc[nt][2 * r], dv_acc[nt][2 * r + 1]);
-        }
-    }
+    __half *dk_head = dk + head * seqlen * HEAD_DIM, *dv_head = dv + head * seqlen * HEAD_DIM;
+    store_dk_dv<HEAD_DIM, DIM_TILES>(dk_head, dv_head, dk_acc, dv_acc, key0 + warp_row0, 0, seqlen, scale);
 }
 
 // --- BWD_SPLIT: FlashAttention-2's warp split at D=128 --------------------------------------
@@ -1088,17 +1104,8 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
                                                query0 + warp_query0 + 2 * quad_lane, seqlen, causal);
         }
 #pragma unroll
-        for (int nt = 0; nt < SPLIT_Q_TILES; nt++) {
-            const float2 row_lse = *(const float2 *)&lse_tile[warp_query0 + nt * MMA_N + 2 * quad_lane];
-#pragma unroll
-            for (int mt = 0; mt < SPLIT_M_TILES; mt++)
-#pragma unroll
-                for (int r = 0; r < ACC_ROWS; r++) {
-                    float *p = &score[mt][nt][2 * r];
-                    p[0] = exp2_approx(fmaf(p[0], scale_log2, -row_lse.x * LOG2E));
-                    p[1] = exp2_approx(fmaf(p[1], scale_log2, -row_lse.y * LOG2E));
-                }
-        }
+        for (int mt = 0; mt < SPLIT_M_TILES; mt++)
+            p_from_scores<SPLIT_Q_TILES>(score[mt], lse_tile, warp_query0, scale_log2);
         store_key_query<HEAD_DIM, SPLIT_M_TILES, SPLIT_Q_TILES>(pt_tile, score, warp_key0, warp_query0);
 
         // dP^T = V dO^T, then dS^T = P^T * (dP^T - D), D per query (column), as LSE.
@@ -1119,22 +1126,11 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
     }
     __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
 
-    // dK = scale * dS^T Q and dV, each row written once, as fp16.
+    __half *dk_head = dk + head * seqlen * HEAD_DIM, *dv_head = dv + head * seqlen * HEAD_DIM;
 #pragma unroll
-    for (int mt = 0; mt < SPLIT_M_TILES; mt++)
-#pragma unroll
-        for (int r = 0; r < ACC_ROWS; r++) {
-            const int key = key0 + warp_key0 + mt * MMA_M + group + r * ACC_ROW_STEP;
-            if (key >= seqlen) continue;
-            __half *dk_row = dk + (head * seqlen + key) * HEAD_DIM + warp_dim0 + 2 * quad_lane;
-            __half *dv_row = dv + (head * seqlen + key) * HEAD_DIM + warp_dim0 + 2 * quad_lane;
-#pragma unroll
-            for (int nt = 0; nt < SPLIT_D_TILES; nt++) {
-                *(unsigned *)&dk_row[nt * MMA_N] =
-                    pack_half2(dk_acc[mt][nt][2 * r] * scale, dk_acc[mt][nt][2 * r + 1] * scale);
-                *(unsigned *)&dv_row[nt * MMA_N] = pack_half2(dv_acc[mt][nt][2 * r], dv_acc[mt][nt][2 * r + 1]);
-            }
-        }
+    for (int mt = 0; mt < SPLIT_M_TILES; mt++)  // dK (scaled) and dV, as fp16
+        store_dk_dv<HEAD_DIM, SPLIT_D_TILES>(dk_head, dv_head, dk_acc[mt], dv_acc[mt], key0 + warp_key0 + mt * MMA_M,
+                                             warp_dim0, seqlen, scale);
 }
 
 #if !DETERMINISTIC_DQ

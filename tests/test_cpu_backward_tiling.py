@@ -681,13 +681,17 @@ KERNEL_EXPRESSIONS = [
     "(dv_acc, pt_tile, warp_key0, do_tile, warp_dim0)",
     "(dk_acc, ds_tile, warp_key0, q_tile, warp_dim0)",
     "add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_tile, k_tile, query0, seqlen)",
-    "lse_tile[warp_query0 + nt * MMA_N + 2 * quad_lane]",
+    "lse_tile[col0 + nt * MMA_N + 2 * quad_lane]",  # p_from_scores
+    "p_from_scores<QUERY_TILES>(score, lse_tile, 0, scale_log2)",
+    "p_from_scores<SPLIT_Q_TILES>(score[mt], lse_tile, warp_query0, scale_log2)",
     "delta_tile[col0 + nt * MMA_N + 2 * quad_lane]",  # ds_from_dp
     "ds_from_dp<QUERY_TILES>(ds, score, delta_tile, 0)",
     "ds_from_dp<SPLIT_Q_TILES>(ds[mt], score[mt], delta_tile, warp_query0)",
     "key0 + warp_key0 + mt * MMA_M + group,",
     "query0 + warp_query0 + 2 * quad_lane, seqlen, causal",
-    "key = key0 + warp_key0 + mt * MMA_M + group + r * ACC_ROW_STEP",
+    "key = key_row0 + group + r * ACC_ROW_STEP",  # store_dk_dv
+    "dk_acc, dv_acc, key0 + warp_row0, 0, seqlen, scale",
+    "dk_acc[mt], dv_acc[mt], key0 + warp_key0 + mt * MMA_M, warp_dim0, seqlen, scale",
     "DQ_DIM_TILES = DQ_WARP_DIMS / MMA_N > 8 ? 8 : DQ_WARP_DIMS / MMA_N",
     "dim0 / (2 * MMA_N) + pass * DQ_DIM_TILES / 2 + dp",
     "dim0 + pass * DQ_DIM_TILES * MMA_N",
