@@ -19,12 +19,15 @@ Modules run side by side, each on its own thread, with at most PROCESSES (os.cpu
 subprocesses of ctx.run at once; a GPU suite's are not counted (they wait on the GPU, PARALLEL
 bounds them, and the CPU modules' compiles should not hold them up). A module with ALONE = True
 runs after the others, by itself: one that times binaries, or that changes what the others
-use. A test or case of such a module may carry fn.prepare(ctx), untimed work (a build) done
+use. A module with ISOLATED = True, one that changes what is the whole process's (sys.stdout,
+os.environ, another module's attribute), runs beside the others in a Python process of its own
+(tests/run.py --module NAME --report FILE), its line and counts merged here. A test or case of such a module may carry fn.prepare(ctx), untimed work (a build) done
 ahead, beside the other modules, whose result the case finds cached through ctx.once; a
 failure there is left for the case to report.
 
 Before the CPU tests the multiarch binaries are built (make BUILD=<build>/multiarch
-ARCH=multi all); when a GPU is present, the native ones too (make BUILD=<build> all).
+ARCH=multi all); when a GPU is present, the native ones too (make BUILD=<build> all), at the
+same time where nvidia-smi lists one.
 A build failure is a failed test. Each module's line (`.` a pass, `s` a skip, failures in full)
 is printed whole when the module ends; after ten seconds without output, a `~` line names the
 modules still running. The last line of the output is always
@@ -36,6 +39,8 @@ import contextlib
 import copy
 import importlib.util
 import inspect
+import io
+import json
 import os
 import re
 import shlex
@@ -82,6 +87,7 @@ class Context:
         self._lock = threading.Lock()
         self._once = {}
         self.procs = threading.BoundedSemaphore(PROCESSES)  # held only while its subprocess runs
+        self.child_args = None                # an ISOLATED module's run.py arguments; None: run it here
 
     # --- helpers ---------------------------------------------------------------------
     def tmpdir(self):
@@ -151,16 +157,17 @@ class Job:
 
 
 class Results:
-    def __init__(self, verbose):
+    def __init__(self, verbose, out=None):
         self.passed = self.failed = self.skipped = 0
         self.failures = []        # test ids
         self.skip_reasons = {}    # reason -> count
         self.verbose = verbose
         self.running = []         # jobs begun and not ended, in the order begun
-        self.out = sys.stdout     # kept: a test may swap sys.stdout (redirect_stdout) meanwhile
+        self.out = out or sys.stdout  # kept: a test may swap sys.stdout (redirect_stdout) meanwhile
         self.lock = threading.Lock()
         self.last_output = time.time()
-        threading.Thread(target=self.heartbeat, daemon=True).start()
+        if out is None:  # a report for the parent run (--report) has no `~` lines
+            threading.Thread(target=self.heartbeat, daemon=True).start()
 
     def write(self, text):
         """Print text (whole lines); the caller holds self.lock."""
@@ -205,6 +212,22 @@ class Results:
         with self.lock:
             self.running.remove(job)
             self.write(job.text + (text if job.midline else f"  {text.strip()}") + "\n")
+
+    def merge(self, job, report):
+        """End job with an ISOLATED module's report (its process's counts and printed lines)."""
+        with self.lock:
+            for key in ("passed", "failed", "skipped"):
+                setattr(self, key, getattr(self, key) + report[key])
+            self.failures += report["failures"]
+            for reason, count in report["skip_reasons"].items():
+                self.skip_reasons[reason] = self.skip_reasons.get(reason, 0) + count
+            self.running.remove(job)
+            self.write(report["text"])
+
+    def report(self):
+        """What a --report run hands its parent."""
+        return {"passed": self.passed, "failed": self.failed, "skipped": self.skipped, "failures": self.failures,
+                "skip_reasons": self.skip_reasons, "text": self.out.getvalue()}
 
     def record(self, test_id, outcome, message="", job=None, seconds=None):
         """Count a result; its mark or lines go on the job's line (without a job: lines printed now);
@@ -271,11 +294,12 @@ def call_test(fn, ctx):
 
 
 # --- modules -------------------------------------------------------------------------------------
-def load_modules(results, selected_suites):
-    """Import tests/test_*.py. Returns [(suite, name, module)]; an import error is a failure."""
+def load_modules(results, selected_suites, only=None):
+    """Import tests/test_*.py (only: that one). Returns [(suite, name, module)]; an import error is
+    a failure."""
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "common")]
     modules = []
-    for path in sorted((ROOT / "tests").glob("test_*.py")):
+    for path in sorted((ROOT / "tests").glob(f"{only or 'test_*'}.py")):
         name = path.stem
         try:
             spec = importlib.util.spec_from_file_location(name, path)
@@ -365,16 +389,36 @@ def prepare_module(name, module, ctx, results, tests, cases):
     results.end(job, f" {done} of {len(works)} done ahead ({time.time() - job.start:.1f} s)")
 
 
+def run_isolated(suite, name, ctx, results, total):
+    """An ISOLATED module, run by tests/run.py in a process of its own; its report merged."""
+    job = results.begin(name, total)
+    report = ctx.tmpdir() / "report.json"
+    cmd = [ctx.python, str(ROOT / "tests" / "run.py"), "--module", name, "--report", str(report), "--suite", suite,
+           "--gpu", "yes" if ctx.gpu else "no", "--no-build", *ctx.child_args]
+    proc = subprocess.run(cmd, cwd=str(ROOT), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          errors="replace")
+    try:
+        results.merge(job, json.loads(report.read_text()))
+    except (OSError, ValueError, KeyError):
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
+        results.record(f"{name} (its own process)", "fail", f"{shlex.join(cmd)}: exit {proc.returncode}, no report\n{tail}",
+                       job)
+        results.end(job)
+
+
 def run_modules(runs, ctx, results):
     """runs [(suite, name, module, tests, cases)] side by side, with the ALONE ones'
     preparations (builds: counted in PROCESSES); then each ALONE one by itself."""
     gpu_ctx = copy.copy(ctx)  # the same context (its caches too), its subprocesses not counted
     gpu_ctx.procs = contextlib.nullcontext()
-    alone = [r for r in runs if getattr(r[2], "ALONE", False)]
-    together = [r for r in runs if not getattr(r[2], "ALONE", False)]
+    isolated = [r for r in runs if getattr(r[2], "ISOLATED", False) and ctx.child_args is not None]
+    alone = [r for r in runs if getattr(r[2], "ALONE", False) and r not in isolated]
+    together = [r for r in runs if r not in alone and r not in isolated]
     with concurrent.futures.ThreadPoolExecutor(max(1, len(runs))) as pool:
         futures = [pool.submit(run_module, name, module, gpu_ctx if suite in NEEDS_GPU else ctx, results, tests, cases)
                    for suite, name, module, tests, cases in together]
+        futures += [pool.submit(run_isolated, suite, name, ctx, results, len(tests) + len(cases))
+                    for suite, name, module, tests, cases in isolated]
         futures += [pool.submit(prepare_module, name, module, ctx, results, tests, cases)
                     for suite, name, module, tests, cases in alone]
         for future in futures:
@@ -413,6 +457,20 @@ def build(ctx, results, test_id, build_dir, extra):
     results.end(job, f" {'ok' if ok else 'FAILED'} ({time.time() - job.start:.1f} s)")
 
 
+def gpu_listed():
+    """nvidia-smi's first line naming a GPU ("" where it lists none, or is not installed). Where it
+    names one the native build starts beside the multiarch one, before the probe (which needs a
+    built binary) says whether that GPU is usable."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return ""
+    try:
+        proc = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return first_line(proc.stdout) if proc.returncode == 0 and "GPU" in proc.stdout else ""
+
+
 def probe_gpu(ctx):
     """(usable, reason): run a chapter binary at a tiny shape (exit 77 = no usable GPU);
     without a binary, ask nvidia-smi."""
@@ -427,13 +485,10 @@ def probe_gpu(ctx):
         if proc.returncode == 77:
             return False, first_line(proc.stdout) or f"{ctx.rel(binary)} exited 77 (skipped)"
         return True, f"{ctx.rel(binary)} ran (exit {proc.returncode})"
-    smi = shutil.which("nvidia-smi")
-    if not smi:
+    if not shutil.which("nvidia-smi"):
         return False, "no chapter binary to probe with and no nvidia-smi"
-    proc = subprocess.run([smi, "-L"], capture_output=True, text=True)
-    if proc.returncode == 0 and "GPU" in proc.stdout:
-        return True, first_line(proc.stdout)
-    return False, "nvidia-smi -L lists no GPU"
+    listed = gpu_listed()
+    return (True, listed) if listed else (False, "nvidia-smi -L lists no GPU")
 
 
 # --- main ----------------------------------------------------------------------------------------
@@ -450,6 +505,8 @@ def main(argv=None):
     parser.add_argument("--list", action="store_true", help="list the test ids and exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="one line per test, with its time")
     parser.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder")
+    parser.add_argument("--module", help=argparse.SUPPRESS)  # with --report: an ISOLATED module's own run
+    parser.add_argument("--report", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     start = time.time()
@@ -457,10 +514,13 @@ def main(argv=None):
     build_dir = build_dir if build_dir.is_absolute() else (Path.cwd() / build_dir).resolve()
     tmp_root = Path(tempfile.mkdtemp(prefix="fa-tests-"))
     ctx = Context(ROOT, build_dir, args.make, tmp_root)
-    results = Results(args.verbose)
+    if not args.report:
+        ctx.child_args = ["--build", str(build_dir), "--make", args.make] + (["-k", args.pattern] if args.pattern else []) + \
+            (["-v"] if args.verbose else [])
+    results = Results(args.verbose, io.StringIO() if args.report else None)
     suites = SUITES[args.suite]
     try:
-        modules = load_modules(results, suites)
+        modules = load_modules(results, suites, args.module)
         if args.list:
             signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--list | head` ends quietly
             for suite, name, module in modules:
@@ -470,15 +530,21 @@ def main(argv=None):
             return 0
 
         results.line(f"chapters: {' '.join(ctx.chapters) or '(none)'}")
+        builds = {}  # name -> (folder, make arguments)
         if not args.no_build and "cpu" in suites:
-            build(ctx, results, "build::multiarch", ctx.multiarch, ["ARCH=multi"])
+            builds["build::multiarch"] = (ctx.multiarch, ["ARCH=multi"])
+        if not args.no_build and NEEDS_GPU & set(suites) and args.gpu != "no" and gpu_listed():
+            builds["build::native"] = (ctx.build, [])  # beside the multiarch one; the probe decides
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(builds))) as pool:
+            for future in [pool.submit(build, ctx, results, name, *b) for name, b in builds.items()]:
+                future.result()
         if args.gpu == "auto":
             ctx.gpu, ctx.gpu_reason = probe_gpu(ctx)
         else:
             ctx.gpu = args.gpu == "yes"
             ctx.gpu_reason = f"--gpu {args.gpu}"
         results.line(f"gpu: {'yes' if ctx.gpu else 'no'} ({ctx.gpu_reason})")
-        if ctx.gpu and not args.no_build and NEEDS_GPU & set(suites):
+        if ctx.gpu and not args.no_build and NEEDS_GPU & set(suites) and "build::native" not in builds:
             build(ctx, results, "build::native", ctx.build, [])
 
         skipped_suites, runs = {}, []
@@ -492,7 +558,12 @@ def main(argv=None):
                 results.skipped += count
                 continue
             runs.append((suite, name, module, tests, cases))
+        if args.report:  # the header above is the parent's: only the module's lines go back
+            results.out.seek(0), results.out.truncate()
         run_modules(runs, ctx, results)
+        if args.report:
+            Path(args.report).write_text(json.dumps(results.report()))
+            return 1 if results.failed else 0
 
         for suite, count in skipped_suites.items():
             results.line(f"SKIP {suite} suite ({count} tests): no usable GPU: {ctx.gpu_reason}")

@@ -1,6 +1,8 @@
 """The graded exercises on a GPU, the part that does not time (common/exercises.py): beside the
 other modules. test_gpu_exercises.py times the speed stubs and grades a solution, alone.
 
+  stub_correct  each speed exercise's stub, untouched, is correct: PASS at a shape that reaches every
+              stub, in its pass (test_gpu_exercises.py times it against the chapter)
   todo        the copy with its correctness exercises stubbed, at a shape that reaches every stub
               (ragged N, causal), in each pass they are in (`pass: backward`: with --backward): exit 1
               with "TODO: exercise NN.name is not written yet" on stderr, never a CUDA error, a crash or
@@ -46,6 +48,17 @@ def todo_case(chapter):
     return case
 
 
+def stub_correct_case(chapter, name):
+    def case(ctx):
+        ctx.require_binary(chapter, native=True)
+        binary = build_copy(ctx, chapter, [name])  # the build test_gpu_exercises times
+        shape = REACH_EVERY_STUB + (ex.pass_of(ex.EXERCISES[name]),)
+        status, _, note = ex.run_case(binary, chapter, ex.case_args(shape) + ["--warmup", "0", "--iters", "1"])
+        assert status == "PASS", f"{name}: its stub should be correct; {ex.case_text(shape)}: {status} {note}"
+        return ex.case_text(shape)
+    return case
+
+
 def wrong_case(chapter, name):
     def build(ctx):
         wrong = ex.wrong_solution(ex.chapter_source(chapter, ctx.root), name)
@@ -65,10 +78,11 @@ def wrong_case(chapter, name):
 def cases(ctx):
     out = []
     for chapter in marked_chapters(ctx):
+        names = ex.exercise_parts(ex.parse(ex.chapter_source(chapter, ctx.root), chapter))
         out.append((f"todo[{chapter}]", todo_case(chapter)))
-        out += [(f"wrong[{name}]", wrong_case(chapter, name))
-                for name in ex.exercise_parts(ex.parse(ex.chapter_source(chapter, ctx.root), chapter))
-                if ex.EXERCISES[name].get("wrong")]
+        out += [(f"stub_correct[{name}]", stub_correct_case(chapter, name)) for name in names
+                if ex.EXERCISES[name]["kind"] == "speed"]
+        out += [(f"wrong[{name}]", wrong_case(chapter, name)) for name in names if ex.EXERCISES[name].get("wrong")]
     return out
 
 

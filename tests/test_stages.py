@@ -30,7 +30,7 @@ import stages  # noqa: E402
 
 FIXTURE_CSV = os.path.join(FIXTURES, "FAKE_GPU.csv")
 FIXTURE_GPU = "FAKE GPU H200"
-ALONE = True  # it swaps sys.stdout and sets os.environ["COLUMNS"], which are the whole process's
+ISOLATED = True  # it swaps sys.stdout and sets os.environ["COLUMNS"]: a process of its own
 
 
 def assert_golden(got, fixture, what):

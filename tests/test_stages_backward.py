@@ -31,7 +31,7 @@ from test_stages import (FIXTURE_CSV, FIXTURE_GPU, assert_golden, make_fake_buil
                          without_torch)
 
 BACKWARD_CSV = os.path.join(FIXTURES, "FAKE_GPU.backward.csv")
-ALONE = True  # it swaps sys.stdout, and stands in for stages.prepare_references
+ISOLATED = True  # it swaps sys.stdout, and stands in for stages.prepare_references: a process of its own
 
 
 def backward_rows():
