@@ -1,17 +1,17 @@
 """The graded exercises on a GPU, the part that does not time (common/exercises.py): beside the
 other modules. test_gpu_exercises.py times the speed stubs and grades a solution, alone.
 
-  stub_correct  each speed exercise's stub, untouched, is correct: PASS at a shape that reaches every
-              stub, in its pass (test_gpu_exercises.py times it against the chapter)
-  todo        the copy with its correctness exercises stubbed, at a shape that reaches every stub
-              (ragged N, causal), in each pass they are in (`pass: backward`: with --backward): exit 1
-              with "TODO: exercise NN.name is not written yet" on stderr, never a CUDA error, a crash or
-              a hang
-  wrong       each exercise's `wrong` solution (the chapter with one line of it changed) fails the
-              matrix the grade runs for that exercise (08.pack_p: D = 64 alone; 09's: --backward), so
-              that the grade cannot pass it
-  grade       `make grade CH=09` in a copy of the repository, on this GPU, with 09.ds's wrong
-              solution: FAIL naming the matrix, exit 1
+  grade_fails   `make grade CH=09` in a copy of the repository, on this GPU, with 09.ds's wrong
+                solution: FAIL naming the matrix, exit 1
+  stub_correct  each speed exercise's stub, untouched, is correct: PASS at a shape that reaches
+                every stub, in its pass (test_gpu_exercises.py times it against the chapter)
+  todo          the copy with its correctness exercises stubbed, at a shape that reaches every stub
+                (ragged N, causal), in each pass they are in (`pass: backward`: with --backward):
+                exit 1 with "TODO: exercise NN.name is not written yet" on stderr, never a CUDA
+                error, a crash or a hang
+  wrong         each exercise's `wrong` solution (the chapter with one line of it changed) fails the
+                matrix the grade runs for that exercise (08.pack_p: D = 64 alone; 09's: --backward),
+                so that the grade cannot pass it
 """
 import contextlib
 import io
@@ -76,7 +76,7 @@ def wrong_case(chapter, name):
 
 
 def cases(ctx):
-    out = []
+    out = [("grade_fails[09.ds]", grade_fails)]
     for chapter in marked_chapters(ctx):
         names = ex.exercise_parts(ex.parse(ex.chapter_source(chapter, ctx.root), chapter))
         out.append((f"todo[{chapter}]", todo_case(chapter)))
@@ -86,9 +86,11 @@ def cases(ctx):
     return out
 
 
-def test_grade_fails_a_wrong_solution(ctx):
+def grade_fails(ctx):
     """make grade end to end on a wrong solution: 09's (its grade times a backward of 5 ms; 04's
-    times a forward of its own FFMA kernel, which made this the longest case of make test)."""
+    times a forward of its own FFMA kernel, which made this the longest case of make test). A case,
+    the first of the module's, so that the others run beside it: its two builds and its matrix take
+    a minute alone and three beside test_gpu."""
     chapter = "09_backward"
     ctx.require_binary(chapter, native=True)
     copy = graded_copy(ctx, chapter, lambda source: ex.wrong_solution(source, "09.ds"))
