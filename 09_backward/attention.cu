@@ -402,12 +402,6 @@ __global__ void __launch_bounds__(THREADS, 2)
 #ifndef BWD_SPLIT
 #define BWD_SPLIT 1  // FlashAttention-2's warp split at D=128, P^T and dS^T in shared memory (0: 16 keys a warp)
 #endif
-#ifndef BWD_PAIR_BARRIER
-#define BWD_PAIR_BARRIER 0  // split kernel: a tile's dQ at the next tile's top, dS^T twice, pairs of warps sync (0: all)
-#endif
-#ifndef BWD_DQ_FIRST
-#define BWD_DQ_FIRST 0  // experiment: the split kernel's dQ product and REDs before dV, dK (0: after)
-#endif
 // The blocks of a head run side by side; from the same query tile they would add into the same
 // dQ rows at the same time, and atomics on one address wait for each other in L2.
 #ifndef BWD_STAGGER
@@ -452,8 +446,7 @@ struct BwdConfig {
     // D=64, where a warp holds its 16 rows of K and V in registers: split there (32 rows each), it
     // read fewer bytes of shared memory but ran 2-5% slower on the H200 (09_backward/NOTES.md).
     static constexpr bool SPLIT = BWD_SPLIT && HEAD_DIM == 128 && BLOCK_WARPS == 8;
-    static constexpr int SPLIT_DS_BUFFERS = BWD_PAIR_BARRIER ? 2 : 1;
-    static constexpr int SPLIT_SMEM_BYTES = RING_BYTES + (1 + SPLIT_DS_BUFFERS) * KEY_QUERY_HALVES * (int)sizeof(__half);
+    static constexpr int SPLIT_SMEM_BYTES = RING_BYTES + 2 * KEY_QUERY_HALVES * (int)sizeof(__half);
     // dQ kernel: Q and dO, and a ring of (K, V) tiles of DQ_BLOCK_KV keys.
     static constexpr int DQ_KV_HALVES = DQ_BLOCK_KV * STRIDE;
     static constexpr int DQ_SMEM_BYTES = (2 * Q_HALVES + 2 * BWD_STAGES * DQ_KV_HALVES) * (int)sizeof(__half);
@@ -1021,12 +1014,6 @@ __device__ void keys_times_queries(float acc[M][N][ACC_REGS], const __half *a_ti
 
 // A warp's keys x queries accumulators, rounded to fp16, into a [key][query] tile: 4-byte stores
 // of a lane's two adjacent queries (32 different banks over the warp, rows DS_STRIDE apart).
-// bar.sync on named barrier 1 + pair (0 is __syncthreads's) for the two warps of a pair: as
-// __syncthreads, their shared-memory writes before it are seen by both after it.
-__device__ void pair_barrier(int pair) {
-    asm volatile("bar.sync %0, %1;" ::"r"(1 + pair), "r"(2 * WARP_SIZE) : "memory");
-}
-
 template <int HEAD_DIM, int M, int N>
 __device__ void store_key_query(__half *tile, const float acc[M][N][ACC_REGS], int key0, int query0) {
     const int lane = threadIdx.x % WARP_SIZE, group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;
@@ -1060,7 +1047,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
     __half *q_ring = v_tile + KV_HALVES;                                 // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
     __half *do_ring = q_ring + BWD_STAGES * Q_HALVES;                    // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
     __half *pt_tile = do_ring + BWD_STAGES * Q_HALVES;                   // [BLOCK_KV][DS_STRIDE]: P^T
-    __half *ds_ring = pt_tile + KEY_QUERY_HALVES;                        // [SPLIT_DS_BUFFERS][BLOCK_KV][DS_STRIDE]: dS^T
+    __half *ds_tile = pt_tile + KEY_QUERY_HALVES;                        // [BLOCK_KV][DS_STRIDE]: dS^T
 
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;
@@ -1103,16 +1090,9 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
                                             delta_head, next % BWD_STAGES, step_query0(first_tile, next, query_tiles),
                                             seqlen);
         __pipeline_commit();
-#if BWD_PAIR_BARRIER && !DETERMINISTIC_DQ
-        // The last tile's dQ, its dS^T every warp's since the barrier above (the other buffer is this tile's).
-        if (tile > 0)
-            add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_ring + (tile - 1) % 2 * KEY_QUERY_HALVES, k_tile,
-                                        step_query0(first_tile, tile - 1, query_tiles), seqlen);
-#endif
         const int slot = tile % BWD_STAGES, query0 = step_query0(first_tile, tile, query_tiles);
         const __half *q_tile = q_ring + slot * Q_HALVES, *do_tile = do_ring + slot * Q_HALVES;
         const float *lse_tile = lse_ring + slot * BWD_BLOCK_Q, *delta_tile = delta_ring + slot * BWD_BLOCK_Q;
-        __half *ds_tile = ds_ring + (BWD_PAIR_BARRIER ? tile % 2 * KEY_QUERY_HALVES : 0);
 
         // S^T = K Q^T and P^T = exp(S^T * scale - LSE): the warp's 32 keys x 32 queries.
         float score[SPLIT_M_TILES][SPLIT_Q_TILES][ACC_REGS] = {};
@@ -1135,28 +1115,15 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
         for (int mt = 0; mt < SPLIT_M_TILES; mt++)
             ds_from_dp<SPLIT_Q_TILES>(ds[mt], score[mt], delta_tile, warp_query0);
         store_key_query<HEAD_DIM, SPLIT_M_TILES, SPLIT_Q_TILES>(ds_tile, ds, warp_key0, warp_query0);
-#if BWD_PAIR_BARRIER
-        // dV and dK of warp w read the P^T and dS^T rows of its keys, which warps w % 4 and w % 4 + 4 wrote.
-        pair_barrier(warp % SPLIT_KEY_WARPS);
-#else
         __syncthreads();  // P^T and dS^T of the whole block are in
-#endif
 
         // dV += P^T dO and dK += dS^T Q: the warp's 32 keys x 64 dims, over the tile's 64 queries.
-#if !DETERMINISTIC_DQ && BWD_DQ_FIRST && !BWD_PAIR_BARRIER
-        add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_tile, k_tile, query0, seqlen);  // dQ += dS K, atomics
-#endif
         keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dv_acc, pt_tile, warp_key0, do_tile, warp_dim0);
         keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dk_acc, ds_tile, warp_key0, q_tile, warp_dim0);
-#if !DETERMINISTIC_DQ && !BWD_DQ_FIRST && !BWD_PAIR_BARRIER
+#if !DETERMINISTIC_DQ
         add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_tile, k_tile, query0, seqlen);  // dQ += dS K, atomics
 #endif
     }
-#if BWD_PAIR_BARRIER && !DETERMINISTIC_DQ
-    __syncthreads();  // every warp's dS^T rows of the last tile are in
-    add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_ring + (q_tiles - 1) % 2 * KEY_QUERY_HALVES, k_tile,
-                                step_query0(first_tile, q_tiles - 1, query_tiles), seqlen);
-#endif
     __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
 
     __half *dk_head = dk + head * seqlen * HEAD_DIM, *dv_head = dv + head * seqlen * HEAD_DIM;

@@ -19,11 +19,12 @@ Modules run side by side, each on its own thread, with at most PROCESSES (os.cpu
 subprocesses of ctx.run at once; a GPU suite's are not counted (they wait on the GPU, PARALLEL
 bounds them, and the CPU modules' compiles should not hold them up). A module with ALONE = True
 runs after the others, by itself: one that times binaries, or that changes what the others
-use. A module with ISOLATED = True, one that changes what is the whole process's (sys.stdout,
-os.environ, another module's attribute), runs beside the others in a Python process of its own
-(tests/run.py --module NAME --report FILE), its line and counts merged here. A test or case of such a module may carry fn.prepare(ctx), untimed work (a build) done
+use. A test or case of such a module may carry fn.prepare(ctx), untimed work (a build) done
 ahead, beside the other modules, whose result the case finds cached through ctx.once; a
-failure there is left for the case to report.
+failure there is left for the case to report. A module with ISOLATED = True, one that changes
+what is the whole process's (sys.stdout, os.environ, another module's attribute), runs beside
+the others in a Python process of its own (tests/run.py --module NAME --report FILE), its line
+and counts merged here.
 
 Before the CPU tests the multiarch binaries are built (make BUILD=<build>/multiarch
 ARCH=multi all); when a GPU is present, the native ones too (make BUILD=<build> all), at the
@@ -60,6 +61,7 @@ SUITES = {"default": ["cpu", "gpu"], "cpu": ["cpu"], "gpu": ["gpu"], "sanitize":
           "all": ["cpu", "gpu", "sanitize"]}
 NEEDS_GPU = {"gpu", "sanitize"}
 BUILD_TIMEOUT_S = 3600
+ISOLATED_TIMEOUT_S = 1800  # an ISOLATED module's whole process
 DETAIL_LINES = 40  # lines of a failure message shown under it
 HEARTBEAT_S = 10  # a `~` line after this long without output
 PROCESSES = os.cpu_count() or 1  # subprocesses (ctx.run) at once, over all the CPU modules
@@ -395,14 +397,16 @@ def run_isolated(suite, name, ctx, results, total):
     report = ctx.tmpdir() / "report.json"
     cmd = [ctx.python, str(ROOT / "tests" / "run.py"), "--module", name, "--report", str(report), "--suite", suite,
            "--gpu", "yes" if ctx.gpu else "no", "--no-build", *ctx.child_args]
-    proc = subprocess.run(cmd, cwd=str(ROOT), stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          errors="replace")
+    try:
+        proc = subprocess.run(cmd, cwd=str(ROOT), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              errors="replace", timeout=ISOLATED_TIMEOUT_S)
+        said = f"exit {proc.returncode}, no report\n" + "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
+    except subprocess.TimeoutExpired:
+        said = f"timed out after {ISOLATED_TIMEOUT_S} s"
     try:
         results.merge(job, json.loads(report.read_text()))
     except (OSError, ValueError, KeyError):
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
-        results.record(f"{name} (its own process)", "fail", f"{shlex.join(cmd)}: exit {proc.returncode}, no report\n{tail}",
-                       job)
+        results.record(f"{name} (its own process)", "fail", f"{shlex.join(cmd)}: {said}", job)
         results.end(job)
 
 
