@@ -22,9 +22,12 @@ runs after the others, by itself: one that times binaries, or that changes what 
 use. A test or case of such a module may carry fn.prepare(ctx), untimed work (a build) done
 ahead, beside the other modules, whose result the case finds cached through ctx.once; a
 failure there is left for the case to report. A module with ISOLATED = True, one that changes
-what is the whole process's (sys.stdout, os.environ, another module's attribute), runs beside
-the others in a Python process of its own (tests/run.py --module NAME --report FILE), its line
-and counts merged here.
+what is the whole process's (os.environ, another module's attribute), runs beside the others
+in a Python process of its own (tests/run.py --module NAME --report FILE), its line and counts
+merged here. sys.stdout is the whole process's too, and tests run on many threads: a test
+that captures what it prints does it with ctx.captured_stdout(), which takes that thread's
+writes only (contextlib.redirect_stdout would take every thread's, and restore the wrong
+stream when two overlap).
 
 Before the CPU tests the multiarch binaries are built (make BUILD=<build>/multiarch
 ARCH=multi all); when a GPU is present, the native ones too (make BUILD=<build> all), at the
@@ -72,6 +75,26 @@ def discover_chapters(root):
     return sorted(p.parent.name for p in root.glob("[0-9][0-9]_*/attention.cu"))
 
 
+class ThreadStdout:
+    """sys.stdout during a run: each thread writes to the stream it captures into
+    (Context.captured_stdout), or else to the real stdout."""
+
+    def __init__(self, real):
+        self.real, self.local = real, threading.local()
+
+    def target(self):
+        return getattr(self.local, "stream", None) or self.real
+
+    def write(self, text):
+        return self.target().write(text)
+
+    def flush(self):
+        self.target().flush()
+
+    def __getattr__(self, name):  # fileno, isatty, encoding ...: the real stream's
+        return getattr(self.real, name)
+
+
 class Context:
     """What every test gets: paths, tools, the chapters, whether a GPU is usable, helpers."""
 
@@ -116,6 +139,18 @@ class Context:
             raise AssertionError(f"timed out after {timeout} s: {shlex.join(cmd)}") from None
         except FileNotFoundError:
             raise AssertionError(f"cannot run {cmd[0]}: no such program") from None
+
+    @contextlib.contextmanager
+    def captured_stdout(self):
+        """A StringIO that receives what this thread prints meanwhile; other threads print as before."""
+        if not isinstance(sys.stdout, ThreadStdout):  # a module imported by something other than run.py
+            sys.stdout = ThreadStdout(sys.stdout)
+        stream, before = io.StringIO(), getattr(sys.stdout.local, "stream", None)
+        sys.stdout.local.stream = stream
+        try:
+            yield stream
+        finally:
+            sys.stdout.local.stream = before
 
     def chapter_number(self, chapter):
         return int(chapter[:2])
@@ -522,6 +557,7 @@ def main(argv=None):
         ctx.child_args = ["--build", str(build_dir), "--make", args.make] + (["-k", args.pattern] if args.pattern else []) + \
             (["-v"] if args.verbose else [])
     results = Results(args.verbose, io.StringIO() if args.report else None)
+    sys.stdout = ThreadStdout(sys.stdout)  # after Results took the real one
     suites = SUITES[args.suite]
     try:
         modules = load_modules(results, suites, args.module)

@@ -22,9 +22,7 @@
              the filter on made-up sources
 """
 import argparse
-import contextlib
 import csv
-import io
 import os
 import re
 import unittest
@@ -86,8 +84,7 @@ def run_on_stand_ins(ctx, chapter):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         os.symlink(fake_binary(ctx, STAND_IN_MS.get(variant, 1.0), log=str(logs / variant)), path)
     out = ctx.tmpdir() / "ablation.csv"
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    with ctx.captured_stdout() as printed:
         code = ablation.command_run(argparse.Namespace(chapter=chapter[:2], build=str(build), make="true", rounds=1,
                                                        out=str(out)))
     assert code == 0, f"ablation.py run {chapter[:2]} on stand-ins: exit {code}\n{printed.getvalue()[-2000:]}"

@@ -38,8 +38,6 @@
                  with the solution put back, `make grade CH=04` there builds and says UNGRADED
                  (exit 77) without a GPU
 """
-import contextlib
-import io
 import json
 import os
 import re
@@ -776,14 +774,13 @@ def fake_binary(ctx, ms, todo=False, attend_ms="", status="PASS", log=""):
 
 
 def test_grader_bookkeeping_on_stand_in_binaries(ctx):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with ctx.captured_stdout() as out:
         failed = ex.matrix(fake_binary(ctx, 1.0, todo=True), "04_fused")
     lines = [line for line in out.getvalue().splitlines() if line.strip()]
     assert failed == len(ex.MATRIX) == len(lines), f"matrix: {failed} failed of {len(lines)} lines:\n{out.getvalue()}"
     assert all("FAIL" in line and "TODO: exercise 04.online_softmax is not written yet" in line for line in lines), (
         f"each failed case should carry the harness's TODO message:\n{out.getvalue()}")
-    with contextlib.redirect_stdout(io.StringIO()):
+    with ctx.captured_stdout():
         assert ex.matrix(fake_binary(ctx, 1.0), "04_fused") == 0, "matrix: passing runs counted as failures"
     shape = ex.EXERCISES["04.k_layout"]["shape"]
     ratio, line = ex.timing(fake_binary(ctx, 3.0), fake_binary(ctx, 2.0), "04_fused", shape)
@@ -806,8 +803,7 @@ def grade_on(ctx, names, student, solution, race=("pass", "no hazard"), static=(
     checks = ex.Checks()
     for what, outcome, *why in static:
         checks.add(what, outcome, *why, decides=not why)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with ctx.captured_stdout() as out:
         if gpu:
             ex.grade_gpu("04_fused", student, solution, names, checks, race=lambda s, c, p: race,
                          no_solution=no_solution)
@@ -864,8 +860,8 @@ def test_grade_of_backward_exercises_runs_backward(ctx):
     logs = {who: str(folder / f"{who}.log") for who in ("yours", "chapter")}
     student, solution = fake_binary(ctx, 2.0, log=logs["yours"]), fake_binary(ctx, 1.0, log=logs["chapter"])
     raced = []
-    checks, out = ex.Checks(), io.StringIO()
-    with contextlib.redirect_stdout(out):
+    checks = ex.Checks()
+    with ctx.captured_stdout() as out:
         ex.grade_gpu("09_backward", student, solution, ["09.ds", "09.dq_red"], checks,
                      race=lambda s, c, p: raced.append(p) or ("pass", "no hazard"))
     code, line = ex.verdict("09_backward", checks)

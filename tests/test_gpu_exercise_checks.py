@@ -13,8 +13,6 @@ other modules. test_gpu_exercises.py times the speed stubs and grades a solution
                 matrix the grade runs for that exercise (08.pack_p: D = 64 alone; 09's: --backward),
                 so that the grade cannot pass it
 """
-import contextlib
-import io
 
 import exercises as ex
 from test_cpu_exercises import marked_chapters
@@ -68,7 +66,7 @@ def wrong_case(chapter, name):
         ctx.require_binary(chapter, native=True)
         binary = build(ctx)
         cases, failures = ex.matrix_cases([name]), []
-        with contextlib.redirect_stdout(io.StringIO()):
+        with ctx.captured_stdout():
             failed = ex.matrix(binary, chapter, cases, failures)
         assert failed, f"{name}: its wrong solution passes all {len(cases)} runs of the grade's matrix"
         return f"{failed} of {len(cases)} runs fail, e.g. {ex.case_text(failures[0])}"
