@@ -402,16 +402,6 @@ __global__ void __launch_bounds__(THREADS, 2)
 #ifndef BWD_SPLIT
 #define BWD_SPLIT 1  // FlashAttention-2's warp split at D=128, P^T and dS^T in shared memory (0: 16 keys a warp)
 #endif
-// The first kernel at D=64 keeps P in registers: its only exchange through shared memory is dS^T
-// for dQ, and with a buffer for each of two tiles the ring's barrier is its only one per tile.
-#ifndef BWD_DS_TWICE
-#define BWD_DS_TWICE 1  // first kernel, D=64: dS^T in two buffers, one barrier per tile (0: one, two barriers)
-#endif
-// Split kernel: a tile's dQ at the next tile's top, its dS^T in a second buffer, so that only the
-// two warps that share a key range wait for each other between the products.
-#ifndef BWD_PAIR_BARRIER
-#define BWD_PAIR_BARRIER 1  // split kernel: pairs of warps sync mid-tile, dQ a tile later (0: all eight sync)
-#endif
 // The blocks of a head run side by side; from the same query tile they would add into the same
 // dQ rows at the same time, and atomics on one address wait for each other in L2.
 #ifndef BWD_STAGGER
@@ -444,11 +434,9 @@ struct BwdConfig {
     static constexpr int DQ_WARP_DIMS = HEAD_DIM * DQ_ROW_TILES / BLOCK_WARPS;
     static constexpr int STRIDE = HEAD_DIM + PAD;  // halves per row, as the forward's tiles
     static constexpr int KV_HALVES = BLOCK_KV * STRIDE, Q_HALVES = BWD_BLOCK_Q * STRIDE;
-    // A [key][query] tile of the block (dS^T, P^T); dS^T for dQ += dS K (the atomic version only),
-    // twice in the first kernel at D=64 (BWD_DS_TWICE; at D=128 a second one passes sm_80's 163 KiB).
+    // A [key][query] tile of the block (dS^T, P^T); dS^T for dQ += dS K (the atomic version only).
     static constexpr int DS_STRIDE = BWD_BLOCK_Q + PAD, KEY_QUERY_HALVES = BLOCK_KV * DS_STRIDE;
-    static constexpr int DS_BUFFERS = BWD_DS_TWICE && HEAD_DIM == 64 ? 2 : 1;
-    static constexpr int DS_HALVES = DETERMINISTIC_DQ ? 0 : DS_BUFFERS * KEY_QUERY_HALVES;
+    static constexpr int DS_HALVES = DETERMINISTIC_DQ ? 0 : KEY_QUERY_HALVES;
     // Main kernel: the LSE and D ring (floats), K and V, the Q and dO ring, dS^T.
     static constexpr int RING_BYTES = 2 * BWD_STAGES * BWD_BLOCK_Q * (int)sizeof(float) +
                                       (2 * KV_HALVES + 2 * BWD_STAGES * Q_HALVES) * (int)sizeof(__half);
@@ -458,10 +446,7 @@ struct BwdConfig {
     // D=64, where a warp holds its 16 rows of K and V in registers: split there (32 rows each), it
     // read fewer bytes of shared memory but ran 2-5% slower on the H200 (09_backward/NOTES.md).
     static constexpr bool SPLIT = BWD_SPLIT && HEAD_DIM == 128 && BLOCK_WARPS == 8;
-    static constexpr int SPLIT_DS_BUFFERS =
-        BWD_PAIR_BARRIER && !DETERMINISTIC_DQ ? 2 : 1;  // + P^T: 191 KiB (173 with one)
-    static constexpr int SPLIT_SMEM_BYTES =
-        RING_BYTES + (1 + SPLIT_DS_BUFFERS) * KEY_QUERY_HALVES * (int)sizeof(__half);
+    static constexpr int SPLIT_SMEM_BYTES = RING_BYTES + 2 * KEY_QUERY_HALVES * (int)sizeof(__half);
     // dQ kernel: Q and dO, and a ring of (K, V) tiles of DQ_BLOCK_KV keys.
     static constexpr int DQ_KV_HALVES = DQ_BLOCK_KV * STRIDE;
     static constexpr int DQ_SMEM_BYTES = (2 * Q_HALVES + 2 * BWD_STAGES * DQ_KV_HALVES) * (int)sizeof(__half);
@@ -831,9 +816,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
     float dk_acc[DIM_TILES][ACC_REGS] = {}, dv_acc[DIM_TILES][ACC_REGS] = {};
     unsigned k_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS], v_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS];
 #if !DETERMINISTIC_DQ
-    constexpr int DS_BUFFERS = BwdConfig<HEAD_DIM>::DS_BUFFERS,
-                  KEY_QUERY_HALVES = BwdConfig<HEAD_DIM>::KEY_QUERY_HALVES;
-    __half *ds_ring = do_ring + BWD_STAGES * Q_HALVES;  // [DS_BUFFERS][BLOCK_KV][DS_STRIDE]: dS^T of the last tiles
+    __half *ds_tile = do_ring + BWD_STAGES * Q_HALVES;  // [BLOCK_KV][DS_STRIDE]: dS^T of the last tile
     float *dq_head = dq_acc + head * seqlen * HEAD_DIM;
 #endif
 
@@ -850,8 +833,8 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
 #if !DETERMINISTIC_DQ
         // The last tile's dQ, now that the barrier above has made its dS^T every warp's.
         if (tile > 0)
-            add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_ring + (tile - 1) % DS_BUFFERS * KEY_QUERY_HALVES, k_tile,
-                                        step_query0(first_tile, tile - 1, query_tiles), seqlen);
+            add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, tile - 1, query_tiles),
+                                        seqlen);
 #endif
         const int slot = tile % BWD_STAGES, query0 = step_query0(first_tile, tile, query_tiles);
         const __half *q_tile = q_ring + slot * Q_HALVES, *do_tile = do_ring + slot * Q_HALVES;
@@ -941,11 +924,9 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
         // adjacent queries, conflict-free with the padded rows), and the next tile's barrier
         // makes it every warp's: add_dq_of_tile runs there (or after the loop, for the last tile),
         // so that one barrier serves the ring and dS^T. Every key tile adds to the same rows:
-        // atomics (RED). With one buffer, the stores wait until every warp has read the last
-        // tile's dS^T; with two (BWD_DS_TWICE), the buffer stored to was read a tile earlier.
+        // atomics (RED).
         constexpr int DS_STRIDE = BwdConfig<HEAD_DIM>::DS_STRIDE;
-        __half *ds_tile = ds_ring + tile % DS_BUFFERS * KEY_QUERY_HALVES;
-        if (DS_BUFFERS == 1) __syncthreads();
+        __syncthreads();  // every warp has read the last tile's dS^T
 #pragma unroll
         for (int kk = 0; kk < Q_STEPS; kk++)
 #pragma unroll
@@ -958,10 +939,9 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
     }
 #if !DETERMINISTIC_DQ
     __syncthreads();  // every warp's dS^T rows of the last tile are in
-    add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_ring + (q_tiles - 1) % DS_BUFFERS * KEY_QUERY_HALVES, k_tile,
-                                step_query0(first_tile, q_tiles - 1, query_tiles), seqlen);
+    add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen);
 #else
-    (void)dq_acc;         // DETERMINISTIC_DQ: dQ is the dQ kernel's
+    (void)dq_acc;  // DETERMINISTIC_DQ: dQ is the dQ kernel's
 #endif
     __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
 
@@ -1032,12 +1012,6 @@ __device__ void keys_times_queries(float acc[M][N][ACC_REGS], const __half *a_ti
     }
 }
 
-// bar.sync on named barrier 1 + pair (0 is __syncthreads's) for the two warps of a pair: as
-// __syncthreads, their shared-memory writes before it are seen by both after it.
-__device__ void pair_barrier(int pair) {
-    asm volatile("bar.sync %0, %1;" ::"r"(1 + pair), "r"(2 * WARP_SIZE) : "memory");
-}
-
 // A warp's keys x queries accumulators, rounded to fp16, into a [key][query] tile: 4-byte stores
 // of a lane's two adjacent queries (32 different banks over the warp, rows DS_STRIDE apart).
 template <int HEAD_DIM, int M, int N>
@@ -1073,7 +1047,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
     __half *q_ring = v_tile + KV_HALVES;                                 // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
     __half *do_ring = q_ring + BWD_STAGES * Q_HALVES;                    // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
     __half *pt_tile = do_ring + BWD_STAGES * Q_HALVES;                   // [BLOCK_KV][DS_STRIDE]: P^T
-    __half *ds_ring = pt_tile + KEY_QUERY_HALVES;  // [SPLIT_DS_BUFFERS][BLOCK_KV][DS_STRIDE]: dS^T
+    __half *ds_tile = pt_tile + KEY_QUERY_HALVES;                        // [BLOCK_KV][DS_STRIDE]: dS^T
 
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;
@@ -1104,7 +1078,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
 #if !DETERMINISTIC_DQ
     float *dq_head = dq_acc + head * seqlen * HEAD_DIM;
 #else
-    (void)dq_acc;         // DETERMINISTIC_DQ: dQ is the dQ kernel's
+    (void)dq_acc;  // DETERMINISTIC_DQ: dQ is the dQ kernel's
 #endif
 
     for (int tile = 0; tile < q_tiles; tile++) {
@@ -1116,16 +1090,9 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
                                             delta_head, next % BWD_STAGES, step_query0(first_tile, next, query_tiles),
                                             seqlen);
         __pipeline_commit();
-#if BWD_PAIR_BARRIER && !DETERMINISTIC_DQ
-        // The last tile's dQ: the barrier above made its dS^T every warp's (this tile's goes to the other buffer).
-        if (tile > 0)
-            add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_ring + (tile - 1) % 2 * KEY_QUERY_HALVES, k_tile,
-                                        step_query0(first_tile, tile - 1, query_tiles), seqlen);
-#endif
         const int slot = tile % BWD_STAGES, query0 = step_query0(first_tile, tile, query_tiles);
         const __half *q_tile = q_ring + slot * Q_HALVES, *do_tile = do_ring + slot * Q_HALVES;
         const float *lse_tile = lse_ring + slot * BWD_BLOCK_Q, *delta_tile = delta_ring + slot * BWD_BLOCK_Q;
-        __half *ds_tile = ds_ring + tile % BwdConfig<HEAD_DIM>::SPLIT_DS_BUFFERS * KEY_QUERY_HALVES;
 
         // S^T = K Q^T and P^T = exp(S^T * scale - LSE): the warp's 32 keys x 32 queries.
         float score[SPLIT_M_TILES][SPLIT_Q_TILES][ACC_REGS] = {};
@@ -1148,25 +1115,15 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
         for (int mt = 0; mt < SPLIT_M_TILES; mt++)
             ds_from_dp<SPLIT_Q_TILES>(ds[mt], score[mt], delta_tile, warp_query0);
         store_key_query<HEAD_DIM, SPLIT_M_TILES, SPLIT_Q_TILES>(ds_tile, ds, warp_key0, warp_query0);
-#if BWD_PAIR_BARRIER
-        // Warp w's dV and dK read the P^T and dS^T rows of its keys: warps w % 4 and w % 4 + 4 wrote them.
-        pair_barrier(warp % SPLIT_KEY_WARPS);
-#else
         __syncthreads();  // P^T and dS^T of the whole block are in
-#endif
 
         // dV += P^T dO and dK += dS^T Q: the warp's 32 keys x 64 dims, over the tile's 64 queries.
         keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dv_acc, pt_tile, warp_key0, do_tile, warp_dim0);
         keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dk_acc, ds_tile, warp_key0, q_tile, warp_dim0);
-#if !DETERMINISTIC_DQ && !BWD_PAIR_BARRIER
+#if !DETERMINISTIC_DQ
         add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_tile, k_tile, query0, seqlen);  // dQ += dS K, atomics
 #endif
     }
-#if BWD_PAIR_BARRIER && !DETERMINISTIC_DQ
-    __syncthreads();  // every warp's dS^T rows of the last tile are in
-    add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_ring + (q_tiles - 1) % 2 * KEY_QUERY_HALVES, k_tile,
-                                step_query0(first_tile, q_tiles - 1, query_tiles), seqlen);
-#endif
     __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
 
     __half *dk_head = dk + head * seqlen * HEAD_DIM, *dv_head = dv + head * seqlen * HEAD_DIM;

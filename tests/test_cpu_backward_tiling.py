@@ -46,7 +46,7 @@ def constants():
         return out[name]
 
     for name in ("WARPS", "MMA_M", "MMA_N", "MMA_K", "PAD", "BWD_WARP_ROWS", "BWD_WARPS_D64", "BWD_WARPS_D128",
-                 "BWD_STAGGER", "BWD_SPLIT", "BWD_DS_TWICE", "BWD_PAIR_BARRIER", "BWD_BLOCK_Q", "DQ_BLOCK_KV", "BWD_STAGES", "CHUNK_HALVES",
+                 "BWD_STAGGER", "BWD_SPLIT", "BWD_BLOCK_Q", "DQ_BLOCK_KV", "BWD_STAGES", "CHUNK_HALVES",
                  "SPLIT_KEY_WARPS", "SPLIT_WARP_KEYS", "SPLIT_WARP_QUERIES", "SPLIT_WARP_DIMS"):
         value(name)
     return out
@@ -190,20 +190,14 @@ def lane_cols(col0, tiles):
 
 
 # --- the kernels -----------------------------------------------------------------------------
-def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=None, stagger=None, split=None,
-                     one_barrier=None):
+def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=None, stagger=None, split=None):
     """dQ, dK, dV [BH, N, D] and D [BH, N] as 09's kernels compute them (float64), with the main
-    kernel's `warps` (default: the source's, per head dim), BWD_STAGGER, BWD_SPLIT (default: the
-    source's; the split kernel runs at D=128 with eight warps, BwdConfig::SPLIT) and one_barrier:
-    BWD_DS_TWICE in the first kernel (D=64 only), BWD_PAIR_BARRIER in the split one."""
+    kernel's `warps` (default: the source's, per head dim), BWD_STAGGER and BWD_SPLIT (default: the
+    source's; the split kernel runs at D=128 with eight warps, BwdConfig::SPLIT)."""
     heads, seqlen, d = q.shape
     warps = main_warps(d) if warps is None else warps
     stagger = bool(C["BWD_STAGGER"]) if stagger is None else stagger
     split = (bool(C["BWD_SPLIT"]) if split is None else split) and d == 128 and warps == 8
-    if one_barrier is None:
-        one_barrier = bool(C["BWD_PAIR_BARRIER"] if split else C["BWD_DS_TWICE"])
-    # dS^T buffers: BwdConfig::DS_BUFFERS (first kernel), SPLIT_DS_BUFFERS (split kernel)
-    ds_buffers = 2 if one_barrier and not deterministic and (split or d == 64) else 1
     bkv = warps * ROWS  # BwdConfig::BLOCK_KV
     dq_warp_dims = d * DQ_ROW_TILES // warps  # BwdConfig::DQ_WARP_DIMS
     stride, ds_stride = d + PAD, BQ + PAD
@@ -241,7 +235,7 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
             q_ring, do_ring = 2 * bkv * stride, 2 * bkv * stride + STAGES * BQ * stride
             pt_base = do_ring + STAGES * BQ * stride  # the split kernel's P^T
             ds_base = pt_base + (bkv * ds_stride if split else 0)
-            smem = Shared(ds_base + ds_buffers * bkv * ds_stride)
+            smem = Shared(ds_base + bkv * ds_stride)
             lse_ring, delta_ring = np.zeros((STAGES, BQ)), np.zeros((STAGES, BQ))
 
             def fill(slot, t):
@@ -253,11 +247,8 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                 lse_ring[slot] = np.where(ok, lse[head][np.minimum(rows, seqlen - 1)], 0.0)
                 delta_ring[slot] = np.where(ok, delta[head][np.minimum(rows, seqlen - 1)], 0.0)
 
-            def ds_tile(step):  # the dS^T buffer of the loop's step
-                return ds_base + step % ds_buffers * bkv * ds_stride
-
-            def add_dq_of_tile(ds_tile, query0, row_tiles=1):
-                """dQ += dS K from a dS^T tile in shared memory: warp w takes `row_tiles` m16 tiles of queries
+            def add_dq_of_tile(query0, row_tiles=1):
+                """dQ += dS K from dS^T in shared memory: warp w takes `row_tiles` m16 tiles of queries
                 (w % query_warps) against every key of the block, for dims dq_warp_dims (w / query_warps)..,
                 in passes of <= 8 n8 tiles: one tile, 16 queries, in the first kernel; two in the split one."""
                 query_warps = DQ_ROW_TILES // row_tiles
@@ -269,7 +260,7 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                         part = np.zeros((dq_dim_tiles, 32, 4))
                         for kk in range(bkv // 16):
                             key = kk * 16 + LANES // 16 * 8 + LANES % 8
-                            dsa = smem.ldmatrix_x4(ds_tile + key * ds_stride + row0 + mt * 16 + LANES // 8 % 2 * 8,
+                            dsa = smem.ldmatrix_x4(ds_base + key * ds_stride + row0 + mt * 16 + LANES // 8 % 2 * 8,
                                                    trans=True)
                             for dp in range(dq_dim_tiles // 2):
                                 kf = load_trans_pair(smem, k_base, stride, kk, dim0 // 16 + pas * dq_dim_tiles // 2 + dp)
@@ -297,9 +288,9 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                 if t < n_tiles:
                     fill(t, t)
             if split:
-                split_block(smem, (k_base, v_base, q_ring, do_ring, pt_base), ds_tile, fill, step_query0,
+                split_block(smem, (k_base, v_base, q_ring, do_ring, pt_base, ds_base), fill, step_query0,
                             add_dq_of_tile, (lse_ring, delta_ring), (head, key0, n_tiles, seqlen, causal),
-                            scale_log2, deterministic, one_barrier, visits, dk, dv, scale)
+                            scale_log2, deterministic, visits, dk, dv, scale)
                 continue
             dk_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(warps)]
             dv_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(warps)]
@@ -308,7 +299,7 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                 if nxt < n_tiles:
                     fill(nxt % STAGES, nxt)
                 if not deterministic and tile > 0:  # the last tile's dQ, after the barrier at the top
-                    add_dq_of_tile(ds_tile(tile - 1), step_query0(tile - 1))
+                    add_dq_of_tile(step_query0(tile - 1))
                 slot, query0 = tile % STAGES, step_query0(tile)
                 q_tile, do_tile = q_ring + slot * BQ * stride, do_ring + slot * BQ * stride
                 masked_here = mask_needed(query0, key0, seqlen, causal, bkv)
@@ -364,16 +355,15 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                     ds_frags.append(dsf)
                 if deterministic:
                     continue
-                # dS^T to shared memory: over the last tile's after a barrier (every warp has read it),
-                # or (BWD_DS_TWICE) into the other buffer, which the tile before the last used
+                # dS^T to shared memory, after a barrier (every warp has read the last tile's), over it
                 for w in range(warps):
                     for kk in range(q_steps):
                         for i in range(4):
                             key = w * ROWS + GROUP + i % 2 * 8
                             query = kk * 16 + i // 2 * 8 + 2 * QUAD
-                            smem.store_words(ds_tile(tile) + key * ds_stride + query, ds_frags[w][kk][:, i])
+                            smem.store_words(ds_base + key * ds_stride + query, ds_frags[w][kk][:, i])
             if not deterministic:  # the last tile's dQ, after the loop
-                add_dq_of_tile(ds_tile(n_tiles - 1), step_query0(n_tiles - 1))
+                add_dq_of_tile(step_query0(n_tiles - 1))
             for w in range(warps):
                 for r in range(2):
                     key = key0 + w * ROWS + GROUP + 8 * r
@@ -393,14 +383,12 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
     return dq, dk, dv, delta
 
 
-def split_block(smem, bases, ds_tile, fill, step_query0, add_dq_of_tile, rings, block, scale_log2, deterministic,
-                pair_barrier, visits, dk, dv, scale):
+def split_block(smem, bases, fill, step_query0, add_dq_of_tile, rings, block, scale_log2, deterministic, visits,
+                dk, dv, scale):
     """One block of flash_attention_backward_split_kernel (D=128, eight warps): S^T and dP^T by
-    warps 4 x 2 over (keys, queries), P^T and dS^T (ds_tile(step): its buffer) stored to shared
-    memory, a barrier, dV and dK by 4 x 2 over (keys, dims), dQ by 2 x 4 over (queries, dims):
-    after dK (one buffer), or at the next tile's top (pair_barrier: two buffers; the mid-tile
-    barrier is then of the pair of warps that share keys). Writes dK, dV; adds into visits."""
-    k_base, v_base, q_ring, do_ring, pt_base = bases
+    warps 4 x 2 over (keys, queries), P^T and dS^T stored to shared memory, a barrier, dV and dK by
+    4 x 2 over (keys, dims), dQ by 2 x 4 over (queries, dims). Writes dK, dV; adds into visits."""
+    k_base, v_base, q_ring, do_ring, pt_base, ds_base = bases
     lse_ring, delta_ring = rings
     head, key0, n_tiles, seqlen, causal = block
     d, stride, ds_stride, bkv = 128, 128 + PAD, BQ + PAD, 128
@@ -432,10 +420,7 @@ def split_block(smem, bases, ds_tile, fill, step_query0, add_dq_of_tile, rings, 
                     mma(acc[mt][2 * dp], af[mt], bf[:, 0], bf[:, 1])
                     mma(acc[mt][2 * dp + 1], af[mt], bf[:, 2], bf[:, 3])
 
-    writer = np.full((bkv, BQ), -1)  # the warp that stored each (key, query) of P^T and dS^T this tile
-
-    def store_key_query(base, acc, row0, col0, warp):  # [mt][nt][lane][4] as fp16 pairs, one store per (mt, r, nt)
-        writer[row0:row0 + warp_keys, col0:col0 + warp_queries] = warp
+    def store_key_query(base, acc, row0, col0):  # [mt][nt][lane][4] as fp16 pairs, one store per (mt, r, nt)
         for mt in range(m_tiles):
             for r in range(2):
                 for nt in range(q_tiles):
@@ -447,11 +432,8 @@ def split_block(smem, bases, ds_tile, fill, step_query0, add_dq_of_tile, rings, 
         nxt = tile + STAGES - 1
         if nxt < n_tiles:
             fill(nxt % STAGES, nxt)
-        if pair_barrier and not deterministic and tile > 0:  # the last tile's dQ, after the barrier at the top
-            add_dq_of_tile(ds_tile(tile - 1), step_query0(tile - 1), row_tiles=2)
         slot, query0 = tile % STAGES, step_query0(tile)
         q_tile, do_tile = q_ring + slot * BQ * stride, do_ring + slot * BQ * stride
-        ds_base = ds_tile(tile)
         masked_here = mask_needed(query0, key0, seqlen, causal, bkv)
         for w in range(8):
             kw0, qw0 = w % key_warps * warp_keys, w // key_warps * warp_queries
@@ -472,23 +454,17 @@ def split_block(smem, bases, ds_tile, fill, step_query0, add_dq_of_tile, rings, 
                 seen = ~hide.reshape(keys.shape)
                 np.add.at(visits[head], (queries[seen], keys[seen]), 1)
                 p[mt] = np.exp2(s * scale_log2 - lse_l * log2e).transpose(1, 0, 2)
-            store_key_query(pt_base, p, kw0, qw0, w)
+            store_key_query(pt_base, p, kw0, qw0)
             dpt = rows_times_rows(v_base, kw0, do_tile, qw0)
             ds = p * (dpt - dl.transpose(1, 0, 2)[None])
-            store_key_query(ds_base, ds, kw0, qw0, w)
-        # __syncthreads (or the pair's barrier: warp w reads only the rows of its keys, which the
-        # warps w % 4 and w % 4 + 4 wrote): P^T and dS^T are in
+            store_key_query(ds_base, ds, kw0, qw0)
+        # __syncthreads: P^T and dS^T of the whole block are in
         for w in range(8):
             kw0, dw0 = w % key_warps * warp_keys, w // key_warps * warp_dims
-            read_from = set(np.unique(writer[kw0:kw0 + warp_keys]).tolist())
-            assert read_from == {w % key_warps, w % key_warps + key_warps}, (
-                f"warp {w} reads P^T, dS^T rows stored by warps {sorted(read_from)}, not only by its pair")
             keys_times_queries(dv_acc[w], pt_base, kw0, do_tile, dw0)
             keys_times_queries(dk_acc[w], ds_base, kw0, q_tile, dw0)
-        if not deterministic and not pair_barrier:
-            add_dq_of_tile(ds_base, query0, row_tiles=2)
-    if pair_barrier and not deterministic:  # the last tile's dQ, after the loop
-        add_dq_of_tile(ds_tile(n_tiles - 1), step_query0(n_tiles - 1), row_tiles=2)
+        if not deterministic:
+            add_dq_of_tile(query0, row_tiles=2)
     for w in range(8):
         kw0, dw0 = w % key_warps * warp_keys, w // key_warps * warp_dims
         for mt in range(m_tiles):
@@ -592,8 +568,7 @@ def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale):
 
 
 # --- the checks ----------------------------------------------------------------------------------
-def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, stagger=None, split=None,
-                one_barrier=None):
+def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, stagger=None, split=None):
     q, k, v = reference.make_inputs(1, heads, seqlen, d, seed)
     do = reference.make_grad_output(1, heads, seqlen, d, seed)
     scale = 1 / np.sqrt(d)
@@ -601,14 +576,13 @@ def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, sta
     o, lse = reference.attention_reference(q, k, v, rows, causal, scale)
     want = reference.attention_backward(q, k, v, do, rows, rows, causal, scale)
     f64 = [x[0].astype(np.float64) for x in (q, k, v, do)]
-    got = emulate_backward(*f64, o[0], lse[0], causal, scale, deterministic, warps, stagger, split, one_barrier)
+    got = emulate_backward(*f64, o[0], lse[0], causal, scale, deterministic, warps, stagger, split)
     for name, g, w in zip(("dQ", "dK", "dV", "D"), got, want):
         w = w[0]
         assert np.all(np.isfinite(g)), f"{name}: non-finite values"
         err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1.0)
         assert err < 1e-10, (f"{name} at H={heads} N={seqlen} D={d} causal={causal} "
-                             f"deterministic={deterministic} warps={warps} stagger={stagger} split={split} "
-                             f"one_barrier={one_barrier}: relative error {err:.2e}")
+                             f"deterministic={deterministic} warps={warps} stagger={stagger} split={split}: relative error {err:.2e}")
     return got
 
 
@@ -616,12 +590,10 @@ SHAPES = [  # (heads, N, D, causal): N = 1, a ragged tile, whole tiles, ragged a
     (1, 1, 64, False), (1, 1, 128, True), (1, 77, 64, True), (2, 77, 128, False),
     (1, 128, 64, True), (1, 130, 128, True), (1, 200, 64, False), (1, 260, 64, False),
 ]
-# The other arrangements the source builds (-DBWD_WIDE_BLOCK=, -DBWD_STAGGER=, -DBWD_SPLIT=, and
-# -DBWD_DS_TWICE= or -DBWD_PAIR_BARRIER=): (warps, stagger, split, one_barrier), each on a few
-# shapes. Four warps without BWD_STAGGER is the chapter's first kernel; the split applies at
-# D=128 with eight warps only; one_barrier is BWD_PAIR_BARRIER there, elsewhere BWD_DS_TWICE (D=64).
-ARRANGEMENTS = [(4, False, False, False), (4, True, False, True), (8, False, True, True), (8, True, True, False),
-                (8, True, False, True), (8, False, False, False)]
+# The other arrangements the source builds (-DBWD_WIDE_BLOCK=, -DBWD_STAGGER=, -DBWD_SPLIT=):
+# (warps, stagger, split), each on a few shapes. Four warps without BWD_STAGGER is the chapter's
+# first kernel; the split applies at D=128 with eight warps only.
+ARRANGEMENTS = [(4, False, False), (4, True, False), (8, False, True), (8, True, False), (8, False, False)]
 ARRANGEMENT_SHAPES = [(1, 77, 128, True), (1, 200, 64, False)]
 
 
@@ -649,13 +621,11 @@ def test_deterministic_version_matches_reference_and_atomics():
 
 
 def test_other_arrangements_match_reference():
-    for warps, stagger, split, one_barrier in ARRANGEMENTS:
+    for warps, stagger, split in ARRANGEMENTS:
         for heads, n, d, causal in ARRANGEMENT_SHAPES:
             for deterministic in (False, True):
-                check_shape(heads, n, d, causal, deterministic, warps=warps, stagger=stagger, split=split,
-                            one_barrier=one_barrier)
-    return (f"(warps, stagger, split, one_barrier) {ARRANGEMENTS}, {len(ARRANGEMENT_SHAPES)} shapes each, "
-            "both dQ modes")
+                check_shape(heads, n, d, causal, deterministic, warps=warps, stagger=stagger, split=split)
+    return f"(warps, stagger, split) {ARRANGEMENTS}, {len(ARRANGEMENT_SHAPES)} shapes each, both dQ modes"
 
 
 def test_workspace_bytes_formula_in_source():
@@ -685,13 +655,8 @@ KERNEL_EXPRESSIONS = [
     "first_tile = causal || BWD_STAGGER ? key0 / BWD_BLOCK_Q : 0",
     "q_tiles = causal ? query_tiles - first_tile : query_tiles",
     "return (tile < query_tiles ? tile : tile - query_tiles) * BWD_BLOCK_Q",  # step_query0
-    "DS_BUFFERS = BWD_DS_TWICE && HEAD_DIM == 64 ? 2 : 1",  # ds_buffers
-    "SPLIT_DS_BUFFERS = BWD_PAIR_BARRIER && !DETERMINISTIC_DQ ? 2 : 1",
-    "if (tile > 0) add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_ring + (tile - 1) % DS_BUFFERS * KEY_QUERY_HALVES, k_tile,"
-    " step_query0(first_tile, tile - 1, query_tiles)",
-    "ds_tile = ds_ring + tile % DS_BUFFERS * KEY_QUERY_HALVES",
-    "add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_ring + (q_tiles - 1) % DS_BUFFERS * KEY_QUERY_HALVES, k_tile,"
-    " step_query0(first_tile, q_tiles - 1, query_tiles), seqlen)",
+    "if (tile > 0) add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, tile - 1, query_tiles)",
+    "add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen)",
     "key_tile = causal ? blockIdx.y : blockIdx.x",
     "query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x",
     "key_end = causal ? min(seqlen, query0 + BWD_BLOCK_Q) : seqlen",
@@ -716,12 +681,6 @@ KERNEL_EXPRESSIONS = [
     "(dv_acc, pt_tile, warp_key0, do_tile, warp_dim0)",
     "(dk_acc, ds_tile, warp_key0, q_tile, warp_dim0)",
     "add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_tile, k_tile, query0, seqlen)",
-    "add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_ring + (tile - 1) % 2 * KEY_QUERY_HALVES, k_tile,"
-    " step_query0(first_tile, tile - 1, query_tiles), seqlen)",
-    "ds_tile = ds_ring + tile % BwdConfig<HEAD_DIM>::SPLIT_DS_BUFFERS * KEY_QUERY_HALVES",
-    "pair_barrier(warp % SPLIT_KEY_WARPS)",
-    "add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_ring + (q_tiles - 1) % 2 * KEY_QUERY_HALVES, k_tile,"
-    " step_query0(first_tile, q_tiles - 1, query_tiles), seqlen)",
     "lse_tile[col0 + nt * MMA_N + 2 * quad_lane]",  # p_from_scores
     "p_from_scores<QUERY_TILES>(score, lse_tile, 0, scale_log2)",
     "p_from_scores<SPLIT_Q_TILES>(score[mt], lse_tile, warp_query0, scale_log2)",

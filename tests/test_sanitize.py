@@ -22,7 +22,9 @@ RUNS = [
     ("memcheck", ["--leak-check", "full"], 1, 2, 77, 64, True),
     ("memcheck", ["--leak-check", "full"], 1, 2, 130, 128, False),
     ("racecheck", [], 1, 1, 130, 128, True),
+    ("racecheck", [], 1, 1, 200, 64, False),
     ("synccheck", [], 1, 2, 77, 64, False),
+    ("synccheck", [], 1, 1, 130, 128, True),
     ("initcheck", [], 1, 2, 77, 128, True),
 ]
 TIMEOUT_S = 600

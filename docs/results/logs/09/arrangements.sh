@@ -11,9 +11,7 @@
 # Variants of SET warps: new (the source's defaults), old (four warps, 64 keys per block, no
 # stagger: the chapter's first arrangement), w4_stagger, w8_nostagger (one change each). SET split:
 # new and nosplit (-DBWD_SPLIT=0: at D=128 each warp keeps its 16 keys throughout). SET ring: new,
-# stages3 (-DBWD_STAGES=3: a third Q/dO tile in flight) and nostagger (-DBWD_STAGGER=0). SET
-# barrier: new and twobar (-DBWD_DS_TWICE=0 -DBWD_PAIR_BARRIER=0: a second barrier of the whole
-# block in every tile, one dS^T buffer, dQ within its own tile). PYTHON: a
+# stages3 (-DBWD_STAGES=3: a third Q/dO tile in flight) and nostagger (-DBWD_STAGGER=0). PYTHON: a
 # Python with PyTorch (default python3). Exit 1 if a build or a check failed.
 set -u
 cd "$(dirname "$0")/../../../.." || exit 2
@@ -23,13 +21,11 @@ case ${2:-warps} in
     warps) VARIANTS=(new old w4_stagger w8_nostagger) ;;
     split) VARIANTS=(new nosplit) ;;
     ring) VARIANTS=(new stages3 nostagger) ;;
-    barrier) VARIANTS=(new twobar) ;;
-    *) echo "arrangements.sh: SET is warps, split, ring or barrier, not '$2'"; exit 2 ;;
+    *) echo "arrangements.sh: SET is warps or split, not '$2'"; exit 2 ;;
 esac
 declare -A FLAGS=([new]="" [old]="-DBWD_WIDE_BLOCK=0 -DBWD_STAGGER=0" [w4_stagger]="-DBWD_WIDE_BLOCK=0"
                   [w8_nostagger]="-DBWD_STAGGER=0" [nosplit]="-DBWD_SPLIT=0"
-                  [stages3]="-DBWD_STAGES=3" [nostagger]="-DBWD_STAGGER=0"
-                  [twobar]="-DBWD_DS_TWICE=0 -DBWD_PAIR_BARRIER=0")
+                  [stages3]="-DBWD_STAGES=3" [nostagger]="-DBWD_STAGGER=0")
 folder() { if [ "$1" = new ]; then echo build; else echo "build/arr_$1"; fi; }
 failed=0
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
