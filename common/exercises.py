@@ -148,6 +148,7 @@ such an exercise is UNGRADED there (its time is still shown); grade it in a full
 """
 import argparse
 import ast
+import concurrent.futures
 import hashlib
 import io
 import json
@@ -185,6 +186,7 @@ MATRIX = [(b, h, n, d, causal) for d in HEAD_DIMS for causal in (False, True) fo
 RACECHECK_SHAPE = (1, 1, 130, 128, True)
 RUN_TIMEOUT_S = 300
 TIME_ROUNDS = 2  # the chapter and the copy timed alternately, best median of each
+MATRIX_WORKERS = 4  # the matrix's runs at once: one (B, H, N, D) per worker, its cases in order (they share inputs)
 
 BEGIN = re.compile(r"^(?P<indent>[ \t]*)// EXERCISE (?P<name>\d\d\.\w+) BEGIN(?:: (?P<task>\S.*?))?\s*$")
 STUB = re.compile(r"^[ \t]*// EXERCISE (?P<name>\d\d\.\w+) STUB\s*$")
@@ -1200,21 +1202,32 @@ def matrix_cases(names, table=EXERCISES):
 
 
 def matrix(student, chapter, cases=MATRIX, failures=None):
-    """One line per case (a shape, or a shape and its pass: matrix_cases); the number that failed
-    (those cases appended to `failures`)."""
-    failed = 0
+    """One line per case (a shape, or a shape and its pass: matrix_cases), in order; the number that
+    failed (those cases appended to `failures`). The runs of one (B, H, N, D) share the inputs the
+    first one makes in the cache: they run in order, MATRIX_WORKERS such groups at a time."""
+    groups = {}
     for case in cases:
-        status, row, note = run_case(student, chapter, case_args(case) + ["--warmup", "0", "--iters", "1"])
-        ok = status == "PASS"
-        failed += not ok
-        if not ok and failures is not None:
-            failures.append(case)
-        detail = f"rel_l2 {row['rel_l2']:.2e}" if row and row["rel_l2"] is not None else ""
-        detail += f", lse_err {row['lse_err']:.2e}" if row and row["lse_err"] is not None else ""
-        if row and row.get("dq_rel_l2") is not None:  # a backward run: each gradient's error
-            detail += f" (dQ {row['dq_rel_l2']:.2e}, dK {row['dk_rel_l2']:.2e}, dV {row['dv_rel_l2']:.2e})"
-        reason = "; ".join(x for x in (detail, note) if x)
-        print(f"    {'PASS' if ok else 'FAIL'}  {case_text(case):35} {reason}")
+        groups.setdefault(tuple(case[:4]), []).append(case)
+
+    def run_group(members):
+        return {case: run_case(student, chapter, case_args(case) + ["--warmup", "0", "--iters", "1"])
+                for case in members}
+
+    failed = 0
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(MATRIX_WORKERS, len(groups)))) as pool:
+        runs = {shape: pool.submit(run_group, members) for shape, members in groups.items()}
+        for case in cases:  # printed in order, each as soon as its group is done
+            status, row, note = runs[tuple(case[:4])].result()[case]
+            ok = status == "PASS"
+            failed += not ok
+            if not ok and failures is not None:
+                failures.append(case)
+            detail = f"rel_l2 {row['rel_l2']:.2e}" if row and row["rel_l2"] is not None else ""
+            detail += f", lse_err {row['lse_err']:.2e}" if row and row["lse_err"] is not None else ""
+            if row and row.get("dq_rel_l2") is not None:  # a backward run: each gradient's error
+                detail += f" (dQ {row['dq_rel_l2']:.2e}, dK {row['dk_rel_l2']:.2e}, dV {row['dv_rel_l2']:.2e})"
+            reason = "; ".join(x for x in (detail, note) if x)
+            print(f"    {'PASS' if ok else 'FAIL'}  {case_text(case):35} {reason}", flush=True)
     return failed
 
 
