@@ -56,7 +56,8 @@ DIMS = (64, 128)
 SEQLENS = (1, 17, 64, 127, 128, 1000, 2048)
 # 384 = 2 x 192: 08's key tiles at D=128 with none masked, 385 one key past. The other chapters'
 # tiles (32 to 128 rows) take the same paths at 128 and 127, 2048 and 1000; and each case is a
-# process of its own (631 of them took 230 s of make test on the H200, beside the other modules).
+# process of its own, of which the H200 runs about five a second however many are started at once
+# (docs/results/logs/common/process_cost_h200.txt).
 TILE_192_SEQLENS = (384, 385)
 BATCH_HEADS = ((1, 1), (2, 3))
 ONE_HEAD_MAX_N = 17  # (1, 1) runs only up to this N: beyond it (2, 3) takes every path (1, 1) takes, and more
