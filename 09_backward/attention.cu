@@ -444,7 +444,7 @@ struct BwdConfig {
     // BWD_SPLIT (D=128, eight warps): the split kernel, with P^T and dS^T both in shared memory:
     // 173 KiB, more than sm_80's 163 KiB per block, where the kernel above runs instead. Not at
     // D=64, where a warp holds its 16 rows of K and V in registers: split there (32 rows each), it
-    // read fewer bytes of shared memory but ran 2-5% slower on the H200 (09_backward/NOTES.md).
+    // read fewer bytes of shared memory but ran 4-5% slower on the H200 (09_backward/NOTES.md).
     static constexpr bool SPLIT = BWD_SPLIT && HEAD_DIM == 128 && BLOCK_WARPS == 8;
     static constexpr int SPLIT_SMEM_BYTES = RING_BYTES + 2 * KEY_QUERY_HALVES * (int)sizeof(__half);
     // dQ kernel: Q and dO, and a ring of (K, V) tiles of DQ_BLOCK_KV keys.

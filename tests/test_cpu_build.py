@@ -3,6 +3,7 @@ BUILD/multiarch) without a compiler warning: its binary is there and its nvcc/pt
 (BUILD/multiarch/NN_name.log) holds no 'warning' and a ptxas report for each of the archs.
 Chapters on Hopper's arch-specific features (wgmma: 08) build for sm_90a alone, whatever ARCH."""
 import re
+import unittest
 
 ARCHS = ["sm_80", "sm_89", "sm_90"]
 ARCHS_OF = {8: ["sm_90a"]}  # by chapter number: the archs it builds for instead of ARCHS
@@ -58,3 +59,54 @@ def test_harness_compiled_once(ctx):
     after = [o.stat().st_mtime_ns for o in objects] + [binary.stat().st_mtime_ns]
     assert after[:2] == before[:2], f"rebuilding {chapter} recompiled the harness:\n{proc.stdout}"
     assert after[2] != before[2], f"make -W {chapter}/attention.cu did not rebuild {ctx.rel(binary)}"
+
+
+def ptxas_registers(log_text):
+    """{(kernel base name, head dim, arch): registers} from a ptxas -v report."""
+    out, current = {}, None
+    for line in log_text.splitlines():
+        entry = re.search(r"Compiling entry function '_Z\d+(\w+?)ILi(\d+)E\w*' for '(sm_\w+)'", line)
+        if entry:
+            current = entry.groups()
+        used = re.search(r"Used (\d+) registers", line)
+        if used and current:
+            out[(current[0], int(current[1]), current[2])] = int(used.group(1))
+            current = None
+    return out
+
+
+def test_register_table_is_ptxas(ctx):
+    """The "Registers from `ptxas`" table of a chapter README (09's) holds what the multiarch
+    build's ptxas reported, per kernel, head dim and arch (sm_80 and sm_90 columns); rows
+    "with `-DDETERMINISTIC_DQ=1`" against the .deterministic build's report."""
+    checked = 0
+    for chapter in ctx.chapters:
+        text = (ctx.root / chapter / "README.md").read_text()
+        at = text.find("Registers from `ptxas`")
+        if at < 0:
+            continue
+        logs = {}
+        for variant in ("", ".deterministic"):
+            log = ctx.multiarch / f"{chapter}{variant}.log"
+            if not log.is_file():
+                continue
+            logs[variant] = ptxas_registers(log.read_text(errors="replace"))
+        if not logs:
+            raise unittest.SkipTest(f"{ctx.rel(ctx.multiarch)}/{chapter}.log not built")
+        rows = re.findall(r"^\| (with `-DDETERMINISTIC_DQ=1`: )?[^`|]*`(\w+)`[^|]*\| ([-\d]+) / ([-\d]+) \| ([-\d]+) / ([-\d]+) \|$",
+                          text[at:text.find("\n\n", text.find("|", at))], re.M)
+        assert rows, f"{chapter}/README.md: no rows under its 'Registers from `ptxas`' table"
+        wrong = []
+        for det, kernel, *values in rows:
+            report = logs.get(".deterministic" if det else "")
+            if report is None:
+                continue
+            for (arch, d), said in zip([("sm_80", 64), ("sm_80", 128), ("sm_90", 64), ("sm_90", 128)], values):
+                got = report.get((kernel, d, arch))
+                if said != "-" and got != int(said) or said == "-" and got is not None:
+                    wrong.append(f"{det}{kernel} D={d} {arch}: the table says {said}, ptxas {got}")
+                checked += said != "-"
+        assert not wrong, f"{chapter}/README.md's register table against ptxas: " + "; ".join(wrong)
+    if not checked:
+        raise unittest.SkipTest("no chapter README has a 'Registers from `ptxas`' table")
+    return f"{checked} register counts, as ptxas reported them"
