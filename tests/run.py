@@ -200,7 +200,7 @@ class Results:
         self.skip_reasons = {}    # reason -> count
         self.verbose = verbose
         self.running = []         # jobs begun and not ended, in the order begun
-        self.out = out or sys.stdout  # kept: a test may swap sys.stdout (redirect_stdout) meanwhile
+        self.out = out or sys.stdout  # the real stdout, taken before main() installs ThreadStdout
         self.lock = threading.Lock()
         self.last_output = time.time()
         if out is None:  # a report for the parent run (--report) has no `~` lines
