@@ -411,6 +411,13 @@ __global__ void __launch_bounds__(THREADS, 2)
 // Two m16 tiles, as 07's forward has, would need 2 x 16 x D fp32 accumulators for each of dK
 // and dV: 256 registers per lane at D=128 before any score.
 #define BWD_WARP_ROWS MMA_M
+// Experiment, not yet measured on a GPU (09_backward/NOTES.md, "Next"): at D=64, two m16 tiles of
+// keys per warp (128 registers of dK and dV), so that each fragment of Q and dO feeds two MMAs;
+// eight warps hold 256 keys, a query tile is taken in two parts of 32 (S^T and dP^T stay 64
+// registers), and K and V are read from shared memory at every step.
+#ifndef BWD_KEY_TILES_D64
+#define BWD_KEY_TILES_D64 1  // m16 tiles of keys per warp in the first kernel at D=64 (2: the experiment)
+#endif
 #define BWD_BLOCK_Q 64  // queries per step of the main kernel's loop, and per block of the dQ kernel
 #define DQ_BLOCK_KV 64  // keys per streamed tile of the dQ kernel
 #ifndef BWD_STAGES
@@ -425,7 +432,10 @@ template <int HEAD_DIM>
 struct BwdConfig {
     static constexpr int BLOCK_WARPS = HEAD_DIM == 128 ? BWD_WARPS_D128 : BWD_WARPS_D64;  // main kernel
     static constexpr int BLOCK_THREADS = BLOCK_WARPS * WARP_SIZE;
-    static constexpr int BLOCK_KV = BLOCK_WARPS * BWD_WARP_ROWS;  // keys per block: 128 (64 with four warps)
+    static constexpr int KEY_TILES = HEAD_DIM == 64 ? BWD_KEY_TILES_D64 : 1;  // m16 tiles of keys per warp
+    static constexpr int WARP_KEYS = KEY_TILES * BWD_WARP_ROWS;
+    static constexpr int BLOCK_KV = BLOCK_WARPS * WARP_KEYS;  // keys per block: 128 (64 with four warps)
+    static constexpr int QUERY_PARTS = KEY_TILES;             // a query tile in parts, S^T's registers the same
     // Eight warps per SM at up to 255 registers each fill its 64 K registers: two blocks of four or one of eight.
     static constexpr int MIN_BLOCKS = 8 / BLOCK_WARPS;
     // dQ += dS K of a query tile: warp w takes the 16 queries of m16 tile w % DQ_ROW_TILES, against
@@ -454,8 +464,9 @@ struct BwdConfig {
     // its Q and dO rows in the dQ kernel) take HEAD_DIM / 2 registers per lane for the two. At
     // D=64 they stay in registers; at D=128 the two 16 x 128 fp32 accumulators (dK and dV) hold
     // 128 registers already, so they are re-read from shared memory at every step.
-    static constexpr bool A_IN_REGISTERS = HEAD_DIM == 64;
+    static constexpr bool A_IN_REGISTERS = HEAD_DIM == 64 && KEY_TILES == 1;
     static_assert(BLOCK_WARPS == 4 || BLOCK_WARPS == 8, "four warps (64 keys per block) or eight (128)");
+    static_assert(KEY_TILES == 1 || KEY_TILES == 2, "one or two m16 tiles of keys per warp");
     static_assert(DQ_WARP_DIMS % (2 * MMA_N) == 0, "a warp's dims of dQ are whole pairs of n8 tiles");
 };
 
@@ -775,10 +786,13 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
     constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
     constexpr int BLOCK_KV = BwdConfig<HEAD_DIM>::BLOCK_KV, BLOCK_THREADS = BwdConfig<HEAD_DIM>::BLOCK_THREADS;
     constexpr bool A_IN_REGISTERS = BwdConfig<HEAD_DIM>::A_IN_REGISTERS;
-    constexpr int QUERY_TILES = BWD_BLOCK_Q / MMA_N;  // n8 tiles of S^T per warp: 8
-    constexpr int DIM_TILES = HEAD_DIM / MMA_N;       // n8 tiles of dK, dV
-    constexpr int K_STEPS = HEAD_DIM / MMA_K;         // k16 steps of S^T = K Q^T and dP^T = V dO^T
-    constexpr int Q_STEPS = BWD_BLOCK_Q / MMA_K;      // k16 steps of dV += P^T dO and dK += dS^T Q
+    constexpr int KEY_TILES = BwdConfig<HEAD_DIM>::KEY_TILES;      // m16 tiles of keys per warp: 1
+    constexpr int QUERY_PARTS = BwdConfig<HEAD_DIM>::QUERY_PARTS;  // parts of a query tile: 1
+    constexpr int PART_QUERIES = BWD_BLOCK_Q / QUERY_PARTS;        // queries per part: 64
+    constexpr int QUERY_TILES = PART_QUERIES / MMA_N;              // n8 tiles of S^T per m16 tile and part: 8
+    constexpr int DIM_TILES = HEAD_DIM / MMA_N;                    // n8 tiles of dK, dV
+    constexpr int K_STEPS = HEAD_DIM / MMA_K;                      // k16 steps of S^T = K Q^T and dP^T = V dO^T
+    constexpr int Q_STEPS = PART_QUERIES / MMA_K;                  // k16 steps of dV += P^T dO and dK += dS^T Q
     extern __shared__ __align__(128) unsigned char smem[];
     float *lse_ring = (float *)smem;                                     // [BWD_STAGES][BWD_BLOCK_Q]
     float *delta_ring = lse_ring + BWD_STAGES * BWD_BLOCK_Q;             // [BWD_STAGES][BWD_BLOCK_Q]
@@ -791,7 +805,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
     const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;  // accumulator row and column pair
     const int key_tile = causal ? blockIdx.y : blockIdx.x;
     const size_t head = causal ? blockIdx.x : blockIdx.y;
-    const int key0 = key_tile * BLOCK_KV, warp_row0 = warp * BWD_WARP_ROWS;  // warp_row0: in the key tile
+    const int key0 = key_tile * BLOCK_KV, warp_row0 = warp * BwdConfig<HEAD_DIM>::WARP_KEYS;  // in the key tile
     const __half *q_head = q + head * seqlen * HEAD_DIM, *do_head = d_o + head * seqlen * HEAD_DIM;
     const float *lse_head = lse + head * seqlen, *delta_head = delta + head * seqlen;
 
@@ -812,8 +826,8 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
         __pipeline_commit();
     }
 
-    // On chip for the whole loop: the warp's 16 x HEAD_DIM dK and dV accumulators.
-    float dk_acc[DIM_TILES][ACC_REGS] = {}, dv_acc[DIM_TILES][ACC_REGS] = {};
+    // On chip for the whole loop: the warp's 16 x HEAD_DIM dK and dV accumulators (per m16 tile of keys).
+    float dk_acc[KEY_TILES][DIM_TILES][ACC_REGS] = {}, dv_acc[KEY_TILES][DIM_TILES][ACC_REGS] = {};
     unsigned k_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS], v_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS];
 #if !DETERMINISTIC_DQ
     __half *ds_tile = do_ring + BWD_STAGES * Q_HALVES;  // [BLOCK_KV][DS_STRIDE]: dS^T of the last tile
@@ -848,94 +862,127 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
                 }
         }
 
-        // S^T = K Q^T: the warp's 16 keys x the tile's 64 queries. Q [query][dim] is the "col"
-        // B operand as K is in the forward, so 07's load_k_step loads it.
-        float score[QUERY_TILES][ACC_REGS] = {};
+        // A tile's queries in QUERY_PARTS parts (one: the whole tile), each through every product.
 #pragma unroll
-        for (int ks = 0; ks < K_STEPS; ks++) {
-            unsigned a_frag[A_REGS], q_frag[QUERY_TILES / 2][2 * B_REGS];
-            const unsigned *k_frag = a_frag;
-            if constexpr (A_IN_REGISTERS) k_frag = k_regs[ks];
-            else load_a_step<HEAD_DIM>(a_frag, k_tile, warp_row0, ks);
-            load_k_step<HEAD_DIM, QUERY_TILES>(q_frag, q_tile, ks);
+        for (int part = 0; part < QUERY_PARTS; part++) {
+            const int part0 = part * PART_QUERIES;  // the part's first query in the tile
+            const __half *q_part = q_tile + tile_offset<HEAD_DIM>(part0, 0);
+            const __half *do_part = do_tile + tile_offset<HEAD_DIM>(part0, 0);
+
+            // S^T = K Q^T: the warp's 16 keys x the part's 64 queries. Q [query][dim] is the "col"
+            // B operand as K is in the forward, so 07's load_k_step loads it.
+            float score[KEY_TILES][QUERY_TILES][ACC_REGS] = {};
 #pragma unroll
-            for (int np = 0; np < QUERY_TILES / 2; np++) {
-                mma_16x8x16(score[2 * np], k_frag, q_frag[np][0], q_frag[np][1]);
-                mma_16x8x16(score[2 * np + 1], k_frag, q_frag[np][2], q_frag[np][3]);
+            for (int ks = 0; ks < K_STEPS; ks++) {
+                unsigned a_frag[KEY_TILES][A_REGS], q_frag[QUERY_TILES / 2][2 * B_REGS];
+                if constexpr (!A_IN_REGISTERS)
+                    for (int mt = 0; mt < KEY_TILES; mt++)
+                        load_a_step<HEAD_DIM>(a_frag[mt], k_tile, warp_row0 + mt * MMA_M, ks);
+                load_k_step<HEAD_DIM, QUERY_TILES>(q_frag, q_part, ks);
+#pragma unroll
+                for (int mt = 0; mt < KEY_TILES; mt++) {
+                    const unsigned *k_frag = A_IN_REGISTERS ? k_regs[ks] : a_frag[mt];
+#pragma unroll
+                    for (int np = 0; np < QUERY_TILES / 2; np++) {
+                        mma_16x8x16(score[mt][2 * np], k_frag, q_frag[np][0], q_frag[np][1]);
+                        mma_16x8x16(score[mt][2 * np + 1], k_frag, q_frag[np][2], q_frag[np][3]);
+                    }
+                }
             }
-        }
 
-        // The mask: only on a diagonal tile (causal), a ragged last query tile, the last key tile.
-        if (query0 + BWD_BLOCK_Q > seqlen || key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0))
-            mask_tile<QUERY_TILES, true>(score, key0 + warp_row0 + group, query0 + 2 * quad_lane, seqlen, causal);
-
-        p_from_scores<QUERY_TILES>(score, lse_tile, 0, scale_log2);  // P^T, from the forward's LSE
-
-        // dV += P^T dO: P^T repacked as the A operand (07's P), dO through ldmatrix.trans (07's V).
+            // The mask: only on a diagonal tile (causal), a ragged last query tile, the last key tile.
+            if (query0 + BWD_BLOCK_Q > seqlen || key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0)) {
 #pragma unroll
-        for (int kk = 0; kk < Q_STEPS; kk++) {
-            unsigned p_frag[A_REGS];
-            pack_a(p_frag, score[2 * kk], score[2 * kk + 1]);
-#pragma unroll
-            for (int dp = 0; dp < DIM_TILES / 2; dp++) {
-                unsigned do_frag[2 * B_REGS];
-                load_trans_pair<HEAD_DIM>(do_frag, do_tile, kk, dp);
-                mma_16x8x16(dv_acc[2 * dp], p_frag, do_frag[0], do_frag[1]);
-                mma_16x8x16(dv_acc[2 * dp + 1], p_frag, do_frag[2], do_frag[3]);
+                for (int mt = 0; mt < KEY_TILES; mt++)
+                    mask_tile<QUERY_TILES, true>(score[mt], key0 + warp_row0 + mt * MMA_M + group,
+                                                 query0 + part0 + 2 * quad_lane, seqlen, causal);
             }
-        }
+#pragma unroll
+            for (int mt = 0; mt < KEY_TILES; mt++)
+                p_from_scores<QUERY_TILES>(score[mt], lse_tile, part0, scale_log2);  // P^T, from the forward's LSE
 
-        // dP^T = V dO^T, the same shape as S^T: V's rows as A, dO as the "col" B operand.
-        float ds[QUERY_TILES][ACC_REGS] = {};
+                // dV += P^T dO: P^T repacked as the A operand (07's P), dO through ldmatrix.trans (07's V).
 #pragma unroll
-        for (int ks = 0; ks < K_STEPS; ks++) {
-            unsigned a_frag[A_REGS], do_frag[QUERY_TILES / 2][2 * B_REGS];
-            const unsigned *v_frag = a_frag;
-            if constexpr (A_IN_REGISTERS) v_frag = v_regs[ks];
-            else load_a_step<HEAD_DIM>(a_frag, v_tile, warp_row0, ks);
-            load_k_step<HEAD_DIM, QUERY_TILES>(do_frag, do_tile, ks);
+            for (int kk = 0; kk < Q_STEPS; kk++) {
+                unsigned p_frag[KEY_TILES][A_REGS];
 #pragma unroll
-            for (int np = 0; np < QUERY_TILES / 2; np++) {
-                mma_16x8x16(ds[2 * np], v_frag, do_frag[np][0], do_frag[np][1]);
-                mma_16x8x16(ds[2 * np + 1], v_frag, do_frag[np][2], do_frag[np][3]);
+                for (int mt = 0; mt < KEY_TILES; mt++) pack_a(p_frag[mt], score[mt][2 * kk], score[mt][2 * kk + 1]);
+#pragma unroll
+                for (int dp = 0; dp < DIM_TILES / 2; dp++) {
+                    unsigned do_frag[2 * B_REGS];
+                    load_trans_pair<HEAD_DIM>(do_frag, do_part, kk, dp);
+#pragma unroll
+                    for (int mt = 0; mt < KEY_TILES; mt++) {
+                        mma_16x8x16(dv_acc[mt][2 * dp], p_frag[mt], do_frag[0], do_frag[1]);
+                        mma_16x8x16(dv_acc[mt][2 * dp + 1], p_frag[mt], do_frag[2], do_frag[3]);
+                    }
+                }
             }
-        }
 
-        // dS^T = P^T * (dP^T - D), in place of dP^T.
-        unsigned ds_frag[Q_STEPS][A_REGS];  // dS^T as the A operand of dK += dS^T Q
-        ds_from_dp<QUERY_TILES>(ds, score, delta_tile, 0);
+            // dP^T = V dO^T, the same shape as S^T: V's rows as A, dO as the "col" B operand.
+            float ds[KEY_TILES][QUERY_TILES][ACC_REGS] = {};
 #pragma unroll
-        for (int kk = 0; kk < Q_STEPS; kk++) pack_a(ds_frag[kk], ds[2 * kk], ds[2 * kk + 1]);
+            for (int ks = 0; ks < K_STEPS; ks++) {
+                unsigned a_frag[KEY_TILES][A_REGS], do_frag[QUERY_TILES / 2][2 * B_REGS];
+                if constexpr (!A_IN_REGISTERS)
+                    for (int mt = 0; mt < KEY_TILES; mt++)
+                        load_a_step<HEAD_DIM>(a_frag[mt], v_tile, warp_row0 + mt * MMA_M, ks);
+                load_k_step<HEAD_DIM, QUERY_TILES>(do_frag, do_part, ks);
+#pragma unroll
+                for (int mt = 0; mt < KEY_TILES; mt++) {
+                    const unsigned *v_frag = A_IN_REGISTERS ? v_regs[ks] : a_frag[mt];
+#pragma unroll
+                    for (int np = 0; np < QUERY_TILES / 2; np++) {
+                        mma_16x8x16(ds[mt][2 * np], v_frag, do_frag[np][0], do_frag[np][1]);
+                        mma_16x8x16(ds[mt][2 * np + 1], v_frag, do_frag[np][2], do_frag[np][3]);
+                    }
+                }
+            }
+
+            // dS^T = P^T * (dP^T - D), in place of dP^T.
+            unsigned ds_frag[KEY_TILES][Q_STEPS][A_REGS];  // dS^T as the A operand of dK += dS^T Q
+#pragma unroll
+            for (int mt = 0; mt < KEY_TILES; mt++) {
+                ds_from_dp<QUERY_TILES>(ds[mt], score[mt], delta_tile, part0);
+#pragma unroll
+                for (int kk = 0; kk < Q_STEPS; kk++) pack_a(ds_frag[mt][kk], ds[mt][2 * kk], ds[mt][2 * kk + 1]);
+            }
 
             // dK += dS^T Q (the scale is applied once, at the end): Q through ldmatrix.trans.
 #pragma unroll
-        for (int kk = 0; kk < Q_STEPS; kk++)
+            for (int kk = 0; kk < Q_STEPS; kk++)
 #pragma unroll
-            for (int dp = 0; dp < DIM_TILES / 2; dp++) {
-                unsigned q_frag[2 * B_REGS];
-                load_trans_pair<HEAD_DIM>(q_frag, q_tile, kk, dp);
-                mma_16x8x16(dk_acc[2 * dp], ds_frag[kk], q_frag[0], q_frag[1]);
-                mma_16x8x16(dk_acc[2 * dp + 1], ds_frag[kk], q_frag[2], q_frag[3]);
-            }
+                for (int dp = 0; dp < DIM_TILES / 2; dp++) {
+                    unsigned q_frag[2 * B_REGS];
+                    load_trans_pair<HEAD_DIM>(q_frag, q_part, kk, dp);
+#pragma unroll
+                    for (int mt = 0; mt < KEY_TILES; mt++) {
+                        mma_16x8x16(dk_acc[mt][2 * dp], ds_frag[mt][kk], q_frag[0], q_frag[1]);
+                        mma_16x8x16(dk_acc[mt][2 * dp + 1], ds_frag[mt][kk], q_frag[2], q_frag[3]);
+                    }
+                }
 
 #if !DETERMINISTIC_DQ
-        // dQ_i += dS K. A warp holds dS^T for its own 16 keys, but dQ of a query sums over all
-        // the keys of the block: dS^T goes to shared memory ([key][query], 4-byte stores of
-        // adjacent queries, conflict-free with the padded rows), and the next tile's barrier
-        // makes it every warp's: add_dq_of_tile runs there (or after the loop, for the last tile),
-        // so that one barrier serves the ring and dS^T. Every key tile adds to the same rows:
-        // atomics (RED).
-        constexpr int DS_STRIDE = BwdConfig<HEAD_DIM>::DS_STRIDE;
-        __syncthreads();  // every warp has read the last tile's dS^T
+            // dQ_i += dS K. A warp holds dS^T for its own 16 keys, but dQ of a query sums over all
+            // the keys of the block: dS^T goes to shared memory ([key][query], 4-byte stores of
+            // adjacent queries, conflict-free with the padded rows), and the next tile's barrier
+            // makes it every warp's: add_dq_of_tile runs there (or after the loop, for the last tile),
+            // so that one barrier serves the ring and dS^T. Every key tile adds to the same rows:
+            // atomics (RED).
+            constexpr int DS_STRIDE = BwdConfig<HEAD_DIM>::DS_STRIDE;
+            if (part == 0) __syncthreads();  // every warp has read the last tile's dS^T
 #pragma unroll
-        for (int kk = 0; kk < Q_STEPS; kk++)
+            for (int mt = 0; mt < KEY_TILES; mt++)
 #pragma unroll
-            for (int i = 0; i < A_REGS; i++) {  // A register i: row + 8 (i % 2), columns + 8 (i / 2)
-                const int key = warp_row0 + group + i % 2 * ACC_ROW_STEP;
-                const int query = kk * MMA_K + i / 2 * MMA_N + 2 * quad_lane;
-                *(unsigned *)&ds_tile[key * DS_STRIDE + query] = ds_frag[kk][i];
-            }
+                for (int kk = 0; kk < Q_STEPS; kk++)
+#pragma unroll
+                    for (int i = 0; i < A_REGS; i++) {  // A register i: row + 8 (i % 2), columns + 8 (i / 2)
+                        const int key = warp_row0 + mt * MMA_M + group + i % 2 * ACC_ROW_STEP;
+                        const int query = part0 + kk * MMA_K + i / 2 * MMA_N + 2 * quad_lane;
+                        *(unsigned *)&ds_tile[key * DS_STRIDE + query] = ds_frag[mt][kk][i];
+                    }
 #endif
+        }
     }
 #if !DETERMINISTIC_DQ
     __syncthreads();  // every warp's dS^T rows of the last tile are in
@@ -946,7 +993,10 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
     __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
 
     __half *dk_head = dk + head * seqlen * HEAD_DIM, *dv_head = dv + head * seqlen * HEAD_DIM;
-    store_dk_dv<HEAD_DIM, DIM_TILES>(dk_head, dv_head, dk_acc, dv_acc, key0 + warp_row0, 0, seqlen, scale);
+#pragma unroll
+    for (int mt = 0; mt < KEY_TILES; mt++)
+        store_dk_dv<HEAD_DIM, DIM_TILES>(dk_head, dv_head, dk_acc[mt], dv_acc[mt], key0 + warp_row0 + mt * MMA_M, 0,
+                                         seqlen, scale);
 }
 
 // --- BWD_SPLIT: FlashAttention-2's warp split at D=128 --------------------------------------

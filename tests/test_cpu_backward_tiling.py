@@ -46,7 +46,7 @@ def constants():
         return out[name]
 
     for name in ("WARPS", "MMA_M", "MMA_N", "MMA_K", "PAD", "BWD_WARP_ROWS", "BWD_WARPS_D64", "BWD_WARPS_D128",
-                 "BWD_STAGGER", "BWD_SPLIT", "BWD_BLOCK_Q", "DQ_BLOCK_KV", "BWD_STAGES", "CHUNK_HALVES",
+                 "BWD_STAGGER", "BWD_SPLIT", "BWD_KEY_TILES_D64", "BWD_BLOCK_Q", "DQ_BLOCK_KV", "BWD_STAGES", "CHUNK_HALVES",
                  "SPLIT_KEY_WARPS", "SPLIT_WARP_KEYS", "SPLIT_WARP_QUERIES", "SPLIT_WARP_DIMS"):
         value(name)
     return out
@@ -190,18 +190,23 @@ def lane_cols(col0, tiles):
 
 
 # --- the kernels -----------------------------------------------------------------------------
-def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=None, stagger=None, split=None):
+def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=None, stagger=None, split=None,
+                     warp_key_tiles=None):
     """dQ, dK, dV [BH, N, D] and D [BH, N] as 09's kernels compute them (float64), with the main
-    kernel's `warps` (default: the source's, per head dim), BWD_STAGGER and BWD_SPLIT (default: the
-    source's; the split kernel runs at D=128 with eight warps, BwdConfig::SPLIT)."""
+    kernel's `warps` (default: the source's, per head dim), BWD_STAGGER, BWD_SPLIT (default: the
+    source's; the split kernel runs at D=128 with eight warps, BwdConfig::SPLIT) and warp_key_tiles,
+    the first kernel's m16 tiles of keys per warp (BWD_KEY_TILES_D64; 1 at D=128)."""
     heads, seqlen, d = q.shape
     warps = main_warps(d) if warps is None else warps
     stagger = bool(C["BWD_STAGGER"]) if stagger is None else stagger
     split = (bool(C["BWD_SPLIT"]) if split is None else split) and d == 128 and warps == 8
-    bkv = warps * ROWS  # BwdConfig::BLOCK_KV
+    if warp_key_tiles is None or d != 64:  # BwdConfig::KEY_TILES
+        warp_key_tiles = C["BWD_KEY_TILES_D64"] if d == 64 else 1
+    parts = warp_key_tiles  # BwdConfig::QUERY_PARTS: a query tile in parts of BQ / parts queries
+    bkv = warps * ROWS * warp_key_tiles  # BwdConfig::BLOCK_KV
     dq_warp_dims = d * DQ_ROW_TILES // warps  # BwdConfig::DQ_WARP_DIMS
     stride, ds_stride = d + PAD, BQ + PAD
-    k_steps, q_tiles_n8, q_steps, dim_tiles = d // 16, BQ // 8, BQ // 16, d // 8
+    k_steps, q_tiles_n8, q_steps, dim_tiles = d // 16, BQ // parts // 8, BQ // parts // 16, d // 8
     log2e = 1 / np.log(2)
     scale_log2 = scale * log2e
     visits = np.zeros((heads, seqlen, seqlen), dtype=np.int64)
@@ -292,8 +297,9 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                             add_dq_of_tile, (lse_ring, delta_ring), (head, key0, n_tiles, seqlen, causal),
                             scale_log2, deterministic, visits, dk, dv, scale)
                 continue
-            dk_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(warps)]
-            dv_acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(warps)]
+            dk_acc = [[np.zeros((dim_tiles, 32, 4)) for _ in range(warp_key_tiles)] for _ in range(warps)]
+            dv_acc = [[np.zeros((dim_tiles, 32, 4)) for _ in range(warp_key_tiles)] for _ in range(warps)]
+            pq = BQ // parts  # queries per part
             for tile in range(n_tiles):
                 nxt = tile + STAGES - 1
                 if nxt < n_tiles:
@@ -303,29 +309,31 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                 slot, query0 = tile % STAGES, step_query0(tile)
                 q_tile, do_tile = q_ring + slot * BQ * stride, do_ring + slot * BQ * stride
                 masked_here = mask_needed(query0, key0, seqlen, causal, bkv)
-                ds_frags = []
-                for w in range(warps):
-                    row0 = w * ROWS
+                ds_frags = []  # (row0, part0, dS^T A fragments) of every warp, m16 tile and part
+                units = [(w, part, mt) for w in range(warps) for part in range(parts) for mt in range(warp_key_tiles)]
+                for w, part, mt in units:
+                    row0, part0 = w * ROWS * warp_key_tiles + mt * ROWS, part * pq
+                    q_part, do_part = q_tile + part0 * stride, do_tile + part0 * stride
                     score = np.zeros((q_tiles_n8, 32, 4))
                     for ks in range(k_steps):
                         kf = load_a_step(smem, k_base, stride, row0, ks)
-                        qf = load_k_step(smem, q_tile, stride, q_tiles_n8, ks)
+                        qf = load_k_step(smem, q_part, stride, q_tiles_n8, ks)
                         for np_ in range(q_tiles_n8 // 2):
                             mma(score[2 * np_], kf, qf[np_][:, 0], qf[np_][:, 1])
                             mma(score[2 * np_ + 1], kf, qf[np_][:, 2], qf[np_][:, 3])
                     score = score.transpose(1, 0, 2)  # [lane][nt][4]
-                    hide = tile_hidden(lane_rows(key0 + row0), lane_cols(query0, q_tiles_n8), True, seqlen, causal)
+                    cols_of = lane_cols(query0 + part0, q_tiles_n8)
+                    hide = tile_hidden(lane_rows(key0 + row0), cols_of, True, seqlen, causal)
                     if masked_here:
                         score = np.where(hide, -np.inf, score)
                     else:
                         assert not hide.any(), f"tile (keys {key0}, queries {query0}) needed the mask it skips"
                     # visits: the pairs this warp's elements stand for, unmasked
-                    keys, queries = np.broadcast_arrays(lane_rows(key0 + row0)[:, None, :, None],
-                                                        lane_cols(query0, q_tiles_n8)[:, :, None, :])
+                    keys, queries = np.broadcast_arrays(lane_rows(key0 + row0)[:, None, :, None], cols_of[:, :, None, :])
                     seen = ~hide.reshape(keys.shape)
                     np.add.at(visits[head], (queries[seen], keys[seen]), 1)
-                    # P^T = exp2(S^T * scale_log2 - LSE * log2e): LSE of column nt*8 + 2c + e
-                    cols = (np.arange(q_tiles_n8)[None, :, None] * 8 + 2 * QUAD[:, None, None] + np.arange(2))
+                    # P^T = exp2(S^T * scale_log2 - LSE * log2e): LSE of column part0 + nt*8 + 2c + e
+                    cols = part0 + (np.arange(q_tiles_n8)[None, :, None] * 8 + 2 * QUAD[:, None, None] + np.arange(2))
                     lse_l = lse_ring[slot][cols]  # [32, nt, 2]
                     lse_l = np.concatenate([lse_l, lse_l], axis=-1)  # [2r + e] -> e
                     p = np.exp2(score * scale_log2 - lse_l * log2e)
@@ -333,13 +341,13 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                     for kk in range(q_steps):
                         pf = pack_a(p[2 * kk], p[2 * kk + 1])
                         for dp in range(dim_tiles // 2):
-                            df = load_trans_pair(smem, do_tile, stride, kk, dp)
-                            mma(dv_acc[w][2 * dp], pf, df[:, 0], df[:, 1])
-                            mma(dv_acc[w][2 * dp + 1], pf, df[:, 2], df[:, 3])
+                            df = load_trans_pair(smem, do_part, stride, kk, dp)
+                            mma(dv_acc[w][mt][2 * dp], pf, df[:, 0], df[:, 1])
+                            mma(dv_acc[w][mt][2 * dp + 1], pf, df[:, 2], df[:, 3])
                     dsv = np.zeros((q_tiles_n8, 32, 4))
                     for ks in range(k_steps):
                         vf = load_a_step(smem, v_base, stride, row0, ks)
-                        of = load_k_step(smem, do_tile, stride, q_tiles_n8, ks)
+                        of = load_k_step(smem, do_part, stride, q_tiles_n8, ks)
                         for np_ in range(q_tiles_n8 // 2):
                             mma(dsv[2 * np_], vf, of[np_][:, 0], of[np_][:, 1])
                             mma(dsv[2 * np_ + 1], vf, of[np_][:, 2], of[np_][:, 3])
@@ -349,30 +357,31 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                     dsf = [pack_a(dsv[2 * kk], dsv[2 * kk + 1]) for kk in range(q_steps)]
                     for kk in range(q_steps):
                         for dp in range(dim_tiles // 2):
-                            qf2 = load_trans_pair(smem, q_tile, stride, kk, dp)
-                            mma(dk_acc[w][2 * dp], dsf[kk], qf2[:, 0], qf2[:, 1])
-                            mma(dk_acc[w][2 * dp + 1], dsf[kk], qf2[:, 2], qf2[:, 3])
-                    ds_frags.append(dsf)
+                            qf2 = load_trans_pair(smem, q_part, stride, kk, dp)
+                            mma(dk_acc[w][mt][2 * dp], dsf[kk], qf2[:, 0], qf2[:, 1])
+                            mma(dk_acc[w][mt][2 * dp + 1], dsf[kk], qf2[:, 2], qf2[:, 3])
+                    ds_frags.append((row0, part0, dsf))
                 if deterministic:
                     continue
                 # dS^T to shared memory, after a barrier (every warp has read the last tile's), over it
-                for w in range(warps):
+                for row0, part0, dsf in ds_frags:
                     for kk in range(q_steps):
                         for i in range(4):
-                            key = w * ROWS + GROUP + i % 2 * 8
-                            query = kk * 16 + i // 2 * 8 + 2 * QUAD
-                            smem.store_words(ds_base + key * ds_stride + query, ds_frags[w][kk][:, i])
+                            key = row0 + GROUP + i % 2 * 8
+                            query = part0 + kk * 16 + i // 2 * 8 + 2 * QUAD
+                            smem.store_words(ds_base + key * ds_stride + query, dsf[kk][:, i])
             if not deterministic:  # the last tile's dQ, after the loop
                 add_dq_of_tile(step_query0(n_tiles - 1))
             for w in range(warps):
-                for r in range(2):
-                    key = key0 + w * ROWS + GROUP + 8 * r
-                    ok = key < seqlen
-                    for nt in range(dim_tiles):
-                        for e in range(2):
-                            col = nt * 8 + 2 * QUAD + e
-                            dk[head][key[ok], col[ok]] = dk_acc[w][nt][ok, 2 * r + e] * scale
-                            dv[head][key[ok], col[ok]] = dv_acc[w][nt][ok, 2 * r + e]
+                for mt in range(warp_key_tiles):
+                    for r in range(2):
+                        key = key0 + w * ROWS * warp_key_tiles + mt * ROWS + GROUP + 8 * r
+                        ok = key < seqlen
+                        for nt in range(dim_tiles):
+                            for e in range(2):
+                                col = nt * 8 + 2 * QUAD + e
+                                dk[head][key[ok], col[ok]] = dk_acc[w][mt][nt][ok, 2 * r + e] * scale
+                                dv[head][key[ok], col[ok]] = dv_acc[w][mt][nt][ok, 2 * r + e]
 
     want = np.tril(np.ones((seqlen, seqlen), dtype=np.int64)) if causal else np.ones((seqlen, seqlen), np.int64)
     assert np.array_equal(visits, np.broadcast_to(want, visits.shape)), "a (query, key) pair visited not exactly once"
@@ -568,7 +577,8 @@ def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale):
 
 
 # --- the checks ----------------------------------------------------------------------------------
-def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, stagger=None, split=None):
+def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, stagger=None, split=None,
+                warp_key_tiles=None):
     q, k, v = reference.make_inputs(1, heads, seqlen, d, seed)
     do = reference.make_grad_output(1, heads, seqlen, d, seed)
     scale = 1 / np.sqrt(d)
@@ -576,13 +586,14 @@ def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, sta
     o, lse = reference.attention_reference(q, k, v, rows, causal, scale)
     want = reference.attention_backward(q, k, v, do, rows, rows, causal, scale)
     f64 = [x[0].astype(np.float64) for x in (q, k, v, do)]
-    got = emulate_backward(*f64, o[0], lse[0], causal, scale, deterministic, warps, stagger, split)
+    got = emulate_backward(*f64, o[0], lse[0], causal, scale, deterministic, warps, stagger, split, warp_key_tiles)
     for name, g, w in zip(("dQ", "dK", "dV", "D"), got, want):
         w = w[0]
         assert np.all(np.isfinite(g)), f"{name}: non-finite values"
         err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1.0)
         assert err < 1e-10, (f"{name} at H={heads} N={seqlen} D={d} causal={causal} "
-                             f"deterministic={deterministic} warps={warps} stagger={stagger} split={split}: relative error {err:.2e}")
+                             f"deterministic={deterministic} warps={warps} stagger={stagger} split={split} "
+                             f"warp_key_tiles={warp_key_tiles}: relative error {err:.2e}")
     return got
 
 
@@ -628,6 +639,19 @@ def test_other_arrangements_match_reference():
     return f"(warps, stagger, split) {ARRANGEMENTS}, {len(ARRANGEMENT_SHAPES)} shapes each, both dQ modes"
 
 
+# -DBWD_KEY_TILES_D64=2 (D=64: 32 keys per warp, 256 per block, query tiles in two parts): one
+# key block and several, ragged, causal (a block whose diagonal spans four query tiles), wrapping.
+TWO_KEY_TILE_SHAPES = [(1, 1, 64, False), (1, 77, 64, True), (2, 260, 64, False), (1, 300, 64, True),
+                       (1, 600, 64, False)]
+
+
+def test_two_key_tiles_per_warp_match_reference():
+    for heads, n, d, causal in TWO_KEY_TILE_SHAPES:
+        for deterministic in (False, True):
+            check_shape(heads, n, d, causal, deterministic, warp_key_tiles=2)
+    return f"{len(TWO_KEY_TILE_SHAPES)} shapes at D=64, both dQ modes"
+
+
 def test_workspace_bytes_formula_in_source():
     """workspace_bytes: D rounded up to WORKSPACE_ALIGN, then B*H*N*D floats (atomic version)."""
     text = SOURCE.read_text()
@@ -645,13 +669,26 @@ KERNEL_EXPRESSIONS = [
     "dp * 2 + lane / (2 * LDM_ROWS)",
     "kk * MMA_K + lane / (2 * LDM_ROWS) * LDM_ROWS + lane % LDM_ROWS",  # dS from dS^T
     "lane / LDM_ROWS % 2 * LDM_ROWS);",
-    "warp_row0 + group + i % 2 * ACC_ROW_STEP",  # dS^T's stores
-    "kk * MMA_K + i / 2 * MMA_N + 2 * quad_lane",
+    "warp_row0 + mt * MMA_M + group + i % 2 * ACC_ROW_STEP",  # dS^T's stores
+    "part0 + kk * MMA_K + i / 2 * MMA_N + 2 * quad_lane",
+    "KEY_TILES = HEAD_DIM == 64 ? BWD_KEY_TILES_D64 : 1",  # key_tiles
+    "BLOCK_KV = BLOCK_WARPS * WARP_KEYS",
+    "QUERY_PARTS = KEY_TILES",
+    "warp_row0 = warp * BwdConfig<HEAD_DIM>::WARP_KEYS",
+    "part0 = part * PART_QUERIES",
+    "q_part = q_tile + tile_offset<HEAD_DIM>(part0, 0)",
+    "do_part = do_tile + tile_offset<HEAD_DIM>(part0, 0)",
+    "load_a_step<HEAD_DIM>(a_frag[mt], k_tile, warp_row0 + mt * MMA_M, ks)",
+    "load_a_step<HEAD_DIM>(a_frag[mt], v_tile, warp_row0 + mt * MMA_M, ks)",
+    "load_k_step<HEAD_DIM, QUERY_TILES>(q_frag, q_part, ks)",
+    "load_k_step<HEAD_DIM, QUERY_TILES>(do_frag, do_part, ks)",
+    "load_trans_pair<HEAD_DIM>(do_frag, do_part, kk, dp)",
+    "load_trans_pair<HEAD_DIM>(q_frag, q_part, kk, dp)",
+    "query0 + part0 + 2 * quad_lane, seqlen, causal",
     "key >= seqlen || query >= seqlen || (causal && key > query)",  # mask_tile
     "query0 + BWD_BLOCK_Q > seqlen || key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0)",
     "query0 + BWD_BLOCK_Q > seqlen || key0 + DQ_BLOCK_KV > seqlen || (causal && key0 + DQ_BLOCK_KV - 1 > query0)",
     "BLOCK_WARPS = HEAD_DIM == 128 ? BWD_WARPS_D128 : BWD_WARPS_D64",  # main_warps
-    "BLOCK_KV = BLOCK_WARPS * BWD_WARP_ROWS",
     "first_tile = causal || BWD_STAGGER ? key0 / BWD_BLOCK_Q : 0",
     "q_tiles = causal ? query_tiles - first_tile : query_tiles",
     "return (tile < query_tiles ? tile : tile - query_tiles) * BWD_BLOCK_Q",  # step_query0
@@ -682,15 +719,15 @@ KERNEL_EXPRESSIONS = [
     "(dk_acc, ds_tile, warp_key0, q_tile, warp_dim0)",
     "add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_tile, k_tile, query0, seqlen)",
     "lse_tile[col0 + nt * MMA_N + 2 * quad_lane]",  # p_from_scores
-    "p_from_scores<QUERY_TILES>(score, lse_tile, 0, scale_log2)",
+    "p_from_scores<QUERY_TILES>(score[mt], lse_tile, part0, scale_log2)",
     "p_from_scores<SPLIT_Q_TILES>(score[mt], lse_tile, warp_query0, scale_log2)",
     "delta_tile[col0 + nt * MMA_N + 2 * quad_lane]",  # ds_from_dp
-    "ds_from_dp<QUERY_TILES>(ds, score, delta_tile, 0)",
+    "ds_from_dp<QUERY_TILES>(ds[mt], score[mt], delta_tile, part0)",
     "ds_from_dp<SPLIT_Q_TILES>(ds[mt], score[mt], delta_tile, warp_query0)",
     "key0 + warp_key0 + mt * MMA_M + group,",
     "query0 + warp_query0 + 2 * quad_lane, seqlen, causal",
     "key = key_row0 + group + r * ACC_ROW_STEP",  # store_dk_dv
-    "dk_acc, dv_acc, key0 + warp_row0, 0, seqlen, scale",
+    "dk_acc[mt], dv_acc[mt], key0 + warp_row0 + mt * MMA_M, 0,",
     "dk_acc[mt], dv_acc[mt], key0 + warp_key0 + mt * MMA_M, warp_dim0, seqlen, scale",
     "DQ_DIM_TILES = DQ_WARP_DIMS / MMA_N > 8 ? 8 : DQ_WARP_DIMS / MMA_N",
     "dim0 / (2 * MMA_N) + pass * DQ_DIM_TILES / 2 + dp",
