@@ -407,26 +407,34 @@ __global__ void __launch_bounds__(THREADS, 2)
 #ifndef BWD_STAGGER
 #define BWD_STAGGER 1  // non-causal blocks start at their diagonal query tile too, and wrap round (0: at tile 0)
 #endif
-// Each warp owns one m16 tile of rows: 16 keys in the main kernel, 16 queries in the dQ kernel.
-// Two m16 tiles, as 07's forward has, would need 2 x 16 x D fp32 accumulators for each of dK
-// and dV: 256 registers per lane at D=128 before any score.
+// A warp's rows come in m16 tiles: 16 keys or 16 queries. At D=128 one per warp in the main
+// kernel: two, as 07's forward has, would need 2 x 16 x D fp32 accumulators for each of dK and
+// dV, 256 registers per lane before any score.
 #define BWD_WARP_ROWS MMA_M
-// Experiment, not yet measured on a GPU (09_backward/NOTES.md, "Next"): at D=64, two m16 tiles of
-// keys per warp (128 registers of dK and dV), so that each fragment of Q and dO feeds two MMAs;
-// eight warps hold 256 keys, a query tile is taken in two parts of 32 (S^T and dP^T stay 64
-// registers), and K and V are read from shared memory at every step.
+// At D=64, two m16 tiles of keys per warp (128 registers of dK and dV), so that each fragment of
+// Q and dO read from shared memory feeds two MMAs: eight warps hold 256 keys, a query tile is
+// taken in two parts of 32 (S^T and dP^T stay 64 registers), and K and V are re-read at every
+// step. 1.20x the one-tile kernel at B4 H16 N4096 (09_backward/NOTES.md).
 #ifndef BWD_KEY_TILES_D64
-#define BWD_KEY_TILES_D64 1  // m16 tiles of keys per warp in the first kernel at D=64 (2: the experiment)
+#define BWD_KEY_TILES_D64 2  // m16 tiles of keys per warp in the first kernel at D=64 (1: 16 keys a warp)
 #endif
-#define BWD_BLOCK_Q 64  // queries per step of the main kernel's loop, and per block of the dQ kernel
-#define DQ_BLOCK_KV 64  // keys per streamed tile of the dQ kernel
+#define BWD_BLOCK_Q 64  // queries per step of the main kernel's loop
+// DETERMINISTIC_DQ's dQ kernel: each warp's queries in DQ_WARP_TILES m16 tiles, so that each K and
+// V fragment feeds as many MMAs; its key tiles as short as keep S and dP at 32 registers each.
+#ifndef DQ_WARP_TILES
+#define DQ_WARP_TILES 2  // m16 tiles of queries per warp in the dQ kernel (1: 16 queries, 64-key tiles)
+#endif
+#ifndef DQ_BLOCK_KV
+#define DQ_BLOCK_KV (64 / DQ_WARP_TILES)  // keys per streamed tile of the dQ kernel
+#endif
+#define DQ_BLOCK_Q (WARPS * DQ_WARP_TILES * MMA_M)  // queries per block of the dQ kernel: 128
 #ifndef BWD_STAGES
 #define BWD_STAGES 2  // (Q, dO, LSE, D) tiles in the main kernel's ring; (K, V) in the dQ kernel's
 #endif
 #define WORKSPACE_ALIGN 256  // bytes: the dQ accumulator starts aligned for 16-byte accesses
 
-static_assert(THREADS == BWD_BLOCK_Q / BWD_WARP_ROWS * WARP_SIZE, "the dQ kernel's four warps own 16 queries each");
 static_assert(BWD_BLOCK_Q % MMA_K == 0 && DQ_BLOCK_KV % MMA_K == 0, "whole k16 steps of queries and keys");
+static_assert(DQ_WARP_TILES == 1 || DQ_WARP_TILES == 2, "one or two m16 tiles of queries per warp");
 
 template <int HEAD_DIM>
 struct BwdConfig {
@@ -434,7 +442,7 @@ struct BwdConfig {
     static constexpr int BLOCK_THREADS = BLOCK_WARPS * WARP_SIZE;
     static constexpr int KEY_TILES = HEAD_DIM == 64 ? BWD_KEY_TILES_D64 : 1;  // m16 tiles of keys per warp
     static constexpr int WARP_KEYS = KEY_TILES * BWD_WARP_ROWS;
-    static constexpr int BLOCK_KV = BLOCK_WARPS * WARP_KEYS;  // keys per block: 128 (64 with four warps)
+    static constexpr int BLOCK_KV = BLOCK_WARPS * WARP_KEYS;  // keys per block: 256 at D=64, 128 at D=128
     static constexpr int QUERY_PARTS = KEY_TILES;             // a query tile in parts, S^T's registers the same
     // Eight warps per SM at up to 255 registers each fill its 64 K registers: two blocks of four or one of eight.
     static constexpr int MIN_BLOCKS = 8 / BLOCK_WARPS;
@@ -458,13 +466,16 @@ struct BwdConfig {
     static constexpr bool SPLIT = BWD_SPLIT && HEAD_DIM == 128 && BLOCK_WARPS == 8;
     static constexpr int SPLIT_SMEM_BYTES = RING_BYTES + 2 * KEY_QUERY_HALVES * (int)sizeof(__half);
     // dQ kernel: Q and dO, and a ring of (K, V) tiles of DQ_BLOCK_KV keys.
-    static constexpr int DQ_KV_HALVES = DQ_BLOCK_KV * STRIDE;
-    static constexpr int DQ_SMEM_BYTES = (2 * Q_HALVES + 2 * BWD_STAGES * DQ_KV_HALVES) * (int)sizeof(__half);
+    static constexpr int DQ_Q_HALVES = DQ_BLOCK_Q * STRIDE, DQ_KV_HALVES = DQ_BLOCK_KV * STRIDE;
+    static constexpr int DQ_SMEM_BYTES = (2 * DQ_Q_HALVES + 2 * BWD_STAGES * DQ_KV_HALVES) * (int)sizeof(__half);
     // The A operands that are the same at every step (a warp's K and V rows in the main kernel,
-    // its Q and dO rows in the dQ kernel) take HEAD_DIM / 2 registers per lane for the two. At
-    // D=64 they stay in registers; at D=128 the two 16 x 128 fp32 accumulators (dK and dV) hold
-    // 128 registers already, so they are re-read from shared memory at every step.
+    // its Q and dO rows in the dQ kernel) take HEAD_DIM / 2 registers per lane and m16 tile for
+    // the two. In the main kernel at D=64 with one m16 tile of keys they stay in registers; with
+    // two, or at D=128, where the fp32 accumulators of dK and dV hold 128 registers already, they
+    // are re-read from shared memory at every step. The dQ kernel keeps them at D=64 (its dQ
+    // accumulator 64 registers), not at 128 (128).
     static constexpr bool A_IN_REGISTERS = HEAD_DIM == 64 && KEY_TILES == 1;
+    static constexpr bool DQ_A_IN_REGISTERS = HEAD_DIM == 64;
     static_assert(BLOCK_WARPS == 4 || BLOCK_WARPS == 8, "four warps (64 keys per block) or eight (128)");
     static_assert(KEY_TILES == 1 || KEY_TILES == 2, "one or two m16 tiles of keys per warp");
     static_assert(DQ_WARP_DIMS % (2 * MMA_N) == 0, "a warp's dims of dQ are whole pairs of n8 tiles");
@@ -786,10 +797,10 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
     constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
     constexpr int BLOCK_KV = BwdConfig<HEAD_DIM>::BLOCK_KV, BLOCK_THREADS = BwdConfig<HEAD_DIM>::BLOCK_THREADS;
     constexpr bool A_IN_REGISTERS = BwdConfig<HEAD_DIM>::A_IN_REGISTERS;
-    constexpr int KEY_TILES = BwdConfig<HEAD_DIM>::KEY_TILES;      // m16 tiles of keys per warp: 1
-    constexpr int QUERY_PARTS = BwdConfig<HEAD_DIM>::QUERY_PARTS;  // parts of a query tile: 1
-    constexpr int PART_QUERIES = BWD_BLOCK_Q / QUERY_PARTS;        // queries per part: 64
-    constexpr int QUERY_TILES = PART_QUERIES / MMA_N;              // n8 tiles of S^T per m16 tile and part: 8
+    constexpr int KEY_TILES = BwdConfig<HEAD_DIM>::KEY_TILES;      // m16 tiles of keys per warp: 2 (D=64), 1
+    constexpr int QUERY_PARTS = BwdConfig<HEAD_DIM>::QUERY_PARTS;  // parts of a query tile: as many
+    constexpr int PART_QUERIES = BWD_BLOCK_Q / QUERY_PARTS;        // queries per part: 32 (D=64), 64
+    constexpr int QUERY_TILES = PART_QUERIES / MMA_N;              // n8 tiles of S^T per m16 tile and part: 4, 8
     constexpr int DIM_TILES = HEAD_DIM / MMA_N;                    // n8 tiles of dK, dV
     constexpr int K_STEPS = HEAD_DIM / MMA_K;                      // k16 steps of S^T = K Q^T and dP^T = V dO^T
     constexpr int Q_STEPS = PART_QUERIES / MMA_K;                  // k16 steps of dV += P^T dO and dK += dS^T Q
@@ -869,7 +880,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
             const __half *q_part = q_tile + tile_offset<HEAD_DIM>(part0, 0);
             const __half *do_part = do_tile + tile_offset<HEAD_DIM>(part0, 0);
 
-            // S^T = K Q^T: the warp's 16 keys x the part's 64 queries. Q [query][dim] is the "col"
+            // S^T = K Q^T: the warp's keys (16 per m16 tile) x the part's queries. Q [query][dim] is the "col"
             // B operand as K is in the forward, so 07's load_k_step loads it.
             float score[KEY_TILES][QUERY_TILES][ACC_REGS] = {};
 #pragma unroll
@@ -963,7 +974,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
                 }
 
 #if !DETERMINISTIC_DQ
-            // dQ_i += dS K. A warp holds dS^T for its own 16 keys, but dQ of a query sums over all
+            // dQ_i += dS K. A warp holds dS^T for its own keys, but dQ of a query sums over all
             // the keys of the block: dS^T goes to shared memory ([key][query], 4-byte stores of
             // adjacent queries, conflict-free with the padded rows), and the next tile's barrier
             // makes it every warp's: add_dq_of_tile runs there (or after the loop, for the last tile),
@@ -1000,7 +1011,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
 }
 
 // --- BWD_SPLIT: FlashAttention-2's warp split at D=128 --------------------------------------
-// Above, every warp multiplies its own 16 keys by all 64 queries of the tile: the eight warps
+// Above, at D=128, every warp multiplies its own 16 keys by all 64 queries of the tile: the eight warps
 // each read the whole Q and dO tile (128 dims) twice per tile, 184 ldmatrix per warp and tile
 // against 320 mma.sync. Here the warps split each product 4 x 2 instead, and pass P^T and dS^T
 // through shared memory from the products that make them to those that use them:
@@ -1200,24 +1211,26 @@ __global__ void __launch_bounds__(THREADS) convert_dq_kernel(const float *dq_acc
     *(uint4 *)(dq + at) = out;
 }
 #else
-// DETERMINISTIC_DQ: dQ without atomics. One block per (64-query tile, b*h), as the forward's
-// grid; warp w owns queries 16w..16w+15; Q and dO stay in shared memory, K and V stream through
-// 07's ring. Per key tile it recomputes S = Q K^T, P, dP = dO V^T and dS, and accumulates
-// dQ += dS K in registers, over the key tiles in order: the same sums in the same order on
-// every run. The price: S, P, dP and dS computed twice (once here, once in the main kernel).
+// DETERMINISTIC_DQ: dQ without atomics. One block per (DQ_BLOCK_Q-query tile, b*h), as the
+// forward's grid; warp w owns DQ_WARP_TILES m16 tiles of queries from 32w (07's warp); Q and dO
+// stay in shared memory (and in registers at D=64), K and V stream through 07's ring. Per key
+// tile it recomputes S = Q K^T, P, dP = dO V^T and dS, and accumulates dQ += dS K in registers,
+// over the key tiles in order: the same sums in the same order on every run. The price: S, P, dP
+// and dS computed twice (once here, once in the main kernel).
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(THREADS, 2)
     flash_attention_dq_kernel(const __half *q, const __half *k, const __half *v, const __half *d_o, const float *lse,
                               const float *delta, __half *dq, int seqlen, float scale, float scale_log2, int causal) {
-    constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::DQ_KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
-    constexpr bool A_IN_REGISTERS = BwdConfig<HEAD_DIM>::A_IN_REGISTERS;
-    constexpr int KEY_TILES = DQ_BLOCK_KV / MMA_N;  // n8 tiles of scores per warp: 8
+    constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::DQ_KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::DQ_Q_HALVES;
+    constexpr bool A_IN_REGISTERS = BwdConfig<HEAD_DIM>::DQ_A_IN_REGISTERS;
+    constexpr int ROW_TILES = DQ_WARP_TILES;        // m16 tiles of queries per warp: 2
+    constexpr int KEY_TILES = DQ_BLOCK_KV / MMA_N;  // n8 tiles of scores per m16 tile: 4
     constexpr int DIM_TILES = HEAD_DIM / MMA_N;     // n8 tiles of dQ
     constexpr int K_STEPS = HEAD_DIM / MMA_K;       // k16 steps of S = Q K^T and dP = dO V^T
     constexpr int KEY_STEPS = DQ_BLOCK_KV / MMA_K;  // k16 steps of dQ += dS K
     extern __shared__ __align__(128) unsigned char smem[];
-    __half *q_tile = (__half *)smem;                   // [BWD_BLOCK_Q][STRIDE]
-    __half *do_tile = q_tile + Q_HALVES;               // [BWD_BLOCK_Q][STRIDE]
+    __half *q_tile = (__half *)smem;                   // [DQ_BLOCK_Q][STRIDE]
+    __half *do_tile = q_tile + Q_HALVES;               // [DQ_BLOCK_Q][STRIDE]
     __half *k_ring = do_tile + Q_HALVES;               // [BWD_STAGES][DQ_BLOCK_KV][STRIDE]
     __half *v_ring = k_ring + BWD_STAGES * KV_HALVES;  // [BWD_STAGES][DQ_BLOCK_KV][STRIDE]
 
@@ -1225,13 +1238,14 @@ __global__ void __launch_bounds__(THREADS, 2)
     const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;
     const int query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;  // heaviest causal tiles first
     const size_t head = causal ? blockIdx.x : blockIdx.y;
-    const int query0 = query_tile * BWD_BLOCK_Q, warp_row0 = warp * BWD_WARP_ROWS;
+    const int query0 = query_tile * DQ_BLOCK_Q, warp_row0 = warp * ROW_TILES * MMA_M;
+    const int warp_last_query = query0 + warp_row0 + ROW_TILES * MMA_M - 1;
     const __half *k_head = k + head * seqlen * HEAD_DIM, *v_head = v + head * seqlen * HEAD_DIM;
-    const int key_end = causal ? min(seqlen, query0 + BWD_BLOCK_Q) : seqlen;
+    const int key_end = causal ? min(seqlen, query0 + DQ_BLOCK_Q) : seqlen;
     const int kv_tiles = ceil_div(key_end, DQ_BLOCK_KV);
 
-    load_tile_async<HEAD_DIM, BWD_BLOCK_Q>(q_tile, q + head * seqlen * HEAD_DIM, query0, seqlen);
-    load_tile_async<HEAD_DIM, BWD_BLOCK_Q>(do_tile, d_o + head * seqlen * HEAD_DIM, query0, seqlen);
+    load_tile_async<HEAD_DIM, DQ_BLOCK_Q>(q_tile, q + head * seqlen * HEAD_DIM, query0, seqlen);
+    load_tile_async<HEAD_DIM, DQ_BLOCK_Q>(do_tile, d_o + head * seqlen * HEAD_DIM, query0, seqlen);
     for (int t = 0; t < BWD_STAGES - 1; t++) {
         if (t < kv_tiles) {
             load_tile_async<HEAD_DIM, DQ_BLOCK_KV>(k_ring + t * KV_HALVES, k_head, t * DQ_BLOCK_KV, seqlen);
@@ -1240,16 +1254,19 @@ __global__ void __launch_bounds__(THREADS, 2)
         __pipeline_commit();
     }
 
-    // Each lane's two rows: their LSE (log2 units) and D, 0 past the end (those rows are masked).
-    float row_lse[ACC_ROWS], row_delta[ACC_ROWS];
+    // Each lane's two rows per m16 tile: their LSE (log2 units) and D, 0 past the end (masked rows).
+    float row_lse[ROW_TILES][ACC_ROWS], row_delta[ROW_TILES][ACC_ROWS];
 #pragma unroll
-    for (int r = 0; r < ACC_ROWS; r++) {
-        const int query = query0 + warp_row0 + group + r * ACC_ROW_STEP;
-        row_lse[r] = query < seqlen ? lse[head * seqlen + query] * LOG2E : 0.0f;
-        row_delta[r] = query < seqlen ? delta[head * seqlen + query] : 0.0f;
-    }
-    float dq_acc[DIM_TILES][ACC_REGS] = {};
-    unsigned q_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS], do_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS];
+    for (int mt = 0; mt < ROW_TILES; mt++)
+#pragma unroll
+        for (int r = 0; r < ACC_ROWS; r++) {
+            const int query = query0 + warp_row0 + mt * MMA_M + group + r * ACC_ROW_STEP;
+            row_lse[mt][r] = query < seqlen ? lse[head * seqlen + query] * LOG2E : 0.0f;
+            row_delta[mt][r] = query < seqlen ? delta[head * seqlen + query] : 0.0f;
+        }
+    float dq_acc[ROW_TILES][DIM_TILES][ACC_REGS] = {};
+    unsigned q_regs[A_IN_REGISTERS ? K_STEPS : 1][ROW_TILES][A_REGS];
+    unsigned do_regs[A_IN_REGISTERS ? K_STEPS : 1][ROW_TILES][A_REGS];
 
     for (int tile = 0; tile < kv_tiles; tile++) {
         __pipeline_wait_prior(BWD_STAGES - 2);
@@ -1267,77 +1284,102 @@ __global__ void __launch_bounds__(THREADS, 2)
         const int key0 = tile * DQ_BLOCK_KV;
         if constexpr (A_IN_REGISTERS) {  // Q and dO landed with the first tile
             if (tile == 0)
-                for (int ks = 0; ks < K_STEPS; ks++) {
-                    load_a_step<HEAD_DIM>(q_regs[ks], q_tile, warp_row0, ks);
-                    load_a_step<HEAD_DIM>(do_regs[ks], do_tile, warp_row0, ks);
-                }
+                for (int ks = 0; ks < K_STEPS; ks++)
+                    for (int mt = 0; mt < ROW_TILES; mt++) {
+                        load_a_step<HEAD_DIM>(q_regs[ks][mt], q_tile, warp_row0 + mt * MMA_M, ks);
+                        load_a_step<HEAD_DIM>(do_regs[ks][mt], do_tile, warp_row0 + mt * MMA_M, ks);
+                    }
         }
+        if (causal && key0 > warp_last_query) continue;  // every key of the tile after the warp's queries
 
-        // S = Q K^T and dP = dO V^T: the warp's 16 queries x the tile's 64 keys, each.
-        float score[KEY_TILES][ACC_REGS] = {}, ds[KEY_TILES][ACC_REGS] = {};
+        // S = Q K^T and dP = dO V^T: the warp's queries x the tile's keys, each.
+        float score[ROW_TILES][KEY_TILES][ACC_REGS] = {}, ds[ROW_TILES][KEY_TILES][ACC_REGS] = {};
 #pragma unroll
         for (int ks = 0; ks < K_STEPS; ks++) {
-            unsigned a_frag[A_REGS], b_frag[KEY_TILES / 2][2 * B_REGS];
-            const unsigned *q_frag = a_frag;
-            if constexpr (A_IN_REGISTERS) q_frag = q_regs[ks];
-            else load_a_step<HEAD_DIM>(a_frag, q_tile, warp_row0, ks);
+            unsigned a_frag[ROW_TILES][A_REGS], b_frag[KEY_TILES / 2][2 * B_REGS];
+            if constexpr (!A_IN_REGISTERS)
+                for (int mt = 0; mt < ROW_TILES; mt++)
+                    load_a_step<HEAD_DIM>(a_frag[mt], q_tile, warp_row0 + mt * MMA_M, ks);
             load_k_step<HEAD_DIM, KEY_TILES>(b_frag, k_tile, ks);
 #pragma unroll
-            for (int np = 0; np < KEY_TILES / 2; np++) {
-                mma_16x8x16(score[2 * np], q_frag, b_frag[np][0], b_frag[np][1]);
-                mma_16x8x16(score[2 * np + 1], q_frag, b_frag[np][2], b_frag[np][3]);
+            for (int mt = 0; mt < ROW_TILES; mt++) {
+                const unsigned *q_frag = A_IN_REGISTERS ? q_regs[ks][mt] : a_frag[mt];
+#pragma unroll
+                for (int np = 0; np < KEY_TILES / 2; np++) {
+                    mma_16x8x16(score[mt][2 * np], q_frag, b_frag[np][0], b_frag[np][1]);
+                    mma_16x8x16(score[mt][2 * np + 1], q_frag, b_frag[np][2], b_frag[np][3]);
+                }
             }
         }
 #pragma unroll
         for (int ks = 0; ks < K_STEPS; ks++) {
-            unsigned a_frag[A_REGS], b_frag[KEY_TILES / 2][2 * B_REGS];
-            const unsigned *do_frag = a_frag;
-            if constexpr (A_IN_REGISTERS) do_frag = do_regs[ks];
-            else load_a_step<HEAD_DIM>(a_frag, do_tile, warp_row0, ks);
+            unsigned a_frag[ROW_TILES][A_REGS], b_frag[KEY_TILES / 2][2 * B_REGS];
+            if constexpr (!A_IN_REGISTERS)
+                for (int mt = 0; mt < ROW_TILES; mt++)
+                    load_a_step<HEAD_DIM>(a_frag[mt], do_tile, warp_row0 + mt * MMA_M, ks);
             load_k_step<HEAD_DIM, KEY_TILES>(b_frag, v_tile, ks);
 #pragma unroll
-            for (int np = 0; np < KEY_TILES / 2; np++) {
-                mma_16x8x16(ds[2 * np], do_frag, b_frag[np][0], b_frag[np][1]);
-                mma_16x8x16(ds[2 * np + 1], do_frag, b_frag[np][2], b_frag[np][3]);
+            for (int mt = 0; mt < ROW_TILES; mt++) {
+                const unsigned *do_frag = A_IN_REGISTERS ? do_regs[ks][mt] : a_frag[mt];
+#pragma unroll
+                for (int np = 0; np < KEY_TILES / 2; np++) {
+                    mma_16x8x16(ds[mt][2 * np], do_frag, b_frag[np][0], b_frag[np][1]);
+                    mma_16x8x16(ds[mt][2 * np + 1], do_frag, b_frag[np][2], b_frag[np][3]);
+                }
             }
         }
-        if (query0 + BWD_BLOCK_Q > seqlen || key0 + DQ_BLOCK_KV > seqlen || (causal && key0 + DQ_BLOCK_KV - 1 > query0))
-            mask_tile<KEY_TILES, false>(score, query0 + warp_row0 + group, key0 + 2 * quad_lane, seqlen, causal);
+        if (query0 + DQ_BLOCK_Q > seqlen || key0 + DQ_BLOCK_KV > seqlen ||
+            (causal && key0 + DQ_BLOCK_KV - 1 > query0)) {
+#pragma unroll
+            for (int mt = 0; mt < ROW_TILES; mt++)
+                mask_tile<KEY_TILES, false>(score[mt], query0 + warp_row0 + mt * MMA_M + group, key0 + 2 * quad_lane,
+                                            seqlen, causal);
+        }
 
         // P = exp(S * scale - LSE), dS = P * (dP - D): per row now, as the forward's layout.
-        unsigned ds_frag[KEY_STEPS][A_REGS];
+        unsigned ds_frag[ROW_TILES][KEY_STEPS][A_REGS];
 #pragma unroll
-        for (int nt = 0; nt < KEY_TILES; nt++)
+        for (int mt = 0; mt < ROW_TILES; mt++) {
 #pragma unroll
-            for (int i = 0; i < ACC_REGS; i++) {
-                const float p = exp2_approx(fmaf(score[nt][i], scale_log2, -row_lse[i / 2]));
-                ds[nt][i] = p * (ds[nt][i] - row_delta[i / 2]);
-            }
+            for (int nt = 0; nt < KEY_TILES; nt++)
 #pragma unroll
-        for (int kk = 0; kk < KEY_STEPS; kk++) pack_a(ds_frag[kk], ds[2 * kk], ds[2 * kk + 1]);
+                for (int i = 0; i < ACC_REGS; i++) {
+                    const float p = exp2_approx(fmaf(score[mt][nt][i], scale_log2, -row_lse[mt][i / 2]));
+                    ds[mt][nt][i] = p * (ds[mt][nt][i] - row_delta[mt][i / 2]);
+                }
+#pragma unroll
+            for (int kk = 0; kk < KEY_STEPS; kk++) pack_a(ds_frag[mt][kk], ds[mt][2 * kk], ds[mt][2 * kk + 1]);
+        }
 
-            // dQ += dS K: K [key][dim] with keys as the k dimension, ldmatrix.trans (07's V).
+        // dQ += dS K: K [key][dim] with keys as the k dimension, ldmatrix.trans (07's V); each K
+        // fragment feeds every m16 tile of the warp's queries.
 #pragma unroll
         for (int kk = 0; kk < KEY_STEPS; kk++)
 #pragma unroll
             for (int dp = 0; dp < DIM_TILES / 2; dp++) {
                 unsigned k_frag[2 * B_REGS];
                 load_trans_pair<HEAD_DIM>(k_frag, k_tile, kk, dp);
-                mma_16x8x16(dq_acc[2 * dp], ds_frag[kk], k_frag[0], k_frag[1]);
-                mma_16x8x16(dq_acc[2 * dp + 1], ds_frag[kk], k_frag[2], k_frag[3]);
+#pragma unroll
+                for (int mt = 0; mt < ROW_TILES; mt++) {
+                    mma_16x8x16(dq_acc[mt][2 * dp], ds_frag[mt][kk], k_frag[0], k_frag[1]);
+                    mma_16x8x16(dq_acc[mt][2 * dp + 1], ds_frag[mt][kk], k_frag[2], k_frag[3]);
+                }
             }
     }
     __pipeline_wait_prior(0);
 
 #pragma unroll
-    for (int r = 0; r < ACC_ROWS; r++) {
-        const int query = query0 + warp_row0 + group + r * ACC_ROW_STEP;
-        if (query >= seqlen) continue;
-        __half *dq_row = dq + (head * seqlen + query) * HEAD_DIM + 2 * quad_lane;
+    for (int mt = 0; mt < ROW_TILES; mt++)
 #pragma unroll
-        for (int nt = 0; nt < DIM_TILES; nt++)
-            *(unsigned *)&dq_row[nt * MMA_N] = pack_half2(dq_acc[nt][2 * r] * scale, dq_acc[nt][2 * r + 1] * scale);
-    }
+        for (int r = 0; r < ACC_ROWS; r++) {
+            const int query = query0 + warp_row0 + mt * MMA_M + group + r * ACC_ROW_STEP;
+            if (query >= seqlen) continue;
+            __half *dq_row = dq + (head * seqlen + query) * HEAD_DIM + 2 * quad_lane;
+#pragma unroll
+            for (int nt = 0; nt < DIM_TILES; nt++)
+                *(unsigned *)&dq_row[nt * MMA_N] =
+                    pack_half2(dq_acc[mt][nt][2 * r] * scale, dq_acc[mt][nt][2 * r + 1] * scale);
+        }
 }
 #endif
 // --- Launcher --------------------------------------------------------------------------------
@@ -1409,7 +1451,7 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
     smem = BwdConfig<HEAD_DIM>::DQ_SMEM_BYTES;
     RETURN_IF_ERROR(
         cudaFuncSetAttribute(flash_attention_dq_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const int query_tiles = ceil_div(s->seqlen, BWD_BLOCK_Q);
+    const int query_tiles = ceil_div(s->seqlen, DQ_BLOCK_Q);
     grid = s->causal ? dim3(heads, query_tiles) : dim3(query_tiles, heads);
     flash_attention_dq_kernel<HEAD_DIM><<<grid, THREADS, smem, stream>>>(
         args->q, args->k, args->v, args->d_o, args->lse, delta, args->dq, s->seqlen, scale, scale_log2, s->causal);

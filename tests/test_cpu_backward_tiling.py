@@ -46,15 +46,16 @@ def constants():
         return out[name]
 
     for name in ("WARPS", "MMA_M", "MMA_N", "MMA_K", "PAD", "BWD_WARP_ROWS", "BWD_WARPS_D64", "BWD_WARPS_D128",
-                 "BWD_STAGGER", "BWD_SPLIT", "BWD_KEY_TILES_D64", "BWD_BLOCK_Q", "DQ_BLOCK_KV", "BWD_STAGES", "CHUNK_HALVES",
+                 "BWD_STAGGER", "BWD_SPLIT", "BWD_KEY_TILES_D64", "BWD_BLOCK_Q", "DQ_WARP_TILES", "DQ_BLOCK_KV", "DQ_BLOCK_Q",
+                 "BWD_STAGES", "CHUNK_HALVES",
                  "SPLIT_KEY_WARPS", "SPLIT_WARP_KEYS", "SPLIT_WARP_QUERIES", "SPLIT_WARP_DIMS"):
         value(name)
     return out
 
 
 C = constants()
-DQ_WARPS, ROWS, BQ, DQ_BKV, STAGES, PAD = (C[n] for n in ("WARPS", "BWD_WARP_ROWS", "BWD_BLOCK_Q", "DQ_BLOCK_KV",
-                                                           "BWD_STAGES", "PAD"))
+DQ_WARPS, ROWS, BQ, STAGES, PAD = (C[n] for n in ("WARPS", "BWD_WARP_ROWS", "BWD_BLOCK_Q", "BWD_STAGES", "PAD"))
+DQ_TILES, DQ_BKV = C["DQ_WARP_TILES"], C["DQ_BLOCK_KV"]  # the dQ kernel's m16 tiles per warp, keys per tile
 DQ_ROW_TILES = BQ // 16  # m16 tiles of queries per step: warp w of the main kernel adds dQ of tile w % 4
 
 
@@ -165,8 +166,9 @@ def load_tile(smem, base, stride, src, row0, seqlen, rows, d):
         smem.mem[at:at + d] = src[row0 + r] if row0 + r < seqlen else 0.0
 
 
-def mask_needed(query0, key0, seqlen, causal, bkv):
-    return query0 + BQ > seqlen or key0 + bkv > seqlen or (causal and key0 + bkv - 1 > query0)
+def mask_needed(query0, key0, seqlen, causal, bkv, bq=None):
+    bq = BQ if bq is None else bq  # the query tile's rows: BWD_BLOCK_Q, or DQ_BLOCK_Q in the dQ kernel
+    return query0 + bq > seqlen or key0 + bkv > seqlen or (causal and key0 + bkv - 1 > query0)
 
 
 def hidden(key, query, seqlen, causal):
@@ -487,90 +489,103 @@ def split_block(smem, bases, fill, step_query0, add_dq_of_tile, rings, block, sc
                         dv[head][key[ok], col[ok]] = dv_acc[w][mt][nt][ok, 2 * r + e]
 
 
-def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale):
-    """DETERMINISTIC_DQ's dQ kernel: per query tile, the key tiles in order, dQ in registers."""
+def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale, row_tiles=None, bkv=None):
+    """DETERMINISTIC_DQ's dQ kernel: per query tile, the key tiles in order, dQ in registers.
+    row_tiles: m16 tiles of queries per warp (DQ_WARP_TILES), bkv: keys per tile (DQ_BLOCK_KV)."""
+    row_tiles = DQ_TILES if row_tiles is None else row_tiles
+    bkv = (DQ_BKV if row_tiles == DQ_TILES else 64 // row_tiles) if bkv is None else bkv
+    bq = DQ_WARPS * row_tiles * 16  # DQ_BLOCK_Q
     heads, seqlen, d = q.shape
     stride = d + PAD
-    k_steps, key_tiles_n8, key_steps, dim_tiles = d // 16, DQ_BKV // 8, DQ_BKV // 16, d // 8
+    k_steps, key_tiles_n8, key_steps, dim_tiles = d // 16, bkv // 8, bkv // 16, d // 8
     log2e = 1 / np.log(2)
     dq = np.zeros((heads, seqlen, d))
     visits = np.zeros((heads, seqlen, seqlen), dtype=np.int64)
-    query_tiles = ceil_div(seqlen, BQ)
+    query_tiles = ceil_div(seqlen, bq)
     grid = (heads, query_tiles) if causal else (query_tiles, heads)
     for by in range(grid[1]):
         for bx in range(grid[0]):
             query_tile, head = (grid[1] - 1 - by, bx) if causal else (bx, by)
-            query0 = query_tile * BQ
-            key_end = min(seqlen, query0 + BQ) if causal else seqlen
-            kv_tiles = ceil_div(key_end, DQ_BKV)
-            q_base, do_base, k_ring = 0, BQ * stride, 2 * BQ * stride
-            v_ring = k_ring + STAGES * DQ_BKV * stride
-            smem = Shared(v_ring + STAGES * DQ_BKV * stride)
-            load_tile(smem, q_base, stride, q[head], query0, seqlen, BQ, d)
-            load_tile(smem, do_base, stride, do[head], query0, seqlen, BQ, d)
+            query0 = query_tile * bq
+            key_end = min(seqlen, query0 + bq) if causal else seqlen
+            kv_tiles = ceil_div(key_end, bkv)
+            q_base, do_base, k_ring = 0, bq * stride, 2 * bq * stride
+            v_ring = k_ring + STAGES * bkv * stride
+            smem = Shared(v_ring + STAGES * bkv * stride)
+            load_tile(smem, q_base, stride, q[head], query0, seqlen, bq, d)
+            load_tile(smem, do_base, stride, do[head], query0, seqlen, bq, d)
 
             def fill(slot, t):
-                load_tile(smem, k_ring + slot * DQ_BKV * stride, stride, k[head], t * DQ_BKV, seqlen, DQ_BKV, d)
-                load_tile(smem, v_ring + slot * DQ_BKV * stride, stride, v[head], t * DQ_BKV, seqlen, DQ_BKV, d)
+                load_tile(smem, k_ring + slot * bkv * stride, stride, k[head], t * bkv, seqlen, bkv, d)
+                load_tile(smem, v_ring + slot * bkv * stride, stride, v[head], t * bkv, seqlen, bkv, d)
 
             for t in range(STAGES - 1):
                 if t < kv_tiles:
                     fill(t, t)
-            acc = [np.zeros((dim_tiles, 32, 4)) for _ in range(DQ_WARPS)]
-            rows_of = [lane_rows(query0 + w * ROWS) for w in range(DQ_WARPS)]
+            units = [(w, mt) for w in range(DQ_WARPS) for mt in range(row_tiles)]  # (warp, m16 tile)
+            acc = {u: np.zeros((dim_tiles, 32, 4)) for u in units}
+            rows_of = {(w, mt): lane_rows(query0 + w * row_tiles * 16 + mt * 16) for w, mt in units}
             for tile in range(kv_tiles):
                 nxt = tile + STAGES - 1
                 if nxt < kv_tiles:
                     fill(nxt % STAGES, nxt)
-                k_tile, v_tile = k_ring + tile % STAGES * DQ_BKV * stride, v_ring + tile % STAGES * DQ_BKV * stride
-                key0 = tile * DQ_BKV
+                k_tile, v_tile = k_ring + tile % STAGES * bkv * stride, v_ring + tile % STAGES * bkv * stride
+                key0 = tile * bkv
                 for w in range(DQ_WARPS):
-                    row0 = w * ROWS
-                    rows = rows_of[w]
-                    ok = rows < seqlen
-                    row_lse = np.where(ok, lse[head][np.minimum(rows, seqlen - 1)] * log2e, 0.0)  # [32, 2]
-                    row_delta = np.where(ok, delta[head][np.minimum(rows, seqlen - 1)], 0.0)
-                    score, dsv = np.zeros((key_tiles_n8, 32, 4)), np.zeros((key_tiles_n8, 32, 4))
-                    for ks in range(k_steps):
-                        qf = load_a_step(smem, q_base, stride, row0, ks)
-                        kf = load_k_step(smem, k_tile, stride, key_tiles_n8, ks)
-                        for np_ in range(key_tiles_n8 // 2):
-                            mma(score[2 * np_], qf, kf[np_][:, 0], kf[np_][:, 1])
-                            mma(score[2 * np_ + 1], qf, kf[np_][:, 2], kf[np_][:, 3])
-                    for ks in range(k_steps):
-                        of = load_a_step(smem, do_base, stride, row0, ks)
-                        vf = load_k_step(smem, v_tile, stride, key_tiles_n8, ks)
-                        for np_ in range(key_tiles_n8 // 2):
-                            mma(dsv[2 * np_], of, vf[np_][:, 0], vf[np_][:, 1])
-                            mma(dsv[2 * np_ + 1], of, vf[np_][:, 2], vf[np_][:, 3])
-                    score = score.transpose(1, 0, 2)
-                    hide = tile_hidden(rows, lane_cols(key0, key_tiles_n8), False, seqlen, causal)
-                    if mask_needed(query0, key0, seqlen, causal, DQ_BKV):
-                        score = np.where(hide, -np.inf, score)
-                    else:
-                        assert not hide.any(), f"dQ tile (queries {query0}, keys {key0}) needed the mask it skips"
-                    queries, keys = np.broadcast_arrays(rows[:, None, :, None], lane_cols(key0, key_tiles_n8)[:, :, None, :])
-                    seen = ~hide.reshape(keys.shape)
-                    np.add.at(visits[head], (queries[seen], keys[seen]), 1)
-                    i_row = np.array([0, 0, 1, 1])  # element i of an accumulator: row i / 2
-                    p = np.exp2(score * scale * log2e - row_lse[:, None, i_row])
-                    dsv = (p * (dsv.transpose(1, 0, 2) - row_delta[:, None, i_row])).transpose(1, 0, 2)
-                    for kk in range(key_steps):
-                        dsf = pack_a(dsv[2 * kk], dsv[2 * kk + 1])
-                        for dp in range(dim_tiles // 2):
-                            kf = load_trans_pair(smem, k_tile, stride, kk, dp)
-                            mma(acc[w][2 * dp], dsf, kf[:, 0], kf[:, 1])
-                            mma(acc[w][2 * dp + 1], dsf, kf[:, 2], kf[:, 3])
-            if causal and kv_tiles * DQ_BKV < seqlen:  # the key tiles skipped: after every query of the tile
-                assert kv_tiles * DQ_BKV > query0 + BQ - 1
-            for w in range(DQ_WARPS):
-                rows = rows_of[w]
+                    warp_last_query = query0 + w * row_tiles * 16 + row_tiles * 16 - 1
+                    if causal and key0 > warp_last_query:  # the warp skips the tile: all of it hidden
+                        for mt in range(row_tiles):
+                            rows = rows_of[w, mt]
+                            assert tile_hidden(rows, lane_cols(key0, key_tiles_n8), False, seqlen, causal).all()
+                        continue
+                    for mt in range(row_tiles):
+                        row0 = w * row_tiles * 16 + mt * 16
+                        rows = rows_of[w, mt]
+                        ok = rows < seqlen
+                        row_lse = np.where(ok, lse[head][np.minimum(rows, seqlen - 1)] * log2e, 0.0)  # [32, 2]
+                        row_delta = np.where(ok, delta[head][np.minimum(rows, seqlen - 1)], 0.0)
+                        score, dsv = np.zeros((key_tiles_n8, 32, 4)), np.zeros((key_tiles_n8, 32, 4))
+                        for ks in range(k_steps):
+                            qf = load_a_step(smem, q_base, stride, row0, ks)
+                            kf = load_k_step(smem, k_tile, stride, key_tiles_n8, ks)
+                            for np_ in range(key_tiles_n8 // 2):
+                                mma(score[2 * np_], qf, kf[np_][:, 0], kf[np_][:, 1])
+                                mma(score[2 * np_ + 1], qf, kf[np_][:, 2], kf[np_][:, 3])
+                        for ks in range(k_steps):
+                            of = load_a_step(smem, do_base, stride, row0, ks)
+                            vf = load_k_step(smem, v_tile, stride, key_tiles_n8, ks)
+                            for np_ in range(key_tiles_n8 // 2):
+                                mma(dsv[2 * np_], of, vf[np_][:, 0], vf[np_][:, 1])
+                                mma(dsv[2 * np_ + 1], of, vf[np_][:, 2], vf[np_][:, 3])
+                        score = score.transpose(1, 0, 2)
+                        hide = tile_hidden(rows, lane_cols(key0, key_tiles_n8), False, seqlen, causal)
+                        if mask_needed(query0, key0, seqlen, causal, bkv, bq):
+                            score = np.where(hide, -np.inf, score)
+                        else:
+                            assert not hide.any(), f"dQ tile (queries {query0}, keys {key0}) needed the mask it skips"
+                        queries, keys = np.broadcast_arrays(rows[:, None, :, None],
+                                                            lane_cols(key0, key_tiles_n8)[:, :, None, :])
+                        seen = ~hide.reshape(keys.shape)
+                        np.add.at(visits[head], (queries[seen], keys[seen]), 1)
+                        i_row = np.array([0, 0, 1, 1])  # element i of an accumulator: row i / 2
+                        p = np.exp2(score * scale * log2e - row_lse[:, None, i_row])
+                        dsv = (p * (dsv.transpose(1, 0, 2) - row_delta[:, None, i_row])).transpose(1, 0, 2)
+                        for kk in range(key_steps):
+                            dsf = pack_a(dsv[2 * kk], dsv[2 * kk + 1])
+                            for dp in range(dim_tiles // 2):
+                                kf = load_trans_pair(smem, k_tile, stride, kk, dp)
+                                mma(acc[w, mt][2 * dp], dsf, kf[:, 0], kf[:, 1])
+                                mma(acc[w, mt][2 * dp + 1], dsf, kf[:, 2], kf[:, 3])
+            if causal and kv_tiles * bkv < seqlen:  # the key tiles skipped: after every query of the tile
+                assert kv_tiles * bkv > query0 + bq - 1
+            for u in units:
+                rows = rows_of[u]
                 for r in range(2):
                     ok = rows[:, r] < seqlen
                     for nt in range(dim_tiles):
                         for e in range(2):
                             col = nt * 8 + 2 * QUAD + e
-                            dq[head][rows[ok, r], col[ok]] = acc[w][nt][ok, 2 * r + e] * scale
+                            dq[head][rows[ok, r], col[ok]] = acc[u][nt][ok, 2 * r + e] * scale
     want = np.tril(np.ones((seqlen, seqlen), dtype=np.int64)) if causal else np.ones((seqlen, seqlen), np.int64)
     assert np.array_equal(visits, np.broadcast_to(want, visits.shape)), "dQ kernel: a pair not visited exactly once"
     return dq
@@ -611,7 +626,7 @@ ARRANGEMENT_SHAPES = [(1, 77, 128, True), (1, 200, 64, False)]
 def test_tile_constants_read_from_the_source():
     assert all(main_warps(d) in (4, 8) for d in (64, 128)) and C["BWD_STAGGER"] in (0, 1), C
     assert C["BWD_SPLIT"] in (0, 1) and C["SPLIT_KEY_WARPS"] * C["SPLIT_WARP_KEYS"] == 128, C
-    assert DQ_WARPS * ROWS == BQ and BQ % 16 == 0 and DQ_BKV % 16 == 0 and STAGES >= 2, C
+    assert DQ_WARPS * DQ_TILES * 16 == C["DQ_BLOCK_Q"] and BQ % 16 == 0 and DQ_BKV % 16 == 0 and STAGES >= 2, C
     return (f"main kernel: {main_warps(64)} warps at D=64, {main_warps(128)} at D=128; BWD_STAGGER "
             f"{C['BWD_STAGGER']}, BWD_SPLIT {C['BWD_SPLIT']}")
 
@@ -639,17 +654,41 @@ def test_other_arrangements_match_reference():
     return f"(warps, stagger, split) {ARRANGEMENTS}, {len(ARRANGEMENT_SHAPES)} shapes each, both dQ modes"
 
 
-# -DBWD_KEY_TILES_D64=2 (D=64: 32 keys per warp, 256 per block, query tiles in two parts): one
-# key block and several, ragged, causal (a block whose diagonal spans four query tiles), wrapping.
-TWO_KEY_TILE_SHAPES = [(1, 1, 64, False), (1, 77, 64, True), (2, 260, 64, False), (1, 300, 64, True),
-                       (1, 600, 64, False)]
+# -DBWD_KEY_TILES_D64=1 (D=64: 16 keys per warp, 128 per block, K and V fragments in registers,
+# the chapter's kernel before two tiles per warp), beside the default of two: one key block and
+# several, ragged, causal (a block whose diagonal spans four query tiles), wrapping.
+KEY_TILE_SHAPES = [(1, 1, 64, False), (1, 77, 64, True), (2, 260, 64, False), (1, 300, 64, True),
+                   (1, 600, 64, False)]
 
 
-def test_two_key_tiles_per_warp_match_reference():
-    for heads, n, d, causal in TWO_KEY_TILE_SHAPES:
+def test_key_tiles_per_warp_match_reference():
+    other = 3 - C["BWD_KEY_TILES_D64"]  # the source's default is checked everywhere above
+    for heads, n, d, causal in KEY_TILE_SHAPES:
         for deterministic in (False, True):
-            check_shape(heads, n, d, causal, deterministic, warp_key_tiles=2)
-    return f"{len(TWO_KEY_TILE_SHAPES)} shapes at D=64, both dQ modes"
+            check_shape(heads, n, d, causal, deterministic, warp_key_tiles=other)
+    return f"{len(KEY_TILE_SHAPES)} shapes at D=64 with {other} m16 tile(s) of keys per warp, both dQ modes"
+
+
+# The dQ kernel's other arrangement, -DDQ_WARP_TILES=1 (16 queries per warp, 64 per block, key
+# tiles of 64: the chapter's first dQ kernel), beside the default: ragged, causal, several tiles.
+DQ_ARRANGEMENT_SHAPES = [(1, 1, 128, True), (2, 77, 64, True), (1, 200, 128, False), (1, 300, 64, True)]
+
+
+def test_dq_kernel_arrangements_match_reference():
+    other = 3 - DQ_TILES
+    for heads, n, d, causal in DQ_ARRANGEMENT_SHAPES:
+        q, k, v = reference.make_inputs(1, heads, n, d, 0)
+        do = reference.make_grad_output(1, heads, n, d, 0)
+        scale, rows = 1 / np.sqrt(d), np.arange(n, dtype=np.int64)
+        o, lse = reference.attention_reference(q, k, v, rows, causal, scale)
+        want = reference.attention_backward(q, k, v, do, rows, rows, causal, scale)[0][0]
+        f64 = [x[0].astype(np.float64) for x in (q, k, v, do)]
+        delta = np.sum(f64[3] * o[0], axis=-1)
+        for row_tiles in (DQ_TILES, other):
+            got = emulate_dq_kernel(*f64, lse[0], delta, causal, scale, row_tiles=row_tiles)
+            err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1.0)
+            assert err < 1e-10, f"dQ kernel, {row_tiles} m16 tile(s) per warp, H={heads} N={n} D={d}: {err:.2e}"
+    return f"{len(DQ_ARRANGEMENT_SHAPES)} shapes, DQ_WARP_TILES {DQ_TILES} and {other}"
 
 
 def test_workspace_bytes_formula_in_source():
@@ -687,7 +726,7 @@ KERNEL_EXPRESSIONS = [
     "query0 + part0 + 2 * quad_lane, seqlen, causal",
     "key >= seqlen || query >= seqlen || (causal && key > query)",  # mask_tile
     "query0 + BWD_BLOCK_Q > seqlen || key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0)",
-    "query0 + BWD_BLOCK_Q > seqlen || key0 + DQ_BLOCK_KV > seqlen || (causal && key0 + DQ_BLOCK_KV - 1 > query0)",
+    "query0 + DQ_BLOCK_Q > seqlen || key0 + DQ_BLOCK_KV > seqlen || (causal && key0 + DQ_BLOCK_KV - 1 > query0)",
     "BLOCK_WARPS = HEAD_DIM == 128 ? BWD_WARPS_D128 : BWD_WARPS_D64",  # main_warps
     "first_tile = causal || BWD_STAGGER ? key0 / BWD_BLOCK_Q : 0",
     "q_tiles = causal ? query_tiles - first_tile : query_tiles",
@@ -696,7 +735,15 @@ KERNEL_EXPRESSIONS = [
     "add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen)",
     "key_tile = causal ? blockIdx.y : blockIdx.x",
     "query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x",
-    "key_end = causal ? min(seqlen, query0 + BWD_BLOCK_Q) : seqlen",
+    "key_end = causal ? min(seqlen, query0 + DQ_BLOCK_Q) : seqlen",  # the dQ kernel
+    "query0 = query_tile * DQ_BLOCK_Q, warp_row0 = warp * ROW_TILES * MMA_M",
+    "warp_last_query = query0 + warp_row0 + ROW_TILES * MMA_M - 1",
+    "if (causal && key0 > warp_last_query) continue;",
+    "query0 + warp_row0 + mt * MMA_M + group, key0 + 2 * quad_lane,",
+    "load_a_step<HEAD_DIM>(a_frag[mt], q_tile, warp_row0 + mt * MMA_M, ks)",
+    "load_a_step<HEAD_DIM>(a_frag[mt], do_tile, warp_row0 + mt * MMA_M, ks)",
+    "mma_16x8x16(dq_acc[mt][2 * dp], ds_frag[mt][kk], k_frag[0], k_frag[1])",
+    "query_tiles = ceil_div(s->seqlen, DQ_BLOCK_Q)",
     "QUERY_WARPS = BwdConfig<HEAD_DIM>::DQ_ROW_TILES / WARP_ROW_TILES",  # add_dq_of_tile
     "DQ_WARP_DIMS = HEAD_DIM * QUERY_WARPS / BwdConfig<HEAD_DIM>::BLOCK_WARPS",
     "warp_row0 = warp % QUERY_WARPS * WARP_ROW_TILES * MMA_M, dim0 = warp / QUERY_WARPS * DQ_WARP_DIMS",

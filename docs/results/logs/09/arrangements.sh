@@ -12,9 +12,11 @@
 # stagger: the chapter's first arrangement), w4_stagger, w8_nostagger (one change each). SET split:
 # new and nosplit (-DBWD_SPLIT=0: at D=128 each warp keeps its 16 keys throughout). SET ring: new,
 # stages3 (-DBWD_STAGES=3: a third Q/dO tile in flight) and nostagger (-DBWD_STAGGER=0). SET
-# keytiles: new and kt2 (-DBWD_KEY_TILES_D64=2: at D=64 two m16 tiles of keys per warp, 256 keys
-# per block; D=128 unchanged, so time it with K=4 for both N's D=64 rows). PYTHON: a
-# Python with PyTorch (default python3). Exit 1 if a build or a check failed.
+# keytiles: new and kt1 (-DBWD_KEY_TILES_D64=1: at D=64 one m16 tile of keys per warp, 128 keys
+# per block; D=128 unchanged, so time it with K=4 for both N's D=64 rows). SET dqtiles: new, dq1
+# (-DDQ_WARP_TILES=1: the dQ kernel with 16 queries per warp and 64-key tiles) and before (both
+# one-tile arrangements: the chapter before two tiles per warp). PYTHON: a Python with PyTorch
+# (default python3). Exit 1 if a build or a check failed.
 set -u
 cd "$(dirname "$0")/../../../.." || exit 2
 SHAPES=${1:-2}
@@ -23,12 +25,14 @@ case ${2:-warps} in
     warps) VARIANTS=(new old w4_stagger w8_nostagger) ;;
     split) VARIANTS=(new nosplit) ;;
     ring) VARIANTS=(new stages3 nostagger) ;;
-    keytiles) VARIANTS=(new kt2) SANITIZED=build/arr_kt2 ;;
-    *) echo "arrangements.sh: SET is warps, split, ring or keytiles, not '$2'"; exit 2 ;;
+    keytiles) VARIANTS=(new kt1) ;;
+    dqtiles) VARIANTS=(new dq1 before) ;;
+    *) echo "arrangements.sh: SET is warps, split, ring, keytiles or dqtiles, not '$2'"; exit 2 ;;
 esac
 declare -A FLAGS=([new]="" [old]="-DBWD_WIDE_BLOCK=0 -DBWD_STAGGER=0" [w4_stagger]="-DBWD_WIDE_BLOCK=0"
                   [w8_nostagger]="-DBWD_STAGGER=0" [nosplit]="-DBWD_SPLIT=0"
-                  [stages3]="-DBWD_STAGES=3" [nostagger]="-DBWD_STAGGER=0" [kt2]="-DBWD_KEY_TILES_D64=2")
+                  [stages3]="-DBWD_STAGES=3" [nostagger]="-DBWD_STAGGER=0" [kt1]="-DBWD_KEY_TILES_D64=1"
+                  [dq1]="-DDQ_WARP_TILES=1" [before]="-DBWD_KEY_TILES_D64=1 -DDQ_WARP_TILES=1")
 folder() { if [ "$1" = new ]; then echo build; else echo "build/arr_$1"; fi; }
 failed=0
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
@@ -106,26 +110,28 @@ for bin in 09_backward.deterministic 09_backward; do
     else echo "$bin: dQ differs between two runs"; [ "$bin" = 09_backward.deterministic ] && failed=1; fi
 done
 
-# compute-sanitizer racecheck and synccheck of the chapter's atomic build (its barriers moved), or
-# of SANITIZED's (keytiles: the variant's): ragged, wrapping round (N=300: three key blocks of 128,
-# five query tiles) and causal.
+# compute-sanitizer racecheck and synccheck of the chapter's builds, atomic and deterministic
+# (SANITIZED: another folder's): ragged, wrapping round (N=300: three key blocks of 128, five
+# query tiles) and causal.
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-for run in "racecheck 300 128 noncausal" "racecheck 200 64 causal" "racecheck 300 64 noncausal" "synccheck 300 64 noncausal" \
-    "synccheck 200 128 causal" "memcheck 130 128 causal"; do
-    set -- $run
-    mask="" && [ "$4" = causal ] && mask=--causal
-    out=$(timeout 300 "$sanitizer" --tool "$1" --error-exitcode 99 --target-processes application-only \
-        "${SANITIZED:-build}/09_backward" --backward --batch 1 --heads 1 --seqlen "$2" --headdim "$3" $mask --warmup 0 --iters 1 2>&1)
-    code=$?
-    echo "${SANITIZED:-build} $1 N=$2 D=$3 $4: exit $code, $(echo "$out" | grep -E "SUMMARY" | tail -n 1)"
-    [ "$code" = 0 ] || failed=1
+for bin in 09_backward 09_backward.deterministic; do
+    for run in "racecheck 300 128 noncausal" "racecheck 200 64 causal" "racecheck 300 64 noncausal" \
+        "synccheck 300 64 noncausal" "synccheck 200 128 causal" "memcheck 130 128 causal"; do
+        set -- $run
+        mask="" && [ "$4" = causal ] && mask=--causal
+        out=$(timeout 300 "$sanitizer" --tool "$1" --error-exitcode 99 --target-processes application-only \
+            "${SANITIZED:-build}/$bin" --backward --batch 1 --heads 1 --seqlen "$2" --headdim "$3" $mask --warmup 0 --iters 1 2>&1)
+        code=$?
+        echo "${SANITIZED:-build}/$bin $1 N=$2 D=$3 $4: exit $code, $(echo "$out" | grep -E "SUMMARY" | tail -n 1)"
+        [ "$code" = 0 ] || failed=1
+    done
 done
 
 # Timing, beside FlashAttention-2's backward, in one run.
 builds=()
 for v in "${VARIANTS[@]}"; do
     builds+=(--build "$v=$(folder "$v")/09_backward")
-    case $v in new | old | nosplit | stages3 | kt2) builds+=(--build "${v}_det=$(folder "$v")/09_backward.deterministic") ;; esac
+    case $v in new | old | nosplit | stages3 | kt1 | dq1 | before) builds+=(--build "${v}_det=$(folder "$v")/09_backward.deterministic") ;; esac
 done
 builds+=(--build "dq_red_stub=build/exercises/09_backward")
 "${PYTHON}" docs/results/logs/09/backward_vs_fa2.py "$SHAPES" "${builds[@]}"
