@@ -2,9 +2,10 @@
 // ldmatrix, a cp.async ring, operands repacked in registers). The forward is 07's, copied.
 //
 // Backward, three kernels: (1) D = rowsum(dO * O) per query row into the workspace (and the fp32
-// dQ accumulator zeroed); (2) one block per (64-key tile, b*h), K and V in shared memory for the
-// whole loop, Q, dO, LSE and D streamed through a cp.async ring, one tile of 64 queries at a
-// time; warp w owns keys 16w..16w+15 and their dK, dV accumulators (registers). It recomputes
+// dQ accumulator zeroed); (2) one block per (key tile, b*h), eight warps, 256 keys at D=64 and
+// 128 at D=128, K and V in shared memory for the whole loop, Q, dO, LSE and D streamed through a
+// cp.async ring, one tile of 64 queries at a time; each warp owns its keys' dK, dV accumulators
+// (registers; at D=128 FlashAttention-2's split of the warps, below). It recomputes
 // S^T = K Q^T and P^T = exp(S^T * scale - LSE), then dV += P^T dO, dP^T = V dO^T,
 // dS^T = P^T * (dP^T - D), dK += dS^T Q, and adds dQ += dS K into the fp32 workspace (atomics);
 // (3) dQ to fp16. DETERMINISTIC_DQ=1 replaces the atomics and (3) by a kernel over query tiles.
@@ -383,12 +384,12 @@ __global__ void __launch_bounds__(THREADS, 2)
 #ifndef DETERMINISTIC_DQ
 #define DETERMINISTIC_DQ 0  // dQ by a kernel of its own over query tiles, bitwise repeatable (0: atomics)
 #endif
-// Warps of the main kernel, per head dim. Warp w owns keys 16w..16w+15, so eight warps hold 128
+// Warps of the main kernel, per head dim. With 16 keys per warp (D=128), eight warps hold 128
 // keys (FlashAttention-2's block): each Q and dO tile is read, and each dQ row summed before its
 // atomics, once per 128 keys instead of once per 64. Four (64 keys, two blocks per SM) was this
 // chapter's first arrangement: -DBWD_WIDE_BLOCK=0 builds it again (or BWD_WARPS_D64/D128 per head dim).
 #ifndef BWD_WIDE_BLOCK
-#define BWD_WIDE_BLOCK 1  // eight warps, 128 keys per block (0: four warps, 64 keys)
+#define BWD_WIDE_BLOCK 1  // eight warps, 128 keys per block at D=128 (0: four warps, half the keys)
 #endif
 #ifndef BWD_WARPS_D64
 #define BWD_WARPS_D64 (4 + 4 * BWD_WIDE_BLOCK)
@@ -414,7 +415,7 @@ __global__ void __launch_bounds__(THREADS, 2)
 // At D=64, two m16 tiles of keys per warp (128 registers of dK and dV), so that each fragment of
 // Q and dO read from shared memory feeds two MMAs: eight warps hold 256 keys, a query tile is
 // taken in two parts of 32 (S^T and dP^T stay 64 registers), and K and V are re-read at every
-// step. 1.20x the one-tile kernel at B4 H16 N4096 (09_backward/NOTES.md).
+// step. 1.21x the one-tile kernel at B4 H16 N4096 (09_backward/NOTES.md).
 #ifndef BWD_KEY_TILES_D64
 #define BWD_KEY_TILES_D64 2  // m16 tiles of keys per warp in the first kernel at D=64 (1: 16 keys a warp)
 #endif
@@ -461,8 +462,9 @@ struct BwdConfig {
     static constexpr int SMEM_BYTES = RING_BYTES + DS_HALVES * (int)sizeof(__half);
     // BWD_SPLIT (D=128, eight warps): the split kernel, with P^T and dS^T both in shared memory:
     // 173 KiB, more than sm_80's 163 KiB per block, where the kernel above runs instead. Not at
-    // D=64, where a warp holds its 16 rows of K and V in registers: split there (32 rows each), it
-    // read fewer bytes of shared memory but ran 4-5% slower on the H200 (09_backward/NOTES.md).
+    // D=64: split there (32 rows each), the one-tile kernel, whose warps hold their 16 rows of K and
+    // V in registers, read fewer bytes of shared memory but ran 4-5% slower on the H200; D=64 has
+    // two tiles of keys per warp instead (09_backward/NOTES.md).
     static constexpr bool SPLIT = BWD_SPLIT && HEAD_DIM == 128 && BLOCK_WARPS == 8;
     static constexpr int SPLIT_SMEM_BYTES = RING_BYTES + 2 * KEY_QUERY_HALVES * (int)sizeof(__half);
     // dQ kernel: Q and dO, and a ring of (K, V) tiles of DQ_BLOCK_KV keys.
@@ -476,7 +478,7 @@ struct BwdConfig {
     // accumulator 64 registers), not at 128 (128).
     static constexpr bool A_IN_REGISTERS = HEAD_DIM == 64 && KEY_TILES == 1;
     static constexpr bool DQ_A_IN_REGISTERS = HEAD_DIM == 64;
-    static_assert(BLOCK_WARPS == 4 || BLOCK_WARPS == 8, "four warps (64 keys per block) or eight (128)");
+    static_assert(BLOCK_WARPS == 4 || BLOCK_WARPS == 8, "four warps or eight");
     static_assert(KEY_TILES == 1 || KEY_TILES == 2, "one or two m16 tiles of keys per warp");
     static_assert(DQ_WARP_DIMS % (2 * MMA_N) == 0, "a warp's dims of dQ are whole pairs of n8 tiles");
 };
