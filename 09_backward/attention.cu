@@ -429,17 +429,6 @@ __global__ void __launch_bounds__(THREADS, 2)
 #define DQ_BLOCK_KV (64 / DQ_WARP_TILES)  // keys per streamed tile of the dQ kernel
 #endif
 #define DQ_BLOCK_Q (WARPS * DQ_WARP_TILES * MMA_M)  // queries per block of the dQ kernel: 128
-// Experiment, not yet measured (09_backward/NOTES.md, "Next"): at D=128 on sm_90, the split
-// kernel's blocks in clusters of two key tiles of one head, in step over the same query tiles;
-// each block reduces half of dQ's dims into L2, the other half of its partial going to its
-// partner's shared memory, so that the pair makes half the REDs of two blocks.
-#ifndef BWD_DQ_PAIR
-#define BWD_DQ_PAIR 0  // 1: the experiment
-#endif
-#define DQ_PAIRED (BWD_DQ_PAIR && !DETERMINISTIC_DQ)
-#if DQ_PAIRED
-#include <cooperative_groups.h>
-#endif
 #ifndef BWD_STAGES
 #define BWD_STAGES 2  // (Q, dO, LSE, D) tiles in the main kernel's ring; (K, V) in the dQ kernel's
 #endif
@@ -478,9 +467,6 @@ struct BwdConfig {
     // two tiles of keys per warp instead (09_backward/NOTES.md).
     static constexpr bool SPLIT = BWD_SPLIT && HEAD_DIM == 128 && BLOCK_WARPS == 8;
     static constexpr int SPLIT_SMEM_BYTES = RING_BYTES + 2 * KEY_QUERY_HALVES * (int)sizeof(__half);
-    // DQ_PAIRED: four warps' 32 x 32 fp32 partials, the block's own and two of its partner's.
-    static constexpr int PAIR_SLOT_FLOATS = WARP_SIZE * 32, PAIR_BUFFER_FLOATS = 4 * PAIR_SLOT_FLOATS;
-    static constexpr int PAIR_SMEM_BYTES = SPLIT_SMEM_BYTES + 3 * PAIR_BUFFER_FLOATS * (int)sizeof(float);
     // dQ kernel: Q and dO, and a ring of (K, V) tiles of DQ_BLOCK_KV keys.
     static constexpr int DQ_Q_HALVES = DQ_BLOCK_Q * STRIDE, DQ_KV_HALVES = DQ_BLOCK_KV * STRIDE;
     static constexpr int DQ_SMEM_BYTES = (2 * DQ_Q_HALVES + 2 * BWD_STAGES * DQ_KV_HALVES) * (int)sizeof(__half);
@@ -1106,100 +1092,6 @@ __device__ void store_key_query(__half *tile, const float acc[M][N][ACC_REGS], i
         }
 }
 
-#if DQ_PAIRED && __CUDA_ARCH__ >= 900
-// DQ_PAIRED: the block of cluster rank r reduces dims 64r..64r+63 of a query tile's dQ (its warps
-// 4r..4r+3: warp w holds dims 32 (w / 2)..), over both blocks' keys. Per tile, every warp makes
-// its 32 x 32 partial (add_dq_of_tile's products); a keeper stores it to its own slot, the others
-// to the partner's receive buffer of the tile's parity (float4 per lane, lanes side by side);
-// then the cluster barrier's arrive. In the next tile, after its wait, a keeper adds the two and
-// reduces them, one tile late, so that the wait has a tile's work to hide behind.
-// add_dq_of_tile<HEAD_DIM, 2>'s two halves for the split kernel (one pass: 32 queries x 32 dims).
-template <int HEAD_DIM>
-__device__ void dq_partial_of_tile(float part[2][4][ACC_REGS], const __half *ds_tile, const __half *k_tile) {
-    constexpr int KEY_STEPS = BwdConfig<HEAD_DIM>::BLOCK_KV / MMA_K, DS_STRIDE = BwdConfig<HEAD_DIM>::DS_STRIDE;
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int warp_row0 = warp % 2 * 2 * MMA_M, dim0 = warp / 2 * 32;
-#pragma unroll
-    for (int kk = 0; kk < KEY_STEPS; kk++) {
-        unsigned ds_a[2][A_REGS];
-        const int key = kk * MMA_K + lane / (2 * LDM_ROWS) * LDM_ROWS + lane % LDM_ROWS;
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-            ldmatrix_x4_trans(ds_a[mt],
-                              ds_tile + key * DS_STRIDE + warp_row0 + mt * MMA_M + lane / LDM_ROWS % 2 * LDM_ROWS);
-#pragma unroll
-        for (int dp = 0; dp < 2; dp++) {
-            unsigned k_frag[2 * B_REGS];
-            load_trans_pair<HEAD_DIM>(k_frag, k_tile, kk, dim0 / (2 * MMA_N) + dp);
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
-                mma_16x8x16(part[mt][2 * dp], ds_a[mt], k_frag[0], k_frag[1]);
-                mma_16x8x16(part[mt][2 * dp + 1], ds_a[mt], k_frag[2], k_frag[3]);
-            }
-        }
-    }
-}
-
-template <int HEAD_DIM>
-__device__ void add_dq_pass_of(float *dq_head, const float part[2][4][ACC_REGS], int query0, int seqlen) {
-    const int warp = threadIdx.x / WARP_SIZE, group = threadIdx.x % WARP_SIZE / QUAD_LANES;
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-        add_dq_partial<HEAD_DIM, 4>(dq_head, part[mt], query0 + warp % 2 * 2 * MMA_M + mt * MMA_M + group,
-                                    warp / 2 * 32, seqlen);
-}
-
-template <int HEAD_DIM>
-__device__ void pair_add_dq(float *dq_head, const float *own, const float *received, int query0, int seqlen) {
-    constexpr int DIM_TILES = 4;
-    const int lane = threadIdx.x % WARP_SIZE;
-    float part[2][DIM_TILES][ACC_REGS];
-#pragma unroll
-    for (int q4 = 0; q4 < 2 * DIM_TILES; q4++) {
-        const float4 a = *(const float4 *)&own[(q4 * WARP_SIZE + lane) * 4];
-        const float4 b = *(const float4 *)&received[(q4 * WARP_SIZE + lane) * 4];
-        float *to = part[q4 / DIM_TILES][q4 % DIM_TILES];
-        to[0] = a.x + b.x, to[1] = a.y + b.y, to[2] = a.z + b.z, to[3] = a.w + b.w;
-    }
-    add_dq_pass_of<HEAD_DIM>(dq_head, part, query0, seqlen);
-}
-
-template <int HEAD_DIM>
-__device__ void pair_dq_of_tile(float *dq_head, const __half *ds_tile, const __half *k_tile, float *pair_smem, int tile,
-                                int query0, int last_query0, int seqlen) {
-    constexpr int SLOT = BwdConfig<HEAD_DIM>::PAIR_SLOT_FLOATS, BUFFER = BwdConfig<HEAD_DIM>::PAIR_BUFFER_FLOATS;
-    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, rank = (int)cluster.block_rank();
-    const bool keeper = warp / 4 == rank;
-    float *own = pair_smem + warp % 4 * SLOT;  // [own slots][receive buffer 0][receive buffer 1]
-    if (tile > 0) {
-        cluster.barrier_wait();  // the partner's half of the last tile has landed
-        if (keeper) pair_add_dq<HEAD_DIM>(dq_head, own, own + (1 + (tile - 1) % 2) * BUFFER, last_query0, seqlen);
-    }
-    float part[2][4][ACC_REGS] = {};
-    dq_partial_of_tile<HEAD_DIM>(part, ds_tile, k_tile);
-    float *to = keeper ? own : cluster.map_shared_rank(own + (1 + tile % 2) * BUFFER, rank ^ 1);
-#pragma unroll
-    for (int q4 = 0; q4 < 8; q4++) {
-        const float *from = part[q4 / 4][q4 % 4];
-        *(float4 *)&to[(q4 * WARP_SIZE + lane) * 4] = make_float4(from[0], from[1], from[2], from[3]);
-    }
-    cluster.barrier_arrive();
-}
-
-// After the loop: the last tile's reduction (and no block leaves while its partner may store).
-template <int HEAD_DIM>
-__device__ void pair_flush_dq(float *dq_head, float *pair_smem, int tiles, int last_query0, int seqlen) {
-    constexpr int SLOT = BwdConfig<HEAD_DIM>::PAIR_SLOT_FLOATS, BUFFER = BwdConfig<HEAD_DIM>::PAIR_BUFFER_FLOATS;
-    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-    const int warp = threadIdx.x / WARP_SIZE;
-    float *own = pair_smem + warp % 4 * SLOT;
-    cluster.barrier_wait();
-    if (warp / 4 == (int)cluster.block_rank())
-        pair_add_dq<HEAD_DIM>(dq_head, own, own + (1 + (tiles - 1) % 2) * BUFFER, last_query0, seqlen);
-}
-#endif
-
 // (2') The main kernel with the split: the same grid, ring, loop order and dQ atomics.
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
@@ -1219,9 +1111,6 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
     __half *do_ring = q_ring + BWD_STAGES * Q_HALVES;                    // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
     __half *pt_tile = do_ring + BWD_STAGES * Q_HALVES;                   // [BLOCK_KV][DS_STRIDE]: P^T
     __half *ds_tile = pt_tile + KEY_QUERY_HALVES;                        // [BLOCK_KV][DS_STRIDE]: dS^T
-#if DQ_PAIRED && __CUDA_ARCH__ >= 900
-    float *pair_smem = (float *)(ds_tile + KEY_QUERY_HALVES);  // DQ_PAIRED's partials
-#endif
 
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;
@@ -1236,11 +1125,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
 
     // The loop's query tiles, as the kernel above: from the diagonal, wrapping round unless causal.
     const int query_tiles = ceil_div(seqlen, BWD_BLOCK_Q);
-#if DQ_PAIRED  // both blocks of a pair from the even one's diagonal
-    const int first_tile = causal || BWD_STAGGER ? (key_tile & ~1) * BLOCK_KV / BWD_BLOCK_Q : 0;
-#else
     const int first_tile = causal || BWD_STAGGER ? key0 / BWD_BLOCK_Q : 0;
-#endif
     const int q_tiles = causal ? query_tiles - first_tile : query_tiles;
 
     load_tile_async<HEAD_DIM, BLOCK_KV, BLOCK_THREADS>(k_tile, k + head * seqlen * HEAD_DIM, key0, seqlen);
@@ -1298,16 +1183,10 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
         // dV += P^T dO and dK += dS^T Q: the warp's 32 keys x 64 dims, over the tile's 64 queries.
         keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dv_acc, pt_tile, warp_key0, do_tile, warp_dim0);
         keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dk_acc, ds_tile, warp_key0, q_tile, warp_dim0);
-#if DQ_PAIRED && __CUDA_ARCH__ >= 900
-        pair_dq_of_tile<HEAD_DIM>(dq_head, ds_tile, k_tile, pair_smem, tile, query0,
-                                  step_query0(first_tile, tile > 0 ? tile - 1 : 0, query_tiles), seqlen);
-#elif !DETERMINISTIC_DQ
+#if !DETERMINISTIC_DQ
         add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_tile, k_tile, query0, seqlen);  // dQ += dS K, atomics
 #endif
     }
-#if DQ_PAIRED && __CUDA_ARCH__ >= 900
-    pair_flush_dq<HEAD_DIM>(dq_head, pair_smem, q_tiles, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen);
-#endif
     __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
 
     __half *dk_head = dk + head * seqlen * HEAD_DIM, *dv_head = dv + head * seqlen * HEAD_DIM;
@@ -1561,46 +1440,11 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
             smem = BwdConfig<HEAD_DIM>::SPLIT_SMEM_BYTES;
         }
     }
+    RETURN_IF_ERROR(cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     dim3 grid = s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
-#if DQ_PAIRED
-    // The split kernel in clusters of two key tiles (sm_90); else the kernel above, which pairs none.
-    if constexpr (BwdConfig<HEAD_DIM>::SPLIT) {
-        int major = 0;
-        RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-        if (major >= 9 && smem_optin >= BwdConfig<HEAD_DIM>::PAIR_SMEM_BYTES) {
-            smem = BwdConfig<HEAD_DIM>::PAIR_SMEM_BYTES;
-            RETURN_IF_ERROR(cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-            const int paired_tiles = (key_tiles + 1) / 2 * 2;  // a block past N adds zeros
-            cudaLaunchAttribute cluster;
-            cluster.id = cudaLaunchAttributeClusterDimension;
-            cluster.val.clusterDim.x = s->causal ? 1 : 2;
-            cluster.val.clusterDim.y = s->causal ? 2 : 1;
-            cluster.val.clusterDim.z = 1;
-            cudaLaunchConfig_t config = {};
-            config.gridDim = s->causal ? dim3(heads, paired_tiles) : dim3(paired_tiles, heads);
-            config.blockDim = dim3(BwdConfig<HEAD_DIM>::BLOCK_THREADS);
-            config.dynamicSmemBytes = smem;
-            config.stream = stream;
-            config.attrs = &cluster;
-            config.numAttrs = 1;
-            RETURN_IF_ERROR(cudaLaunchKernelEx(&config, main_kernel, args->q, args->k, args->v, args->d_o, args->lse,
-                                               (const float *)delta, dq_acc, args->dk, args->dv, s->seqlen, scale,
-                                               scale_log2, s->causal));
-            main_kernel = nullptr;  // launched
-        } else {
-            main_kernel = flash_attention_backward_kernel<HEAD_DIM>;
-            smem = BwdConfig<HEAD_DIM>::SMEM_BYTES;
-        }
-    }
-    if (main_kernel) {
-#else
-    {
-#endif
-        RETURN_IF_ERROR(cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        main_kernel<<<grid, BwdConfig<HEAD_DIM>::BLOCK_THREADS, smem, stream>>>(
-            args->q, args->k, args->v, args->d_o, args->lse, delta, dq_acc, args->dk, args->dv, s->seqlen, scale,
-            scale_log2, s->causal);
-    }
+    main_kernel<<<grid, BwdConfig<HEAD_DIM>::BLOCK_THREADS, smem, stream>>>(
+        args->q, args->k, args->v, args->d_o, args->lse, delta, dq_acc, args->dk, args->dv, s->seqlen, scale,
+        scale_log2, s->causal);
     RETURN_IF_ERROR(cudaGetLastError());
 
 #if !DETERMINISTIC_DQ

@@ -15,10 +15,8 @@
 # keytiles: new and kt1 (-DBWD_KEY_TILES_D64=1: at D=64 one m16 tile of keys per warp, 128 keys
 # per block; D=128 unchanged, so time it with K=4 for both N's D=64 rows). SET dqtiles: new, dq1
 # (-DDQ_WARP_TILES=1: the dQ kernel with 16 queries per warp and 64-key tiles) and before (both
-# one-tile arrangements: the chapter before two tiles per warp). SET pair: new and pair
-# (-DBWD_DQ_PAIR=1: the split kernel's blocks in clusters of two), its atomic build alone through
-# the sanitizers and no exercise stub (a shorter call). PYTHON: a Python with PyTorch (default
-# python3). Exit 1 if a build or a check failed.
+# one-tile arrangements: the chapter before two tiles per warp). PYTHON: a Python with PyTorch
+# (default python3). Exit 1 if a build or a check failed.
 set -u
 cd "$(dirname "$0")/../../../.." || exit 2
 SHAPES=${1:-2}
@@ -29,14 +27,12 @@ case ${2:-warps} in
     ring) VARIANTS=(new stages3 nostagger) ;;
     keytiles) VARIANTS=(new kt1) ;;
     dqtiles) VARIANTS=(new dq1 before) ;;
-    pair) VARIANTS=(new pair) SANITIZED=build/arr_pair SANITIZED_BINS=09_backward NO_STUB=1 ;;
-    *) echo "arrangements.sh: SET is warps, split, ring, keytiles, dqtiles or pair, not '$2'"; exit 2 ;;
+    *) echo "arrangements.sh: SET is warps, split, ring, keytiles or dqtiles, not '$2'"; exit 2 ;;
 esac
 declare -A FLAGS=([new]="" [old]="-DBWD_WIDE_BLOCK=0 -DBWD_STAGGER=0" [w4_stagger]="-DBWD_WIDE_BLOCK=0"
                   [w8_nostagger]="-DBWD_STAGGER=0" [nosplit]="-DBWD_SPLIT=0"
                   [stages3]="-DBWD_STAGES=3" [nostagger]="-DBWD_STAGGER=0" [kt1]="-DBWD_KEY_TILES_D64=1"
-                  [dq1]="-DDQ_WARP_TILES=1" [before]="-DBWD_KEY_TILES_D64=1 -DDQ_WARP_TILES=1"
-                  [pair]="-DBWD_DQ_PAIR=1")
+                  [dq1]="-DDQ_WARP_TILES=1" [before]="-DBWD_KEY_TILES_D64=1 -DDQ_WARP_TILES=1")
 folder() { if [ "$1" = new ]; then echo build; else echo "build/arr_$1"; fi; }
 failed=0
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
@@ -55,8 +51,7 @@ for i in "${!pids[@]}"; do
     wait "${pids[$i]}" || { failed=1; echo "BUILD FAILED, ${logs[$i]}:"; tail -n 20 "${logs[$i]}"; }
 done
 mkdir -p build/exercises
-[ -n "${NO_STUB:-}" ] ||
-    { "${PYTHON}" common/exercises.py make 09_backward --only dq_red --force && make -s build/exercises/09_backward; } \
+{ "${PYTHON}" common/exercises.py make 09_backward --only dq_red --force && make -s build/exercises/09_backward; } \
     > build/exercises/arrangements_make.log 2>&1 ||
     { failed=1; echo "BUILD FAILED, the 09.dq_red stub:"; tail -n 20 build/exercises/arrangements_make.log; }
 
@@ -94,7 +89,7 @@ check() {  # folder binary N D causal|noncausal
 export -f check
 for v in "${VARIANTS[@]}"; do
     for bin in 09_backward 09_backward.deterministic; do
-        for n in 1 17 127 300 1000; do
+        for n in 1 17 127 1000; do
             for d in 64 128; do
                 for c in noncausal causal; do echo "$(folder "$v") $bin $n $d $c"; done
             done
@@ -119,7 +114,7 @@ done
 # (SANITIZED: another folder's): ragged, wrapping round (N=300: three key blocks of 128, five
 # query tiles) and causal.
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-for bin in ${SANITIZED_BINS:-09_backward 09_backward.deterministic}; do
+for bin in 09_backward 09_backward.deterministic; do
     for run in "racecheck 300 128 noncausal" "racecheck 200 64 causal" "racecheck 300 64 noncausal" \
         "synccheck 300 64 noncausal" "synccheck 200 128 causal" "memcheck 130 128 causal"; do
         set -- $run
@@ -136,8 +131,8 @@ done
 builds=()
 for v in "${VARIANTS[@]}"; do
     builds+=(--build "$v=$(folder "$v")/09_backward")
-    case $v in new | old | nosplit | stages3 | kt1 | dq1 | before | pair) builds+=(--build "${v}_det=$(folder "$v")/09_backward.deterministic") ;; esac
+    case $v in new | old | nosplit | stages3 | kt1 | dq1 | before) builds+=(--build "${v}_det=$(folder "$v")/09_backward.deterministic") ;; esac
 done
-[ -n "${NO_STUB:-}" ] || builds+=(--build "dq_red_stub=build/exercises/09_backward")
+builds+=(--build "dq_red_stub=build/exercises/09_backward")
 "${PYTHON}" docs/results/logs/09/backward_vs_fa2.py "$SHAPES" "${builds[@]}"
 exit $failed
