@@ -1,0 +1,104 @@
+// How fast L2 takes 09's dQ reductions, by the shape of one warp's RED instruction: the question
+// behind "fewer L2 requests per RED" in 09_backward/NOTES.md. The grid is the split kernel's at
+// B4 H16 N4096 D128 (32 key blocks per head, 64 heads, eight warps), each block adding a 64 x 128
+// fp32 partial into the rows of each of its 64 query tiles, from its diagonal (BWD_STAGGER), with
+// nothing else to do: the reductions' own ceiling. Warp w adds rows 32 (w % 2).., dims 32 (w / 2)..
+// as the split kernel's dQ warps do, in one of three instruction shapes:
+//   quad:   the kernel's (add_dq_partial): 16-byte REDs, one instruction 16 rows x 32 bytes
+//   rows:   16-byte REDs, one instruction 4 rows x 128 bytes (a lane's four dims of one row)
+//   scalar: 4-byte REDs, one instruction 8 rows x 16 bytes (the 09.dq_red exercise's stub)
+// Each checks its sum, then prints ms per pass and REDs and bytes per second.
+//
+//   nvcc -O3 -arch=sm_90 -o build/red_layout docs/results/logs/09/red_layout.cu && build/red_layout
+#include <cstdio>
+#include <cstdlib>
+
+#define CHECK(call)                                                                          \
+    do {                                                                                     \
+        cudaError_t status_ = (call);                                                        \
+        if (status_ != cudaSuccess) {                                                        \
+            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(status_)); \
+            exit(1);                                                                         \
+        }                                                                                    \
+    } while (0)
+
+#define HEADS 64
+#define SEQLEN 4096
+#define HEAD_DIM 128
+#define KEY_BLOCKS 32   // 128 keys per block
+#define QUERY_TILES 64  // 64 queries per tile
+#define WARPS 8
+
+enum Layout { QUAD, ROWS, SCALAR };
+
+template <Layout LAYOUT>
+__global__ void __launch_bounds__(WARPS * 32) add_partials(float *dq_acc, float value) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad_lane = lane % 4;
+    const int head = blockIdx.x / KEY_BLOCKS, key_block = blockIdx.x % KEY_BLOCKS;
+    const int warp_row0 = warp % 2 * 32, dim0 = warp / 2 * 32;
+    for (int step = 0; step < QUERY_TILES; step++) {
+        const int tile = (2 * key_block + step) % QUERY_TILES;  // from the diagonal, wrapping round
+        float *rows = dq_acc + ((size_t)head * SEQLEN + tile * 64 + warp_row0) * HEAD_DIM + dim0;
+        const float4 four = make_float4(value, value, value, value);
+        if (LAYOUT == QUAD) {  // per (m16 tile, n8 tile): rows 16 mt + l / 4 + 8 (l % 2), dims 8 nt + 4 (l % 4 / 2)
+            for (int mt = 0; mt < 2; mt++)
+                for (int nt = 0; nt < 4; nt++)
+                    atomicAdd((float4 *)&rows[(mt * 16 + group + 8 * (quad_lane % 2)) * HEAD_DIM + nt * 8 +
+                                              4 * (quad_lane / 2)],
+                              four);
+        } else if (LAYOUT == ROWS) {  // per instruction k: rows 4k + l / 8, dims 4 (l % 8)
+            for (int k = 0; k < 8; k++)
+                atomicAdd((float4 *)&rows[(4 * k + lane / 8) * HEAD_DIM + 4 * (lane % 8)], four);
+        } else {  // the scalar stub: rows 16 mt + l / 4 + 8 r, dims 8 nt + 2 (l % 4) + e
+            for (int mt = 0; mt < 2; mt++)
+                for (int r = 0; r < 2; r++)
+                    for (int nt = 0; nt < 4; nt++)
+                        for (int e = 0; e < 2; e++)
+                            atomicAdd(&rows[(mt * 16 + group + 8 * r) * HEAD_DIM + nt * 8 + 2 * quad_lane + e], value);
+        }
+    }
+}
+
+template <Layout LAYOUT>
+static void measure(const char *name, float *dq_acc, size_t floats, int reps) {
+    const int blocks = HEADS * KEY_BLOCKS;
+    CHECK(cudaMemset(dq_acc, 0, floats * sizeof(float)));
+    add_partials<LAYOUT><<<blocks, WARPS * 32>>>(dq_acc, 1.0f);  // warm-up, and the sum to check
+    CHECK(cudaGetLastError());
+    float first = 0.0f, last = 0.0f;
+    CHECK(cudaMemcpy(&first, dq_acc, sizeof(float), cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(&last, dq_acc + floats - 1, sizeof(float), cudaMemcpyDeviceToHost));
+    if (first != KEY_BLOCKS || last != KEY_BLOCKS) {
+        fprintf(stderr, "%s: dq_acc[0] = %g, dq_acc[last] = %g, want %d\n", name, first, last, KEY_BLOCKS);
+        exit(1);
+    }
+    cudaEvent_t start, stop;
+    CHECK(cudaEventCreate(&start));
+    CHECK(cudaEventCreate(&stop));
+    CHECK(cudaEventRecord(start));
+    for (int i = 0; i < reps; i++) add_partials<LAYOUT><<<blocks, WARPS * 32>>>(dq_acc, 1.0f);
+    CHECK(cudaEventRecord(stop));
+    CHECK(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    ms /= reps;
+    const double floats_added = (double)blocks * QUERY_TILES * 64 * HEAD_DIM;
+    const double reds = floats_added / (LAYOUT == SCALAR ? 1.0 : 4.0);
+    printf("%-7s %7.3f ms per pass  %6.1f G RED/s  %6.0f GB/s of RED payload\n", name, ms, reds / ms / 1e6,
+           reds * (LAYOUT == SCALAR ? 4 : 16) / ms / 1e6);
+    CHECK(cudaEventDestroy(start));
+    CHECK(cudaEventDestroy(stop));
+}
+
+int main() {
+    const size_t floats = (size_t)HEADS * SEQLEN * HEAD_DIM;  // 128 MiB, the headline's dQ accumulator
+    float *dq_acc = NULL;
+    CHECK(cudaMalloc(&dq_acc, floats * sizeof(float)));
+    printf("the split kernel's dQ reductions alone, B4 H16 N4096 D128 (%d blocks of %d warps, %d query tiles each)\n",
+           HEADS * KEY_BLOCKS, WARPS, QUERY_TILES);
+    measure<QUAD>("quad", dq_acc, floats, 5);
+    measure<ROWS>("rows", dq_acc, floats, 5);
+    measure<SCALAR>("scalar", dq_acc, floats, 3);
+    CHECK(cudaFree(dq_acc));
+    return 0;
+}
