@@ -875,7 +875,8 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
                 }
         }
 
-        // A tile's queries in QUERY_PARTS parts (one: the whole tile), each through every product.
+        // A tile's queries in QUERY_PARTS parts (two of 32 at D=64; one, the whole tile, at D=128),
+        // each through every product.
 #pragma unroll
         for (int part = 0; part < QUERY_PARTS; part++) {
             const int part0 = part * PART_QUERIES;  // the part's first query in the tile
