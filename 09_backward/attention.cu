@@ -432,7 +432,15 @@ __global__ void __launch_bounds__(THREADS, 2)
 #ifndef BWD_STAGES
 #define BWD_STAGES 2  // (Q, dO, LSE, D) tiles in the main kernel's ring; (K, V) in the dQ kernel's
 #endif
-#define WORKSPACE_ALIGN 256  // bytes: the dQ accumulator starts aligned for 16-byte accesses
+// At D=128 on sm_90 the split kernel stages each tile's dQ partial in shared memory and reads it
+// back a row at a time: from registers, the lanes' 16-byte REDs each cover 16 rows x 32 bytes of
+// the workspace; read back by rows, one whole row, 512 bytes, which L2 takes 1.6x faster
+// (docs/results/logs/09/red_layout2_h200.txt). The reads wait for the next tile's first barrier.
+#ifndef BWD_DQ_STAGE
+#define BWD_DQ_STAGE 1  // the split kernel's dQ tile staged, added a whole row per RED on sm_90 (0: from registers)
+#endif
+#define DQ_STAGE_STRIDE (128 + 8)  // floats per row of the staged partial: 16-byte rows, 8-byte stores 8 banks apart
+#define WORKSPACE_ALIGN 256        // bytes: the dQ accumulator starts aligned for 16-byte accesses
 
 static_assert(BWD_BLOCK_Q % MMA_K == 0 && DQ_BLOCK_KV % MMA_K == 0, "whole k16 steps of queries and keys");
 static_assert(DQ_WARP_TILES == 1 || DQ_WARP_TILES == 2, "one or two m16 tiles of queries per warp");
@@ -461,12 +469,14 @@ struct BwdConfig {
                                       (2 * KV_HALVES + 2 * BWD_STAGES * Q_HALVES) * (int)sizeof(__half);
     static constexpr int SMEM_BYTES = RING_BYTES + DS_HALVES * (int)sizeof(__half);
     // BWD_SPLIT (D=128, eight warps): the split kernel, with P^T and dS^T both in shared memory:
-    // 173 KiB, more than sm_80's 163 KiB per block, where the kernel above runs instead. Not at
+    // 173 KiB (207 with the staged dQ tile of BWD_DQ_STAGE), more than sm_80's 163 KiB per block,
+    // where the kernel above runs instead. Not at
     // D=64: split there (32 rows each), the one-tile kernel, whose warps hold their 16 rows of K and
     // V in registers, read fewer bytes of shared memory but ran 4-5% slower on the H200; D=64 has
     // two tiles of keys per warp instead (09_backward/NOTES.md).
     static constexpr bool SPLIT = BWD_SPLIT && HEAD_DIM == 128 && BLOCK_WARPS == 8;
-    static constexpr int SPLIT_SMEM_BYTES = RING_BYTES + 2 * KEY_QUERY_HALVES * (int)sizeof(__half);
+    static constexpr int DQ_STAGE_BYTES = BWD_DQ_STAGE && !DETERMINISTIC_DQ ? BWD_BLOCK_Q * DQ_STAGE_STRIDE * 4 : 0;
+    static constexpr int SPLIT_SMEM_BYTES = RING_BYTES + 2 * KEY_QUERY_HALVES * (int)sizeof(__half) + DQ_STAGE_BYTES;
     // dQ kernel: Q and dO, and a ring of (K, V) tiles of DQ_BLOCK_KV keys.
     static constexpr int DQ_Q_HALVES = DQ_BLOCK_Q * STRIDE, DQ_KV_HALVES = DQ_BLOCK_KV * STRIDE;
     static constexpr int DQ_SMEM_BYTES = (2 * DQ_Q_HALVES + 2 * BWD_STAGES * DQ_KV_HALVES) * (int)sizeof(__half);
@@ -646,8 +656,8 @@ __device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_R
     // EXERCISE 09.dq_red BEGIN: add the partial with one 16-byte RED per lane and n8 tile on sm_90, not one per float
     //   kind: speed
     //   pass: backward
-    //   gate: 1.10x
-    //   shape: headline
+    //   gate: 1.05x
+    //   shape: headline_d64
     //   hint: The stub adds each float of the partial alone: 2 x ACC_ROWS x DIM_TILES 4-byte atomicAdds per lane
     //     per pass, each a RED of its own. sm_90 adds four adjacent floats in one RED (atomicAdd on a float4,
     //     16-byte aligned: red.global.add.v4.f32), but a lane holds only two adjacent dims of each of its two
@@ -656,9 +666,11 @@ __device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_R
     //     row, and the odd lane four of the second; then one float4 atomicAdd each per n8 tile. Keep the
     //     scalar loop for older GPUs, under #if __CUDA_ARCH__ >= 900 ... #else ... #endif: the build makes
     //     sm_80 code too, where float4 atomics do not exist.
-    //   stub: measured: the chapter's backward with this scalar reduction took 6.33 ms at B=4 H=16 N=4096
-    //     D=128, with the vector one 5.06 ms, 1.25x (docs/results/logs/09/split_h200.txt: dq_red_stub
-    //     against new); with the first kernel's four warps, twice the REDs, 9.63 against 6.58 ms, 1.46x
+    //   stub: measured: the chapter's backward with this scalar reduction took 2.64 ms at B=4 H=16 N=4096
+    //     D=64, with the vector one 2.38 ms, 1.11x, and 1.39 against 1.26 ms at B=8 N=2048, 1.10x
+    //     (docs/results/logs/09/dqadd2_h200.txt: dq_red_stub against new). At D=128 on sm_90 the split
+    //     kernel stages its partials and reads them back by rows instead (BWD_DQ_STAGE); with its partials
+    //     added here (-DBWD_DQ_STAGE=0), 6.33 against 5.06 ms, 1.25x (split_h200.txt)
 #if __CUDA_ARCH__ >= 900
     const bool odd = quad_lane % 2;
     const int row = row0 + (odd ? ACC_ROW_STEP : 0), col = dim0 + 2 * (quad_lane - quad_lane % 2);
@@ -1020,7 +1032,8 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
 // through shared memory from the products that make them to those that use them:
 //   S^T, dP^T (keys x queries): warp w takes keys 32 (w % 4).., queries 32 (w / 4)..
 //   dV, dK (keys x dims):       keys 32 (w % 4).., dims 64 (w / 4)..
-//   dQ (queries x dims):        queries 32 (w % 2).., dims 32 (w / 2)..  (add_dq_of_tile<.., 2>)
+//   dQ (queries x dims):        queries 32 (w % 2).., dims 32 (w / 2)..  (add_dq_of_tile<.., 2>;
+//                               on sm_90 stage_dq_of_tile, then add_staged_dq by whole rows)
 // 144 ldmatrix per warp and tile, and 32 4-byte stores of P^T and dS^T.
 #define SPLIT_KEY_WARPS 4                           // warps side by side over the block's keys
 #define SPLIT_WARP_KEYS (2 * MMA_M)                 // keys per warp: two m16 tiles
@@ -1093,6 +1106,69 @@ __device__ void store_key_query(__half *tile, const float acc[M][N][ACC_REGS], i
         }
 }
 
+#if __CUDA_ARCH__ >= 900 && BWD_DQ_STAGE && !DETERMINISTIC_DQ
+#define SPLIT_DQ_STAGED 1
+#define STAGE_WARP_ROWS 32  // the split's dQ warps: 2 x 4 over (64 queries, 128 dims)
+#define STAGE_WARP_DIMS 32
+// dQ += dS K for the warp's 32 queries x 32 dims (add_dq_of_tile<128, 2>'s product), stored to its
+// part of the block's staged tile ([query][DQ_STAGE_STRIDE]) instead of added.
+__device__ void stage_dq_of_tile(float *dq_stage, const __half *ds_tile, const __half *k_tile) {
+    constexpr int KEY_STEPS = BwdConfig<128>::BLOCK_KV / MMA_K, DS_STRIDE = BwdConfig<128>::DS_STRIDE;
+    constexpr int ROW_TILES = STAGE_WARP_ROWS / MMA_M, DIM_TILES = STAGE_WARP_DIMS / MMA_N;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;
+    const int warp_row0 = warp % 2 * STAGE_WARP_ROWS, dim0 = warp / 2 * STAGE_WARP_DIMS;
+    float dq_part[ROW_TILES][DIM_TILES][ACC_REGS] = {};
+#pragma unroll
+    for (int kk = 0; kk < KEY_STEPS; kk++) {
+        unsigned ds_a[ROW_TILES][A_REGS];  // as add_dq_of_tile: dS from dS^T through ldmatrix.trans
+        const int key = kk * MMA_K + lane / (2 * LDM_ROWS) * LDM_ROWS + lane % LDM_ROWS;
+#pragma unroll
+        for (int mt = 0; mt < ROW_TILES; mt++)
+            ldmatrix_x4_trans(ds_a[mt],
+                              ds_tile + key * DS_STRIDE + warp_row0 + mt * MMA_M + lane / LDM_ROWS % 2 * LDM_ROWS);
+#pragma unroll
+        for (int dp = 0; dp < DIM_TILES / 2; dp++) {
+            unsigned k_frag[2 * B_REGS];
+            load_trans_pair<128>(k_frag, k_tile, kk, dim0 / (2 * MMA_N) + dp);
+#pragma unroll
+            for (int mt = 0; mt < ROW_TILES; mt++) {
+                mma_16x8x16(dq_part[mt][2 * dp], ds_a[mt], k_frag[0], k_frag[1]);
+                mma_16x8x16(dq_part[mt][2 * dp + 1], ds_a[mt], k_frag[2], k_frag[3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < ROW_TILES; mt++)
+#pragma unroll
+        for (int r = 0; r < ACC_ROWS; r++) {
+            float *row = dq_stage + (warp_row0 + mt * MMA_M + group + r * ACC_ROW_STEP) * DQ_STAGE_STRIDE;
+#pragma unroll
+            for (int nt = 0; nt < DIM_TILES; nt++)
+                *(float2 *)&row[dim0 + nt * MMA_N + 2 * quad_lane] =
+                    make_float2(dq_part[mt][nt][2 * r], dq_part[mt][nt][2 * r + 1]);
+        }
+}
+
+// The staged tile added into the workspace rows from query0, after a barrier: warp w whole rows
+// 8w.. of the block's tile, lane l dims 4l.., every load first, then one 16-byte RED per row.
+__device__ void add_staged_dq(float *dq_head, const float *dq_stage, int query0, int seqlen) {
+    constexpr int WARP_ROWS = BWD_BLOCK_Q / BwdConfig<128>::BLOCK_WARPS;  // 8
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int row0 = warp * WARP_ROWS, col = 4 * lane;
+    float4 four[WARP_ROWS];
+#pragma unroll
+    for (int k = 0; k < WARP_ROWS; k++) four[k] = *(const float4 *)&dq_stage[(row0 + k) * DQ_STAGE_STRIDE + col];
+#pragma unroll
+    for (int k = 0; k < WARP_ROWS; k++) {
+        const int row = query0 + row0 + k;
+        if (row < seqlen) atomicAdd((float4 *)(dq_head + (size_t)row * 128 + col), four[k]);
+    }
+}
+#else
+#define SPLIT_DQ_STAGED 0
+#endif
+
 // (2') The main kernel with the split: the same grid, ring, loop order and dQ atomics.
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
@@ -1144,6 +1220,9 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
 #else
     (void)dq_acc;  // DETERMINISTIC_DQ: dQ is the dQ kernel's
 #endif
+#if SPLIT_DQ_STAGED
+    float *dq_stage = (float *)(ds_tile + KEY_QUERY_HALVES);  // [BWD_BLOCK_Q][DQ_STAGE_STRIDE]: the dQ partial
+#endif
 
     for (int tile = 0; tile < q_tiles; tile++) {
         __pipeline_wait_prior(BWD_STAGES - 2);
@@ -1157,6 +1236,9 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
         const int slot = tile % BWD_STAGES, query0 = step_query0(first_tile, tile, query_tiles);
         const __half *q_tile = q_ring + slot * Q_HALVES, *do_tile = do_ring + slot * Q_HALVES;
         const float *lse_tile = lse_ring + slot * BWD_BLOCK_Q, *delta_tile = delta_ring + slot * BWD_BLOCK_Q;
+#if SPLIT_DQ_STAGED  // the last tile's dQ, staged: every warp's part is in
+        if (tile > 0) add_staged_dq(dq_head, dq_stage, step_query0(first_tile, tile - 1, query_tiles), seqlen);
+#endif
 
         // S^T = K Q^T and P^T = exp(S^T * scale - LSE): the warp's 32 keys x 32 queries.
         float score[SPLIT_M_TILES][SPLIT_Q_TILES][ACC_REGS] = {};
@@ -1184,11 +1266,17 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
         // dV += P^T dO and dK += dS^T Q: the warp's 32 keys x 64 dims, over the tile's 64 queries.
         keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dv_acc, pt_tile, warp_key0, do_tile, warp_dim0);
         keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dk_acc, ds_tile, warp_key0, q_tile, warp_dim0);
-#if !DETERMINISTIC_DQ
+#if SPLIT_DQ_STAGED
+        stage_dq_of_tile(dq_stage, ds_tile, k_tile);  // dQ += dS K, added at the next tile's top
+#elif !DETERMINISTIC_DQ
         add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_tile, k_tile, query0, seqlen);  // dQ += dS K, atomics
 #endif
     }
     __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
+#if SPLIT_DQ_STAGED
+    __syncthreads();  // every warp's part of the last tile is in
+    add_staged_dq(dq_head, dq_stage, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen);
+#endif
 
     __half *dk_head = dk + head * seqlen * HEAD_DIM, *dv_head = dv + head * seqlen * HEAD_DIM;
 #pragma unroll

@@ -51,7 +51,7 @@ ABLATION_SWITCHES = {
     "04_fused": ("LOOP_ORDER", "REGISTER_TILING", "LOG2_DOMAIN"),
     "07_async_pipeline": ("P_IN_REGISTERS", "ASYNC_RING", "QUERY_ROWS_128", "DOUBLE_BUFFER", "RESCALE_VOTE"),
     "08_fp8": ("WARP_SPECIALISED", "PINGPONG", "INTRA_OVERLAP", "SPLIT_EXP2"),
-    "09_backward": ("BWD_WIDE_BLOCK", "BWD_STAGGER", "BWD_SPLIT"),
+    "09_backward": ("BWD_WIDE_BLOCK", "BWD_STAGGER", "BWD_SPLIT", "BWD_DQ_STAGE"),
 }
 # A chapter's variants, rows after those without one idea: (variant, a switch that defaults to 0 and
 # is set to 1, what that gives), each against the chapter. 09's is the build the bench also times.

@@ -53,7 +53,9 @@ CLAIMS = {
             ptx_has=[PLAIN_MMA_PTX, r"\bcp\.async", r"\bldmatrix", r"\batom\.global\.add\.v4\.f32"],
             sass_has=["HMMA", "LDGSTS", "LDSM", "REDG"], no_spills=True,  # REDG: sm_90's RED (sm_80: RED)
             sass_kernel_has={"flash_attention_backward_kernel": ["HMMA", "LDGSTS", "LDSM", "REDG"],
-                             "flash_attention_backward_split_kernel": ["HMMA", "LDGSTS", "LDSM", "STS", "REDG"]}),
+                             # P^T, dS^T and the dQ tile staged (STS), read back by rows (LDS), added (REDG)
+                             "flash_attention_backward_split_kernel": ["HMMA", "LDGSTS", "LDSM", "STS", "LDS",
+                                                                       "REDG"]}),
 }
 PTX_ARCH_OF = {8: "compute_90a"}  # by chapter number; the others: compute_90
 EVERY_CHAPTER = dict(source_lacks=[r"\bcuda(Malloc|Free)\w*\s*\("])  # the harness owns device memory

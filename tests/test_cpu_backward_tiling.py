@@ -48,7 +48,8 @@ def constants():
     for name in ("WARPS", "MMA_M", "MMA_N", "MMA_K", "PAD", "BWD_WARP_ROWS", "BWD_WARPS_D64", "BWD_WARPS_D128",
                  "BWD_STAGGER", "BWD_SPLIT", "BWD_KEY_TILES_D64", "BWD_BLOCK_Q", "DQ_WARP_TILES", "DQ_BLOCK_KV", "DQ_BLOCK_Q",
                  "BWD_STAGES", "CHUNK_HALVES",
-                 "SPLIT_KEY_WARPS", "SPLIT_WARP_KEYS", "SPLIT_WARP_QUERIES", "SPLIT_WARP_DIMS"):
+                 "SPLIT_KEY_WARPS", "SPLIT_WARP_KEYS", "SPLIT_WARP_QUERIES", "SPLIT_WARP_DIMS", "BWD_DQ_STAGE",
+                 "DQ_STAGE_STRIDE"):
         value(name)
     return out
 
@@ -193,12 +194,15 @@ def lane_cols(col0, tiles):
 
 # --- the kernels -----------------------------------------------------------------------------
 def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=None, stagger=None, split=None,
-                     warp_key_tiles=None):
+                     warp_key_tiles=None, dq_stage=None):
     """dQ, dK, dV [BH, N, D] and D [BH, N] as 09's kernels compute them (float64), with the main
     kernel's `warps` (default: the source's, per head dim), BWD_STAGGER, BWD_SPLIT (default: the
     source's; the split kernel runs at D=128 with eight warps, BwdConfig::SPLIT) and warp_key_tiles,
-    the first kernel's m16 tiles of keys per warp (BWD_KEY_TILES_D64; 1 at D=128)."""
+    the first kernel's m16 tiles of keys per warp (BWD_KEY_TILES_D64; 1 at D=128), and dq_stage, how
+    the split kernel adds its dQ partials on sm_90 (BWD_DQ_STAGE: 1 staged in shared memory and read
+    back a whole row per RED, 0 from registers)."""
     heads, seqlen, d = q.shape
+    dq_stage = bool(C["BWD_DQ_STAGE"]) if dq_stage is None else dq_stage
     warps = main_warps(d) if warps is None else warps
     stagger = bool(C["BWD_STAGGER"]) if stagger is None else stagger
     split = (bool(C["BWD_SPLIT"]) if split is None else split) and d == 128 and warps == 8
@@ -289,6 +293,50 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                                 assert np.all(four[~ok, e] == 0), "a skipped atomic (query past N) was not zero"
                                 np.add.at(dq_acc[head], (query[ok], col[ok]), four[ok, e])  # the vector atomicAdd
 
+            def stage_and_add_dq(query0, row_tiles=2):
+                """The split kernel's dQ with BWD_DQ_STAGE (stage_dq_of_tile, add_staged_dq): warp w's 32
+                queries x 32 dims of dS K, as add_dq_of_tile<128, 2>, stored as float2 to its part of the
+                staged tile; once every warp has stored (the next tile's first barrier), warp w adds the
+                tile's whole rows 8w.. into the accumulator, lane l four dims 4l.. per row."""
+                stage_stride = C["DQ_STAGE_STRIDE"]
+                stage = np.full((BQ, stage_stride), np.nan)  # what no warp stores is never read
+                for w in range(warps):
+                    row0, dim0 = w % 2 * 32, w // 2 * 32
+                    part = np.zeros((2, 4, 32, 4))
+                    for kk in range(bkv // 16):
+                        key = kk * 16 + LANES // 16 * 8 + LANES % 8
+                        for mt in range(2):
+                            dsa = smem.ldmatrix_x4(ds_base + key * ds_stride + row0 + mt * 16 + LANES // 8 % 2 * 8,
+                                                   trans=True)
+                            for dp in range(2):
+                                kf = load_trans_pair(smem, k_base, stride, kk, dim0 // 16 + dp)
+                                mma(part[mt][2 * dp], dsa, kf[:, 0], kf[:, 1])
+                                mma(part[mt][2 * dp + 1], dsa, kf[:, 2], kf[:, 3])
+                    for mt in range(2):
+                        for r in range(2):
+                            row = row0 + mt * 16 + GROUP + r * 8
+                            for nt in range(4):
+                                col = dim0 + nt * 8 + 2 * QUAD
+                                words = row * stage_stride + col  # 8-byte stores: a half-warp's 32 words apart
+                                for half in (slice(0, 16), slice(16, 32)):
+                                    banks = (words[half, None] + np.arange(2)) % 32
+                                    assert len(set(banks.ravel().tolist())) == 32, "staged dQ store bank conflict"
+                                stage[row, col] = part[mt][nt][:, 2 * r]
+                                stage[row, col + 1] = part[mt][nt][:, 2 * r + 1]
+                for w in range(warps):
+                    for kr in range(BQ // warps):  # warp w's rows, one 16-byte RED per lane each
+                        row = w * (BQ // warps) + kr
+                        words = row * stage_stride + 4 * LANES
+                        for quarter in range(4):  # a 16-byte load's phase: 8 lanes, 32 banks
+                            banks = (words[8 * quarter:8 * quarter + 8, None] + np.arange(4)) % 32
+                            assert len(set(banks.ravel().tolist())) == 32, "staged dQ load bank conflict"
+                        four = stage[row, 4 * LANES[:, None] + np.arange(4)]
+                        assert not np.isnan(four).any()
+                        if query0 + row < seqlen:
+                            dq_acc[head][query0 + row, 4 * LANES[:, None] + np.arange(4)] += four
+                        else:
+                            assert np.all(four == 0), "a skipped row (query past N) was not zero"
+
             load_tile(smem, k_base, stride, k[head], key0, seqlen, bkv, d)
             load_tile(smem, v_base, stride, v[head], key0, seqlen, bkv, d)
             for t in range(STAGES - 1):
@@ -296,7 +344,7 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                     fill(t, t)
             if split:
                 split_block(smem, (k_base, v_base, q_ring, do_ring, pt_base, ds_base), fill, step_query0,
-                            add_dq_of_tile, (lse_ring, delta_ring), (head, key0, n_tiles, seqlen, causal),
+                            stage_and_add_dq if dq_stage else add_dq_of_tile, (lse_ring, delta_ring), (head, key0, n_tiles, seqlen, causal),
                             scale_log2, deterministic, visits, dk, dv, scale)
                 continue
             dk_acc = [[np.zeros((dim_tiles, 32, 4)) for _ in range(warp_key_tiles)] for _ in range(warps)]
@@ -475,7 +523,7 @@ def split_block(smem, bases, fill, step_query0, add_dq_of_tile, rings, block, sc
             keys_times_queries(dv_acc[w], pt_base, kw0, do_tile, dw0)
             keys_times_queries(dk_acc[w], ds_base, kw0, q_tile, dw0)
         if not deterministic:
-            add_dq_of_tile(query0, row_tiles=2)
+            add_dq_of_tile(query0, row_tiles=2)  # or staged (BWD_DQ_STAGE): the same tile's rows
     for w in range(8):
         kw0, dw0 = w % key_warps * warp_keys, w // key_warps * warp_dims
         for mt in range(m_tiles):
@@ -593,7 +641,7 @@ def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale, row_tiles=None, bk
 
 # --- the checks ----------------------------------------------------------------------------------
 def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, stagger=None, split=None,
-                warp_key_tiles=None):
+                warp_key_tiles=None, dq_stage=None):
     q, k, v = reference.make_inputs(1, heads, seqlen, d, seed)
     do = reference.make_grad_output(1, heads, seqlen, d, seed)
     scale = 1 / np.sqrt(d)
@@ -601,14 +649,15 @@ def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, sta
     o, lse = reference.attention_reference(q, k, v, rows, causal, scale)
     want = reference.attention_backward(q, k, v, do, rows, rows, causal, scale)
     f64 = [x[0].astype(np.float64) for x in (q, k, v, do)]
-    got = emulate_backward(*f64, o[0], lse[0], causal, scale, deterministic, warps, stagger, split, warp_key_tiles)
+    got = emulate_backward(*f64, o[0], lse[0], causal, scale, deterministic, warps, stagger, split, warp_key_tiles,
+                           dq_stage)
     for name, g, w in zip(("dQ", "dK", "dV", "D"), got, want):
         w = w[0]
         assert np.all(np.isfinite(g)), f"{name}: non-finite values"
         err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1.0)
         assert err < 1e-10, (f"{name} at H={heads} N={seqlen} D={d} causal={causal} "
                              f"deterministic={deterministic} warps={warps} stagger={stagger} split={split} "
-                             f"warp_key_tiles={warp_key_tiles}: relative error {err:.2e}")
+                             f"warp_key_tiles={warp_key_tiles} dq_stage={dq_stage}: relative error {err:.2e}")
     return got
 
 
@@ -667,6 +716,18 @@ def test_key_tiles_per_warp_match_reference():
         for deterministic in (False, True):
             check_shape(heads, n, d, causal, deterministic, warp_key_tiles=other)
     return f"{len(KEY_TILE_SHAPES)} shapes at D=64 with {other} m16 tile(s) of keys per warp, both dQ modes"
+
+
+# The split kernel's other way of adding dQ (-DBWD_DQ_STAGE= the other value): ragged, causal,
+# wrapping round, a tail of rows past N in the staged tile.
+DQ_STAGE_SHAPES = [(1, 77, 128, True), (1, 200, 128, False), (2, 300, 128, True)]
+
+
+def test_dq_stage_other_way_matches_reference():
+    other = not C["BWD_DQ_STAGE"]
+    for heads, n, d, causal in DQ_STAGE_SHAPES:
+        check_shape(heads, n, d, causal, deterministic=False, dq_stage=other)
+    return f"{len(DQ_STAGE_SHAPES)} shapes at D=128 with BWD_DQ_STAGE={int(other)} (the source's: {C['BWD_DQ_STAGE']})"
 
 
 # The dQ kernel's other arrangement, -DDQ_WARP_TILES=1 (16 queries per warp, 64 per block, key
@@ -780,6 +841,20 @@ KERNEL_EXPRESSIONS = [
     "dim0 / (2 * MMA_N) + pass * DQ_DIM_TILES / 2 + dp",
     "dim0 + pass * DQ_DIM_TILES * MMA_N",
     "dim3(heads, key_tiles) : dim3(key_tiles, heads)",
+    # the split kernel's staged dQ (stage_and_add_dq)
+    "warp_row0 = warp % 2 * STAGE_WARP_ROWS, dim0 = warp / 2 * STAGE_WARP_DIMS",
+    "#define STAGE_WARP_ROWS 32",
+    "#define STAGE_WARP_DIMS 32",
+    "(warp_row0 + mt * MMA_M + group + r * ACC_ROW_STEP) * DQ_STAGE_STRIDE",
+    "*(float2 *)&row[dim0 + nt * MMA_N + 2 * quad_lane]",
+    "WARP_ROWS = BWD_BLOCK_Q / BwdConfig<128>::BLOCK_WARPS",
+    "row0 = warp * WARP_ROWS, col = 4 * lane",
+    "(row0 + k) * DQ_STAGE_STRIDE + col",
+    "row = query0 + row0 + k",
+    "if (row < seqlen) atomicAdd((float4 *)(dq_head + (size_t)row * 128 + col), four[k])",
+    "stage_dq_of_tile(dq_stage, ds_tile, k_tile);",
+    "if (tile > 0) add_staged_dq(dq_head, dq_stage, step_query0(first_tile, tile - 1, query_tiles), seqlen);",
+    "add_staged_dq(dq_head, dq_stage, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen);",
 ]
 
 

@@ -15,7 +15,9 @@
 # keytiles: new and kt1 (-DBWD_KEY_TILES_D64=1: at D=64 one m16 tile of keys per warp, 128 keys
 # per block; D=128 unchanged, so time it with K=4 for both N's D=64 rows). SET dqtiles: new, dq1
 # (-DDQ_WARP_TILES=1: the dQ kernel with 16 queries per warp and 64-key tiles) and before (both
-# one-tile arrangements: the chapter before two tiles per warp). PYTHON: a Python with PyTorch
+# one-tile arrangements: the chapter before two tiles per warp). SET dqadd: new and reg
+# (-DBWD_DQ_STAGE=0: the split kernel's dQ by 16-byte REDs from registers, 16 rows x 32 bytes each,
+# not staged and added a whole row per RED); D=64 unchanged. PYTHON: a Python with PyTorch
 # (default python3). Exit 1 if a build or a check failed.
 set -u
 cd "$(dirname "$0")/../../../.." || exit 2
@@ -27,12 +29,14 @@ case ${2:-warps} in
     ring) VARIANTS=(new stages3 nostagger) ;;
     keytiles) VARIANTS=(new kt1) ;;
     dqtiles) VARIANTS=(new dq1 before) ;;
-    *) echo "arrangements.sh: SET is warps, split, ring, keytiles or dqtiles, not '$2'"; exit 2 ;;
+    dqadd) VARIANTS=(new reg) ;;
+    *) echo "arrangements.sh: SET is warps, split, ring, keytiles, dqtiles or dqadd, not '$2'"; exit 2 ;;
 esac
 declare -A FLAGS=([new]="" [old]="-DBWD_WIDE_BLOCK=0 -DBWD_STAGGER=0" [w4_stagger]="-DBWD_WIDE_BLOCK=0"
                   [w8_nostagger]="-DBWD_STAGGER=0" [nosplit]="-DBWD_SPLIT=0"
                   [stages3]="-DBWD_STAGES=3" [nostagger]="-DBWD_STAGGER=0" [kt1]="-DBWD_KEY_TILES_D64=1"
-                  [dq1]="-DDQ_WARP_TILES=1" [before]="-DBWD_KEY_TILES_D64=1 -DDQ_WARP_TILES=1")
+                  [dq1]="-DDQ_WARP_TILES=1" [before]="-DBWD_KEY_TILES_D64=1 -DDQ_WARP_TILES=1"
+                  [reg]="-DBWD_DQ_STAGE=0")
 folder() { if [ "$1" = new ]; then echo build; else echo "build/arr_$1"; fi; }
 failed=0
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
