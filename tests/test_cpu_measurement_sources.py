@@ -31,15 +31,15 @@ def test_red_layout_makes_vector_and_scalar_reductions(ctx):
     text = ptx_of(ctx, ctx.root / "docs" / "results" / "logs" / "09" / "red_layout.cu")
     kernels = re.split(r"\.entry\s+", text)[1:]
     counts = [(len(re.findall(r"\b(?:atom|red)\.global\.add\.v4\.f32", k)),
-               len(re.findall(r"\b(?:atom|red)\.global\.add\.f32", k)),
+               len(re.findall(r"\b(?:atom|red)\.global\.add\.(?:f32|u64)", k)),
                len(re.findall(r"\bcp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32", k)))
               for k in kernels]
-    assert len(counts) == 6, f"red_layout.cu: {len(counts)} kernels in the PTX, expected the six layouts"
-    # per lane and query tile 8 vector REDs or 32 scalar ones (nvcc may unroll the tile loop); the
+    assert len(counts) == 7, f"red_layout.cu: {len(counts)} kernels in the PTX, expected the seven layouts"
+    # per lane and query tile 8 vector REDs or 32 scalar ones (4-byte float or 8-byte integer) (nvcc may unroll the tile loop); the
     # bulk layouts, their bulk reductions and no RED
     kinds = sorted("vector" if v and not f and not b and v % 8 == 0 else
                    "scalar" if f and not v and not b and f % 32 == 0 else
                    "bulk" if b and not v and not f else str((v, f, b)) for v, f, b in counts)
-    assert kinds == ["bulk", "bulk", "scalar", "vector", "vector", "vector"], (
+    assert kinds == ["bulk", "bulk", "scalar", "scalar", "vector", "vector", "vector"], (
         f"(16-byte, 4-byte, bulk) reductions per kernel: {counts}")
     return f"(16-byte, 4-byte, bulk) reductions per kernel: {counts}"

@@ -8,6 +8,7 @@
 //   rows:   16-byte REDs, one instruction 4 rows x 128 bytes (a lane's four dims of one row)
 //   row:    16-byte REDs, one instruction one whole row, 512 bytes (warp w rows 8w.. of the tile)
 //   scalar: 4-byte REDs, one instruction 8 rows x 16 bytes (the 09.dq_red exercise's stub)
+//   fixed:  8-byte integer REDs (BWD_DQ_FIXED's int64 workspace), one instruction 256 bytes of a row
 //   bulk:   the partial through shared memory (rows 528 bytes apart), then one bulk reduction
 //           (cp.reduce.async.bulk .add.f32) of 512 bytes per row by warp 0's lanes, two each
 //   bulk1:  the same, one bulk reduction of the whole 32 KiB tile (rows unpadded)
@@ -34,7 +35,7 @@
 #define QUERY_TILES 64  // 64 queries per tile
 #define WARPS 8
 
-enum Layout { QUAD, ROWS, ROW, SCALAR, BULK, BULK1 };
+enum Layout { QUAD, ROWS, ROW, SCALAR, BULK, BULK1, FIXED };
 #define STAGE_STRIDE (HEAD_DIM + 4)  // floats per row of the bulk variant's tile: 16-byte rows, no bank conflicts
 
 // The bulk variants: each warp stores its 32 x 32 part of the tile to shared memory, then warp 0
@@ -88,6 +89,10 @@ __global__ void __launch_bounds__(WARPS * 32) add_partials(float *dq_acc, float 
         } else if (LAYOUT == ROW) {  // per instruction k: row 8w + k of the tile, dims 4l
             float *tile_rows = dq_acc + ((size_t)head * SEQLEN + tile * 64) * HEAD_DIM;
             for (int k = 0; k < 8; k++) atomicAdd((float4 *)&tile_rows[(8 * warp + k) * HEAD_DIM + 4 * lane], four);
+        } else if (LAYOUT == FIXED) {  // per row 8w + k, four instructions: lane l dims l + 32j
+            unsigned long long *tile_rows = (unsigned long long *)dq_acc + ((size_t)head * SEQLEN + tile * 64) * HEAD_DIM;
+            for (int k = 0; k < 8; k++)
+                for (int j = 0; j < 4; j++) atomicAdd(&tile_rows[(8 * warp + k) * HEAD_DIM + lane + 32 * j], 1ull);
         } else if (LAYOUT == ROWS) {  // per instruction k: rows 4k + l / 8, dims 4 (l % 8)
             for (int k = 0; k < 8; k++)
                 atomicAdd((float4 *)&rows[(4 * k + lane / 8) * HEAD_DIM + 4 * (lane % 8)], four);
@@ -107,12 +112,20 @@ static void measure(const char *name, float *dq_acc, size_t floats, int reps) {
     const int blocks = HEADS * KEY_BLOCKS;
     const int smem = LAYOUT == BULK ? 64 * STAGE_STRIDE * sizeof(float) : LAYOUT == BULK1 ? 64 * HEAD_DIM * sizeof(float) : 0;
     CHECK(cudaFuncSetAttribute(add_partials<LAYOUT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    CHECK(cudaMemset(dq_acc, 0, floats * sizeof(float)));
+    CHECK(cudaMemset(dq_acc, 0, floats * (LAYOUT == FIXED ? 2 : 1) * sizeof(float)));
     add_partials<LAYOUT><<<blocks, WARPS * 32, smem>>>(dq_acc, 1.0f);  // warm-up, and the sum to check
     CHECK(cudaGetLastError());
     float first = 0.0f, last = 0.0f;
-    CHECK(cudaMemcpy(&first, dq_acc, sizeof(float), cudaMemcpyDeviceToHost));
-    CHECK(cudaMemcpy(&last, dq_acc + floats - 1, sizeof(float), cudaMemcpyDeviceToHost));
+    if (LAYOUT == FIXED) {  // int64 elements, twice the bytes
+        unsigned long long first_fixed = 0, last_fixed = 0;
+        CHECK(cudaMemcpy(&first_fixed, dq_acc, sizeof(first_fixed), cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(&last_fixed, (unsigned long long *)dq_acc + floats - 1, sizeof(last_fixed),
+                         cudaMemcpyDeviceToHost));
+        first = (float)first_fixed, last = (float)last_fixed;
+    } else {
+        CHECK(cudaMemcpy(&first, dq_acc, sizeof(float), cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(&last, dq_acc + floats - 1, sizeof(float), cudaMemcpyDeviceToHost));
+    }
     if (first != KEY_BLOCKS || last != KEY_BLOCKS) {
         fprintf(stderr, "%s: dq_acc[0] = %g, dq_acc[last] = %g, want %d\n", name, first, last, KEY_BLOCKS);
         exit(1);
@@ -128,9 +141,9 @@ static void measure(const char *name, float *dq_acc, size_t floats, int reps) {
     CHECK(cudaEventElapsedTime(&ms, start, stop));
     ms /= reps;
     const double floats_added = (double)blocks * QUERY_TILES * 64 * HEAD_DIM;
-    const double reds = floats_added / (LAYOUT == SCALAR ? 1.0 : 4.0);
+    const double reds = floats_added / (LAYOUT == SCALAR || LAYOUT == FIXED ? 1.0 : 4.0);
     printf("%-7s %7.3f ms per pass  %6.1f G RED/s  %6.0f GB/s of RED payload\n", name, ms, reds / ms / 1e6,
-           reds * (LAYOUT == SCALAR ? 4 : 16) / ms / 1e6);
+           reds * (LAYOUT == SCALAR ? 4 : LAYOUT == FIXED ? 8 : 16) / ms / 1e6);
     CHECK(cudaEventDestroy(start));
     CHECK(cudaEventDestroy(stop));
 }
@@ -138,7 +151,7 @@ static void measure(const char *name, float *dq_acc, size_t floats, int reps) {
 int main() {
     const size_t floats = (size_t)HEADS * SEQLEN * HEAD_DIM;  // 128 MiB, the headline's dQ accumulator
     float *dq_acc = NULL;
-    CHECK(cudaMalloc(&dq_acc, floats * sizeof(float)));
+    CHECK(cudaMalloc(&dq_acc, 2 * floats * sizeof(float)));  // the fixed layout's int64
     printf("the split kernel's dQ reductions alone, B4 H16 N4096 D128 (%d blocks of %d warps, %d query tiles each)\n",
            HEADS * KEY_BLOCKS, WARPS, QUERY_TILES);
     measure<QUAD>("quad", dq_acc, floats, 5);
@@ -147,6 +160,7 @@ int main() {
     measure<SCALAR>("scalar", dq_acc, floats, 3);
     measure<BULK>("bulk", dq_acc, floats, 5);
     measure<BULK1>("bulk1", dq_acc, floats, 5);
+    measure<FIXED>("fixed", dq_acc, floats, 5);
     CHECK(cudaFree(dq_acc));
     return 0;
 }
