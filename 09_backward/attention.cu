@@ -439,23 +439,6 @@ __global__ void __launch_bounds__(THREADS, 2)
 #ifndef BWD_DQ_STAGE
 #define BWD_DQ_STAGE 1  // the split kernel's dQ tile staged, added a whole row per RED on sm_90 (0: from registers)
 #endif
-// An experiment (off): the split kernel's staged rows added as 64-bit fixed point (2^-32 units)
-// with integer REDs, whose sums do not depend on their order: a bitwise repeatable dQ without the
-// dQ kernel. D=128 on sm_90 only (the D=128 workspace is then int64); measured in 09's NOTES.md.
-#ifndef BWD_DQ_FIXED
-#define BWD_DQ_FIXED 0
-#endif
-#define DQ_FIXED_ONE 0x1p32f  // one in the fixed-point workspace
-#if DETERMINISTIC_DQ  // no reductions to make order-free
-#undef BWD_DQ_FIXED
-#define BWD_DQ_FIXED 0
-#endif
-#if BWD_DQ_FIXED && (!BWD_DQ_STAGE || !BWD_SPLIT)
-#error "BWD_DQ_FIXED needs the atomic build's staged split kernel"
-#endif
-#if BWD_DQ_FIXED && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#error "BWD_DQ_FIXED: sm_90 only"
-#endif
 #define DQ_STAGE_STRIDE (128 + 8)  // floats per row of the staged partial: 16-byte rows, 8-byte stores 8 banks apart
 #define WORKSPACE_ALIGN 256        // bytes: the dQ accumulator starts aligned for 16-byte accesses
 
@@ -805,10 +788,7 @@ __global__ void __launch_bounds__(THREADS)
     for (int offset = CHUNKS / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
     if (!valid) return;
     if (chunk == 0) delta[(size_t)blockIdx.y * seqlen + row] = sum;
-    if (dq_acc && BWD_DQ_FIXED && HEAD_DIM == 128) {  // eight int64
-        ulonglong2 *to = (ulonglong2 *)((unsigned long long *)dq_acc + at);
-        to[0] = to[1] = to[2] = to[3] = make_ulonglong2(0, 0);
-    } else if (dq_acc) {
+    if (dq_acc) {
         float4 *to = (float4 *)(dq_acc + at);
         to[0] = to[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
@@ -1176,23 +1156,6 @@ __device__ void add_staged_dq(float *dq_head, const float *dq_stage, int query0,
     constexpr int WARP_ROWS = BWD_BLOCK_Q / BwdConfig<128>::BLOCK_WARPS;  // 8
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row0 = warp * WARP_ROWS, col = 4 * lane;
-#if BWD_DQ_FIXED  // per row, four REDs of 32 adjacent int64 (256 bytes each): lane l dims l + 32j
-    unsigned long long *dq_fixed = (unsigned long long *)dq_head;
-#pragma unroll
-    for (int k = 0; k < WARP_ROWS; k++) {
-        const int row = query0 + row0 + k;
-        float part[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) part[j] = dq_stage[(row0 + k) * DQ_STAGE_STRIDE + lane + WARP_SIZE * j];
-        if (row < seqlen) {
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                atomicAdd(dq_fixed + (size_t)row * 128 + lane + WARP_SIZE * j,
-                          (unsigned long long)__float2ll_rn(part[j] * DQ_FIXED_ONE));
-        }
-    }
-    (void)col;
-#else
     float4 four[WARP_ROWS];
 #pragma unroll
     for (int k = 0; k < WARP_ROWS; k++) four[k] = *(const float4 *)&dq_stage[(row0 + k) * DQ_STAGE_STRIDE + col];
@@ -1201,7 +1164,6 @@ __device__ void add_staged_dq(float *dq_head, const float *dq_stage, int query0,
         const int row = query0 + row0 + k;
         if (row < seqlen) atomicAdd((float4 *)(dq_head + (size_t)row * 128 + col), four[k]);
     }
-#endif
 }
 #else
 #define SPLIT_DQ_STAGED 0
@@ -1257,9 +1219,6 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
     float *dq_head = dq_acc + head * seqlen * HEAD_DIM;
 #else
     (void)dq_acc;  // DETERMINISTIC_DQ: dQ is the dQ kernel's
-#endif
-#if BWD_DQ_FIXED  // int64 elements: dq_head in floats is twice as far
-    dq_head = dq_acc + 2 * head * seqlen * HEAD_DIM;
 #endif
 #if SPLIT_DQ_STAGED
     float *dq_stage = (float *)(ds_tile + KEY_QUERY_HALVES);  // [BWD_BLOCK_Q][DQ_STAGE_STRIDE]: the dQ partial
@@ -1334,17 +1293,7 @@ __global__ void __launch_bounds__(THREADS) convert_dq_kernel(const float *dq_acc
     const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
     if (row >= seqlen) return;
     const size_t at = ((size_t)blockIdx.y * seqlen + row) * HEAD_DIM + chunk * CHUNK_HALVES;
-    float4 lo, hi;
-    if (BWD_DQ_FIXED && HEAD_DIM == 128) {
-        const long long *fixed = (const long long *)dq_acc + at;
-        const float unit = 1.0f / DQ_FIXED_ONE;
-        lo = make_float4(__ll2float_rn(fixed[0]) * unit, __ll2float_rn(fixed[1]) * unit,
-                         __ll2float_rn(fixed[2]) * unit, __ll2float_rn(fixed[3]) * unit);
-        hi = make_float4(__ll2float_rn(fixed[4]) * unit, __ll2float_rn(fixed[5]) * unit,
-                         __ll2float_rn(fixed[6]) * unit, __ll2float_rn(fixed[7]) * unit);
-    } else {
-        lo = *(const float4 *)(dq_acc + at), hi = *(const float4 *)(dq_acc + at + 4);
-    }
+    const float4 lo = *(const float4 *)(dq_acc + at), hi = *(const float4 *)(dq_acc + at + 4);
     uint4 out;
     out.x = pack_half2(lo.x * scale, lo.y * scale);
     out.y = pack_half2(lo.z * scale, lo.w * scale);
@@ -1552,7 +1501,6 @@ static size_t delta_bytes(const AttnShape *s) {
 
 static size_t backward_workspace_bytes(const AttnShape *s) {
     size_t dq_acc = (size_t)s->batch * s->heads * s->seqlen * s->headdim * sizeof(float);
-    if (BWD_DQ_FIXED && s->headdim == 128) dq_acc *= 2;  // int64
     return delta_bytes(s) + (DETERMINISTIC_DQ ? 0 : dq_acc);
 }
 
@@ -1581,7 +1529,6 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
             smem = BwdConfig<HEAD_DIM>::SPLIT_SMEM_BYTES;
         }
     }
-    if (BWD_DQ_FIXED && HEAD_DIM == 128 && smem != BwdConfig<HEAD_DIM>::SPLIT_SMEM_BYTES) return cudaErrorNotSupported;
     RETURN_IF_ERROR(cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     dim3 grid = s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
     main_kernel<<<grid, BwdConfig<HEAD_DIM>::BLOCK_THREADS, smem, stream>>>(

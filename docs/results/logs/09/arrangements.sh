@@ -17,8 +17,7 @@
 # (-DDQ_WARP_TILES=1: the dQ kernel with 16 queries per warp and 64-key tiles) and before (both
 # one-tile arrangements: the chapter before two tiles per warp). SET dqadd: new and reg
 # (-DBWD_DQ_STAGE=0: the split kernel's dQ by 16-byte REDs from registers, 16 rows x 32 bytes each,
-# not staged and added a whole row per RED); D=64 unchanged. SET fixed: new and fixed
-# (-DBWD_DQ_FIXED=1: the staged rows added as int64 fixed point, order-free). PYTHON: a Python with PyTorch
+# not staged and added a whole row per RED); D=64 unchanged. PYTHON: a Python with PyTorch
 # (default python3). Exit 1 if a build or a check failed.
 set -u
 cd "$(dirname "$0")/../../../.." || exit 2
@@ -31,14 +30,13 @@ case ${2:-warps} in
     keytiles) VARIANTS=(new kt1) ;;
     dqtiles) VARIANTS=(new dq1 before) ;;
     dqadd) VARIANTS=(new reg) ;;
-    fixed) VARIANTS=(new fixed) ;;
-    *) echo "arrangements.sh: SET is warps, split, ring, keytiles, dqtiles, dqadd or fixed, not '$2'"; exit 2 ;;
+    *) echo "arrangements.sh: SET is warps, split, ring, keytiles, dqtiles or dqadd, not '$2'"; exit 2 ;;
 esac
 declare -A FLAGS=([new]="" [old]="-DBWD_WIDE_BLOCK=0 -DBWD_STAGGER=0" [w4_stagger]="-DBWD_WIDE_BLOCK=0"
                   [w8_nostagger]="-DBWD_STAGGER=0" [nosplit]="-DBWD_SPLIT=0"
                   [stages3]="-DBWD_STAGES=3" [nostagger]="-DBWD_STAGGER=0" [kt1]="-DBWD_KEY_TILES_D64=1"
                   [dq1]="-DDQ_WARP_TILES=1" [before]="-DBWD_KEY_TILES_D64=1 -DDQ_WARP_TILES=1"
-                  [reg]="-DBWD_DQ_STAGE=0" [fixed]="-DBWD_DQ_FIXED=1")
+                  [reg]="-DBWD_DQ_STAGE=0")
 folder() { if [ "$1" = new ]; then echo build; else echo "build/arr_$1"; fi; }
 failed=0
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader

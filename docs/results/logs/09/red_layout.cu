@@ -8,7 +8,8 @@
 //   rows:   16-byte REDs, one instruction 4 rows x 128 bytes (a lane's four dims of one row)
 //   row:    16-byte REDs, one instruction one whole row, 512 bytes (warp w rows 8w.. of the tile)
 //   scalar: 4-byte REDs, one instruction 8 rows x 16 bytes (the 09.dq_red exercise's stub)
-//   fixed:  8-byte integer REDs (BWD_DQ_FIXED's int64 workspace), one instruction 256 bytes of a row
+//   fixed:  8-byte integer REDs into an int64 workspace (fixed point, which sums in any order to the
+//           same bits; commit faf181e), one instruction 256 bytes of a row
 //   bulk:   the partial through shared memory (rows 528 bytes apart), then one bulk reduction
 //           (cp.reduce.async.bulk .add.f32) of 512 bytes per row by warp 0's lanes, two each
 //   bulk1:  the same, one bulk reduction of the whole 32 KiB tile (rows unpadded)
