@@ -3,7 +3,7 @@
 // B4 H16 N4096 D128 (32 key blocks per head, 64 heads, eight warps), each block adding a 64 x 128
 // fp32 partial into the rows of each of its 64 query tiles, from its diagonal (BWD_STAGGER), with
 // nothing else to do: the reductions' own ceiling. Warp w adds rows 32 (w % 2).., dims 32 (w / 2)..
-// as the split kernel's dQ warps do, in one of three instruction shapes:
+// as the split kernel's dQ warps do, in one of these instruction shapes:
 //   quad:   the kernel's (add_dq_partial): 16-byte REDs, one instruction 16 rows x 32 bytes
 //   rows:   16-byte REDs, one instruction 4 rows x 128 bytes (a lane's four dims of one row)
 //   row:    16-byte REDs, one instruction one whole row, 512 bytes (warp w rows 8w.. of the tile)
