@@ -715,6 +715,20 @@ __device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_R
     // EXERCISE END
 }
 
+// BWD_DQ_STAGE (the split kernel on sm_90): a warp's partial of one m16 tile, rows row0.. of the
+// tile, stored as float2 to the block's staged tile ([query][DQ_STAGE_STRIDE]) instead of added.
+template <int DIM_TILES>
+__device__ void stage_dq_partial(float *dq_stage, const float part[DIM_TILES][ACC_REGS], int row0, int dim0) {
+    const int quad_lane = threadIdx.x % QUAD_LANES;
+#pragma unroll
+    for (int r = 0; r < ACC_ROWS; r++) {
+        float *row = dq_stage + (row0 + r * ACC_ROW_STEP) * DQ_STAGE_STRIDE;
+#pragma unroll
+        for (int nt = 0; nt < DIM_TILES; nt++)
+            *(float2 *)&row[dim0 + nt * MMA_N + 2 * quad_lane] = make_float2(part[nt][2 * r], part[nt][2 * r + 1]);
+    }
+}
+
 // dQ += dS K for the query tile at query0, dS^T from shared memory ([key][query]): warp w takes
 // WARP_ROW_TILES m16 tiles of queries (the warps side by side over the tile's queries,
 // QUERY_WARPS of them, w % QUERY_WARPS) against every key of the block, for its DQ_WARP_DIMS
@@ -723,8 +737,9 @@ __device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_R
 // kernel takes two (32 queries x 32 dims: FlashAttention-2's, a quarter of K, four fewer
 // ldmatrix per step). In passes of at most 8 n8 tiles (64 dims): with four warps at D=128, the
 // whole 16 x 128 partial beside dK and dV made sm_80's ptxas spill.
-template <int HEAD_DIM, int WARP_ROW_TILES>
-__device__ void add_dq_of_tile(float *dq_head, const __half *ds_tile, const __half *k_tile, int query0, int seqlen) {
+template <int HEAD_DIM, int WARP_ROW_TILES, bool STAGED = false>
+__device__ void add_dq_of_tile(float *dq_head, const __half *ds_tile, const __half *k_tile, int query0, int seqlen,
+                               float *dq_stage = NULL) {
     constexpr int BLOCK_KV = BwdConfig<HEAD_DIM>::BLOCK_KV, DS_STRIDE = BwdConfig<HEAD_DIM>::DS_STRIDE;
     constexpr int QUERY_WARPS = BwdConfig<HEAD_DIM>::DQ_ROW_TILES / WARP_ROW_TILES;
     constexpr int DQ_WARP_DIMS = HEAD_DIM * QUERY_WARPS / BwdConfig<HEAD_DIM>::BLOCK_WARPS;
@@ -758,9 +773,13 @@ __device__ void add_dq_of_tile(float *dq_head, const __half *ds_tile, const __ha
             }
         }
 #pragma unroll
-        for (int mt = 0; mt < WARP_ROW_TILES; mt++)
-            add_dq_partial<HEAD_DIM, DQ_DIM_TILES>(dq_head, dq_part[mt], query0 + warp_row0 + mt * MMA_M + group,
-                                                   dim0 + pass * DQ_DIM_TILES * MMA_N, seqlen);
+        for (int mt = 0; mt < WARP_ROW_TILES; mt++) {
+            if constexpr (STAGED)
+                stage_dq_partial<DQ_DIM_TILES>(dq_stage, dq_part[mt], warp_row0 + mt * MMA_M + group, dim0);
+            else
+                add_dq_partial<HEAD_DIM, DQ_DIM_TILES>(dq_head, dq_part[mt], query0 + warp_row0 + mt * MMA_M + group,
+                                                       dim0 + pass * DQ_DIM_TILES * MMA_N, seqlen);
+        }
     }
 }
 
@@ -1033,7 +1052,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
 //   S^T, dP^T (keys x queries): warp w takes keys 32 (w % 4).., queries 32 (w / 4)..
 //   dV, dK (keys x dims):       keys 32 (w % 4).., dims 64 (w / 4)..
 //   dQ (queries x dims):        queries 32 (w % 2).., dims 32 (w / 2)..  (add_dq_of_tile<.., 2>;
-//                               on sm_90 stage_dq_of_tile, then add_staged_dq by whole rows)
+//                               on sm_90 staged (<.., 2, true>), then add_staged_dq by whole rows)
 // 144 ldmatrix per warp and tile, and 32 4-byte stores of P^T and dS^T.
 #define SPLIT_KEY_WARPS 4                           // warps side by side over the block's keys
 #define SPLIT_WARP_KEYS (2 * MMA_M)                 // keys per warp: two m16 tiles
@@ -1108,48 +1127,6 @@ __device__ void store_key_query(__half *tile, const float acc[M][N][ACC_REGS], i
 
 #if __CUDA_ARCH__ >= 900 && BWD_DQ_STAGE && !DETERMINISTIC_DQ
 #define SPLIT_DQ_STAGED 1
-#define STAGE_WARP_ROWS 32  // the split's dQ warps: 2 x 4 over (64 queries, 128 dims)
-#define STAGE_WARP_DIMS 32
-// dQ += dS K for the warp's 32 queries x 32 dims (add_dq_of_tile<128, 2>'s product), stored to its
-// part of the block's staged tile ([query][DQ_STAGE_STRIDE]) instead of added.
-__device__ void stage_dq_of_tile(float *dq_stage, const __half *ds_tile, const __half *k_tile) {
-    constexpr int KEY_STEPS = BwdConfig<128>::BLOCK_KV / MMA_K, DS_STRIDE = BwdConfig<128>::DS_STRIDE;
-    constexpr int ROW_TILES = STAGE_WARP_ROWS / MMA_M, DIM_TILES = STAGE_WARP_DIMS / MMA_N;
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;
-    const int warp_row0 = warp % 2 * STAGE_WARP_ROWS, dim0 = warp / 2 * STAGE_WARP_DIMS;
-    float dq_part[ROW_TILES][DIM_TILES][ACC_REGS] = {};
-#pragma unroll
-    for (int kk = 0; kk < KEY_STEPS; kk++) {
-        unsigned ds_a[ROW_TILES][A_REGS];  // as add_dq_of_tile: dS from dS^T through ldmatrix.trans
-        const int key = kk * MMA_K + lane / (2 * LDM_ROWS) * LDM_ROWS + lane % LDM_ROWS;
-#pragma unroll
-        for (int mt = 0; mt < ROW_TILES; mt++)
-            ldmatrix_x4_trans(ds_a[mt],
-                              ds_tile + key * DS_STRIDE + warp_row0 + mt * MMA_M + lane / LDM_ROWS % 2 * LDM_ROWS);
-#pragma unroll
-        for (int dp = 0; dp < DIM_TILES / 2; dp++) {
-            unsigned k_frag[2 * B_REGS];
-            load_trans_pair<128>(k_frag, k_tile, kk, dim0 / (2 * MMA_N) + dp);
-#pragma unroll
-            for (int mt = 0; mt < ROW_TILES; mt++) {
-                mma_16x8x16(dq_part[mt][2 * dp], ds_a[mt], k_frag[0], k_frag[1]);
-                mma_16x8x16(dq_part[mt][2 * dp + 1], ds_a[mt], k_frag[2], k_frag[3]);
-            }
-        }
-    }
-#pragma unroll
-    for (int mt = 0; mt < ROW_TILES; mt++)
-#pragma unroll
-        for (int r = 0; r < ACC_ROWS; r++) {
-            float *row = dq_stage + (warp_row0 + mt * MMA_M + group + r * ACC_ROW_STEP) * DQ_STAGE_STRIDE;
-#pragma unroll
-            for (int nt = 0; nt < DIM_TILES; nt++)
-                *(float2 *)&row[dim0 + nt * MMA_N + 2 * quad_lane] =
-                    make_float2(dq_part[mt][nt][2 * r], dq_part[mt][nt][2 * r + 1]);
-        }
-}
-
 // The staged tile added into the workspace rows from query0, after a barrier: warp w whole rows
 // 8w.. of the block's tile, lane l dims 4l.., every load first, then one 16-byte RED per row.
 __device__ void add_staged_dq(float *dq_head, const float *dq_stage, int query0, int seqlen) {
@@ -1267,7 +1244,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
         keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dv_acc, pt_tile, warp_key0, do_tile, warp_dim0);
         keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dk_acc, ds_tile, warp_key0, q_tile, warp_dim0);
 #if SPLIT_DQ_STAGED
-        stage_dq_of_tile(dq_stage, ds_tile, k_tile);  // dQ += dS K, added at the next tile's top
+        add_dq_of_tile<HEAD_DIM, 2, true>(dq_head, ds_tile, k_tile, query0, seqlen, dq_stage);  // added at the next top
 #elif !DETERMINISTIC_DQ
         add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_tile, k_tile, query0, seqlen);  // dQ += dS K, atomics
 #endif

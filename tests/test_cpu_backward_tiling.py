@@ -294,7 +294,7 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                                 np.add.at(dq_acc[head], (query[ok], col[ok]), four[ok, e])  # the vector atomicAdd
 
             def stage_and_add_dq(query0, row_tiles=2):
-                """The split kernel's dQ with BWD_DQ_STAGE (stage_dq_of_tile, add_staged_dq): warp w's 32
+                """The split kernel's dQ with BWD_DQ_STAGE (add_dq_of_tile<128, 2, true>, add_staged_dq): warp w's 32
                 queries x 32 dims of dS K, as add_dq_of_tile<128, 2>, stored as float2 to its part of the
                 staged tile; once every warp has stored (the next tile's first barrier), warp w adds the
                 tile's whole rows 8w.. into the accumulator, lane l four dims 4l.. per row."""
@@ -842,17 +842,15 @@ KERNEL_EXPRESSIONS = [
     "dim0 + pass * DQ_DIM_TILES * MMA_N",
     "dim3(heads, key_tiles) : dim3(key_tiles, heads)",
     # the split kernel's staged dQ (stage_and_add_dq)
-    "warp_row0 = warp % 2 * STAGE_WARP_ROWS, dim0 = warp / 2 * STAGE_WARP_DIMS",
-    "#define STAGE_WARP_ROWS 32",
-    "#define STAGE_WARP_DIMS 32",
-    "(warp_row0 + mt * MMA_M + group + r * ACC_ROW_STEP) * DQ_STAGE_STRIDE",
+    "float *row = dq_stage + (row0 + r * ACC_ROW_STEP) * DQ_STAGE_STRIDE",
+    "stage_dq_partial<DQ_DIM_TILES>(dq_stage, dq_part[mt], warp_row0 + mt * MMA_M + group, dim0)",
     "*(float2 *)&row[dim0 + nt * MMA_N + 2 * quad_lane]",
     "WARP_ROWS = BWD_BLOCK_Q / BwdConfig<128>::BLOCK_WARPS",
     "row0 = warp * WARP_ROWS, col = 4 * lane",
     "(row0 + k) * DQ_STAGE_STRIDE + col",
     "row = query0 + row0 + k",
     "if (row < seqlen) atomicAdd((float4 *)(dq_head + (size_t)row * 128 + col), four[k])",
-    "stage_dq_of_tile(dq_stage, ds_tile, k_tile);",
+    "add_dq_of_tile<HEAD_DIM, 2, true>(dq_head, ds_tile, k_tile, query0, seqlen, dq_stage);",
     "if (tile > 0) add_staged_dq(dq_head, dq_stage, step_query0(first_tile, tile - 1, query_tiles), seqlen);",
     "add_staged_dq(dq_head, dq_stage, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen);",
 ]
