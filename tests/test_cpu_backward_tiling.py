@@ -258,10 +258,12 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                 lse_ring[slot] = np.where(ok, lse[head][np.minimum(rows, seqlen - 1)], 0.0)
                 delta_ring[slot] = np.where(ok, delta[head][np.minimum(rows, seqlen - 1)], 0.0)
 
-            def add_dq_of_tile(query0, row_tiles=1):
+            def add_dq_of_tile(query0, row_tiles=1, stage=None):
                 """dQ += dS K from dS^T in shared memory: warp w takes `row_tiles` m16 tiles of queries
                 (w % query_warps) against every key of the block, for dims dq_warp_dims (w / query_warps)..,
-                in passes of <= 8 n8 tiles: one tile, 16 queries, in the first kernel; two in the split one."""
+                in passes of <= 8 n8 tiles: one tile, 16 queries, in the first kernel; two in the split one.
+                With `stage` (BWD_DQ_STAGE, add_dq_of_tile<128, 2, true>) each partial is stored to that
+                [query][DQ_STAGE_STRIDE] tile as float2 (stage_dq_partial) instead of added."""
                 query_warps = DQ_ROW_TILES // row_tiles
                 dq_warp_dims = d * query_warps // warps  # add_dq_of_tile's DQ_WARP_DIMS
                 dq_dim_tiles = min(dq_warp_dims // 8, 8)
@@ -277,6 +279,9 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                                 kf = load_trans_pair(smem, k_base, stride, kk, dim0 // 16 + pas * dq_dim_tiles // 2 + dp)
                                 mma(part[2 * dp], dsa, kf[:, 0], kf[:, 1])
                                 mma(part[2 * dp + 1], dsa, kf[:, 2], kf[:, 3])
+                        if stage is not None:
+                            stage_dq_partial(stage, part, row0 + mt * 16, dim0 + pas * dq_dim_tiles * 8)
+                            continue
                         # add_dq_partial's sm_90 path: the lanes of a quad pair swap half their
                         # values, then each adds four adjacent dims of one row (red.global.add.v4.f32).
                         odd = QUAD % 2 == 1
@@ -293,40 +298,30 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                                 assert np.all(four[~ok, e] == 0), "a skipped atomic (query past N) was not zero"
                                 np.add.at(dq_acc[head], (query[ok], col[ok]), four[ok, e])  # the vector atomicAdd
 
+            def stage_dq_partial(stage, part, row0, dim0):
+                """A warp's m16 tile of partial, rows row0 + l / 4 (+ 8), dims dim0 + 8nt + 2 (l % 4), as
+                float2 stores to the staged tile: a half-warp's 32 words in 32 banks."""
+                for r in range(2):
+                    row = row0 + GROUP + r * 8
+                    for nt in range(len(part)):
+                        col = dim0 + nt * 8 + 2 * QUAD
+                        words = row * stage.shape[1] + col
+                        for half in (slice(0, 16), slice(16, 32)):
+                            banks = (words[half, None] + np.arange(2)) % 32
+                            assert len(set(banks.ravel().tolist())) == 32, "staged dQ store bank conflict"
+                        stage[row, col] = part[nt][:, 2 * r]
+                        stage[row, col + 1] = part[nt][:, 2 * r + 1]
+
             def stage_and_add_dq(query0, row_tiles=2):
-                """The split kernel's dQ with BWD_DQ_STAGE (add_dq_of_tile<128, 2, true>, add_staged_dq): warp w's 32
-                queries x 32 dims of dS K, as add_dq_of_tile<128, 2>, stored as float2 to its part of the
-                staged tile; once every warp has stored (the next tile's first barrier), warp w adds the
-                tile's whole rows 8w.. into the accumulator, lane l four dims 4l.. per row."""
-                stage_stride = C["DQ_STAGE_STRIDE"]
-                stage = np.full((BQ, stage_stride), np.nan)  # what no warp stores is never read
+                """The split kernel's dQ with BWD_DQ_STAGE: add_dq_of_tile's partials staged, then (after
+                the next tile's first barrier) add_staged_dq: warp w adds the tile's whole rows 8w.. into
+                the accumulator, lane l four dims 4l.. per row, one 16-byte RED each."""
+                stage = np.full((BQ, C["DQ_STAGE_STRIDE"]), np.nan)  # what no warp stores is never read
+                add_dq_of_tile(query0, row_tiles, stage)
                 for w in range(warps):
-                    row0, dim0 = w % 2 * 32, w // 2 * 32
-                    part = np.zeros((2, 4, 32, 4))
-                    for kk in range(bkv // 16):
-                        key = kk * 16 + LANES // 16 * 8 + LANES % 8
-                        for mt in range(2):
-                            dsa = smem.ldmatrix_x4(ds_base + key * ds_stride + row0 + mt * 16 + LANES // 8 % 2 * 8,
-                                                   trans=True)
-                            for dp in range(2):
-                                kf = load_trans_pair(smem, k_base, stride, kk, dim0 // 16 + dp)
-                                mma(part[mt][2 * dp], dsa, kf[:, 0], kf[:, 1])
-                                mma(part[mt][2 * dp + 1], dsa, kf[:, 2], kf[:, 3])
-                    for mt in range(2):
-                        for r in range(2):
-                            row = row0 + mt * 16 + GROUP + r * 8
-                            for nt in range(4):
-                                col = dim0 + nt * 8 + 2 * QUAD
-                                words = row * stage_stride + col  # 8-byte stores: a half-warp's 32 words apart
-                                for half in (slice(0, 16), slice(16, 32)):
-                                    banks = (words[half, None] + np.arange(2)) % 32
-                                    assert len(set(banks.ravel().tolist())) == 32, "staged dQ store bank conflict"
-                                stage[row, col] = part[mt][nt][:, 2 * r]
-                                stage[row, col + 1] = part[mt][nt][:, 2 * r + 1]
-                for w in range(warps):
-                    for kr in range(BQ // warps):  # warp w's rows, one 16-byte RED per lane each
+                    for kr in range(BQ // warps):
                         row = w * (BQ // warps) + kr
-                        words = row * stage_stride + 4 * LANES
+                        words = row * stage.shape[1] + 4 * LANES
                         for quarter in range(4):  # a 16-byte load's phase: 8 lanes, 32 banks
                             banks = (words[8 * quarter:8 * quarter + 8, None] + np.arange(4)) % 32
                             assert len(set(banks.ravel().tolist())) == 32, "staged dQ load bank conflict"
@@ -344,7 +339,8 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
                     fill(t, t)
             if split:
                 split_block(smem, (k_base, v_base, q_ring, do_ring, pt_base, ds_base), fill, step_query0,
-                            stage_and_add_dq if dq_stage else add_dq_of_tile, (lse_ring, delta_ring), (head, key0, n_tiles, seqlen, causal),
+                            stage_and_add_dq if dq_stage else add_dq_of_tile, (lse_ring, delta_ring),
+                            (head, key0, n_tiles, seqlen, causal),
                             scale_log2, deterministic, visits, dk, dv, scale)
                 continue
             dk_acc = [[np.zeros((dim_tiles, 32, 4)) for _ in range(warp_key_tiles)] for _ in range(warps)]
