@@ -33,7 +33,7 @@ SM90A_CHAPTERS := 08_fp8
 # 08 is built in steps (08.1 ... 08.5, `#if STEP == k` in its source): BUILD/08_fp8.stepK for each
 # step but the last, which is the chapter, BUILD/08_fp8. Each is a bench row of its own.
 STEP_BUILDS := $(foreach k,1 2 3 4,08_fp8.step$(k))
-# 09's backward with dQ reduced without atomics (DETERMINISTIC_DQ=1): bitwise repeatable gradients.
+# 09's backward with dQ summed in a fixed order (DETERMINISTIC_DQ=1): bitwise repeatable gradients.
 VARIANT_BUILDS := 09_backward.deterministic
 $(addprefix $(BUILD)/,$(SM90A_CHAPTERS) $(STEP_BUILDS)) $(addprefix $(BUILD)/exercises/,$(SM90A_CHAPTERS)): \
     private GENCODE := -gencode=arch=compute_90a,code=sm_90a

@@ -8,7 +8,9 @@
 // (registers; at D=128 FlashAttention-2's split of the warps, below). It recomputes
 // S^T = K Q^T and P^T = exp(S^T * scale - LSE), then dV += P^T dO, dP^T = V dO^T,
 // dS^T = P^T * (dP^T - D), dK += dS^T Q, and adds dQ += dS K into the fp32 workspace (atomics);
-// (3) dQ to fp16. DETERMINISTIC_DQ=1 replaces the atomics and (3) by a kernel over query tiles.
+// (3) dQ to fp16. DETERMINISTIC_DQ=1: each block of a head takes several key tiles in turn and
+// adds into a workspace copy of its own, and (3) sums the copies in order; BWD_DQ_KERNEL=1 replaces
+// the main kernel's dQ and (3) by a kernel over query tiles.
 #include <cuda_pipeline_primitives.h>
 
 #include "../common/harness.h"
@@ -381,9 +383,22 @@ __global__ void __launch_bounds__(THREADS, 2)
 }
 
 // --- The backward pass ---------------------------------------------------------------------
+// dQ bitwise the same on every run (DETERMINISTIC_DQ): a head's dQ workspace has a copy for each
+// block of the main kernel on that head, and each such block takes its key tiles one after the
+// other, so that every copy has one writer, whose sums come in program order; the convert kernel
+// adds the copies in order (FlashAttention-2's deterministic mode). Memory for speed: copies x
+// B*H*N*D floats (dq_copies, at the launcher).
 #ifndef DETERMINISTIC_DQ
-#define DETERMINISTIC_DQ 0  // dQ by a kernel of its own over query tiles, bitwise repeatable (0: atomics)
+#define DETERMINISTIC_DQ 0  // dQ bitwise repeatable: each block of a head adds into a copy of its own (0: atomics)
 #endif
+// The other way to a repeatable dQ (BWD_DQ_KERNEL): none in the main kernel; a kernel of its own
+// over query tiles recomputes S, P, dP and dS for dQ += dS K in registers. No dQ workspace, two
+// more products per tile.
+#ifndef BWD_DQ_KERNEL
+#define BWD_DQ_KERNEL 0  // dQ by a kernel of its own over query tiles, bitwise repeatable (0: by the main kernel)
+#endif
+#define DQ_BY_KERNEL BWD_DQ_KERNEL                      // dQ is the dQ kernel's
+#define DQ_COPIES (DETERMINISTIC_DQ && !BWD_DQ_KERNEL)  // the main kernel's, a workspace copy per block of a head
 // Warps of the main kernel, per head dim. With 16 keys per warp (D=128), eight warps hold 128
 // keys (FlashAttention-2's block): each Q and dO tile is read, and each dQ row summed before its
 // atomics, once per 128 keys instead of once per 64. Four (64 keys, two blocks per SM) was this
@@ -420,7 +435,7 @@ __global__ void __launch_bounds__(THREADS, 2)
 #define BWD_KEY_TILES_D64 2  // m16 tiles of keys per warp in the first kernel at D=64 (1: 16 keys a warp)
 #endif
 #define BWD_BLOCK_Q 64  // queries per step of the main kernel's loop
-// DETERMINISTIC_DQ's dQ kernel: each warp's queries in DQ_WARP_TILES m16 tiles, so that each K and
+// BWD_DQ_KERNEL's dQ kernel: each warp's queries in DQ_WARP_TILES m16 tiles, so that each K and
 // V fragment feeds as many MMAs; its key tiles as short as keep S and dP at 32 registers each.
 #ifndef DQ_WARP_TILES
 #define DQ_WARP_TILES 2  // m16 tiles of queries per warp in the dQ kernel (1: 16 queries, 64-key tiles)
@@ -461,9 +476,9 @@ struct BwdConfig {
     static constexpr int DQ_WARP_DIMS = HEAD_DIM * DQ_ROW_TILES / BLOCK_WARPS;
     static constexpr int STRIDE = HEAD_DIM + PAD;  // halves per row, as the forward's tiles
     static constexpr int KV_HALVES = BLOCK_KV * STRIDE, Q_HALVES = BWD_BLOCK_Q * STRIDE;
-    // A [key][query] tile of the block (dS^T, P^T); dS^T for dQ += dS K (the atomic version only).
+    // A [key][query] tile of the block (dS^T, P^T); dS^T for dQ += dS K (not with the dQ kernel).
     static constexpr int DS_STRIDE = BWD_BLOCK_Q + PAD, KEY_QUERY_HALVES = BLOCK_KV * DS_STRIDE;
-    static constexpr int DS_HALVES = DETERMINISTIC_DQ ? 0 : KEY_QUERY_HALVES;
+    static constexpr int DS_HALVES = DQ_BY_KERNEL ? 0 : KEY_QUERY_HALVES;
     // Main kernel: the LSE and D ring (floats), K and V, the Q and dO ring, dS^T.
     static constexpr int RING_BYTES = 2 * BWD_STAGES * BWD_BLOCK_Q * (int)sizeof(float) +
                                       (2 * KV_HALVES + 2 * BWD_STAGES * Q_HALVES) * (int)sizeof(__half);
@@ -475,7 +490,7 @@ struct BwdConfig {
     // V in registers, read fewer bytes of shared memory but ran 4-5% slower on the H200; D=64 has
     // two tiles of keys per warp instead (09_backward/NOTES.md).
     static constexpr bool SPLIT = BWD_SPLIT && HEAD_DIM == 128 && BLOCK_WARPS == 8;
-    static constexpr int DQ_STAGE_BYTES = BWD_DQ_STAGE && !DETERMINISTIC_DQ ? BWD_BLOCK_Q * DQ_STAGE_STRIDE * 4 : 0;
+    static constexpr int DQ_STAGE_BYTES = BWD_DQ_STAGE && !DQ_BY_KERNEL ? BWD_BLOCK_Q * DQ_STAGE_STRIDE * 4 : 0;
     static constexpr int SPLIT_SMEM_BYTES = RING_BYTES + 2 * KEY_QUERY_HALVES * (int)sizeof(__half) + DQ_STAGE_BYTES;
     // dQ kernel: Q and dO, and a ring of (K, V) tiles of DQ_BLOCK_KV keys.
     static constexpr int DQ_Q_HALVES = DQ_BLOCK_Q * STRIDE, DQ_KV_HALVES = DQ_BLOCK_KV * STRIDE;
@@ -783,11 +798,11 @@ __device__ void add_dq_of_tile(float *dq_head, const __half *ds_tile, const __ha
     }
 }
 
-// (1) D_i = sum_d dO[i, d] * O[i, d] in fp32, and (atomic version) row i of the dQ accumulator
+// (1) D_i = sum_d dO[i, d] * O[i, d] in fp32, and row i of each of the dQ accumulator's copies
 // zeroed. Grid: (row tiles, b*h); CHUNKS lanes per row, each with 8 of its D elements.
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(THREADS)
-    backward_preprocess_kernel(const __half *o, const __half *d_o, float *delta, float *dq_acc, int seqlen) {
+__global__ void __launch_bounds__(THREADS) backward_preprocess_kernel(const __half *o, const __half *d_o, float *delta,
+                                                                      float *dq_acc, int copies, int seqlen) {
     constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS = THREADS / CHUNKS;
     static_assert(WARP_SIZE % CHUNKS == 0, "a row's lanes are in one warp");
     const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
@@ -807,8 +822,9 @@ __global__ void __launch_bounds__(THREADS)
     for (int offset = CHUNKS / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
     if (!valid) return;
     if (chunk == 0) delta[(size_t)blockIdx.y * seqlen + row] = sum;
-    if (dq_acc) {
-        float4 *to = (float4 *)(dq_acc + at);
+    const size_t copy_floats = (size_t)gridDim.y * seqlen * HEAD_DIM;
+    for (int copy = 0; copy < copies; copy++) {
+        float4 *to = (float4 *)(dq_acc + copy * copy_floats + at);
         to[0] = to[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 }
@@ -820,13 +836,38 @@ __device__ int step_query0(int first_tile, int step, int query_tiles) {
     return (tile < query_tiles ? tile : tile - query_tiles) * BWD_BLOCK_Q;
 }
 
-// (2) dK and dV of one tile of BLOCK_KV keys (and its share of dQ). Grid: (key tiles, b*h);
-// causal: (b*h, key tiles), the first (heaviest: most query tiles see them) key tiles first.
+// The main kernel's blocks. Atomic: one key tile each, grid (key tiles, b*h); causal (b*h, key
+// tiles), the first (heaviest: most query tiles see them) key tiles first. DQ_COPIES: grid
+// (copies, b*h); block `copy` of a head takes one of every `copies` key tiles, one after the other,
+// back and forth (copy, then 2 copies - 1 - copy, ...) so that causal's long and short key tiles
+// even out over the copies, and adds its dQ into copy `copy` of the workspace. round_key_tile:
+// the key tile of the block's round `round`, -1 past its last.
+__device__ int round_key_tile(int round, int key_tiles, int causal) {
+#if DQ_COPIES
+    const int copies = gridDim.x, copy = blockIdx.x;
+    const int key_tile = round * copies + (round % 2 ? copies - 1 - copy : copy);
+    return key_tile < key_tiles ? key_tile : -1;
+#else
+    return round > 0 ? -1 : (int)(causal ? blockIdx.y : blockIdx.x);
+#endif
+}
+
+__device__ size_t block_head(int causal) { return DQ_COPIES || !causal ? blockIdx.y : blockIdx.x; }
+
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<HEAD_DIM>::MIN_BLOCKS)
-    flash_attention_backward_kernel(const __half *q, const __half *k, const __half *v, const __half *d_o,
-                                    const float *lse, const float *delta, float *dq_acc, __half *dk, __half *dv,
-                                    int seqlen, float scale, float scale_log2, int causal) {
+__device__ float *block_dq_copy(float *dq_acc, int seqlen) {
+#if DQ_COPIES
+    return dq_acc + (size_t)blockIdx.x * gridDim.y * seqlen * HEAD_DIM;
+#else
+    return dq_acc;
+#endif
+}
+
+// (2) dK and dV of one tile of BLOCK_KV keys (and its share of dQ).
+template <int HEAD_DIM>
+__device__ void backward_key_block(const __half *q, const __half *k, const __half *v, const __half *d_o,
+                                   const float *lse, const float *delta, float *dq_acc, __half *dk, __half *dv,
+                                   int seqlen, float scale, float scale_log2, int causal, int key_tile, size_t head) {
     constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
     constexpr int BLOCK_KV = BwdConfig<HEAD_DIM>::BLOCK_KV, BLOCK_THREADS = BwdConfig<HEAD_DIM>::BLOCK_THREADS;
     constexpr bool A_IN_REGISTERS = BwdConfig<HEAD_DIM>::A_IN_REGISTERS;
@@ -847,8 +888,6 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
 
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;  // accumulator row and column pair
-    const int key_tile = causal ? blockIdx.y : blockIdx.x;
-    const size_t head = causal ? blockIdx.x : blockIdx.y;
     const int key0 = key_tile * BLOCK_KV, warp_row0 = warp * BwdConfig<HEAD_DIM>::WARP_KEYS;  // in the key tile
     const __half *q_head = q + head * seqlen * HEAD_DIM, *do_head = d_o + head * seqlen * HEAD_DIM;
     const float *lse_head = lse + head * seqlen, *delta_head = delta + head * seqlen;
@@ -873,7 +912,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
     // On chip for the whole loop: the warp's 16 x HEAD_DIM dK and dV accumulators (per m16 tile of keys).
     float dk_acc[KEY_TILES][DIM_TILES][ACC_REGS] = {}, dv_acc[KEY_TILES][DIM_TILES][ACC_REGS] = {};
     unsigned k_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS], v_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS];
-#if !DETERMINISTIC_DQ
+#if !DQ_BY_KERNEL
     __half *ds_tile = do_ring + BWD_STAGES * Q_HALVES;  // [BLOCK_KV][DS_STRIDE]: dS^T of the last tile
     float *dq_head = dq_acc + head * seqlen * HEAD_DIM;
 #endif
@@ -888,7 +927,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
                                             delta_head, next % BWD_STAGES, step_query0(first_tile, next, query_tiles),
                                             seqlen);
         __pipeline_commit();  // possibly empty: keeps one group per tile
-#if !DETERMINISTIC_DQ
+#if !DQ_BY_KERNEL
         // The last tile's dQ, now that the barrier above has made its dS^T every warp's.
         if (tile > 0)
             add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, tile - 1, query_tiles),
@@ -1007,7 +1046,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
                     }
                 }
 
-#if !DETERMINISTIC_DQ
+#if !DQ_BY_KERNEL
             // dQ_i += dS K. A warp holds dS^T for its own keys, but dQ of a query sums over all
             // the keys of the block: dS^T goes to shared memory ([key][query], 4-byte stores of
             // adjacent queries, conflict-free with the padded rows), and the next tile's barrier
@@ -1029,11 +1068,11 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
 #endif
         }
     }
-#if !DETERMINISTIC_DQ
+#if !DQ_BY_KERNEL
     __syncthreads();  // every warp's dS^T rows of the last tile are in
     add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen);
 #else
-    (void)dq_acc;  // DETERMINISTIC_DQ: dQ is the dQ kernel's
+    (void)dq_acc;  // BWD_DQ_KERNEL: dQ is the dQ kernel's
 #endif
     __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
 
@@ -1042,6 +1081,19 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<
     for (int mt = 0; mt < KEY_TILES; mt++)
         store_dk_dv<HEAD_DIM, DIM_TILES>(dk_head, dv_head, dk_acc[mt], dv_acc[mt], key0 + warp_row0 + mt * MMA_M, 0,
                                          seqlen, scale);
+}
+
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<HEAD_DIM>::MIN_BLOCKS)
+    flash_attention_backward_kernel(const __half *q, const __half *k, const __half *v, const __half *d_o,
+                                    const float *lse, const float *delta, float *dq_acc, __half *dk, __half *dv,
+                                    int seqlen, float scale, float scale_log2, int causal) {
+    const int key_tiles = ceil_div(seqlen, BwdConfig<HEAD_DIM>::BLOCK_KV);
+    for (int round = 0, key_tile; (key_tile = round_key_tile(round, key_tiles, causal)) >= 0; round++) {
+        if (round > 0) __syncthreads();  // every warp is done with the last key tile's K, V and dS^T
+        backward_key_block<HEAD_DIM>(q, k, v, d_o, lse, delta, block_dq_copy<HEAD_DIM>(dq_acc, seqlen), dk, dv, seqlen,
+                                     scale, scale_log2, causal, key_tile, block_head(causal));
+    }
 }
 
 // --- BWD_SPLIT: FlashAttention-2's warp split at D=128 --------------------------------------
@@ -1125,7 +1177,7 @@ __device__ void store_key_query(__half *tile, const float acc[M][N][ACC_REGS], i
         }
 }
 
-#if __CUDA_ARCH__ >= 900 && BWD_DQ_STAGE && !DETERMINISTIC_DQ
+#if __CUDA_ARCH__ >= 900 && BWD_DQ_STAGE && !DQ_BY_KERNEL
 #define SPLIT_DQ_STAGED 1
 // The staged tile added into the workspace rows from query0, after a barrier: warp w whole rows
 // 8w.. of the block's tile, lane l dims 4l.., every load first, then one 16-byte RED per row.
@@ -1146,12 +1198,11 @@ __device__ void add_staged_dq(float *dq_head, const float *dq_stage, int query0,
 #define SPLIT_DQ_STAGED 0
 #endif
 
-// (2') The main kernel with the split: the same grid, ring, loop order and dQ atomics.
+// (2') One key tile with the split: the same grid, ring, loop order and dQ atomics.
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
-    flash_attention_backward_split_kernel(const __half *q, const __half *k, const __half *v, const __half *d_o,
-                                          const float *lse, const float *delta, float *dq_acc, __half *dk, __half *dv,
-                                          int seqlen, float scale, float scale_log2, int causal) {
+__device__ void split_key_block(const __half *q, const __half *k, const __half *v, const __half *d_o, const float *lse,
+                                const float *delta, float *dq_acc, __half *dk, __half *dv, int seqlen, float scale,
+                                float scale_log2, int causal, int key_tile, size_t head) {
     constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
     constexpr int BLOCK_KV = BwdConfig<HEAD_DIM>::BLOCK_KV, BLOCK_THREADS = BwdConfig<HEAD_DIM>::BLOCK_THREADS;
     constexpr int KEY_QUERY_HALVES = BwdConfig<HEAD_DIM>::KEY_QUERY_HALVES;
@@ -1171,8 +1222,6 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
     const int warp_key0 = warp % SPLIT_KEY_WARPS * SPLIT_WARP_KEYS;       // in S^T, dP^T, dK, dV
     const int warp_query0 = warp / SPLIT_KEY_WARPS * SPLIT_WARP_QUERIES;  // in S^T, dP^T
     const int warp_dim0 = warp / SPLIT_KEY_WARPS * SPLIT_WARP_DIMS;       // in dK, dV
-    const int key_tile = causal ? blockIdx.y : blockIdx.x;
-    const size_t head = causal ? blockIdx.x : blockIdx.y;
     const int key0 = key_tile * BLOCK_KV;
     const __half *q_head = q + head * seqlen * HEAD_DIM, *do_head = d_o + head * seqlen * HEAD_DIM;
     const float *lse_head = lse + head * seqlen, *delta_head = delta + head * seqlen;
@@ -1192,10 +1241,10 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
     }
 
     float dk_acc[SPLIT_M_TILES][SPLIT_D_TILES][ACC_REGS] = {}, dv_acc[SPLIT_M_TILES][SPLIT_D_TILES][ACC_REGS] = {};
-#if !DETERMINISTIC_DQ
+#if !DQ_BY_KERNEL
     float *dq_head = dq_acc + head * seqlen * HEAD_DIM;
 #else
-    (void)dq_acc;  // DETERMINISTIC_DQ: dQ is the dQ kernel's
+    (void)dq_acc;  // BWD_DQ_KERNEL: dQ is the dQ kernel's
 #endif
 #if SPLIT_DQ_STAGED
     float *dq_stage = (float *)(ds_tile + KEY_QUERY_HALVES);  // [BWD_BLOCK_Q][DQ_STAGE_STRIDE]: the dQ partial
@@ -1245,7 +1294,7 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
         keys_times_queries<HEAD_DIM, SPLIT_M_TILES, SPLIT_D_TILES>(dk_acc, ds_tile, warp_key0, q_tile, warp_dim0);
 #if SPLIT_DQ_STAGED
         add_dq_of_tile<HEAD_DIM, 2, true>(dq_head, ds_tile, k_tile, query0, seqlen, dq_stage);  // added at the next top
-#elif !DETERMINISTIC_DQ
+#elif !DQ_BY_KERNEL
         add_dq_of_tile<HEAD_DIM, 2>(dq_head, ds_tile, k_tile, query0, seqlen);  // dQ += dS K, atomics
 #endif
     }
@@ -1262,15 +1311,37 @@ __global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
                                              warp_dim0, seqlen, scale);
 }
 
-#if !DETERMINISTIC_DQ
-// (3) dQ = scale * the fp32 accumulator, as fp16. Grid as (1): CHUNKS lanes per row.
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(THREADS) convert_dq_kernel(const float *dq_acc, __half *dq, int seqlen, float scale) {
+__global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, 1)
+    flash_attention_backward_split_kernel(const __half *q, const __half *k, const __half *v, const __half *d_o,
+                                          const float *lse, const float *delta, float *dq_acc, __half *dk, __half *dv,
+                                          int seqlen, float scale, float scale_log2, int causal) {
+    const int key_tiles = ceil_div(seqlen, BwdConfig<HEAD_DIM>::BLOCK_KV);
+    for (int round = 0, key_tile; (key_tile = round_key_tile(round, key_tiles, causal)) >= 0; round++) {
+        if (round > 0) __syncthreads();  // every warp is done with the last key tile's K, V and staged dQ
+        split_key_block<HEAD_DIM>(q, k, v, d_o, lse, delta, block_dq_copy<HEAD_DIM>(dq_acc, seqlen), dk, dv, seqlen,
+                                  scale, scale_log2, causal, key_tile, block_head(causal));
+    }
+}
+
+#if !DQ_BY_KERNEL
+// (3) dQ = scale * the fp32 accumulator (the sum of its copies, in order), as fp16. Grid as (1):
+// CHUNKS lanes per row.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(THREADS)
+    convert_dq_kernel(const float *dq_acc, int copies, __half *dq, int seqlen, float scale) {
     constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS = THREADS / CHUNKS;
     const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
     if (row >= seqlen) return;
     const size_t at = ((size_t)blockIdx.y * seqlen + row) * HEAD_DIM + chunk * CHUNK_HALVES;
-    const float4 lo = *(const float4 *)(dq_acc + at), hi = *(const float4 *)(dq_acc + at + 4);
+    const size_t copy_floats = (size_t)gridDim.y * seqlen * HEAD_DIM;
+    float4 lo = *(const float4 *)(dq_acc + at), hi = *(const float4 *)(dq_acc + at + 4);
+    for (int copy = 1; copy < copies; copy++) {
+        const float4 lo_c = *(const float4 *)(dq_acc + copy * copy_floats + at);
+        const float4 hi_c = *(const float4 *)(dq_acc + copy * copy_floats + at + 4);
+        lo = make_float4(lo.x + lo_c.x, lo.y + lo_c.y, lo.z + lo_c.z, lo.w + lo_c.w);
+        hi = make_float4(hi.x + hi_c.x, hi.y + hi_c.y, hi.z + hi_c.z, hi.w + hi_c.w);
+    }
     uint4 out;
     out.x = pack_half2(lo.x * scale, lo.y * scale);
     out.y = pack_half2(lo.z * scale, lo.w * scale);
@@ -1279,7 +1350,7 @@ __global__ void __launch_bounds__(THREADS) convert_dq_kernel(const float *dq_acc
     *(uint4 *)(dq + at) = out;
 }
 #else
-// DETERMINISTIC_DQ: dQ without atomics. One block per (DQ_BLOCK_Q-query tile, b*h), as the
+// BWD_DQ_KERNEL: dQ without the main kernel. One block per (DQ_BLOCK_Q-query tile, b*h), as the
 // forward's grid; warp w owns DQ_WARP_TILES m16 tiles of queries from 32w (07's warp); Q and dO
 // stay in shared memory (and in registers at D=64), K and V stream through 07's ring. Per key
 // tile it recomputes S = Q K^T, P, dP = dO V^T and dS, and accumulates dQ += dS K in registers,
@@ -1469,16 +1540,70 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
 }
 
 // --- The backward's launcher -------------------------------------------------------------------
-// The workspace: D, one float per query row, then (atomic version) the fp32 dQ accumulator,
-// B*H*N*D floats, from a WORKSPACE_ALIGN boundary.
+// The workspace: D, one float per query row, then the fp32 dQ accumulator's copies (dq_copies:
+// one, or DETERMINISTIC_DQ's, or none for the dQ kernel), B*H*N*D floats each, from a
+// WORKSPACE_ALIGN boundary.
 static size_t delta_bytes(const AttnShape *s) {
     size_t bytes = (size_t)s->batch * s->heads * s->seqlen * sizeof(float);
     return (bytes + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN;
 }
 
+// The main kernel: the split one where BWD_SPLIT builds it and the GPU gives a block its shared
+// memory (allowed here), and how many of its blocks the GPU holds at once.
+template <int HEAD_DIM>
+static cudaError_t main_kernel_of(decltype(&flash_attention_backward_kernel<HEAD_DIM>) *kernel, int *smem,
+                                  int *resident) {
+    int device = 0, smem_optin = 0, sms = 0, per_sm = 0;
+    RETURN_IF_ERROR(cudaGetDevice(&device));
+    RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    *kernel = flash_attention_backward_kernel<HEAD_DIM>;
+    *smem = BwdConfig<HEAD_DIM>::SMEM_BYTES;
+    if constexpr (BwdConfig<HEAD_DIM>::SPLIT) {
+        if (smem_optin >= BwdConfig<HEAD_DIM>::SPLIT_SMEM_BYTES) {
+            *kernel = flash_attention_backward_split_kernel<HEAD_DIM>;
+            *smem = BwdConfig<HEAD_DIM>::SPLIT_SMEM_BYTES;
+        }
+    }
+    RETURN_IF_ERROR(cudaFuncSetAttribute(*kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, *smem));
+    RETURN_IF_ERROR(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, *kernel, BwdConfig<HEAD_DIM>::BLOCK_THREADS, *smem));
+    *resident = per_sm * sms;
+    return cudaSuccess;
+}
+
+// Copies of the fp32 dQ workspace: 1 (atomics), 0 (the dQ kernel's), or with DQ_COPIES the
+// blocks per head: the fewest that take the heads' key tiles in the least time, counted as
+// (rounds of the GPU's resident blocks) x (key tiles per block). B*H = 64 heads of 32 key tiles
+// on 132 SMs: 2 copies, 128 blocks of 16 tiles each.
+static int dq_copies(int heads, int key_tiles, int resident) {
+    if (!DQ_COPIES) return DQ_BY_KERNEL ? 0 : 1;
+    int best = 1;
+    long long best_time = -1;
+    for (int copies = 1; copies <= key_tiles; copies++) {
+        const long long blocks = (long long)heads * copies, per_block = ceil_div(key_tiles, copies);
+        const long long time = (blocks + resident - 1) / resident * per_block;
+        if (best_time < 0 || time < best_time) best = copies, best_time = time;
+    }
+    return best;
+}
+
+template <int HEAD_DIM>
+static cudaError_t dq_copies_of(const AttnShape *s, int *copies) {
+    decltype(&flash_attention_backward_kernel<HEAD_DIM>) kernel;
+    int smem = 0, resident = 0;
+    RETURN_IF_ERROR(main_kernel_of<HEAD_DIM>(&kernel, &smem, &resident));
+    if (resident < 1) return cudaErrorInvalidConfiguration;  // the kernel fits no SM
+    *copies = dq_copies(s->batch * s->heads, ceil_div(s->seqlen, BwdConfig<HEAD_DIM>::BLOCK_KV), resident);
+    return cudaSuccess;
+}
+
 static size_t backward_workspace_bytes(const AttnShape *s) {
-    size_t dq_acc = (size_t)s->batch * s->heads * s->seqlen * s->headdim * sizeof(float);
-    return delta_bytes(s) + (DETERMINISTIC_DQ ? 0 : dq_acc);
+    const size_t dq_acc = (size_t)s->batch * s->heads * s->seqlen * s->headdim * sizeof(float);
+    int copies = 1;
+    if (s->headdim == 64 ? dq_copies_of<64>(s, &copies) : dq_copies_of<128>(s, &copies))
+        copies = 1;  // an error here is the launch's to report
+    return delta_bytes(s) + copies * dq_acc;
 }
 
 template <int HEAD_DIM>
@@ -1486,35 +1611,26 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
     const AttnShape *s = &args->shape;
     const int heads = s->batch * s->heads, key_tiles = ceil_div(s->seqlen, BwdConfig<HEAD_DIM>::BLOCK_KV);
     const float scale = s->scale, scale_log2 = s->scale * LOG2E;
+    decltype(&flash_attention_backward_kernel<HEAD_DIM>) main_kernel;
+    int smem = 0, resident = 0, copies = 1;
+    RETURN_IF_ERROR(main_kernel_of<HEAD_DIM>(&main_kernel, &smem, &resident));
+    RETURN_IF_ERROR(dq_copies_of<HEAD_DIM>(s, &copies));
     float *delta = (float *)args->workspace;
-    float *dq_acc = DETERMINISTIC_DQ ? NULL : (float *)((char *)args->workspace + delta_bytes(s));
+    float *dq_acc = copies ? (float *)((char *)args->workspace + delta_bytes(s)) : NULL;
     const dim3 row_grid(ceil_div(s->seqlen, THREADS / (HEAD_DIM / CHUNK_HALVES)), heads);
 
     backward_preprocess_kernel<HEAD_DIM>
-        <<<row_grid, THREADS, 0, stream>>>(args->o, args->d_o, delta, dq_acc, s->seqlen);
+        <<<row_grid, THREADS, 0, stream>>>(args->o, args->d_o, delta, dq_acc, copies, s->seqlen);
     RETURN_IF_ERROR(cudaGetLastError());
 
-    // The split kernel where BWD_SPLIT builds it and the GPU gives a block its shared memory.
-    int device = 0, smem_optin = 0;
-    RETURN_IF_ERROR(cudaGetDevice(&device));
-    RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    auto main_kernel = flash_attention_backward_kernel<HEAD_DIM>;
-    int smem = BwdConfig<HEAD_DIM>::SMEM_BYTES;
-    if constexpr (BwdConfig<HEAD_DIM>::SPLIT) {
-        if (smem_optin >= BwdConfig<HEAD_DIM>::SPLIT_SMEM_BYTES) {
-            main_kernel = flash_attention_backward_split_kernel<HEAD_DIM>;
-            smem = BwdConfig<HEAD_DIM>::SPLIT_SMEM_BYTES;
-        }
-    }
-    RETURN_IF_ERROR(cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    dim3 grid = s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
+    dim3 grid = DQ_COPIES ? dim3(copies, heads) : s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
     main_kernel<<<grid, BwdConfig<HEAD_DIM>::BLOCK_THREADS, smem, stream>>>(
         args->q, args->k, args->v, args->d_o, args->lse, delta, dq_acc, args->dk, args->dv, s->seqlen, scale,
         scale_log2, s->causal);
     RETURN_IF_ERROR(cudaGetLastError());
 
-#if !DETERMINISTIC_DQ
-    convert_dq_kernel<HEAD_DIM><<<row_grid, THREADS, 0, stream>>>(dq_acc, args->dq, s->seqlen, scale);
+#if !DQ_BY_KERNEL
+    convert_dq_kernel<HEAD_DIM><<<row_grid, THREADS, 0, stream>>>(dq_acc, copies, args->dq, s->seqlen, scale);
 #else
     smem = BwdConfig<HEAD_DIM>::DQ_SMEM_BYTES;
     RETURN_IF_ERROR(

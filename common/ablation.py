@@ -55,7 +55,8 @@ ABLATION_SWITCHES = {
 }
 # A chapter's variants, rows after those without one idea: (variant, a switch that defaults to 0 and
 # is set to 1, what that gives), each against the chapter. 09's is the build the bench also times.
-ABLATION_VARIANTS = {"09_backward": (("deterministic", "DETERMINISTIC_DQ", "dQ without atomics"),)}
+ABLATION_VARIANTS = {"09_backward": (("deterministic", "DETERMINISTIC_DQ", "dQ repeatable: a workspace copy per block"),
+                                     ("dq_kernel", "BWD_DQ_KERNEL", "dQ repeatable: by a kernel of its own"))}
 TFLOPS_OF_PASS = {"forward": forward_tflops, "backward": backward_tflops}
 
 

@@ -54,7 +54,7 @@ BACKWARD_ROWS = [  # 09's table: the ideas on one by one, each off alone (BWD_DQ
     ("plus_bwd_stagger", "step", "-DBWD_SPLIT=0 -DBWD_DQ_STAGE=0"), ("plus_bwd_split", "step", "-DBWD_DQ_STAGE=0"),
     ("chapter", "step", ""), ("without_bwd_wide_block", "without", "-DBWD_WIDE_BLOCK=0"),
     ("without_bwd_stagger", "without", "-DBWD_STAGGER=0"), ("without_bwd_split", "without", "-DBWD_SPLIT=0"),
-    ("deterministic", "variant", "-DDETERMINISTIC_DQ=1")]
+    ("deterministic", "variant", "-DDETERMINISTIC_DQ=1"), ("dq_kernel", "variant", "-DBWD_DQ_KERNEL=1")]
 
 
 def test_backward_chapter_rows(ctx):
@@ -63,7 +63,9 @@ def test_backward_chapter_rows(ctx):
     got = ablation.variants("09_backward")
     assert got == BACKWARD_ROWS, f"09's rows:\n{got}\nexpected:\n{BACKWARD_ROWS}"
     label = ablation.variant_label("09_backward", "deterministic", "variant")
-    assert label == "09_backward with `DETERMINISTIC_DQ` (dQ without atomics)", label
+    assert label == "09_backward with `DETERMINISTIC_DQ` (dQ repeatable: a workspace copy per block)", label
+    label = ablation.variant_label("09_backward", "dq_kernel", "variant")
+    assert label == "09_backward with `BWD_DQ_KERNEL` (dQ repeatable: by a kernel of its own)", label
     for chapter, spec in ablation.ABLATIONS.items():
         if chapter != "09_backward":
             previous = ctx.chapters[ctx.chapters.index(chapter) - 1]
@@ -74,7 +76,7 @@ def test_backward_chapter_rows(ctx):
 
 STAND_IN_MS = {"none": 2.0, "plus_bwd_wide_block": 1.5, "plus_bwd_stagger": 1.2, "plus_bwd_split": 1.1, "chapter": 1.0,
                "without_bwd_wide_block": 1.4, "without_bwd_stagger": 1.1, "without_bwd_split": 1.15,
-               "deterministic": 1.25}
+               "deterministic": 1.25, "dq_kernel": 1.2}
 
 
 def run_on_stand_ins(ctx, chapter):

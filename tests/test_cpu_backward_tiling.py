@@ -18,6 +18,7 @@ that every (query, key) pair is visited exactly once, and that the ldmatrix read
 """
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -193,14 +194,48 @@ def lane_cols(col0, tiles):
 
 
 # --- the kernels -----------------------------------------------------------------------------
+def round_key_tile(rnd, key_tiles, causal, grid, bx, by, copies):
+    """The kernel's round_key_tile: the key tile of block (bx, by)'s round `rnd`, -1 past its last.
+    With DETERMINISTIC_DQ's copies (grid (copies, b*h)) one of every `copies` tiles, back and forth."""
+    if copies:
+        key_tile = rnd * grid[0] + (grid[0] - 1 - bx if rnd % 2 else bx)
+        return key_tile if key_tile < key_tiles else -1
+    return -1 if rnd > 0 else (by if causal else bx)
+
+
+def main_kernel_key_tiles(heads, key_tiles, causal, copies):
+    """(head, copy, key tile) of the main kernel in the order its blocks and their rounds run:
+    grid (copies, b*h) with DETERMINISTIC_DQ (copies > 0), else (key tiles, b*h), causal (b*h, key
+    tiles), and copy 0 (block_head, block_dq_copy)."""
+    grid = (copies, heads) if copies else ((heads, key_tiles) if causal else (key_tiles, heads))
+    for by in range(grid[1]):
+        for bx in range(grid[0]):
+            head, rnd = by if copies or not causal else bx, 0
+            while (key_tile := round_key_tile(rnd, key_tiles, causal, grid, bx, by, copies)) >= 0:
+                yield head, bx if copies else 0, key_tile
+                rnd += 1
+
+
+def dq_copies(heads, key_tiles, resident):
+    """The launcher's dq_copies under DETERMINISTIC_DQ: the fewest blocks per head that take the heads'
+    key tiles in the least (rounds of `resident` blocks) x (key tiles per block)."""
+    best, best_time = 1, -1
+    for copies in range(1, key_tiles + 1):
+        time = ceil_div(heads * copies, resident) * ceil_div(key_tiles, copies)
+        if best_time < 0 or time < best_time:
+            best, best_time = copies, time
+    return best
+
+
 def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=None, stagger=None, split=None,
-                     warp_key_tiles=None, dq_stage=None):
+                     warp_key_tiles=None, dq_stage=None, copies=0):
     """dQ, dK, dV [BH, N, D] and D [BH, N] as 09's kernels compute them (float64), with the main
     kernel's `warps` (default: the source's, per head dim), BWD_STAGGER, BWD_SPLIT (default: the
     source's; the split kernel runs at D=128 with eight warps, BwdConfig::SPLIT) and warp_key_tiles,
     the first kernel's m16 tiles of keys per warp (BWD_KEY_TILES_D64; 1 at D=128), and dq_stage, how
     the split kernel adds its dQ partials on sm_90 (BWD_DQ_STAGE: 1 staged in shared memory and read
-    back a whole row per RED, 0 from registers)."""
+    back a whole row per RED, 0 from registers). deterministic: dQ by the dQ kernel (BWD_DQ_KERNEL);
+    copies > 0: DETERMINISTIC_DQ's main kernel, `copies` blocks per head, each into its own copy."""
     heads, seqlen, d = q.shape
     dq_stage = bool(C["BWD_DQ_STAGE"]) if dq_stage is None else dq_stage
     warps = main_warps(d) if warps is None else warps
@@ -217,224 +252,225 @@ def emulate_backward(q, k, v, do, o, lse, causal, scale, deterministic, warps=No
     scale_log2 = scale * log2e
     visits = np.zeros((heads, seqlen, seqlen), dtype=np.int64)
 
-    # (1) preprocess: D = rowsum(dO * O); the dQ accumulator zeroed (the workspace).
+    # (1) preprocess: D = rowsum(dO * O); the dQ accumulator's copies zeroed (the workspace).
     delta = np.sum(do * o, axis=-1)
-    dq_acc = np.zeros((heads, seqlen, d))
+    dq_acc_copies = np.zeros((max(copies, 1), heads, seqlen, d))
     dk, dv = np.zeros((heads, seqlen, d)), np.zeros((heads, seqlen, d))
 
-    # (2) the main kernel, block by block in its grid's order.
+    # (2) the main kernel, block by block in its grid's order, each block's key tiles in turn.
     key_tiles = ceil_div(seqlen, bkv)
     query_tiles = ceil_div(seqlen, BQ)
-    grid = (heads, key_tiles) if causal else (key_tiles, heads)
-    for by in range(grid[1]):
-        for bx in range(grid[0]):
-            key_tile, head = (by, bx) if causal else (bx, by)
-            key0 = key_tile * bkv
-            first_tile = key0 // BQ if causal or stagger else 0
-            n_tiles = query_tiles - first_tile if causal else query_tiles
-            assert n_tiles >= 1
+    for head, copy, key_tile in main_kernel_key_tiles(heads, key_tiles, causal, copies):
+        dq_acc = dq_acc_copies[copy]  # the block's copy of the workspace (the one copy without DETERMINISTIC_DQ)
+        key0 = key_tile * bkv
+        first_tile = key0 // BQ if causal or stagger else 0
+        n_tiles = query_tiles - first_tile if causal else query_tiles
+        assert n_tiles >= 1
 
-            def step_query0(step):  # the loop's query tiles: from first_tile on, wrapping round
-                tile = first_tile + step
-                assert tile < 2 * query_tiles
-                return (tile if tile < query_tiles else tile - query_tiles) * BQ
+        def step_query0(step):  # the loop's query tiles: from first_tile on, wrapping round
+            tile = first_tile + step
+            assert tile < 2 * query_tiles
+            return (tile if tile < query_tiles else tile - query_tiles) * BQ
 
-            if causal and first_tile > 0:  # the skipped query tiles: every key of the block after every query
-                assert first_tile * BQ - 1 < key0
-            # shared memory: LSE/D ring (floats, kept apart here), K, V, the Q/dO ring, (P^T,) dS^T
-            k_base, v_base = 0, bkv * stride
-            q_ring, do_ring = 2 * bkv * stride, 2 * bkv * stride + STAGES * BQ * stride
-            pt_base = do_ring + STAGES * BQ * stride  # the split kernel's P^T
-            ds_base = pt_base + (bkv * ds_stride if split else 0)
-            smem = Shared(ds_base + bkv * ds_stride)
-            lse_ring, delta_ring = np.zeros((STAGES, BQ)), np.zeros((STAGES, BQ))
+        if causal and first_tile > 0:  # the skipped query tiles: every key of the block after every query
+            assert first_tile * BQ - 1 < key0
+        # shared memory: LSE/D ring (floats, kept apart here), K, V, the Q/dO ring, (P^T,) dS^T
+        k_base, v_base = 0, bkv * stride
+        q_ring, do_ring = 2 * bkv * stride, 2 * bkv * stride + STAGES * BQ * stride
+        pt_base = do_ring + STAGES * BQ * stride  # the split kernel's P^T
+        ds_base = pt_base + (bkv * ds_stride if split else 0)
+        smem = Shared(ds_base + bkv * ds_stride)
+        lse_ring, delta_ring = np.zeros((STAGES, BQ)), np.zeros((STAGES, BQ))
 
-            def fill(slot, t):
-                query0 = step_query0(t)
-                load_tile(smem, q_ring + slot * BQ * stride, stride, q[head], query0, seqlen, BQ, d)
-                load_tile(smem, do_ring + slot * BQ * stride, stride, do[head], query0, seqlen, BQ, d)
-                rows = query0 + np.arange(BQ)
-                ok = rows < seqlen
-                lse_ring[slot] = np.where(ok, lse[head][np.minimum(rows, seqlen - 1)], 0.0)
-                delta_ring[slot] = np.where(ok, delta[head][np.minimum(rows, seqlen - 1)], 0.0)
+        def fill(slot, t):
+            query0 = step_query0(t)
+            load_tile(smem, q_ring + slot * BQ * stride, stride, q[head], query0, seqlen, BQ, d)
+            load_tile(smem, do_ring + slot * BQ * stride, stride, do[head], query0, seqlen, BQ, d)
+            rows = query0 + np.arange(BQ)
+            ok = rows < seqlen
+            lse_ring[slot] = np.where(ok, lse[head][np.minimum(rows, seqlen - 1)], 0.0)
+            delta_ring[slot] = np.where(ok, delta[head][np.minimum(rows, seqlen - 1)], 0.0)
 
-            def add_dq_of_tile(query0, row_tiles=1, stage=None):
-                """dQ += dS K from dS^T in shared memory: warp w takes `row_tiles` m16 tiles of queries
-                (w % query_warps) against every key of the block, for dims dq_warp_dims (w / query_warps)..,
-                in passes of <= 8 n8 tiles: one tile, 16 queries, in the first kernel; two in the split one.
-                With `stage` (BWD_DQ_STAGE, add_dq_of_tile<128, 2, true>) each partial is stored to that
-                [query][DQ_STAGE_STRIDE] tile as float2 (stage_dq_partial) instead of added."""
-                query_warps = DQ_ROW_TILES // row_tiles
-                dq_warp_dims = d * query_warps // warps  # add_dq_of_tile's DQ_WARP_DIMS
-                dq_dim_tiles = min(dq_warp_dims // 8, 8)
-                for w in range(warps):
-                    row0, dim0 = w % query_warps * row_tiles * ROWS, w // query_warps * dq_warp_dims
-                    for pas, mt in [(pas, mt) for pas in range(dq_warp_dims // 8 // dq_dim_tiles) for mt in range(row_tiles)]:
-                        part = np.zeros((dq_dim_tiles, 32, 4))
-                        for kk in range(bkv // 16):
-                            key = kk * 16 + LANES // 16 * 8 + LANES % 8
-                            dsa = smem.ldmatrix_x4(ds_base + key * ds_stride + row0 + mt * 16 + LANES // 8 % 2 * 8,
-                                                   trans=True)
-                            for dp in range(dq_dim_tiles // 2):
-                                kf = load_trans_pair(smem, k_base, stride, kk, dim0 // 16 + pas * dq_dim_tiles // 2 + dp)
-                                mma(part[2 * dp], dsa, kf[:, 0], kf[:, 1])
-                                mma(part[2 * dp + 1], dsa, kf[:, 2], kf[:, 3])
-                        if stage is not None:
-                            stage_dq_partial(stage, part, row0 + mt * 16, dim0 + pas * dq_dim_tiles * 8)
-                            continue
-                        # add_dq_partial's sm_90 path: the lanes of a quad pair swap half their
-                        # values, then each adds four adjacent dims of one row (red.global.add.v4.f32).
-                        odd = QUAD % 2 == 1
-                        partner = LANES ^ 1
-                        query = query0 + row0 + mt * 16 + GROUP + np.where(odd, 8, 0)  # [32]
-                        ok = query < seqlen
-                        for nt in range(dq_dim_tiles):
-                            give = np.where(odd[:, None], part[nt][:, 0:2], part[nt][:, 2:4])
-                            got = give[partner]
-                            four = np.where(odd[:, None], np.concatenate([got, part[nt][:, 2:4]], 1),
-                                            np.concatenate([part[nt][:, 0:2], got], 1))
-                            for e in range(4):
-                                col = dim0 + pas * dq_dim_tiles * 8 + nt * 8 + 4 * (QUAD // 2) + e
-                                assert np.all(four[~ok, e] == 0), "a skipped atomic (query past N) was not zero"
-                                np.add.at(dq_acc[head], (query[ok], col[ok]), four[ok, e])  # the vector atomicAdd
-
-            def stage_dq_partial(stage, part, row0, dim0):
-                """A warp's m16 tile of partial, rows row0 + l / 4 (+ 8), dims dim0 + 8nt + 2 (l % 4), as
-                float2 stores to the staged tile: a half-warp's 32 words in 32 banks."""
-                for r in range(2):
-                    row = row0 + GROUP + r * 8
-                    for nt in range(len(part)):
-                        col = dim0 + nt * 8 + 2 * QUAD
-                        words = row * stage.shape[1] + col
-                        for half in (slice(0, 16), slice(16, 32)):
-                            banks = (words[half, None] + np.arange(2)) % 32
-                            assert len(set(banks.ravel().tolist())) == 32, "staged dQ store bank conflict"
-                        stage[row, col] = part[nt][:, 2 * r]
-                        stage[row, col + 1] = part[nt][:, 2 * r + 1]
-
-            def stage_and_add_dq(query0, row_tiles=2):
-                """The split kernel's dQ with BWD_DQ_STAGE: add_dq_of_tile's partials staged, then (after
-                the next tile's first barrier) add_staged_dq: warp w adds the tile's whole rows 8w.. into
-                the accumulator, lane l four dims 4l.. per row, one 16-byte RED each."""
-                stage = np.full((BQ, C["DQ_STAGE_STRIDE"]), np.nan)  # what no warp stores is never read
-                add_dq_of_tile(query0, row_tiles, stage)
-                for w in range(warps):
-                    for kr in range(BQ // warps):
-                        row = w * (BQ // warps) + kr
-                        words = row * stage.shape[1] + 4 * LANES
-                        for quarter in range(4):  # a 16-byte load's phase: 8 lanes, 32 banks
-                            banks = (words[8 * quarter:8 * quarter + 8, None] + np.arange(4)) % 32
-                            assert len(set(banks.ravel().tolist())) == 32, "staged dQ load bank conflict"
-                        four = stage[row, 4 * LANES[:, None] + np.arange(4)]
-                        assert not np.isnan(four).any()
-                        if query0 + row < seqlen:
-                            dq_acc[head][query0 + row, 4 * LANES[:, None] + np.arange(4)] += four
-                        else:
-                            assert np.all(four == 0), "a skipped row (query past N) was not zero"
-
-            load_tile(smem, k_base, stride, k[head], key0, seqlen, bkv, d)
-            load_tile(smem, v_base, stride, v[head], key0, seqlen, bkv, d)
-            for t in range(STAGES - 1):
-                if t < n_tiles:
-                    fill(t, t)
-            if split:
-                split_block(smem, (k_base, v_base, q_ring, do_ring, pt_base, ds_base), fill, step_query0,
-                            stage_and_add_dq if dq_stage else add_dq_of_tile, (lse_ring, delta_ring),
-                            (head, key0, n_tiles, seqlen, causal),
-                            scale_log2, deterministic, visits, dk, dv, scale)
-                continue
-            dk_acc = [[np.zeros((dim_tiles, 32, 4)) for _ in range(warp_key_tiles)] for _ in range(warps)]
-            dv_acc = [[np.zeros((dim_tiles, 32, 4)) for _ in range(warp_key_tiles)] for _ in range(warps)]
-            pq = BQ // parts  # queries per part
-            for tile in range(n_tiles):
-                nxt = tile + STAGES - 1
-                if nxt < n_tiles:
-                    fill(nxt % STAGES, nxt)
-                if not deterministic and tile > 0:  # the last tile's dQ, after the barrier at the top
-                    add_dq_of_tile(step_query0(tile - 1))
-                slot, query0 = tile % STAGES, step_query0(tile)
-                q_tile, do_tile = q_ring + slot * BQ * stride, do_ring + slot * BQ * stride
-                masked_here = mask_needed(query0, key0, seqlen, causal, bkv)
-                ds_frags = []  # (row0, part0, dS^T A fragments) of every warp, m16 tile and part
-                units = [(w, part, mt) for w in range(warps) for part in range(parts) for mt in range(warp_key_tiles)]
-                for w, part, mt in units:
-                    row0, part0 = w * ROWS * warp_key_tiles + mt * ROWS, part * pq
-                    q_part, do_part = q_tile + part0 * stride, do_tile + part0 * stride
-                    score = np.zeros((q_tiles_n8, 32, 4))
-                    for ks in range(k_steps):
-                        kf = load_a_step(smem, k_base, stride, row0, ks)
-                        qf = load_k_step(smem, q_part, stride, q_tiles_n8, ks)
-                        for np_ in range(q_tiles_n8 // 2):
-                            mma(score[2 * np_], kf, qf[np_][:, 0], qf[np_][:, 1])
-                            mma(score[2 * np_ + 1], kf, qf[np_][:, 2], qf[np_][:, 3])
-                    score = score.transpose(1, 0, 2)  # [lane][nt][4]
-                    cols_of = lane_cols(query0 + part0, q_tiles_n8)
-                    hide = tile_hidden(lane_rows(key0 + row0), cols_of, True, seqlen, causal)
-                    if masked_here:
-                        score = np.where(hide, -np.inf, score)
-                    else:
-                        assert not hide.any(), f"tile (keys {key0}, queries {query0}) needed the mask it skips"
-                    # visits: the pairs this warp's elements stand for, unmasked
-                    keys, queries = np.broadcast_arrays(lane_rows(key0 + row0)[:, None, :, None], cols_of[:, :, None, :])
-                    seen = ~hide.reshape(keys.shape)
-                    np.add.at(visits[head], (queries[seen], keys[seen]), 1)
-                    # P^T = exp2(S^T * scale_log2 - LSE * log2e): LSE of column part0 + nt*8 + 2c + e
-                    cols = part0 + (np.arange(q_tiles_n8)[None, :, None] * 8 + 2 * QUAD[:, None, None] + np.arange(2))
-                    lse_l = lse_ring[slot][cols]  # [32, nt, 2]
-                    lse_l = np.concatenate([lse_l, lse_l], axis=-1)  # [2r + e] -> e
-                    p = np.exp2(score * scale_log2 - lse_l * log2e)
-                    p = p.transpose(1, 0, 2)  # [nt][lane][4]
-                    for kk in range(q_steps):
-                        pf = pack_a(p[2 * kk], p[2 * kk + 1])
-                        for dp in range(dim_tiles // 2):
-                            df = load_trans_pair(smem, do_part, stride, kk, dp)
-                            mma(dv_acc[w][mt][2 * dp], pf, df[:, 0], df[:, 1])
-                            mma(dv_acc[w][mt][2 * dp + 1], pf, df[:, 2], df[:, 3])
-                    dsv = np.zeros((q_tiles_n8, 32, 4))
-                    for ks in range(k_steps):
-                        vf = load_a_step(smem, v_base, stride, row0, ks)
-                        of = load_k_step(smem, do_part, stride, q_tiles_n8, ks)
-                        for np_ in range(q_tiles_n8 // 2):
-                            mma(dsv[2 * np_], vf, of[np_][:, 0], of[np_][:, 1])
-                            mma(dsv[2 * np_ + 1], vf, of[np_][:, 2], of[np_][:, 3])
-                    dl = delta_ring[slot][cols]
-                    dl = np.concatenate([dl, dl], axis=-1).transpose(1, 0, 2)
-                    dsv = p * (dsv - dl)
-                    dsf = [pack_a(dsv[2 * kk], dsv[2 * kk + 1]) for kk in range(q_steps)]
-                    for kk in range(q_steps):
-                        for dp in range(dim_tiles // 2):
-                            qf2 = load_trans_pair(smem, q_part, stride, kk, dp)
-                            mma(dk_acc[w][mt][2 * dp], dsf[kk], qf2[:, 0], qf2[:, 1])
-                            mma(dk_acc[w][mt][2 * dp + 1], dsf[kk], qf2[:, 2], qf2[:, 3])
-                    ds_frags.append((row0, part0, dsf))
-                if deterministic:
-                    continue
-                # dS^T to shared memory, after a barrier (every warp has read the last tile's), over it
-                for row0, part0, dsf in ds_frags:
-                    for kk in range(q_steps):
-                        for i in range(4):
-                            key = row0 + GROUP + i % 2 * 8
-                            query = part0 + kk * 16 + i // 2 * 8 + 2 * QUAD
-                            smem.store_words(ds_base + key * ds_stride + query, dsf[kk][:, i])
-            if not deterministic:  # the last tile's dQ, after the loop
-                add_dq_of_tile(step_query0(n_tiles - 1))
+        def add_dq_of_tile(query0, row_tiles=1, stage=None):
+            """dQ += dS K from dS^T in shared memory: warp w takes `row_tiles` m16 tiles of queries
+            (w % query_warps) against every key of the block, for dims dq_warp_dims (w / query_warps)..,
+            in passes of <= 8 n8 tiles: one tile, 16 queries, in the first kernel; two in the split one.
+            With `stage` (BWD_DQ_STAGE, add_dq_of_tile<128, 2, true>) each partial is stored to that
+            [query][DQ_STAGE_STRIDE] tile as float2 (stage_dq_partial) instead of added."""
+            query_warps = DQ_ROW_TILES // row_tiles
+            dq_warp_dims = d * query_warps // warps  # add_dq_of_tile's DQ_WARP_DIMS
+            dq_dim_tiles = min(dq_warp_dims // 8, 8)
             for w in range(warps):
-                for mt in range(warp_key_tiles):
-                    for r in range(2):
-                        key = key0 + w * ROWS * warp_key_tiles + mt * ROWS + GROUP + 8 * r
-                        ok = key < seqlen
-                        for nt in range(dim_tiles):
-                            for e in range(2):
-                                col = nt * 8 + 2 * QUAD + e
-                                dk[head][key[ok], col[ok]] = dk_acc[w][mt][nt][ok, 2 * r + e] * scale
-                                dv[head][key[ok], col[ok]] = dv_acc[w][mt][nt][ok, 2 * r + e]
+                row0, dim0 = w % query_warps * row_tiles * ROWS, w // query_warps * dq_warp_dims
+                for pas, mt in [(pas, mt) for pas in range(dq_warp_dims // 8 // dq_dim_tiles) for mt in range(row_tiles)]:
+                    part = np.zeros((dq_dim_tiles, 32, 4))
+                    for kk in range(bkv // 16):
+                        key = kk * 16 + LANES // 16 * 8 + LANES % 8
+                        dsa = smem.ldmatrix_x4(ds_base + key * ds_stride + row0 + mt * 16 + LANES // 8 % 2 * 8,
+                                               trans=True)
+                        for dp in range(dq_dim_tiles // 2):
+                            kf = load_trans_pair(smem, k_base, stride, kk, dim0 // 16 + pas * dq_dim_tiles // 2 + dp)
+                            mma(part[2 * dp], dsa, kf[:, 0], kf[:, 1])
+                            mma(part[2 * dp + 1], dsa, kf[:, 2], kf[:, 3])
+                    if stage is not None:
+                        stage_dq_partial(stage, part, row0 + mt * 16, dim0 + pas * dq_dim_tiles * 8)
+                        continue
+                    # add_dq_partial's sm_90 path: the lanes of a quad pair swap half their
+                    # values, then each adds four adjacent dims of one row (red.global.add.v4.f32).
+                    odd = QUAD % 2 == 1
+                    partner = LANES ^ 1
+                    query = query0 + row0 + mt * 16 + GROUP + np.where(odd, 8, 0)  # [32]
+                    ok = query < seqlen
+                    for nt in range(dq_dim_tiles):
+                        give = np.where(odd[:, None], part[nt][:, 0:2], part[nt][:, 2:4])
+                        got = give[partner]
+                        four = np.where(odd[:, None], np.concatenate([got, part[nt][:, 2:4]], 1),
+                                        np.concatenate([part[nt][:, 0:2], got], 1))
+                        for e in range(4):
+                            col = dim0 + pas * dq_dim_tiles * 8 + nt * 8 + 4 * (QUAD // 2) + e
+                            assert np.all(four[~ok, e] == 0), "a skipped atomic (query past N) was not zero"
+                            np.add.at(dq_acc[head], (query[ok], col[ok]), four[ok, e])  # the vector atomicAdd
+
+        def stage_dq_partial(stage, part, row0, dim0):
+            """A warp's m16 tile of partial, rows row0 + l / 4 (+ 8), dims dim0 + 8nt + 2 (l % 4), as
+            float2 stores to the staged tile: a half-warp's 32 words in 32 banks."""
+            for r in range(2):
+                row = row0 + GROUP + r * 8
+                for nt in range(len(part)):
+                    col = dim0 + nt * 8 + 2 * QUAD
+                    words = row * stage.shape[1] + col
+                    for half in (slice(0, 16), slice(16, 32)):
+                        banks = (words[half, None] + np.arange(2)) % 32
+                        assert len(set(banks.ravel().tolist())) == 32, "staged dQ store bank conflict"
+                    stage[row, col] = part[nt][:, 2 * r]
+                    stage[row, col + 1] = part[nt][:, 2 * r + 1]
+
+        def stage_and_add_dq(query0, row_tiles=2):
+            """The split kernel's dQ with BWD_DQ_STAGE: add_dq_of_tile's partials staged, then (after
+            the next tile's first barrier) add_staged_dq: warp w adds the tile's whole rows 8w.. into
+            the accumulator, lane l four dims 4l.. per row, one 16-byte RED each."""
+            stage = np.full((BQ, C["DQ_STAGE_STRIDE"]), np.nan)  # what no warp stores is never read
+            add_dq_of_tile(query0, row_tiles, stage)
+            for w in range(warps):
+                for kr in range(BQ // warps):
+                    row = w * (BQ // warps) + kr
+                    words = row * stage.shape[1] + 4 * LANES
+                    for quarter in range(4):  # a 16-byte load's phase: 8 lanes, 32 banks
+                        banks = (words[8 * quarter:8 * quarter + 8, None] + np.arange(4)) % 32
+                        assert len(set(banks.ravel().tolist())) == 32, "staged dQ load bank conflict"
+                    four = stage[row, 4 * LANES[:, None] + np.arange(4)]
+                    assert not np.isnan(four).any()
+                    if query0 + row < seqlen:
+                        dq_acc[head][query0 + row, 4 * LANES[:, None] + np.arange(4)] += four
+                    else:
+                        assert np.all(four == 0), "a skipped row (query past N) was not zero"
+
+        load_tile(smem, k_base, stride, k[head], key0, seqlen, bkv, d)
+        load_tile(smem, v_base, stride, v[head], key0, seqlen, bkv, d)
+        for t in range(STAGES - 1):
+            if t < n_tiles:
+                fill(t, t)
+        if split:
+            split_block(smem, (k_base, v_base, q_ring, do_ring, pt_base, ds_base), fill, step_query0,
+                        stage_and_add_dq if dq_stage else add_dq_of_tile, (lse_ring, delta_ring),
+                        (head, key0, n_tiles, seqlen, causal),
+                        scale_log2, deterministic, visits, dk, dv, scale)
+            continue
+        dk_acc = [[np.zeros((dim_tiles, 32, 4)) for _ in range(warp_key_tiles)] for _ in range(warps)]
+        dv_acc = [[np.zeros((dim_tiles, 32, 4)) for _ in range(warp_key_tiles)] for _ in range(warps)]
+        pq = BQ // parts  # queries per part
+        for tile in range(n_tiles):
+            nxt = tile + STAGES - 1
+            if nxt < n_tiles:
+                fill(nxt % STAGES, nxt)
+            if not deterministic and tile > 0:  # the last tile's dQ, after the barrier at the top
+                add_dq_of_tile(step_query0(tile - 1))
+            slot, query0 = tile % STAGES, step_query0(tile)
+            q_tile, do_tile = q_ring + slot * BQ * stride, do_ring + slot * BQ * stride
+            masked_here = mask_needed(query0, key0, seqlen, causal, bkv)
+            ds_frags = []  # (row0, part0, dS^T A fragments) of every warp, m16 tile and part
+            units = [(w, part, mt) for w in range(warps) for part in range(parts) for mt in range(warp_key_tiles)]
+            for w, part, mt in units:
+                row0, part0 = w * ROWS * warp_key_tiles + mt * ROWS, part * pq
+                q_part, do_part = q_tile + part0 * stride, do_tile + part0 * stride
+                score = np.zeros((q_tiles_n8, 32, 4))
+                for ks in range(k_steps):
+                    kf = load_a_step(smem, k_base, stride, row0, ks)
+                    qf = load_k_step(smem, q_part, stride, q_tiles_n8, ks)
+                    for np_ in range(q_tiles_n8 // 2):
+                        mma(score[2 * np_], kf, qf[np_][:, 0], qf[np_][:, 1])
+                        mma(score[2 * np_ + 1], kf, qf[np_][:, 2], qf[np_][:, 3])
+                score = score.transpose(1, 0, 2)  # [lane][nt][4]
+                cols_of = lane_cols(query0 + part0, q_tiles_n8)
+                hide = tile_hidden(lane_rows(key0 + row0), cols_of, True, seqlen, causal)
+                if masked_here:
+                    score = np.where(hide, -np.inf, score)
+                else:
+                    assert not hide.any(), f"tile (keys {key0}, queries {query0}) needed the mask it skips"
+                # visits: the pairs this warp's elements stand for, unmasked
+                keys, queries = np.broadcast_arrays(lane_rows(key0 + row0)[:, None, :, None], cols_of[:, :, None, :])
+                seen = ~hide.reshape(keys.shape)
+                np.add.at(visits[head], (queries[seen], keys[seen]), 1)
+                # P^T = exp2(S^T * scale_log2 - LSE * log2e): LSE of column part0 + nt*8 + 2c + e
+                cols = part0 + (np.arange(q_tiles_n8)[None, :, None] * 8 + 2 * QUAD[:, None, None] + np.arange(2))
+                lse_l = lse_ring[slot][cols]  # [32, nt, 2]
+                lse_l = np.concatenate([lse_l, lse_l], axis=-1)  # [2r + e] -> e
+                p = np.exp2(score * scale_log2 - lse_l * log2e)
+                p = p.transpose(1, 0, 2)  # [nt][lane][4]
+                for kk in range(q_steps):
+                    pf = pack_a(p[2 * kk], p[2 * kk + 1])
+                    for dp in range(dim_tiles // 2):
+                        df = load_trans_pair(smem, do_part, stride, kk, dp)
+                        mma(dv_acc[w][mt][2 * dp], pf, df[:, 0], df[:, 1])
+                        mma(dv_acc[w][mt][2 * dp + 1], pf, df[:, 2], df[:, 3])
+                dsv = np.zeros((q_tiles_n8, 32, 4))
+                for ks in range(k_steps):
+                    vf = load_a_step(smem, v_base, stride, row0, ks)
+                    of = load_k_step(smem, do_part, stride, q_tiles_n8, ks)
+                    for np_ in range(q_tiles_n8 // 2):
+                        mma(dsv[2 * np_], vf, of[np_][:, 0], of[np_][:, 1])
+                        mma(dsv[2 * np_ + 1], vf, of[np_][:, 2], of[np_][:, 3])
+                dl = delta_ring[slot][cols]
+                dl = np.concatenate([dl, dl], axis=-1).transpose(1, 0, 2)
+                dsv = p * (dsv - dl)
+                dsf = [pack_a(dsv[2 * kk], dsv[2 * kk + 1]) for kk in range(q_steps)]
+                for kk in range(q_steps):
+                    for dp in range(dim_tiles // 2):
+                        qf2 = load_trans_pair(smem, q_part, stride, kk, dp)
+                        mma(dk_acc[w][mt][2 * dp], dsf[kk], qf2[:, 0], qf2[:, 1])
+                        mma(dk_acc[w][mt][2 * dp + 1], dsf[kk], qf2[:, 2], qf2[:, 3])
+                ds_frags.append((row0, part0, dsf))
+            if deterministic:
+                continue
+            # dS^T to shared memory, after a barrier (every warp has read the last tile's), over it
+            for row0, part0, dsf in ds_frags:
+                for kk in range(q_steps):
+                    for i in range(4):
+                        key = row0 + GROUP + i % 2 * 8
+                        query = part0 + kk * 16 + i // 2 * 8 + 2 * QUAD
+                        smem.store_words(ds_base + key * ds_stride + query, dsf[kk][:, i])
+        if not deterministic:  # the last tile's dQ, after the loop
+            add_dq_of_tile(step_query0(n_tiles - 1))
+        for w in range(warps):
+            for mt in range(warp_key_tiles):
+                for r in range(2):
+                    key = key0 + w * ROWS * warp_key_tiles + mt * ROWS + GROUP + 8 * r
+                    ok = key < seqlen
+                    for nt in range(dim_tiles):
+                        for e in range(2):
+                            col = nt * 8 + 2 * QUAD + e
+                            dk[head][key[ok], col[ok]] = dk_acc[w][mt][nt][ok, 2 * r + e] * scale
+                            dv[head][key[ok], col[ok]] = dv_acc[w][mt][nt][ok, 2 * r + e]
 
     want = np.tril(np.ones((seqlen, seqlen), dtype=np.int64)) if causal else np.ones((seqlen, seqlen), np.int64)
     assert np.array_equal(visits, np.broadcast_to(want, visits.shape)), "a (query, key) pair visited not exactly once"
     if deterministic:
         dq = emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale)
-    else:
-        dq = dq_acc * scale  # (3) convert
+    else:  # (3) convert: the copies summed in order, scaled
+        dq = dq_acc_copies[0].copy()
+        for extra in dq_acc_copies[1:]:
+            dq += extra
+        dq *= scale
     return dq, dk, dv, delta
 
 
@@ -637,7 +673,7 @@ def emulate_dq_kernel(q, k, v, do, lse, delta, causal, scale, row_tiles=None, bk
 
 # --- the checks ----------------------------------------------------------------------------------
 def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, stagger=None, split=None,
-                warp_key_tiles=None, dq_stage=None):
+                warp_key_tiles=None, dq_stage=None, copies=0):
     q, k, v = reference.make_inputs(1, heads, seqlen, d, seed)
     do = reference.make_grad_output(1, heads, seqlen, d, seed)
     scale = 1 / np.sqrt(d)
@@ -646,14 +682,15 @@ def check_shape(heads, seqlen, d, causal, deterministic, seed=0, warps=None, sta
     want = reference.attention_backward(q, k, v, do, rows, rows, causal, scale)
     f64 = [x[0].astype(np.float64) for x in (q, k, v, do)]
     got = emulate_backward(*f64, o[0], lse[0], causal, scale, deterministic, warps, stagger, split, warp_key_tiles,
-                           dq_stage)
+                           dq_stage, copies)
     for name, g, w in zip(("dQ", "dK", "dV", "D"), got, want):
         w = w[0]
         assert np.all(np.isfinite(g)), f"{name}: non-finite values"
         err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1.0)
         assert err < 1e-10, (f"{name} at H={heads} N={seqlen} D={d} causal={causal} "
                              f"deterministic={deterministic} warps={warps} stagger={stagger} split={split} "
-                             f"warp_key_tiles={warp_key_tiles} dq_stage={dq_stage}: relative error {err:.2e}")
+                             f"warp_key_tiles={warp_key_tiles} dq_stage={dq_stage} copies={copies}: "
+                             f"relative error {err:.2e}")
     return got
 
 
@@ -689,6 +726,41 @@ def test_deterministic_version_matches_reference_and_atomics():
         atom = check_shape(heads, n, d, causal, deterministic=False)
         assert np.array_equal(det[1], atom[1]) and np.array_equal(det[2], atom[2])
     return f"{len(SHAPES)} shapes"
+
+
+# DETERMINISTIC_DQ's copies: (heads, N, D, causal, copies), blocks that take two or three key
+# tiles in turn (N = 700: 3 key tiles of 256 at D=64, 6 of 128 at D=128), and more copies than a
+# head's key tiles divide evenly.
+COPIES_SHAPES = [(2, 700, 64, True, 1), (1, 700, 128, False, 2), (1, 700, 128, True, 4), (2, 260, 128, True, 2)]
+
+
+def test_workspace_copies_match_reference_and_atomics():
+    for heads, n, d, causal, copies in COPIES_SHAPES:
+        det = check_shape(heads, n, d, causal, deterministic=False, copies=copies)
+        atom = check_shape(heads, n, d, causal, deterministic=False)
+        # the same dK and dV as the atomic build: each key tile's work is the same, only where its dQ goes differs
+        assert np.array_equal(det[1], atom[1]) and np.array_equal(det[2], atom[2]), (heads, n, d, causal, copies)
+    return f"{len(COPIES_SHAPES)} shapes, 1 to 4 copies"
+
+
+def test_copies_take_every_key_tile_once_and_even_out():
+    """Each key tile of each head in one block's rounds, one block per (copy, head); dq_copies's
+    choices at shapes of the bench (132 resident blocks, an H200's SMs at one block each), and the
+    causal work of the copies of a head within 7% of each other (back and forth) where they take
+    whole pairs of rounds."""
+    for heads, key_tiles, resident, want in ((64, 32, 132, 2), (32, 64, 132, 4), (256, 8, 132, 1), (4, 8, 132, 8),
+                                             (1, 1, 132, 1), (128, 16, 132, 1), (48, 32, 132, 8)):
+        copies = dq_copies(heads, key_tiles, resident)
+        assert copies == want, f"dq_copies({heads}, {key_tiles}, {resident}) = {copies}, expected {want}"
+        for causal in (False, True):
+            seen = Counter((h, t) for h, _, t in main_kernel_key_tiles(heads, key_tiles, causal, copies))
+            assert seen == Counter({(h, t): 1 for h in range(heads) for t in range(key_tiles)}), (heads, key_tiles)
+        work = Counter()  # causal: a key tile of 128 keys sees 2 (key_tiles - tile) query tiles of 64
+        for h, c, t in main_kernel_key_tiles(1, key_tiles, True, copies):
+            work[c] += key_tiles - t
+        if copies > 1 and key_tiles % (2 * copies) == 0:  # whole pairs of rounds, there and back
+            assert max(work.values()) <= 1.07 * min(work.values()), f"{heads} {key_tiles} {copies}: {dict(work)}"
+    return "7 shapes"
 
 
 def test_other_arrangements_match_reference():
@@ -749,9 +821,9 @@ def test_dq_kernel_arrangements_match_reference():
 
 
 def test_workspace_bytes_formula_in_source():
-    """workspace_bytes: D rounded up to WORKSPACE_ALIGN, then B*H*N*D floats (atomic version)."""
+    """workspace_bytes: D rounded up to WORKSPACE_ALIGN, then B*H*N*D floats per copy of dQ's."""
     text = SOURCE.read_text()
-    assert re.search(r"return delta_bytes\(s\) \+ \(DETERMINISTIC_DQ \? 0 : dq_acc\);", text)
+    assert re.search(r"return delta_bytes\(s\) \+ copies \* dq_acc;", text)
     assert re.search(r"\(size_t\)s->batch \* s->heads \* s->seqlen \* s->headdim \* sizeof\(float\)", text)
 
 
@@ -790,7 +862,13 @@ KERNEL_EXPRESSIONS = [
     "return (tile < query_tiles ? tile : tile - query_tiles) * BWD_BLOCK_Q",  # step_query0
     "if (tile > 0) add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, tile - 1, query_tiles)",
     "add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen)",
-    "key_tile = causal ? blockIdx.y : blockIdx.x",
+    "return round > 0 ? -1 : (int)(causal ? blockIdx.y : blockIdx.x);",  # round_key_tile
+    "const int key_tile = round * copies + (round % 2 ? copies - 1 - copy : copy);",
+    "return key_tile < key_tiles ? key_tile : -1;",
+    "return DQ_COPIES || !causal ? blockIdx.y : blockIdx.x;",  # block_head
+    "dim3(copies, heads) : s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads)",  # the grid
+    "(blocks + resident - 1) / resident * per_block",  # dq_copies
+    "if (best_time < 0 || time < best_time) best = copies, best_time = time;",
     "query_tile = causal ? gridDim.y - 1 - blockIdx.y : blockIdx.x",
     "key_end = causal ? min(seqlen, query0 + DQ_BLOCK_Q) : seqlen",  # the dQ kernel
     "query0 = query_tile * DQ_BLOCK_Q, warp_row0 = warp * ROW_TILES * MMA_M",

@@ -554,7 +554,7 @@ def backward_output_case(chapter, b, h, n, d, causal):
 
 def backward_repeat_case(chapter, variant, b, h, n, d, causal):
     """Two runs on the same inputs: dK and dV bitwise the same (each key block sums its own); dQ too
-    where it is reduced without atomics (the DETERMINISTIC_DQ build)."""
+    where it is summed in a fixed order (the DETERMINISTIC_DQ build)."""
     def case(ctx):
         build_name = f"{chapter}.{variant}" if variant else None
         folder = output_inputs(ctx, b, h, n, d, grad=True)

@@ -17,7 +17,9 @@
 # (-DDQ_WARP_TILES=1: the dQ kernel with 16 queries per warp and 64-key tiles) and before (both
 # one-tile arrangements: the chapter before two tiles per warp). SET dqadd: new and reg
 # (-DBWD_DQ_STAGE=0: the split kernel's dQ by 16-byte REDs from registers, 16 rows x 32 bytes each,
-# not staged and added a whole row per RED); D=64 unchanged. PYTHON: a Python with PyTorch
+# not staged and added a whole row per RED); D=64 unchanged. SET dqcopies: new and dqkernel
+# (-DBWD_DQ_KERNEL=1: the deterministic build's dQ by its own kernel over query tiles, not by the
+# main kernel into one workspace copy per block of a head). PYTHON: a Python with PyTorch
 # (default python3). Exit 1 if a build or a check failed.
 set -u
 cd "$(dirname "$0")/../../../.." || exit 2
@@ -30,13 +32,14 @@ case ${2:-warps} in
     keytiles) VARIANTS=(new kt1) ;;
     dqtiles) VARIANTS=(new dq1 before) ;;
     dqadd) VARIANTS=(new reg) ;;
-    *) echo "arrangements.sh: SET is warps, split, ring, keytiles, dqtiles or dqadd, not '$2'"; exit 2 ;;
+    dqcopies) VARIANTS=(new dqkernel) ;;
+    *) echo "arrangements.sh: SET is warps, split, ring, keytiles, dqtiles, dqadd or dqcopies, not '$2'"; exit 2 ;;
 esac
 declare -A FLAGS=([new]="" [old]="-DBWD_WIDE_BLOCK=0 -DBWD_STAGGER=0" [w4_stagger]="-DBWD_WIDE_BLOCK=0"
                   [w8_nostagger]="-DBWD_STAGGER=0" [nosplit]="-DBWD_SPLIT=0"
                   [stages3]="-DBWD_STAGES=3" [nostagger]="-DBWD_STAGGER=0" [kt1]="-DBWD_KEY_TILES_D64=1"
                   [dq1]="-DDQ_WARP_TILES=1" [before]="-DBWD_KEY_TILES_D64=1 -DDQ_WARP_TILES=1"
-                  [reg]="-DBWD_DQ_STAGE=0")
+                  [reg]="-DBWD_DQ_STAGE=0" [dqkernel]="-DBWD_DQ_KERNEL=1")
 folder() { if [ "$1" = new ]; then echo build; else echo "build/arr_$1"; fi; }
 failed=0
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
@@ -83,23 +86,27 @@ for v in "${VARIANTS[@]}"; do
 done
 
 # Correctness: --backward at ragged shapes, both D, causal and not, every build (8 at a time).
-check() {  # folder binary N D causal|noncausal
+# B8 H16 N1000: 128 heads, more blocks than the GPU holds, so that a deterministic block takes
+# several key tiles in turn.
+check() {  # folder binary N D causal|noncausal [B H]
     local out status mask=""
     [ "$5" = causal ] && mask=--causal
-    out=$("$1/$2" --backward --batch 1 --heads 2 --seqlen "$3" --headdim "$4" $mask --warmup 0 --iters 1 --csv 2>&1)
+    out=$("$1/$2" --backward --batch "${6:-1}" --heads "${7:-2}" --seqlen "$3" --headdim "$4" $mask --warmup 0 --iters 1 \
+        --csv 2>&1)
     status=$(echo "$out" | tail -n 1 | awk -F, 'NF >= 22 { print $11 " dq " $20 " dk " $21 " dv " $22 }')
-    echo "$1/$2 N=$3 D=$4 $5: ${status:-ERROR $(echo "$out" | tail -n 1)}"
+    echo "$1/$2 N=$3 D=$4 $5 B=${6:-1} H=${7:-2}: ${status:-ERROR $(echo "$out" | tail -n 1)}"
 }
 export -f check
 for v in "${VARIANTS[@]}"; do
     for bin in 09_backward 09_backward.deterministic; do
-        for n in 1 17 127 1000; do
-            for d in 64 128; do
-                for c in noncausal causal; do echo "$(folder "$v") $bin $n $d $c"; done
+        for d in 64 128; do
+            for c in noncausal causal; do
+                for n in 1 17 127 1000; do echo "$(folder "$v") $bin $n $d $c 1 2"; done
+                echo "$(folder "$v") $bin 1000 $d $c 8 16"
             done
         done
     done
-done | xargs -P 8 -n 5 bash -c 'check "$@"' _ | sort > build/arrangements_checks.txt
+done | xargs -P 8 -n 7 bash -c 'check "$@"' _ | sort > build/arrangements_checks.txt
 grep -c ": PASS" build/arrangements_checks.txt | sed 's/^/checks passed: /'
 if grep -v ": PASS" build/arrangements_checks.txt; then failed=1; fi
 
@@ -120,13 +127,15 @@ done
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 for bin in 09_backward 09_backward.deterministic; do
     for run in "racecheck 300 128 noncausal" "racecheck 200 64 causal" "racecheck 300 64 noncausal" \
-        "synccheck 300 64 noncausal" "synccheck 200 128 causal" "memcheck 130 128 causal"; do
+        "synccheck 300 64 noncausal" "synccheck 200 128 causal" "memcheck 130 128 causal" \
+        "racecheck 300 128 causal 12 11" "memcheck 600 64 noncausal 12 11" "synccheck 300 128 noncausal 12 11"; do
         set -- $run
         mask="" && [ "$4" = causal ] && mask=--causal
-        out=$(timeout 300 "$sanitizer" --tool "$1" --error-exitcode 99 --target-processes application-only \
-            "${SANITIZED:-build}/$bin" --backward --batch 1 --heads 1 --seqlen "$2" --headdim "$3" $mask --warmup 0 --iters 1 2>&1)
+        out=$(timeout 150 "$sanitizer" --tool "$1" --error-exitcode 99 --target-processes application-only \
+            "${SANITIZED:-build}/$bin" --backward --batch "${5:-1}" --heads "${6:-1}" --seqlen "$2" --headdim "$3" \
+            $mask --warmup 0 --iters 1 2>&1)
         code=$?
-        echo "${SANITIZED:-build}/$bin $1 N=$2 D=$3 $4: exit $code, $(echo "$out" | grep -E "SUMMARY" | tail -n 1)"
+        echo "${SANITIZED:-build}/$bin $1 N=$2 D=$3 $4 B=${5:-1} H=${6:-1}: exit $code, $(echo "$out" | grep -E "SUMMARY" | tail -n 1)"
         [ "$code" = 0 ] || failed=1
     done
 done
@@ -135,7 +144,7 @@ done
 builds=()
 for v in "${VARIANTS[@]}"; do
     builds+=(--build "$v=$(folder "$v")/09_backward")
-    case $v in new | old | nosplit | stages3 | kt1 | dq1 | before) builds+=(--build "${v}_det=$(folder "$v")/09_backward.deterministic") ;; esac
+    case $v in new | old | nosplit | stages3 | kt1 | dq1 | before | dqkernel) builds+=(--build "${v}_det=$(folder "$v")/09_backward.deterministic") ;; esac
 done
 builds+=(--build "dq_red_stub=build/exercises/09_backward")
 "${PYTHON}" docs/results/logs/09/backward_vs_fa2.py "$SHAPES" "${builds[@]}"
