@@ -449,6 +449,9 @@ BACKWARD_SEQLENS = (1, 17, 64, 127, 128, 1000, 2048)
 BACKWARD_TOL = 1e-3  # each gradient's rel L2 (common/harness.cu's BACKWARD_REL_L2_TOL)
 BACKWARD_VARIANTS = ("deterministic",)  # BUILD/<chapter>.<variant>: the Makefile's VARIANT_BUILDS
 BACKWARD_LEAN_SEQLENS = (1, 127, 1000)
+# (B, H, N) with more blocks than a GPU holds at once: the deterministic build's blocks of a head
+# then take several key tiles each, in turn (128 heads of 4 or 8 key tiles).
+BACKWARD_MANY_HEADS = (8, 16, 1000)
 BACKWARD_OUTPUT_SHAPES = [(2, 3, 200, 64, True), (1, 2, 129, 128, False), (1, 4, 1024, 128, True)]
 GRADS = ("dq", "dk", "dv")
 
@@ -582,11 +585,11 @@ def backward_cases(ctx):
                         name = f"backward[{chapter} D={d}{' causal' if causal else ''} N={n} B={b} H={h}]"
                         out.append((name, backward_case(chapter, b, h, n, d, causal), ("shape", b, h, n, d)))
         for variant in BACKWARD_VARIANTS:
-            for n in BACKWARD_LEAN_SEQLENS:
+            for b, h, n in [(2, 3, n) for n in BACKWARD_LEAN_SEQLENS] + [BACKWARD_MANY_HEADS]:
                 for d in DIMS:
                     for causal in (False, True):
-                        name = f"backward[{chapter}.{variant} D={d}{' causal' if causal else ''} N={n} B=2 H=3]"
-                        out.append((name, backward_case(chapter, 2, 3, n, d, causal, variant), ("shape", 2, 3, n, d)))
+                        name = f"backward[{chapter}.{variant} D={d}{' causal' if causal else ''} N={n} B={b} H={h}]"
+                        out.append((name, backward_case(chapter, b, h, n, d, causal, variant), ("shape", b, h, n, d)))
         for d in DIMS:
             for causal in (False, True):
                 name = f"backward_large_logits[{chapter} D={d}{' causal' if causal else ''}]"
@@ -598,6 +601,10 @@ def backward_cases(ctx):
         for variant in (None,) + BACKWARD_VARIANTS:
             name = f"backward_repeat[{chapter}{'.' + variant if variant else ''} B=1 H=4 N=1024 D=128 causal]"
             out.append((name, backward_repeat_case(chapter, variant, 1, 4, 1024, 128, True), ("grad_output", 1, 4, 1024, 128)))
+        for variant in BACKWARD_VARIANTS:  # more heads than the GPU's blocks: blocks that take key tiles in turn
+            name = f"backward_repeat[{chapter}.{variant} B=4 H=16 N=1024 D=128 causal]"
+            out.append((name, backward_repeat_case(chapter, variant, 4, 16, 1024, 128, True),
+                        ("grad_output", 4, 16, 1024, 128)))
     return out
 
 
