@@ -1072,7 +1072,8 @@ __device__ void backward_key_block(const __half *q, const __half *k, const __hal
     __syncthreads();  // every warp's dS^T rows of the last tile are in
     add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen);
 #else
-    (void)dq_acc;  // BWD_DQ_KERNEL: dQ is the dQ kernel's
+    // BWD_DQ_KERNEL: dQ is the dQ kernel's
+    (void)dq_acc;
 #endif
     __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
 
@@ -1244,7 +1245,8 @@ __device__ void split_key_block(const __half *q, const __half *k, const __half *
 #if !DQ_BY_KERNEL
     float *dq_head = dq_acc + head * seqlen * HEAD_DIM;
 #else
-    (void)dq_acc;  // BWD_DQ_KERNEL: dQ is the dQ kernel's
+    // BWD_DQ_KERNEL: dQ is the dQ kernel's
+    (void)dq_acc;
 #endif
 #if SPLIT_DQ_STAGED
     float *dq_stage = (float *)(ds_tile + KEY_QUERY_HALVES);  // [BWD_BLOCK_Q][DQ_STAGE_STRIDE]: the dQ partial
