@@ -1,27 +1,23 @@
 """What each chapter claims to do, checked in the code the compiler made (no GPU needed): the
 claims themselves and how they are checked. tests/test_cpu_claims.py runs them for every chapter;
-common/exercises.py runs them on a student's copy (make grade). Each check takes the test
-runner's context (ctx: root, run, tmpdir, once, require_binary, rel), which make grade provides
-too.
+common/grade.py runs them on a student's copy (make grade). Each check takes a runner.Repo: the
+checkout whose chapter it checks and the build folder of its binaries.
 
 PTX comes from `nvcc -ptx -arch=compute_90` (compute_90a for 08) on the chapter's
-attention.cu; SASS from `cuobjdump --dump-sass -arch sm_90` on its multiarch binary; spills from
-the ptxas report in BUILD/multiarch/NN_name.log; launches and allocations from the source
-(comments and strings stripped). cuobjdump (and nvdisasm, which it needs to print SASS) are taken
-from PATH or next to nvcc, else fetched once from PyPI into .cache/tools; without them the SASS
-claims are skipped with the reason and the rest still run.
+attention.cu; SASS from `cuobjdump --dump-sass -arch sm_90` on its binary (built for sm_90 among others); spills from
+the ptxas report in BUILD/NN_name.log; launches and allocations from the source
+(comments and strings stripped). cuobjdump and nvdisasm come from common/cuda_tools.py; without
+them the SASS claims are skipped with the reason and the rest still run.
 
 CLAIMS below is the whole promise of each chapter, keyed by its number and applied when that
 chapter exists. Patterns: PTX ones are regular expressions over the PTX text (comments
 stripped); SASS ones are opcodes (the part before the first dot: HMMA matches HMMA.16816.F32 but
 not HFMA2.MMA).
 """
-import os
 import re
-import shutil
-import stat
 import unittest
-import zipfile
+
+import cuda_tools
 
 MMA_PTX = r"\bw?mma\."                 # any warp-level matrix instruction (wmma.* or mma.*)
 PLAIN_MMA_PTX = r"(?<![\w.])mma\.sync"  # mma.sync itself, not wmma.mma.sync
@@ -60,7 +56,6 @@ CLAIMS = {
 PTX_ARCH_OF = {8: "compute_90a"}  # by chapter number; the others: compute_90
 EVERY_CHAPTER = dict(source_lacks=[r"\bcuda(Malloc|Free)\w*\s*\("])  # the harness owns device memory
 SASS_ARCH = "sm_90"
-TOOL_PACKAGES = {"cuobjdump": "nvidia-cuda-cuobjdump>=13,<14", "nvdisasm": "nvidia-cuda-nvdisasm>=13,<14"}
 
 
 # --- sources -----------------------------------------------------------------------------------
@@ -74,29 +69,27 @@ def strip_comments(source):
     return re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', replace, source, flags=re.S)
 
 
-def source(ctx, chapter):
-    return strip_comments((ctx.root / chapter / "attention.cu").read_text())
+def source(repo, chapter):
+    return strip_comments((repo.root / chapter / "attention.cu").read_text())
 
 
 # --- PTX -----------------------------------------------------------------------------------------
 def nvcc():
-    found = os.environ.get("NVCC") or shutil.which("nvcc")
-    if not found and os.path.exists("/usr/local/cuda/bin/nvcc"):
-        found = "/usr/local/cuda/bin/nvcc"
+    found = cuda_tools.nvcc()
     if not found:
         raise unittest.SkipTest("nvcc not found (PATH, $NVCC, /usr/local/cuda/bin): no PTX claims")
     return found
 
 
-def ptx(ctx, chapter):
+def ptx(repo, chapter):
     def generate():
-        out = ctx.tmpdir() / f"{chapter}.ptx"
-        arch = PTX_ARCH_OF.get(ctx.chapter_number(chapter), "compute_90")
+        out = repo.tmpdir() / f"{chapter}.ptx"
+        arch = PTX_ARCH_OF.get(int(chapter[:2]), "compute_90")
         cmd = [nvcc(), "-ptx", f"-arch={arch}", "-std=c++17", "-o", out, f"{chapter}/attention.cu"]
-        proc = ctx.run(cmd, timeout=600)
+        proc = repo.run(cmd, timeout=600)
         assert proc.returncode == 0, f"nvcc -ptx failed for {chapter}:\n{proc.stdout}{proc.stderr}"
         return re.sub(r"//[^\n]*", "", out.read_text())
-    return ctx.once(("ptx", chapter), generate)
+    return repo.once(("ptx", chapter), generate)
 
 
 def kernel_base_name(mangled):
@@ -123,62 +116,18 @@ def entries(ptx_text):
 
 
 # --- SASS ----------------------------------------------------------------------------------------
-def find_tool(ctx, name):
-    candidates = [shutil.which(name)]
-    compiler = os.environ.get("NVCC") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    candidates.append(os.path.join(os.path.dirname(os.path.realpath(compiler)), name))
-    candidates.append(str(ctx.root / ".cache" / "tools" / name))
-    for path in candidates:
-        if path and os.path.isfile(path) and os.access(path, os.X_OK):
-            return path
-    return None
-
-
-def fetch_tool(ctx, name):
-    """Download the tool's wheel from PyPI with pip and extract its binary into .cache/tools."""
-    tools = ctx.root / ".cache" / "tools"
-    tools.mkdir(parents=True, exist_ok=True)
-    download = ctx.tmpdir()
-    proc = ctx.run([ctx.python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                    "--disable-pip-version-check", "-q", "-d", download, TOOL_PACKAGES[name]], timeout=600)
-    if proc.returncode != 0:
-        return None, (f"{name} not found and 'pip download {TOOL_PACKAGES[name]}' failed: "
-                      f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-    for wheel in download.glob("*.whl"):
-        with zipfile.ZipFile(wheel) as archive:
-            members = [m for m in archive.namelist() if m.endswith(f"/bin/{name}")]
-            if members:
-                target = tools / name
-                partial = tools / f"{name}.part{os.getpid()}"
-                partial.write_bytes(archive.read(members[0]))
-                partial.chmod(partial.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-                os.replace(partial, target)
-                return str(target), None
-    return None, f"{name}: the wheel of {TOOL_PACKAGES[name]} holds no bin/{name}"
-
-
-def sass_tools(ctx):
-    """(cuobjdump, env) or a skip: what prints SASS here."""
-    def locate():
-        found = {}
-        for name in ("cuobjdump", "nvdisasm"):
-            found[name] = find_tool(ctx, name)
-            if not found[name]:
-                found[name], why = fetch_tool(ctx, name)
-                if not found[name]:
-                    return None, why
-        path = os.path.dirname(found["nvdisasm"]) + os.pathsep + os.environ.get("PATH", "")
-        return (found["cuobjdump"], {"PATH": path}), None
-    tools, why = ctx.once("sass_tools", locate)
+def sass_tools(repo):
+    """(cuobjdump, env) or a skip: what prints SASS here (common/cuda_tools.py finds or fetches it)."""
+    tools, why = repo.once("sass_tools", cuda_tools.sass_tools)
     if not tools:
         raise unittest.SkipTest(f"no SASS: {why}")
     return tools
 
 
-def sass_text(ctx, cubin):
+def sass_text(repo, cubin):
     """{function: [instruction text]}: cuobjdump's SASS without addresses and encodings."""
-    cuobjdump, env = sass_tools(ctx)
-    proc = ctx.run([cuobjdump, "--dump-sass", cubin], env=env, timeout=300)
+    cuobjdump, env = sass_tools(repo)
+    proc = repo.run([cuobjdump, "--dump-sass", cubin], env=env, timeout=300)
     assert proc.returncode == 0, f"cuobjdump failed on {cubin}: {proc.stderr.strip()}"
     functions, current = {}, None
     for line in proc.stdout.splitlines():
@@ -192,14 +141,18 @@ def sass_text(ctx, cubin):
     return functions
 
 
-def sass(ctx, chapter):
-    """{function name: set of opcodes} of the chapter's multiarch binary for SASS_ARCH."""
-    binary = ctx.require_binary(chapter)
-    cuobjdump, env = sass_tools(ctx)
+def sass(repo, chapter):
+    """{function name: set of opcodes} of the chapter's binary for SASS_ARCH."""
+    binary = repo.require_binary(chapter)
+    cuobjdump, env = sass_tools(repo)
 
     def dump():
-        proc = ctx.run([cuobjdump, "--dump-sass", "-arch", SASS_ARCH, binary], env=env, timeout=600)
-        assert proc.returncode == 0, f"cuobjdump --dump-sass failed on {ctx.rel(binary)}:\n{proc.stderr}"
+        listing = repo.run([cuobjdump, "--list-elf", binary], env=env, timeout=120).stdout
+        if SASS_ARCH not in listing:
+            raise unittest.SkipTest(f"{repo.rel(binary)} has no {SASS_ARCH} code (the Makefile's ARCH picked "
+                                    f"another GPU), and these claims read {SASS_ARCH} code: build with ARCH=multi")
+        proc = repo.run([cuobjdump, "--dump-sass", "-arch", SASS_ARCH, binary], env=env, timeout=600)
+        assert proc.returncode == 0, f"cuobjdump --dump-sass failed on {repo.rel(binary)}:\n{proc.stderr}"
         functions, current = {}, None
         for line in proc.stdout.splitlines():
             header = re.match(r"\s*Function\s*:\s*(\S+)", line)
@@ -209,17 +162,17 @@ def sass(ctx, chapter):
             op = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", line)
             if op and current is not None:
                 current.add(op.group(1))
-        assert functions, f"cuobjdump found no {SASS_ARCH} functions in {ctx.rel(binary)}"
+        assert functions, f"cuobjdump found no {SASS_ARCH} functions in {repo.rel(binary)}"
         return functions
-    return ctx.once(("sass", chapter), dump)
+    return repo.once(("sass", chapter), dump)
 
 
 # --- ptxas spill report --------------------------------------------------------------------------
-def spills(ctx, chapter):
-    """[(function, arch, spill store bytes)] from the multiarch build log."""
-    log = ctx.binary(chapter).parent / f"{chapter}.log"
+def spills(repo, chapter):
+    """[(function, arch, spill store bytes)] from the build's log (ptxas -v)."""
+    log = repo.binary(chapter).parent / f"{chapter}.log"
     if not log.is_file():
-        raise unittest.SkipTest(f"{ctx.rel(log)} missing: the multiarch build did not run")
+        raise unittest.SkipTest(f"{repo.rel(log)} missing: the build did not run (make)")
     out, arch = [], "?"
     lines = log.read_text(errors="replace").splitlines()
     for i, line in enumerate(lines):
@@ -248,42 +201,42 @@ def claim_cases(chapter, number, adds):
         cases.append((f"claims[{chapter}: {name}]", fn))
 
     for pattern in claims.get("ptx_has", []):
-        def has(ctx, pattern=pattern):
-            found = len(re.findall(pattern, ptx(ctx, chapter)))
+        def has(repo, pattern=pattern):
+            found = len(re.findall(pattern, ptx(repo, chapter)))
             assert found, f"{chapter} ({claims['adds']}): its PTX has no /{pattern}/, expected some"
             return f"{found} matches"
         add(f"PTX has /{pattern}/", has)
     for pattern in claims.get("ptx_lacks", []):
-        def lacks(ctx, pattern=pattern):
-            hits = lines_with(pattern, ptx(ctx, chapter))
+        def lacks(repo, pattern=pattern):
+            hits = lines_with(pattern, ptx(repo, chapter))
             assert not hits, (f"{chapter} ({claims['adds']}): its PTX has /{pattern}/ {len(hits)} times, "
                               f"expected none; e.g. {hits[0].strip()!r}")
         add(f"PTX lacks /{pattern}/", lacks)
     for opcode in claims.get("sass_has", []):
-        def sass_has(ctx, opcode=opcode):
-            functions = sass(ctx, chapter)
+        def sass_has(repo, opcode=opcode):
+            functions = sass(repo, chapter)
             holders = sorted(f for f, ops in functions.items() if opcode in ops)
             assert holders, (f"{chapter} ({claims['adds']}): no {opcode} in its {SASS_ARCH} SASS; "
                              f"functions: {sorted(functions)}")
             return f"{opcode} in {holders}"
         add(f"SASS has {opcode}", sass_has)
     for opcode in claims.get("sass_lacks", []):
-        def sass_lacks(ctx, opcode=opcode):
-            holders = sorted(f for f, ops in sass(ctx, chapter).items() if opcode in ops)
+        def sass_lacks(repo, opcode=opcode):
+            holders = sorted(f for f, ops in sass(repo, chapter).items() if opcode in ops)
             assert not holders, f"{chapter} ({claims['adds']}): {opcode} in its {SASS_ARCH} SASS, in {holders}"
         add(f"SASS lacks {opcode}", sass_lacks)
     for kernel, opcodes in claims.get("sass_kernel_has", {}).items():
-        def kernel_has(ctx, kernel=kernel, opcodes=tuple(opcodes)):
-            functions = {f: ops for f, ops in sass(ctx, chapter).items() if kernel in kernel_base_name(f)}
-            assert functions, f"{chapter}: no {SASS_ARCH} function named *{kernel}*; functions: {sorted(sass(ctx, chapter))}"
+        def kernel_has(repo, kernel=kernel, opcodes=tuple(opcodes)):
+            functions = {f: ops for f, ops in sass(repo, chapter).items() if kernel in kernel_base_name(f)}
+            assert functions, f"{chapter}: no {SASS_ARCH} function named *{kernel}*; functions: {sorted(sass(repo, chapter))}"
             for name, ops in sorted(functions.items()):
                 missing = [op for op in opcodes if op not in ops]
                 assert not missing, f"{chapter} ({claims['adds']}): {name} lacks {missing} in its {SASS_ARCH} SASS"
             return f"{', '.join(opcodes)} in each of {sorted(functions)}"
         add(f"SASS of *{kernel}* has {', '.join(opcodes)}", kernel_has)
     if "kernels" in claims:
-        def kernels(ctx):
-            names = entries(ptx(ctx, chapter))
+        def kernels(repo):
+            names = entries(ptx(repo, chapter))
             bases = sorted({kernel_base_name(n) for n in names})
             assert len(bases) == claims["kernels"], (
                 f"{chapter}: {len(bases)} kernel functions {bases} (from .entry {names}), "
@@ -291,30 +244,30 @@ def claim_cases(chapter, number, adds):
             return f"kernels {bases} from {names}"
         add(f"{claims['kernels']} kernel function", kernels)
     if "kernel_named" in claims:
-        def named(ctx):
-            names = entries(ptx(ctx, chapter))
+        def named(repo):
+            names = entries(ptx(repo, chapter))
             word = claims["kernel_named"]
             assert any(word in kernel_base_name(n) for n in names), (
                 f"{chapter}: no kernel whose name contains '{word}'; kernels: "
                 f"{[kernel_base_name(n) for n in names]}")
         add(f"a kernel named *{claims['kernel_named']}*", named)
     if "launches" in claims:
-        def launches(ctx):
-            count = source(ctx, chapter).count("<<<")
+        def launches(repo):
+            count = source(repo, chapter).count("<<<")
             assert count == claims["launches"], (
                 f"{chapter}/attention.cu has {count} '<<<' kernel launches (outside comments), "
                 f"expected {claims['launches']}")
         add(f"{claims['launches']} launch in the source", launches)
     for pattern in claims.get("source_lacks", []):
-        def source_lacks(ctx, pattern=pattern):
-            hits = lines_with(pattern, source(ctx, chapter))
+        def source_lacks(repo, pattern=pattern):
+            hits = lines_with(pattern, source(repo, chapter))
             assert not hits, (f"{chapter}/attention.cu calls /{pattern}/ (the harness owns device memory): "
                               f"{hits[0].strip()!r}")
         add(f"source lacks /{pattern}/", source_lacks)
     if claims.get("no_spills"):
-        def no_spills(ctx):
-            ctx.require_binary(chapter)
-            report = spills(ctx, chapter)
+        def no_spills(repo):
+            repo.require_binary(chapter)
+            report = spills(repo, chapter)
             assert report, f"{chapter}.log: no ptxas 'Function properties' report to read"
             spilling = [f"{f} ({a}): {n} bytes" for f, a, n in report if n]
             assert not spilling, f"{chapter}: ptxas spill stores in {spilling}"

@@ -4,6 +4,7 @@ the results CSV with its notes, and the .env that records the machine a run was 
 two passes (the forward, and the backward of the chapters that have one), each in a file of its own."""
 import csv
 import datetime
+import functools
 import glob
 import os
 import re
@@ -50,6 +51,7 @@ ANCHOR_REL_L2_TOL = 3e-3    # an anchor's, forward or backward: the fp16 tensor-
 # Makefile's BUILD/<chapter>.step<k> for every step but the last, which is the chapter itself. Each
 # step's rows carry its own name as impl ("08.1"), which sorts before the chapter's ("08_fp8"), so
 # tables list 07, 08.1, ..., 08.4, 08_fp8; in markers and tables 08.5 also names the chapter.
+@functools.cache
 def _steps():
     steps, dtypes, aliases = {}, {}, {}
     for path in sorted(glob.glob(os.path.join(ROOT, "[0-9][0-9]_*", "attention.cu"))):
@@ -64,13 +66,26 @@ def _steps():
     return steps, dtypes, aliases
 
 
-STEPS, CHAPTER_DTYPES, STEP_ALIASES = _steps()  # CHAPTER_DTYPES: a build's dtype where it is not fp16
+def steps():
+    """{chapter: (its step builds' names but the last)}, e.g. {"08_fp8": ("08.1", ..., "08.4")}."""
+    return _steps()[0]
+
+
+def chapter_dtypes():
+    """{build: its dtype} where it is not fp16 ("08.4": "fp8", "08_fp8": "fp8")."""
+    return _steps()[1]
+
+
+def step_aliases():
+    """{"08.5": "08_fp8"}: the last step's number names its chapter."""
+    return _steps()[2]
 
 
 # A chapter's variant builds, the Makefile's VARIANT_BUILDS (BUILD/<chapter>.<variant>, the chapter's
 # source with one switch set: 09_backward.deterministic, -DDETERMINISTIC_DQ=1). They change the
 # backward alone, so each is a row of the backward sweep (impl: the build's name), not of the forward's.
-def _variants(makefile=os.path.join(ROOT, "Makefile")):
+@functools.cache
+def variants(makefile=os.path.join(ROOT, "Makefile")):
     if not os.path.exists(makefile):
         return {}
     found = re.search(r"^VARIANT_BUILDS\s*:?=[ \t]*(.*)$", open(makefile).read(), re.M)
@@ -80,20 +95,18 @@ def _variants(makefile=os.path.join(ROOT, "Makefile")):
     return {chapter: tuple(builds) for chapter, builds in variants.items()}
 
 
-VARIANTS = _variants()
-
 
 def build_chapter(impl):
     """The name a build's binary prints for itself (its --csv row, its messages): its chapter's for a
     variant build (09_backward for 09_backward.deterministic), else the impl itself."""
-    return next((chapter for chapter, builds in VARIANTS.items() if impl in builds), impl)
+    return next((chapter for chapter, builds in variants().items() if impl in builds), impl)
 
 
 def backward_builds(chapter, root=ROOT):
     """The builds of a chapter whose backward the bench times: the chapter and its VARIANTS, where
     it registers a backward pass (a `Backward` in its source); () for the others."""
     path = os.path.join(root, chapter, "attention.cu")
-    return (chapter,) + VARIANTS.get(chapter, ()) if os.path.exists(path) and has_backward(path) else ()
+    return (chapter,) + variants().get(chapter, ()) if os.path.exists(path) and has_backward(path) else ()
 
 # --- The benchmark's shapes (docs/design.md) ----------------------------------------------
 BENCH_DS = (128, 64)
@@ -166,7 +179,7 @@ def step_binary(build, chapter, step):
 
 def find_row(rows, name, headdim, seqlen, causal):
     """The row of impl `name` at (D, N, causal), or None."""
-    name = STEP_ALIASES.get(name, name)
+    name = step_aliases().get(name, name)
     for row in rows:
         if row["impl"] == name and (row["headdim"], row["seqlen"], row["causal"]) == (headdim, seqlen, causal):
             return row

@@ -1,7 +1,7 @@
 """The bottom layer of the Python tools: find a chapter, run one of its binaries, and read what
-it printed. common/stages.py (make run, make bench), exercises.py (make grade) and ablation.py
-(make ablation, make diff) stand on it; nothing here imports them, and nothing in common/
-imports tests/.
+it printed. common/stages.py (make run, make bench), the exercises' grader (make grade), ablation.py
+(make ablation, make diff) and the tests stand on it; nothing here imports them, and nothing in
+common/ imports tests/.
 
   chapters(), find_chapter(arg)      the chapter folders; 4, 04, 04_fused or a step (08.3) -> its folder
   run_binary(binary, args)           (exit code, stdout, stderr), None on a timeout or a missing file
@@ -9,11 +9,22 @@ imports tests/.
   run_case(binary, name, args)       run_binary with --csv, classified
   parse_csv_line(line)               a binary's --csv row as a result row (results.HARNESS_FIELDS)
   shape_args((B, H, N, D, causal))   the command line of a shape
+  gpu_probe(binary)                  (usable, why): whether a chapter binary finds a GPU it can run on
+  make_env()                         the environment of a make run from inside make
+  Repo(root, build)                  a checkout and its build folder: run commands, temporary
+                                     folders, values computed once (the tests' and the grader's)
 """
 import csv
 import os
 import re
+import shlex
+import shutil
 import subprocess
+import sys
+import tempfile
+import threading
+import unittest
+from pathlib import Path
 
 from results import CSV_FIELDS, HARNESS_FIELDS, HARNESS_NUMBERS, OPTIONAL_FIELDS, parse_value
 
@@ -99,3 +110,108 @@ def shape_args(shape):
     b, h, n, d, causal = shape
     return ["--batch", str(b), "--heads", str(h), "--seqlen", str(n), "--headdim", str(d)] + \
         (["--causal"] if causal else [])
+
+
+def gpu_probe(binary):
+    """(usable, why): run a chapter binary at a tiny shape; its exit 77 (skipped) means no GPU it can
+    use, and its line says why. (False, why) too when the binary is missing."""
+    code, out, err = run_binary(binary, shape_args((1, 1, 16, 64, False)) + ["--no-check", "--iters", "1",
+                                                                           "--warmup", "0"], timeout=300)
+    if code is None:
+        return False, err
+    if code == 77:
+        return False, last_line(out, os.path.basename(binary)).removeprefix("skipped: ")
+    return True, f"{os.path.basename(binary)} ran (exit {code})"
+
+
+def make_env():
+    """os.environ for a make run started from inside make (make test, make grade): the parent's
+    jobserver dropped from MAKEFLAGS (its pipe is not passed on), the rest kept (variables given
+    to the outer make still apply)."""
+    env = dict(os.environ)
+    env["MAKEFLAGS"] = re.sub(r"\s*--jobserver-(auth|fds)=\S+", "", env.get("MAKEFLAGS", ""))
+    return env
+
+
+class Repo:
+    """A checkout and its build folder, as the tests and make grade use them: paths, commands run in
+    the checkout, temporary folders (removed by close()), and values computed once."""
+
+    def __init__(self, root=ROOT, build="build", make="make"):
+        self.root = Path(root).resolve()
+        self.build = Path(build) if Path(build).is_absolute() else self.root / build
+        self.python, self.make = sys.executable, make
+        self._tmp = Path(tempfile.mkdtemp(prefix="fa-"))
+        self._once, self._lock = {}, threading.Lock()
+
+    def run(self, cmd, env=None, timeout=300, cwd=None, input=None):
+        """Run cmd (a list) in the checkout; env adds to os.environ (a None value removes the
+        variable). The CompletedProcess, text captured; a time-out or a missing program is an
+        AssertionError that says so."""
+        cmd = [str(c) for c in cmd]
+        full_env = dict(os.environ)
+        for key, value in (env or {}).items():
+            if value is None:
+                full_env.pop(key, None)
+            else:
+                full_env[key] = str(value)
+        try:
+            return subprocess.run(cmd, cwd=str(cwd or self.root), env=full_env, input=input,
+                                  stdin=None if input is not None else subprocess.DEVNULL,
+                                  capture_output=True, text=True, errors="replace", timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"timed out after {timeout} s: {shlex.join(cmd)}") from None
+        except FileNotFoundError:
+            raise AssertionError(f"cannot run {cmd[0]}: no such program") from None
+
+    def tmpdir(self):
+        """A fresh, empty folder, removed by close()."""
+        return Path(tempfile.mkdtemp(dir=self._tmp))
+
+    def once(self, key, fn):
+        """fn(), computed once per key (a failure is computed again next time)."""
+        with self._lock:
+            if key in self._once:
+                return self._once[key]
+        value = fn()
+        with self._lock:
+            return self._once.setdefault(key, value)
+
+    def binary(self, name):
+        """BUILD/<name>: a chapter's executable, or another build's (08_fp8.step1)."""
+        return self.build / name
+
+    def require_binary(self, name):
+        """The executable, or a skip when it was not built."""
+        path = self.binary(name)
+        if not path.is_file():
+            raise unittest.SkipTest(f"{self.rel(path)} is not built: run make first")
+        return path
+
+    def rel(self, path):
+        """path relative to the checkout where it is inside it."""
+        try:
+            return str(Path(path).resolve().relative_to(self.root))
+        except ValueError:
+            return str(path)
+
+    def close(self):
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def main(argv):
+    """runner.py gpu WHAT BINARY: exit 0 where BINARY finds a GPU it can run on; else print
+    "WHAT: skipped: <why>" (one line) and exit 77. The Makefile's targets that need a GPU ask this first."""
+    if len(argv) != 3 or argv[0] != "gpu":
+        print("usage: runner.py gpu WHAT BINARY", file=sys.stderr)
+        return 2
+    what, binary = argv[1], argv[2]
+    usable, why = gpu_probe(binary)
+    if usable:
+        return 0
+    print(f"{what}: skipped: {why}")
+    return 77
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -46,10 +46,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import (fmt_ms, fmt_rel, fmt_tflops, print_backward_summary, print_summary, plot_results,  # noqa: E402
                     regenerate_tables, run_stage_table, say)
-from results import (BENCH_ITERS, BENCH_WARMUP, CHAPTER_DTYPES, GRAD_FIELDS, HEADLINE_D, HEADLINE_N, PASSES,  # noqa: E402
-                     QUICK_NS, STEPS, backward_builds, bench_shape, build_chapter, bench_shapes, collect_env, csv_pass, env_path,
+from results import (BENCH_ITERS, BENCH_WARMUP, GRAD_FIELDS, HEADLINE_D, HEADLINE_N, PASSES,  # noqa: E402
+                     QUICK_NS, backward_builds, chapter_dtypes, bench_shape, build_chapter, bench_shapes, collect_env, csv_pass, env_path,
                      gpu_name, gpu_slug, is_anchor, make_row, pass_csv, read_env, read_results, row_key, shape_label,
-                     step_binary, work, write_env, write_results)
+                     step_binary, steps, work, write_env, write_results)
 from runner import chapters as chapters_of, classify, run_binary  # noqa: E402
 
 # --- Running the chapters: the sweep and its skip policy -------------------------------------
@@ -153,8 +153,8 @@ def chapter_binaries(build, chapters):
     08.4, BUILD/08_fp8.step1 ..., then 08_fp8, the last step)."""
     out = []
     for name in chapters:
-        out += [(step, step_binary(build, name, step), CHAPTER_DTYPES.get(step, "fp16")) for step in STEPS.get(name, ())]
-        out.append((name, os.path.join(build, name), CHAPTER_DTYPES.get(name, "fp16")))
+        out += [(step, step_binary(build, name, step), chapter_dtypes().get(step, "fp16")) for step in steps().get(name, ())]
+        out.append((name, os.path.join(build, name), chapter_dtypes().get(name, "fp16")))
     return out
 
 

@@ -36,7 +36,6 @@ import argparse
 import csv
 import math
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -48,6 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_op  # noqa: E402  (imports without PyTorch)
 from chapters import runs_on  # noqa: E402
+from runner import make_env  # noqa: E402
 
 torch = torch_op.torch
 ROOT = os.path.dirname(HERE)
@@ -397,13 +397,6 @@ def why_not_here():
     if not torch.cuda.is_available():
         return "PyTorch sees no CUDA GPU: nothing trained"
     return None
-
-
-def make_env():
-    """The sub-make runs on its own: the parent make's jobserver is not passed on."""
-    env = dict(os.environ)
-    env["MAKEFLAGS"] = re.sub(r"\s*--jobserver-(auth|fds)=\S+", "", env.get("MAKEFLAGS", ""))
-    return env
 
 
 def build_libraries(args, names):

@@ -1,0 +1,121 @@
+"""What several test modules share: the chapters' promises (their scratch memory, which has a
+backward pass), stand-in binaries, compiling a source as the Makefile does, and running make in a
+copy of the checkout. Tests import it as `helpers` (conftest.py puts tests/ on sys.path)."""
+import os
+import re
+import shlex
+import shutil
+import sys
+import unittest
+
+from claims import strip_comments
+from reference import FP8_KV_ROWS, FP8_Q_ROWS
+
+# Device scratch each chapter promises (docs/design.md and each chapter README): by chapter number, in bytes.
+WORKSPACE = {
+    1: lambda b, h, n, d: b * h * n * n * 4,  # S (then P) in device memory: B*H*N*N fp32
+    2: lambda b, h, n, d: b * h * n * n * 4,
+    3: lambda b, h, n, d: b * h * n * n * 4,
+    4: lambda b, h, n, d: 0,                  # fused: nothing that grows with N^2, nothing at all
+    5: lambda b, h, n, d: 0,
+    6: lambda b, h, n, d: 0,
+    7: lambda b, h, n, d: 0,
+    # 08: the e4m3 copies the attention kernel reads: descales, Q's [B*H][N / 128 scale tiles] and
+    # K's and V's [2][B*H][N / key tile] (reference.py's FP8 tiles, which a CPU test ties to 08's;
+    # padded to 256 bytes), Q and K [B*H][N][D], V transposed [B*H][D][N rounded up to 16]: O(N*D),
+    # nothing grows with N^2.
+    8: lambda b, h, n, d: (-(-b * h * (-(-n // FP8_Q_ROWS) + 2 * -(-n // FP8_KV_ROWS[d])) * 4 // 256) * 256
+                           + 2 * b * h * n * d + b * h * d * (-(-n // 16) * 16)),
+    9: lambda b, h, n, d: 0,  # the forward is 07's; the backward's workspace is Backward.workspace_bytes
+}
+
+
+def has_backward(repo, chapter):
+    """Whether a chapter registers a backward pass (a `Backward` in its code, comments left out)."""
+    return re.search(r"\bBackward\b", strip_comments((repo.root / chapter / "attention.cu").read_text())) is not None
+
+
+def shape_args(b, h, n, d, causal):
+    return ["--batch", str(b), "--heads", str(h), "--seqlen", str(n), "--headdim", str(d)] + \
+        (["--causal"] if causal else [])
+
+
+# --- compiling as the Makefile does ------------------------------------------------------------------
+SASS_ARCH_FLAG = "-gencode=arch=compute_90,code=sm_90"
+ARCH_FLAG_OF = {"08": "-gencode=arch=compute_90a,code=sm_90a"}  # wgmma: sm_90a only, as the Makefile builds it
+
+
+def nvcc_flags(repo):
+    """The Makefile's compile line for ARCH=sm_90 (its BUILD/.flags), as a list, without -gencode."""
+    def read():
+        build = repo.tmpdir() / "flags"
+        proc = repo.run(shlex.split(repo.make) + ["--no-print-directory", f"BUILD={build}", "ARCH=sm_90",
+                                                  f"{build}/.flags"], timeout=120)
+        assert proc.returncode == 0, f"make {build}/.flags failed: {proc.stderr.strip()}"
+        words = shlex.split((build / ".flags").read_text())
+        return [w for w in words if not w.startswith("-gencode")]
+    return repo.once("nvcc_flags", read)
+
+
+def compile_quietly(repo, source, out, extra=()):
+    """nvcc with the Makefile's flags for sm_90 (08: sm_90a); asserts success and no warning."""
+    arch = ARCH_FLAG_OF.get(source.parent.name[:2], SASS_ARCH_FLAG)
+    proc = repo.run(nvcc_flags(repo) + [arch, *extra, "-o", out, source], timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{repo.rel(source)} does not compile:\n{log.strip()[-3000:]}"
+    warnings = [line for line in log.splitlines() if "warning" in line.lower()]
+    assert not warnings, f"{repo.rel(source)}: compiler warnings:\n" + "\n".join(warnings[:20])
+
+
+# --- a stand-in for a chapter binary ------------------------------------------------------------------
+# Prints the harness's --csv row for the shape it is given (ms, attend_ms and the status as asked),
+# or fails as an EXERCISE_TODO stub does; `log` records each command line.
+FAKE = """#!{python}
+import sys
+args = sys.argv[1:]
+value = lambda flag: args[args.index(flag) + 1]
+if {log!r}:
+    with open({log!r}, "a") as f:
+        f.write(" ".join(args) + "\\n")
+if {todo}:
+    sys.stderr.write("04_fused: TODO: exercise 04.online_softmax is not written yet (its EXERCISE_TODO stub ran)\\n")
+    sys.exit(1)
+print("04_fused,%s,%s,%s,%s,%d,fp16,{ms},1.0,2.1e-04,{status},5.7e-05,1.2e-06,1,0,,{attend_ms},," % (
+    value("--batch"), value("--heads"), value("--seqlen"), value("--headdim"), "--causal" in args))
+if "{status}" == "FAIL":
+    sys.stderr.write("04_fused: rel_l2 2.1e-04 is above the tolerance\\n")
+    sys.exit(1)
+"""
+
+
+def fake_binary(folder, ms, todo=False, attend_ms="", status="PASS", log=""):
+    """A stand-in for build/04_fused in folder (see FAKE); its path."""
+    path = folder / "04_fused"
+    path.write_text(FAKE.format(python=sys.executable, ms=ms, todo=todo, attend_ms=attend_ms, status=status, log=log))
+    path.chmod(0o755)
+    return str(path)
+
+
+# --- make in a copy of the checkout ---------------------------------------------------------------------
+def repo_copy(repo, folder):
+    """The checkout's files (tracked and new, as they are on disk; no exercises/) copied into folder/repo."""
+    listed = repo.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], timeout=60)
+    if listed.returncode != 0:
+        raise unittest.SkipTest(f"git ls-files failed: {listed.stderr.strip()}")
+    copy = folder / "repo"
+    for rel in filter(None, listed.stdout.split("\0")):
+        source = repo.root / rel
+        if source.is_file() and not rel.startswith("exercises/"):
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, copy / rel)
+    return copy
+
+
+def make_in(repo, copy, *args, hide_gpu=True, timeout=900):
+    """make ARGS in a checkout copy (BUILD=build), the GPUs hidden unless hide_gpu is False; the
+    fetched tools (.cache/tools) on PATH."""
+    env = {"PATH": f"{repo.root / '.cache' / 'tools'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    if hide_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return repo.run(shlex.split(repo.make) + ["--no-print-directory", f"PYTHON_SYS={sys.executable}",
+                                              "BUILD=build", *args], env=env, cwd=copy, timeout=timeout)
