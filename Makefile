@@ -22,7 +22,7 @@ endif
 
 # --- Python: the system's where it has what a target needs, else .venv (made with the system's
 # packages visible, PyTorch included): NumPy for every Python tool (requirements.txt), and pytest
-# with pytest-xdist for make test (requirements-dev.txt).
+# (below 9.1) with pytest-xdist for make test (requirements-dev.txt).
 PYTHON_SYS ?= python3
 has_modules = $(shell $(PYTHON_SYS) -c 'import $(1)' >/dev/null 2>&1 && echo yes)
 ifeq ($(call has_modules,numpy),yes)
@@ -32,7 +32,7 @@ else
   PYTHON  := $(CURDIR)/.venv/bin/python
   PY_DEPS := .venv/.ready
 endif
-ifeq ($(call has_modules,numpy$(comma) pytest$(comma) xdist),yes)
+ifeq ($(shell $(PYTHON_SYS) -c 'import numpy, xdist, pytest; assert pytest.version_tuple < (9, 1)' >/dev/null 2>&1 && echo yes),yes)
   TEST_PYTHON := $(shell command -v $(PYTHON_SYS))
   TEST_DEPS   :=
 else
@@ -76,10 +76,14 @@ arch_of = $(if $(filter $(1),$(SM90A_BUILDS)),sm_90a,$(ARCH))
 
 all: $(addprefix $(BUILD)/,$(BUILDS)) $(PY_DEPS)
 
-# Rebuild when the flags change (ARCH=..., a moved checkout).
+# Rebuild when the flags change (ARCH=..., a moved checkout): BUILD/.flags holds the compile line,
+# rewritten only when it differs, so that `make -q` and `make -n` tell whether a build is current.
+FLAGS_LINE := $(NVCC) $(NVFLAGS) $(GENCODE)
+ifneq ($(if $(wildcard $(BUILD)/.flags),$(file < $(BUILD)/.flags)),$(FLAGS_LINE))
 $(BUILD)/.flags: FORCE
-	@mkdir -p $(BUILD)
-	@echo '$(NVCC) $(NVFLAGS) $(GENCODE)' | cmp -s - $@ || echo '$(NVCC) $(NVFLAGS) $(GENCODE)' > $@
+endif
+$(BUILD)/.flags:
+	$(shell mkdir -p $(BUILD))$(file > $@,$(FLAGS_LINE))
 
 # Compile, keep the compiler's output in $(2) (ptxas' register/spill report for the chapters), and
 # fail on any warning.
@@ -151,11 +155,11 @@ test: $(TEST_DEPS)
 	@echo "== make test, 1 of 2: make all lib, every build for $(ARCH_WORDS) (nothing to do where current)"
 	@$(MAKE) --no-print-directory -j$(shell nproc 2>/dev/null || echo 2) all lib
 	@echo "== make test, 2 of 2: pytest: the CPU tests, and the GPU tests where a GPU is usable"
-	@$(TEST_PYTHON) -m pytest -n $(TEST_JOBS) --build $(BUILD) $(TEST_ARGS)
+	@FA_BUILD=$(BUILD) $(TEST_PYTHON) -m pytest -n $(TEST_JOBS) $(TEST_ARGS)
 
 sanitize: all $(TEST_DEPS)
 	@$(call need_gpu,sanitize,$(BUILD)/$(firstword $(CHAPTERS)))
-	@$(TEST_PYTHON) -m pytest -m sanitize -n $(TEST_JOBS) --build $(BUILD) $(TEST_ARGS)
+	@FA_BUILD=$(BUILD) $(TEST_PYTHON) -m pytest -m sanitize -n $(TEST_JOBS) $(TEST_ARGS)
 
 # make bench: the forward's sweep, then the backward's (the chapters that have a backward pass, 09's
 # deterministic build, PyTorch's backward: docs/results/<gpu>.backward.csv). BENCH_PASS=backward: the
@@ -168,7 +172,7 @@ bench: all
 	@$(call need_gpu,bench,$(BUILD)/$(firstword $(CHAPTERS)))
 	@$(PYTHON) common/stages.py bench --build $(BUILD) $(bench_flags) $(CHAPTERS)
 
-compare: all
+compare: $(PY_DEPS)
 	@$(PYTHON) common/stages.py compare --build $(BUILD) $(bench_flags)
 
 # A chapter's folder from its number: 4, 04 and 04_fused all name 04_fused (empty if none); a step

@@ -1,6 +1,6 @@
 """What each chapter claims to do, checked in the code the compiler made (no GPU needed): the
-claims themselves and how they are checked. tests/test_cpu_claims.py runs them for every chapter;
-common/grade.py runs them on a student's copy (make grade). Each check takes a runner.Repo: the
+claims themselves and how they are checked. tests/test_claims.py runs them for every chapter;
+common/exercise_grade.py runs them on a student's copy (make grade). Each check takes a runner.Repo: the
 checkout whose chapter it checks and the build folder of its binaries.
 
 PTX comes from `nvcc -ptx -arch=compute_90` (compute_90a for 08) on the chapter's
@@ -142,8 +142,12 @@ def sass_text(repo, cubin):
 
 
 def sass(repo, chapter):
-    """{function name: set of opcodes} of the chapter's binary for SASS_ARCH."""
+    """{function name: set of opcodes} of the chapter's code for SASS_ARCH: its object in the build
+    (BUILD/obj/NN_name.o, which its binary links unchanged and which is quicker to read), else its
+    binary (a student copy's)."""
     binary = repo.require_binary(chapter)
+    obj = repo.build / "obj" / f"{chapter}.o"
+    binary = obj if obj.is_file() else binary
     cuobjdump, env = sass_tools(repo)
 
     def dump():

@@ -380,7 +380,7 @@ def parse(text, where="attention.cu"):
                                   f"part, line {main['start'] + 1} (the first with a task)")
         if main["facts"] is None:
             raise MarkerError(f"{where}:{main['start'] + 1}: exercise {name} has no facts: the lines after its BEGIN "
-                              "line, `//   kind: ...`, `//   hint: ...` (the format: common/exercises.py)")
+                              "line, `//   kind: ...`, `//   hint: ...` (the format: common/exercise_markers.py)")
     return blocks
 
 

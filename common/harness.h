@@ -117,7 +117,7 @@ static inline cudaError_t backward_for_head_dim(const BackwardArgs *args, cudaSt
 
 static inline __host__ __device__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Exercises (`make exercise`, common/exercises.py): a student copy of a chapter has each part left
+// Exercises (`make exercise`, common/exercise_copy.py): a student copy of a chapter has each part left
 // to write replaced by EXERCISE_TODO("NN.name") in device code. It compiles and runs; a kernel that
 // reaches the stub records the name, and the harness then fails the run with "TODO: exercise
 // NN.name is not written yet". The variable and its reader are the chapter's own (the harness

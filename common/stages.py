@@ -88,7 +88,7 @@ def command_run(args):
         if status == "usage":
             status = "error"
         results.append((name, status, row, note))
-        if note:
+        if note and status != "skipped":  # the skipped ones' reasons are said once, below
             say(f"  {name}: {status}: {note}")
     shape = next((r for _, _, r, _ in results if r), None)
     say("")
@@ -103,7 +103,7 @@ def command_run(args):
         say(f"skipped (exit 77, not a failure): {', '.join(skipped)}" + (f": {'; '.join(why)}" if why else ""))
     if bad:
         say(f"failed: {', '.join(bad)}")
-    return 1 if bad else 0
+    return 1 if bad else 77 if len(skipped) == len(results) else 0
 
 
 def shape_flags(shape, warmup, iters, pass_="forward"):
@@ -138,11 +138,14 @@ def bench_one(binary, name, dtype, shape, last, unsupported, pass_="forward"):
                     device_bytes=row["device_bytes"], grads=grads)
 
 
-def row_progress(row):
-    """One progress line for a finished row."""
+def row_progress(row, said=None):
+    """One progress line for a finished row; a note already in `said` (a set) is not repeated."""
     name = row["impl"]
     if row["ms"] is None:
-        return f"  {name:<20} {row['status']:<5} {row.get('note', '')}"
+        note = row.get("note", "")
+        if said is not None:
+            note, _ = ("(as above)" if note in said else note), said.add(note)
+        return f"  {name:<20} {row['status']:<5} {note}"
     return (f"  {name:<20} {row['status']:<5} {fmt_ms(row['ms']):>7} ms "
             f"{fmt_tflops(row['tflops']):>7} TFLOP/s  rel_l2 {fmt_rel(row['rel_l2'])}"
             + (f"  ({row['note']})" if row.get("note") else ""))
@@ -171,7 +174,7 @@ def pass_binaries(build, chapters, pass_):
 
 def bench_chapters(build, chapters, shapes, pass_="forward"):
     """Every chapter (and step build) of the pass on every shape; None when every one was skipped (no GPU)."""
-    rows, last, unsupported = [], {}, {}
+    rows, last, unsupported, said = [], {}, {}, set()
     binaries = pass_binaries(build, chapters, pass_)
     for i, shape in enumerate(shapes):
         say(f"[{i + 1}/{len(shapes)}] {shape_label(shape)}{' (backward)' if pass_ == 'backward' else ''}")
@@ -181,7 +184,7 @@ def bench_chapters(build, chapters, shapes, pass_="forward"):
             if row["ms"] is not None:
                 last[key] = (work(shape), row["ms"])
             rows.append(row)
-            say(row_progress(row))
+            say(row_progress(row, said))
         if i == 0 and len(unsupported) == len(binaries):
             return None
     return rows
@@ -195,7 +198,7 @@ def torch_gpu_ready(skip_line):
         say(skip_line)
         return False
     if not torch.cuda.is_available():
-        say(skip_line.replace("PyTorch not found", "PyTorch sees no CUDA GPU"))
+        say(skip_line.replace("PyTorch not found (pip install torch)", "PyTorch sees no CUDA GPU").replace("PyTorch not found", "PyTorch sees no CUDA GPU"))
         return False
     return True
 
@@ -327,8 +330,8 @@ def rows_not_measured(out_dir, rows, pass_="forward"):
 
 def command_compare(args):
     """`make compare`: the anchors only, merged into <gpu>.csv (and the backward's into <gpu>.backward.csv)."""
-    if not torch_gpu_ready("PyTorch not found: make compare skipped"):
-        return 0
+    if not torch_gpu_ready("make compare: skipped: PyTorch not found (pip install torch)"):
+        return 77
     for pass_ in passes_of(args):
         if pass_ == "backward":
             prepare_references(bench_shapes(args.quick))

@@ -64,7 +64,7 @@ NAMESPACE = "fa_tutorial"
 HEAD_DIMS = (64, 128)
 ABI_VERSION = 1  # common/library.h's FA_ABI_VERSION
 ALIGNMENT = 16   # bytes, FA_ALIGNMENT
-# common/library.h's return codes and precisions (tests/test_cpu_torch_op.py checks them against it).
+# common/library.h's return codes and precisions (tests/test_torch_op.py checks them against it).
 FA_OK, FA_ERR_INVALID_ARGUMENT, FA_ERR_NO_BACKWARD, FA_ERR_NO_GPU, FA_ERR_UNSUPPORTED_GPU, FA_ERR_CUDA = range(6)
 CODE_NAMES = {FA_OK: "FA_OK", FA_ERR_INVALID_ARGUMENT: "FA_ERR_INVALID_ARGUMENT", FA_ERR_NO_BACKWARD: "FA_ERR_NO_BACKWARD",
               FA_ERR_NO_GPU: "FA_ERR_NO_GPU", FA_ERR_UNSUPPORTED_GPU: "FA_ERR_UNSUPPORTED_GPU", FA_ERR_CUDA: "FA_ERR_CUDA"}

@@ -30,7 +30,7 @@ beside it (skipped with a note without matplotlib), each run's tokens per second
 but the first, which holds the warm-up) and the difference of the final validation losses. The
 default output is docs/results/train/train_<build>.csv (.png); with --quick, BUILD/train/.
 
-Without PyTorch or a CUDA GPU it says so in one line and exits 0, as `make compare` does.
+Without PyTorch or a CUDA GPU it says so in one line and exits 77 (the skip code), as `make compare` does.
 """
 import argparse
 import csv
@@ -445,8 +445,8 @@ def main(argv=None):
         return 2
     reason = why_not_here()
     if reason:
-        print(f"train.py: {reason}")
-        return 0
+        print(f"make train: skipped: {reason}")
+        return 77
     names = list(dict.fromkeys(forwards + [backward]))
     if not args.no_build and build_libraries(args, names) != 0:
         print(f"train.py: building the libraries of {', '.join(names)} failed (output above)", file=sys.stderr)
@@ -461,8 +461,8 @@ def main(argv=None):
         return 2
     reason = gpu_refusal(names)
     if reason:
-        print(f"train.py: {reason}")
-        return 0
+        print(f"make train: skipped: {reason}")
+        return 77
     torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matrix products, in both runs
     corpus = load_corpus("cuda")
     print(corpus["about"])

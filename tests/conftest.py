@@ -2,18 +2,22 @@
 and sm_90 where there is no GPU), then runs pytest here on every core (pytest-xdist).
 
 Fixtures:
-  repo    common/runner.py's Repo: the checkout, its build folder (--build, default build/), commands
+  repo    common/runner.py's Repo: the checkout, its build folder ($FA_BUILD, default build/), commands
           run in it (repo.run), temporary folders, values computed once per worker (repo.once)
   torch   PyTorch with a CUDA device, or the test is skipped saying which is missing
+  gpu_state  (usable, why): whether the build finds a GPU it can run on
 
 Markers (pytest.ini):
   gpu       the test runs chapter binaries on a GPU: skipped, with the reason the harness gives
-            (one line in the summary for them all), where the build finds no GPU it can use
+            (one summary line per file), where the build finds no GPU it can use
   sanitize  a compute-sanitizer run: only `make sanitize` (pytest -m sanitize) runs these
 
 Tests that share inputs made once (one shape's references in the cache) carry
 `pytest.mark.xdist_group(name)`: pytest.ini's --dist loadgroup runs each group on one worker.
 """
+import collections
+import functools
+import os
 import sys
 from pathlib import Path
 
@@ -23,33 +27,50 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "common"), str(ROOT / "tests")]
 
 import runner  # noqa: E402  (common/runner.py)
+from helpers import CHAPTERS  # noqa: E402
 
-CHAPTERS = runner.chapters()  # NN_name of every chapter, in order: what the tests parametrize over
 
-
-def pytest_addoption(parser):
-    parser.addoption("--build", default="build", help="the build folder of the binaries (make's BUILD)")
+BUILD = os.environ.get("FA_BUILD") or "build"  # the binaries' folder: make's BUILD (make test sets FA_BUILD)
 
 
 @pytest.fixture(scope="session")
-def repo(request):
-    checkout = runner.Repo(ROOT, request.config.getoption("--build"))
+def repo():
+    checkout = runner.Repo(ROOT, BUILD)
     yield checkout
     checkout.close()
 
 
+@functools.cache
+def probe_gpu(build):
+    """(usable, why), from the first chapter's binary (the least demanding one) in the build folder."""
+    return runner.gpu_probe(str(Path(ROOT, build, CHAPTERS[0])))
+
+
 @pytest.fixture(scope="session")
-def gpu_state(repo):
-    """(usable, why), from the first chapter's binary (the least demanding one)."""
-    return runner.gpu_probe(repo.binary(CHAPTERS[0]))
+def gpu_state():
+    """(usable, why): whether the build finds a GPU it can run on, and the harness's words."""
+    return probe_gpu(BUILD)
 
 
-@pytest.fixture(autouse=True)
-def _skip_gpu_tests_without_gpu(request):
-    if request.node.get_closest_marker("gpu"):
-        usable, why = request.getfixturevalue("gpu_state")
-        if not usable:
-            pytest.skip(f"no usable GPU: {why}")
+def pytest_terminal_summary(terminalreporter):
+    """Each reason a test was skipped for, once, with how many it skipped (pytest's own -rs says it
+    once per test function)."""
+    reasons = collections.Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        if isinstance(report.longrepr, tuple):
+            reasons[report.longrepr[2].removeprefix("Skipped: ")] += 1
+    for reason, count in reasons.most_common():
+        terminalreporter.write_line(f"SKIPPED ({count}): {reason}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without a usable GPU, the tests marked gpu are skipped, each file's in one summary line."""
+    marked = [item for item in items if item.get_closest_marker("gpu")]
+    usable, why = probe_gpu(BUILD) if marked else (True, "")
+    if not usable:
+        skip = pytest.mark.skip(reason=f"no usable GPU: {why}")
+        for item in marked:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """What several test modules share: the chapters' promises (their scratch memory, which has a
 backward pass), stand-in binaries, compiling a source as the Makefile does, and running make in a
 copy of the checkout. Tests import it as `helpers` (conftest.py puts tests/ on sys.path)."""
+import math
 import os
 import re
 import shlex
@@ -8,8 +9,13 @@ import shutil
 import sys
 import unittest
 
+import numpy as np
+
+import runner
 from claims import strip_comments
-from reference import FP8_KV_ROWS, FP8_Q_ROWS
+from reference import FP8_KV_ROWS, FP8_Q_ROWS, FP8_QK_RANGE, quantize_e4m3
+
+CHAPTERS = runner.chapters()  # NN_name of every chapter, in order: what tests parametrize over
 
 # Device scratch each chapter promises (docs/design.md and each chapter README): by chapter number, in bytes.
 WORKSPACE = {
@@ -70,7 +76,7 @@ def compile_quietly(repo, source, out, extra=()):
 # --- a stand-in for a chapter binary ------------------------------------------------------------------
 # Prints the harness's --csv row for the shape it is given (ms, attend_ms and the status as asked),
 # or fails as an EXERCISE_TODO stub does; `log` records each command line.
-FAKE = """#!{python}
+FAKE = """#!{python} -IS
 import sys
 args = sys.argv[1:]
 value = lambda flag: args[args.index(flag) + 1]
@@ -96,6 +102,18 @@ def fake_binary(folder, ms, todo=False, attend_ms="", status="PASS", log=""):
     return str(path)
 
 
+def write_tree(folder, files):
+    """files {relative path: NN_name/attention.cu text} under folder, with a common/ link beside each
+    chapter folder (its #include "../common/harness.h"); folder."""
+    for rel, text in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(text)
+        link = (folder / rel).parent.parent / "common"
+        if not os.path.lexists(link):
+            os.symlink(os.path.join(runner.ROOT, "common"), link)
+    return folder
+
+
 # --- make in a copy of the checkout ---------------------------------------------------------------------
 def repo_copy(repo, folder):
     """The checkout's files (tracked and new, as they are on disk; no exercises/) copied into folder/repo."""
@@ -119,3 +137,98 @@ def make_in(repo, copy, *args, hide_gpu=True, timeout=900):
         env["CUDA_VISIBLE_DEVICES"] = ""
     return repo.run(shlex.split(repo.make) + ["--no-print-directory", f"PYTHON_SYS={sys.executable}",
                                               "BUILD=build", *args], env=env, cwd=copy, timeout=timeout)
+
+
+# --- the GPU tests' rules and float64 formulas (test_gpu, test_sanitize, test_torch_op_gpu) --------------
+# By chapter number: relative L2 error of O (fp32 math, fp16 tensor cores); FP8 (08) below.
+REL_L2_TOL = {1: 1e-3, 2: 1e-3, 3: 1e-3, 4: 1e-3, 5: 1e-3, 6: 3e-3, 7: 3e-3, 9: 3e-3}
+LSE_TOL = 1e-3
+FP8 = {8}                 # tolerance: FP8_FLOOR_FACTOR x the e4m3 floor + the fp16 chapters' bound
+FP8_FLOOR_FACTOR = 1.5
+BACKWARD_TOL = 1e-3       # each gradient's rel L2 (common/harness.cu's BACKWARD_REL_L2_TOL)
+# 08's steps (BUILD/08_fp8.step1 ... step4; step 5 is the chapter): (step, build, dtype)
+STEP_BUILDS = [("08.1", "08_fp8.step1", "fp16"), ("08.2", "08_fp8.step2", "fp16"), ("08.3", "08_fp8.step3", "fp16"),
+               ("08.4", "08_fp8.step4", "fp8")]
+BACKWARD_VARIANTS = ("deterministic",)  # BUILD/<chapter>.<variant>: the Makefile's VARIANT_BUILDS
+BACKWARD_CHAPTERS = [c for c in CHAPTERS if re.search(r"\bBackward\b", strip_comments(
+    open(os.path.join(runner.ROOT, c, "attention.cu")).read()))]
+# (B, H, N, D, causal) where --output's gradients are checked against float64 and PyTorch's error
+BACKWARD_OUTPUT_SHAPES = [(2, 3, 200, 64, True), (1, 2, 129, 128, False), (1, 4, 1024, 128, True)]
+
+
+def scores64(q, k, causal, scale):
+    """float64 S = Q K^T * scale, -inf above the diagonal when causal."""
+    s = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), k.astype(np.float64)) * scale
+    if causal:
+        n = s.shape[-1]
+        s = np.where(np.triu(np.ones((n, n), bool), 1), -np.inf, s)
+    return s
+
+
+def attention64(q, k, v, causal, scale):
+    """float64 O and LSE straight from the formula (shifted exp), independent of common/."""
+    s = scores64(q, k, causal, scale)
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - m)
+    total = e.sum(-1, keepdims=True)
+    return np.einsum("bhij,bhjd->bhid", e, v.astype(np.float64)) / total, (m + np.log(total))[..., 0]
+
+
+def attention64_grads(q, k, v, do, causal, scale):
+    """float64 dQ, dK, dV of L = sum(O * dO), straight from the formula, independent of common/."""
+    q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
+    s = scores64(q, k, causal, scale)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o = np.einsum("bhij,bhjd->bhid", p, v)
+    dp = np.einsum("bhid,bhjd->bhij", do, v)
+    ds = p * (dp - (do * o).sum(-1, keepdims=True))
+    return (np.einsum("bhij,bhjd->bhid", ds, k) * scale, np.einsum("bhij,bhid->bhjd", ds, q) * scale,
+            np.einsum("bhij,bhid->bhjd", p, do))
+
+
+def fp8_floor_attention(q, k, v, causal, d):
+    """float64 O and LSE of exact attention on Q, K, V quantised as the FP8 chapter quantises them
+    (scales per tile, Q and K to its range): the FP8 check's floor."""
+    kv_rows, qk_range = FP8_KV_ROWS[d], FP8_QK_RANGE[d]
+    quantized = (quantize_e4m3(x, rows, to) for x, rows, to in
+                 ((q, FP8_Q_ROWS, qk_range), (k, kv_rows, qk_range), (v, kv_rows, 448.0)))
+    return attention64(*quantized, causal, 1 / math.sqrt(d))
+
+
+def torch_flash():
+    """(torch, a function running PyTorch's SDPA on its flash backend), or None without PyTorch or
+    a CUDA device for it."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+
+    def attend(q, k, v, causal):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return torch, attend
+
+
+def torch_fp16_error(q, k, v, causal, want_o):
+    """Max abs error of PyTorch's fp16 flash attention against float64 on the same inputs; None
+    without PyTorch or a CUDA device for it."""
+    if not (found := torch_flash()):
+        return None
+    torch, attend = found
+    o = attend(*(torch.from_numpy(x).cuda() for x in (q, k, v)), causal)
+    return float(np.abs(o.float().cpu().numpy().astype(np.float64) - want_o).max())
+
+
+def torch_grad_errors(q, k, v, do, causal, want):
+    """Max abs error of each of PyTorch's fp16 flash-attention gradients against float64; None without it."""
+    if not (found := torch_flash()):
+        return None
+    torch, attend = found
+    q, k, v = (torch.from_numpy(x).cuda().requires_grad_() for x in (q, k, v))
+    o = attend(q, k, v, causal)
+    o.backward(torch.from_numpy(do).cuda())
+    return [float(np.abs(x.grad.float().cpu().numpy().astype(np.float64) - w).max()) for x, w in zip((q, k, v), want)]

@@ -1,4 +1,4 @@
-// A small driver of common/npy.c for tests/test_cpu_npy.py.
+// A small driver of common/npy.c for tests/test_npy.py.
 //
 //   npy_tool info FILE                  print "dtype <name> shape <d0,d1,...> count <n> offset <bytes>"
 //   npy_tool dump FILE                  print every element's bits as hex, one a line

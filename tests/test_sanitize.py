@@ -1,21 +1,17 @@
-"""compute-sanitizer on every chapter (and 08's step builds) at small shapes, and on each backward
-pass (--backward, both of 09's builds) (`make sanitize`,
---suite sanitize).
+"""compute-sanitizer (`make sanitize`: pytest -m sanitize) on every chapter and 08's step builds at
+small shapes, and on each backward pass (--backward, both of 09's builds).
 
-memcheck (with --leak-check full), racecheck, synccheck and initcheck, each on shapes that
-are not tile multiples. A case passes when the sanitizer exits 0 and reports
-`ERROR SUMMARY: 0 errors` (racecheck: 0 hazards, 0 errors, 0 warnings). Before the first
-sanitized run of a shape, one plain run of the binary makes the shape's inputs and reference
-in the cache (one worker per shape, under a lock), so that sanitized runs only read it.
-Skipped, with the reason, without a GPU or without compute-sanitizer.
+memcheck (with --leak-check full), racecheck, synccheck and initcheck, each on shapes that are not
+tile multiples. A run passes when the sanitizer exits 0 and reports `ERROR SUMMARY: 0 errors`
+(racecheck: 0 hazards, 0 errors, 0 warnings). Before the first sanitized run of a shape, one plain
+run of the binary makes the shape's inputs and reference in the cache (the runs of a shape are one
+xdist group), so that sanitized runs only read it. Skipped, with the reason, without a GPU or
+without compute-sanitizer.
 """
-import unittest
+import pytest
 
-from sanitizer import check_summary, find_sanitizer
-from test_gpu import BACKWARD_VARIANTS, STEP_BUILDS, backward_chapters
-
-SUITE = "sanitize"
-PARALLEL = 8
+from cuda_tools import check_summary, find_sanitizer
+from helpers import BACKWARD_CHAPTERS, BACKWARD_VARIANTS, CHAPTERS, STEP_BUILDS, shape_args
 
 # (tool, extra sanitizer flags, B, H, N, D, causal)
 RUNS = [
@@ -28,61 +24,55 @@ RUNS = [
     ("initcheck", [], 1, 2, 77, 128, True),
 ]
 TIMEOUT_S = 600
+# What runs: each chapter and 08's steps (BUILD/08_fp8.stepK) forward; each build of a chapter with a
+# backward pass (and its variant builds) with --backward.
+TARGETS = [(c, False) for c in CHAPTERS + [build for _, build, _ in STEP_BUILDS]] + \
+          [(build, True) for c in BACKWARD_CHAPTERS for build in [c] + [f"{c}.{v}" for v in BACKWARD_VARIANTS]]
 
 
-def shape_args(b, h, n, d, causal):
-    return ["--batch", str(b), "--heads", str(h), "--seqlen", str(n), "--headdim", str(d),
-            "--warmup", "0", "--iters", "1"] + (["--causal"] if causal else [])
-
-
-def sanitize_case(chapter, tool, extra, b, h, n, d, causal, backward=False):
-    def case(ctx):
-        sanitizer = ctx.once("compute-sanitizer", find_sanitizer)
-        if not sanitizer:
-            raise unittest.SkipTest("compute-sanitizer not found (PATH, next to nvcc, /usr/local/cuda)")
-        binary = ctx.require_binary(chapter, native=True)
-        args = shape_args(b, h, n, d, causal) + (["--backward"] if backward else [])
-        # One plain run per shape makes the cached inputs and reference for everyone.
-        ctx.once(("sanitize-cache", b, h, n, d, causal, backward), lambda: ctx.run([binary, *args, "--csv"], timeout=TIMEOUT_S))
-        cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--target-processes", "application-only",
-               *extra, binary, *args]
-        proc = ctx.run(cmd, timeout=TIMEOUT_S)
-        output = proc.stdout + proc.stderr
-        shown = f"compute-sanitizer --tool {tool} {chapter}{' --backward' if backward else ''} B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
-        if proc.returncode == 77:
-            raise unittest.SkipTest(f"{chapter}: " + (proc.stdout.strip().splitlines() or ["exit 77"])[-1])
-        reports = [line for line in output.splitlines() if line.startswith("=========")]
-        assert proc.returncode == 0, (
-            f"{shown}: exit {proc.returncode}, expected 0 (99: the sanitizer found errors; 1: the check failed)\n"
-            + "\n".join(reports[:40] or output.strip().splitlines()[-20:]))
-        check_summary(tool, output, shown)
-    return case
-
-
-def cases(ctx):
-    out = []
+def params():
     for tool, extra, b, h, n, d, causal in RUNS:
-        for chapter in ctx.chapters + [build for _, build, _ in STEP_BUILDS]:  # and 08's steps, BUILD/08_fp8.stepK
-            name = f"{tool}[{chapter} B={b} H={h} N={n} D={d}{' causal' if causal else ''}]"
-            out.append((name, sanitize_case(chapter, tool, extra, b, h, n, d, causal)))
-        for chapter in backward_chapters(ctx):
-            for build in [chapter] + [f"{chapter}.{variant}" for variant in BACKWARD_VARIANTS]:
-                name = f"{tool}[{build} --backward B={b} H={h} N={n} D={d}{' causal' if causal else ''}]"
-                out.append((name, sanitize_case(build, tool, extra, b, h, n, d, causal, backward=True)))
-    return out
+        for build, backward in TARGETS:
+            yield pytest.param(tool, extra, build, backward, (b, h, n, d, causal),
+                               marks=pytest.mark.xdist_group(f"sanitize_{b}_{h}_{n}_{d}_{causal}_{backward}"),
+                               id=f"{tool} {build}{' --backward' if backward else ''} B={b} H={h} N={n} D={d}"
+                                  f"{' causal' if causal else ''}")
 
 
-def test_summary_parsing():
-    """The verdict on sanitizer output, on samples of it."""
-    clean = "========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n"
-    check_summary("memcheck", clean, "clean")
+@pytest.mark.sanitize
+@pytest.mark.gpu
+@pytest.mark.parametrize("tool,extra,build,backward,shape", list(params()))
+def test_sanitizer_finds_nothing(repo, tool, extra, build, backward, shape):
+    sanitizer = repo.once("compute-sanitizer", find_sanitizer)
+    if not sanitizer:
+        pytest.skip("compute-sanitizer not found (PATH, next to nvcc, /usr/local/cuda)")
+    binary = repo.require_binary(build)
+    args = shape_args(*shape) + ["--warmup", "0", "--iters", "1"] + (["--backward"] if backward else [])
+    # One plain run per shape makes the cached inputs and reference for everyone.
+    repo.once(("sanitize-cache", shape, backward), lambda: repo.run([binary, *args, "--csv"], timeout=TIMEOUT_S))
+    proc = repo.run([sanitizer, "--tool", tool, "--error-exitcode", "99", "--target-processes", "application-only",
+                     *extra, binary, *args], timeout=TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    shown = f"compute-sanitizer --tool {tool} {build} {' '.join(args)}"
+    if proc.returncode == 77:
+        pytest.skip(f"{build}: " + (proc.stdout.strip().splitlines() or ["exit 77"])[-1])
+    reports = [line for line in output.splitlines() if line.startswith("=========")]
+    assert proc.returncode == 0, (
+        f"{shown}: exit {proc.returncode}, expected 0 (99: the sanitizer found errors; 1: the check failed)\n"
+        + "\n".join(reports[:40] or output.strip().splitlines()[-20:]))
+    check_summary(tool, output, shown)
+
+
+@pytest.mark.parametrize("tool,text", [
+    ("memcheck", "========= ERROR SUMMARY: 3 errors\n"),
+    ("memcheck", "========= COMPUTE-SANITIZER\n"),
+    ("racecheck", "========= RACECHECK SUMMARY: 2 hazards displayed (0 errors, 2 warnings)\n"),
+    ("racecheck", "nothing\n")])
+def test_a_sanitizer_report_of_errors_fails(tool, text):
+    with pytest.raises(AssertionError):
+        check_summary(tool, text, "sample")
+
+
+def test_a_clean_sanitizer_report_passes():
+    check_summary("memcheck", "========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n", "clean")
     check_summary("racecheck", "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n", "clean")
-    for tool, text in [("memcheck", "========= ERROR SUMMARY: 3 errors\n"),
-                       ("memcheck", "========= COMPUTE-SANITIZER\n"),
-                       ("racecheck", "========= RACECHECK SUMMARY: 2 hazards displayed (0 errors, 2 warnings)\n"),
-                       ("racecheck", "nothing\n")]:
-        try:
-            check_summary(tool, text, "sample")
-        except AssertionError:
-            continue
-        raise AssertionError(f"{tool} output {text!r} was accepted; expected a failure")

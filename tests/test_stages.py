@@ -1,48 +1,61 @@
-#!/usr/bin/env python3
-"""CPU tests of common/stages.py: results files, Markdown tables, the math and the skip rule.
+"""What common/stages.py (make run, make bench, make compare, stages.py table) and common/report.py
+promise, on the CPU: no GPU, PyTorch or matplotlib needed.
 
-No GPU, PyTorch or matplotlib needed. Each test_* function takes no arguments; run them all
-with `python tests/test_stages.py` (or through tests/run.py).
+  results files   a results CSV (and its notes, its .env) reads back as written; another CSV is refused
+  tables          the Markdown tables from tests/fixtures/FAKE_GPU.csv are the golden files beside it,
+                  their cells as computed by hand; `table` on a made-up tree rewrites the marked blocks
+  inline values   the measured numbers quoted in prose (`<!--r ... -->` markers) are filled from the
+                  rows, n/a with a warning where there is none, a malformed marker refused (and then
+                  no file is written)
+  the repository  the committed READMEs and docs/*.md already say what docs/results/*.csv says (tables
+                  and inline values), and the README's chapter table is the chapters' own words
+  math and rules  speedups, percentages, number formats, the benchmark's shapes, the skip rule (a
+                  shape projected past the budget is skipped), a binary's exit code and --csv row
+  commands        run and bench on stand-in chapter binaries (Python scripts: a slow one, one too big,
+                  one for an older GPU, one that FAILs), and stages.py run as a program
+
+tests/test_stages_backward.py imports the fixtures' helpers and the stand-in binaries from here.
 """
-import contextlib
 import difflib
 import glob
-import io
 import os
 import re
+import shutil
 import stat
-import subprocess
 import sys
-import tempfile
-import traceback
-import unittest
+from pathlib import Path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-FIXTURES = os.path.join(HERE, "fixtures")
-COMMON = os.path.join(ROOT, "common")
-sys.path.insert(0, os.path.join(ROOT, "common"))
+import pytest
 
-import report  # noqa: E402
-import results  # noqa: E402
-import runner  # noqa: E402
-import stages  # noqa: E402
+import report
+import results
+import runner
+import stages
+from chapters import CHAPTERS_BEGIN, CHAPTERS_END, chapters_markdown, read_chapters
+from helpers import CHAPTERS
 
-FIXTURE_CSV = os.path.join(FIXTURES, "FAKE_GPU.csv")
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+FIXTURES = HERE / "fixtures"
+FIXTURE_CSV = str(FIXTURES / "FAKE_GPU.csv")
 FIXTURE_GPU = "FAKE GPU H200"
-ISOLATED = True  # it swaps sys.stdout and sets os.environ["COLUMNS"]: a process of its own
 
 
 def assert_golden(got, fixture, what):
     """got is exactly tests/fixtures/<fixture> (what: the words of the failure)."""
-    want = read(os.path.join(FIXTURES, fixture))
+    want = read(FIXTURES / fixture)
     assert got == want, f"{what} differs from tests/fixtures/{fixture}:\n" + got
 
 
 def read(path):
     """The text of a file."""
-    with open(path) as f:
-        return f.read()
+    return Path(path).read_text()
+
+
+def write(path, text):
+    """Write text to path, its folder made first."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
 
 
 def fixture_rows():
@@ -50,61 +63,56 @@ def fixture_rows():
     return results.read_results(FIXTURE_CSV)
 
 
-def quiet(function, *args):
-    """Call function with its stdout swallowed; return (result, printed text)."""
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        result = function(*args)
-    return result, buffer.getvalue()
+def printed_by(capsys, function, *args):
+    """Call function; (its result, what it printed)."""
+    capsys.readouterr()
+    result = function(*args)
+    return result, capsys.readouterr().out
+
+
+def value(spec, text="?"):
+    """An inline value marker holding text."""
+    return f"<!--r {spec}-->{text}<!--/r-->"
 
 
 # --- Results files ---------------------------------------------------------------------
 
-def test_csv_round_trip():
+def test_csv_round_trip(tmp_path):
     shape = results.bench_shape(128, 4096, 1)
     rows = [results.make_row("04_fused", shape, "PASS", 18.3301, 29.99, 3.012e-4, device_bytes=269484032),
             results.make_row("01_naive", results.bench_shape(64, 16384, 0), "SKIP",
-                            note="this shape needs 33.0 GiB of device memory, lower B, H or N"),
+                             note="this shape needs 33.0 GiB of device memory, lower B, H or N"),
             results.make_row("torch_flash", shape, "FAIL", 0.9194, 298.98, 0.0123, note="odd, but kept")]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "NVIDIA_H200.csv")
-        results.write_results(path, rows)
-        assert read(path).splitlines()[0] == ("impl,batch,heads,seqlen,headdim,causal,dtype,ms,tflops,rel_l2,status,"
-                                              "device_bytes")
-        assert read(path).splitlines()[1].endswith(",PASS,269484032")
-        assert read(path).splitlines()[2] == "01_naive,1,32,16384,64,0,fp16,,,,SKIP,"
-        back = results.read_results(path)
-        older = "\n".join(",".join(line.split(",")[:-1]) for line in read(path).splitlines())  # no device_bytes
-        with open(path, "w") as f:
-            f.write(older + "\n")
-        assert [r["device_bytes"] for r in results.read_results(path)] == [None] * 3
+    path = tmp_path / "NVIDIA_H200.csv"
+    results.write_results(str(path), rows)
+    lines = read(path).splitlines()
+    assert lines[0] == "impl,batch,heads,seqlen,headdim,causal,dtype,ms,tflops,rel_l2,status,device_bytes"
+    assert lines[1].endswith(",PASS,269484032")
+    assert lines[2] == "01_naive,1,32,16384,64,0,fp16,,,,SKIP,"
+    back = results.read_results(str(path))
+    older = "\n".join(",".join(line.split(",")[:-1]) for line in lines)  # no device_bytes
+    path.write_text(older + "\n")
+    assert [r["device_bytes"] for r in results.read_results(str(path))] == [None] * 3
     assert back == rows, back
     assert back[0]["ms"] == 18.3301 and back[0]["batch"] == 4 and back[0]["causal"] == 1
     assert "note" not in back[0] and back[1]["note"].startswith("this shape needs")
 
 
-def test_read_results_refuses_other_csv():
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "other.csv")
-        with open(path, "w") as f:
-            f.write("impl,ms\n01_naive,1.0\n")
-        try:
-            results.read_results(path)
-        except ValueError as exc:
-            assert "missing columns" in str(exc)
-        else:
-            raise AssertionError("a CSV without the result columns was accepted")
+def test_read_results_refuses_other_csv(tmp_path):
+    path = tmp_path / "other.csv"
+    path.write_text("impl,ms\n01_naive,1.0\n")
+    with pytest.raises(ValueError, match="missing columns"):  # a CSV without the result columns
+        results.read_results(str(path))
 
 
-def test_env_round_trip():
+def test_env_round_trip(tmp_path):
     env = {"gpu": "NVIDIA H200", "command": "python3 common/stages.py bench --build build 01_naive"}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "x.env")
-        results.write_env(path, env)
-        assert read(path) == ("gpu: NVIDIA H200\n"
-                              "command: python3 common/stages.py bench --build build 01_naive\n")
-        assert results.read_env(path) == env
-        assert results.read_env(os.path.join(tmp, "missing.env")) == {}
+    path = tmp_path / "x.env"
+    results.write_env(str(path), env)
+    assert read(path) == ("gpu: NVIDIA H200\n"
+                          "command: python3 common/stages.py bench --build build 01_naive\n")
+    assert results.read_env(str(path)) == env
+    assert results.read_env(str(tmp_path / "missing.env")) == {}
 
 
 # --- Markdown -------------------------------------------------------------------------
@@ -115,7 +123,7 @@ def test_stage_table_matches_golden():
 
 
 def test_results_page_matches_golden():
-    env = results.read_env(os.path.join(FIXTURES, "FAKE_GPU.env"))
+    env = results.read_env(str(FIXTURES / "FAKE_GPU.env"))
     got = report.results_markdown(fixture_rows(), env, "FAKE_GPU.csv")
     assert_golden(got, "FAKE_GPU.md", "results page")
 
@@ -153,48 +161,36 @@ def test_marker_replacement():
         assert report.replace_between(broken, begin, end, "table") == broken, broken
 
 
-def test_regenerate_tables_on_a_tree():
-    with tempfile.TemporaryDirectory() as tmp:
-        csv_path = os.path.join(tmp, "results", "FAKE_GPU.csv")
-        results.write_results(csv_path, fixture_rows())
-        readme = os.path.join(tmp, "README.md")
-        with open(readme, "w") as f:
-            f.write(f"intro\n{report.STAGE_BEGIN}\nstale\n{report.STAGE_END}\n"
-                    f"end, 07 at {value('07 D128 N4k nc ms')} ms\n")
-        for chapter, text in (("03_online_softmax", "# 03, no markers\n"),
-                              ("04_fused", f"# 04\n{report.MEASURED_BEGIN}\n{report.MEASURED_END}\n"
-                                           f"{value('04 D128 N4k nc x 03')} 03\n")):
-            os.mkdir(os.path.join(tmp, chapter))
-            with open(os.path.join(tmp, chapter, "README.md"), "w") as f:
-                f.write(text)
-        os.mkdir(os.path.join(tmp, "docs"))
-        with open(os.path.join(tmp, "docs", "notes.md"), "w") as f:
-            f.write(f"cuDNN {value('cuDNN D128 N4k nc tflops :.0f')}, 06 causal {value('06 D128 N4k causal ms')}\n")
-        _, printed = quiet(report.regenerate_tables, csv_path, readme)
-        top = read(readme)
-        assert top.startswith("intro\n") and "stale" not in top
-        assert top.endswith(f"{report.STAGE_END}\nend, 07 at {value('07 D128 N4k nc ms', '2.12')} ms\n"), top
-        chapter = read(os.path.join(tmp, "04_fused", "README.md"))
-        assert chapter.endswith(f"{value('04 D128 N4k nc x 03', '1.25x')} 03\n"), chapter  # 22.9 / 18.33
-        assert read(os.path.join(tmp, "docs", "notes.md")) == (
-            f"cuDNN {value('cuDNN D128 N4k nc tflops :.0f', '583')}, "
-            f"06 causal {value('06 D128 N4k causal ms', 'n/a')}\n")
-        assert "warning: " in printed and "notes.md: <!--r 06 D128 N4k causal ms-->: no timed row" in printed, printed
-        assert "| 07_async_pipeline | - | 2.12 | 259.9 | 32.5x |" in top
-        assert "`results/FAKE_GPU.csv`" in top
-        assert read(os.path.join(tmp, "03_online_softmax", "README.md")) == "# 03, no markers\n"
-        chapter = read(os.path.join(tmp, "04_fused", "README.md"))
-        assert "| **04_fused** | non-causal | 29.2 | 30.0 | 18.3 |" in chapter
-        assert "| 03_online_softmax | causal |" in chapter and "`../results/FAKE_GPU.csv`" in chapter
-        assert os.path.exists(os.path.join(tmp, "results", "FAKE_GPU.md"))
+def test_regenerate_tables_on_a_tree(tmp_path, capsys):
+    csv_path = tmp_path / "results" / "FAKE_GPU.csv"
+    results.write_results(str(csv_path), fixture_rows())
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.STAGE_BEGIN}\nstale\n{report.STAGE_END}\n"
+                      f"end, 07 at {value('07 D128 N4k nc ms')} ms\n")
+    write(tmp_path / "03_online_softmax" / "README.md", "# 03, no markers\n")
+    write(tmp_path / "04_fused" / "README.md", f"# 04\n{report.MEASURED_BEGIN}\n{report.MEASURED_END}\n"
+                                               f"{value('04 D128 N4k nc x 03')} 03\n")
+    write(tmp_path / "docs" / "notes.md",
+          f"cuDNN {value('cuDNN D128 N4k nc tflops :.0f')}, 06 causal {value('06 D128 N4k causal ms')}\n")
+    _, printed = printed_by(capsys, report.regenerate_tables, str(csv_path), str(readme))
+    top = read(readme)
+    assert top.startswith("intro\n") and "stale" not in top
+    assert top.endswith(f"{report.STAGE_END}\nend, 07 at {value('07 D128 N4k nc ms', '2.12')} ms\n"), top
+    chapter = read(tmp_path / "04_fused" / "README.md")
+    assert chapter.endswith(f"{value('04 D128 N4k nc x 03', '1.25x')} 03\n"), chapter  # 22.9 / 18.33
+    assert read(tmp_path / "docs" / "notes.md") == (
+        f"cuDNN {value('cuDNN D128 N4k nc tflops :.0f', '583')}, "
+        f"06 causal {value('06 D128 N4k causal ms', 'n/a')}\n")
+    assert "warning: " in printed and "notes.md: <!--r 06 D128 N4k causal ms-->: no timed row" in printed, printed
+    assert "| 07_async_pipeline | - | 2.12 | 259.9 | 32.5x |" in top
+    assert "`results/FAKE_GPU.csv`" in top
+    assert read(tmp_path / "03_online_softmax" / "README.md") == "# 03, no markers\n"
+    assert "| **04_fused** | non-causal | 29.2 | 30.0 | 18.3 |" in chapter
+    assert "| 03_online_softmax | causal |" in chapter and "`../results/FAKE_GPU.csv`" in chapter
+    assert (tmp_path / "results" / "FAKE_GPU.md").exists()
 
 
 # --- Measured values in prose -----------------------------------------------------------
-
-def value(spec, text="?"):
-    """An inline value marker holding text."""
-    return f"<!--r {spec}-->{text}<!--/r-->"
-
 
 def test_inline_values_hand_computed():
     rows = fixture_rows()
@@ -244,95 +240,96 @@ def test_inline_values_without_rows():
     assert "07 D=128 N=512 non-causal" in warnings[-1], warnings[-1]
 
 
-def test_inline_values_malformed():
-    rows = fixture_rows()
-    cases = {
-        value("07 D128 N4k nc"): "too few fields",
-        value("07 128 N4k nc ms"): "bad field '128'",
-        value("07 D128 N4q nc ms"): "bad field 'N4q'",
-        value("07 D128 N4k noncausal ms"): "bad field 'noncausal'",
-        value("07 D128 N4k nc gflops"): "bad quantity 'gflops'",
-        value("07 D128 N4k nc x"): "bad quantity 'x'",
-        value("07 D128 N4k nc ms 06"): "bad quantity 'ms 06'",
-        value("07 D128 N4k nc x 64TFLOP/s"): "bad quantity 'x 64TFLOP/s'",
-        value("07 D128 N4k nc ms :q"): "bad format :q",
-        "a <!--r 07 D128 N4k nc ms-->1.5\n<!--/r--> b": "<!--r 07 D128 N4k nc ms--> without its pair",
-        "<!--r 07 D128 N4k nc ms\n-->1.5<!--/r-->": "without its pair",
-        "1.5<!--/r--> alone": "<!--/r--> without its pair",
-        value("07 D128 N4k nc ms", value("07 D128 N4k nc tflops")): "without its pair",  # nested
-    }
-    for text, message in cases.items():
-        try:
-            report.fill_values(text, rows, "docs/page.md")
-        except ValueError as exc:
-            assert str(exc).startswith("docs/page.md: ") and message in str(exc), (text, str(exc))
-            if "pair" not in message:
-                assert report.VALUE_SYNTAX in str(exc) or "format" in message, str(exc)
-        else:
-            raise AssertionError(f"malformed marker accepted: {text!r}")
+MALFORMED = {
+    value("07 D128 N4k nc"): "too few fields",
+    value("07 128 N4k nc ms"): "bad field '128'",
+    value("07 D128 N4q nc ms"): "bad field 'N4q'",
+    value("07 D128 N4k noncausal ms"): "bad field 'noncausal'",
+    value("07 D128 N4k nc gflops"): "bad quantity 'gflops'",
+    value("07 D128 N4k nc x"): "bad quantity 'x'",
+    value("07 D128 N4k nc ms 06"): "bad quantity 'ms 06'",
+    value("07 D128 N4k nc x 64TFLOP/s"): "bad quantity 'x 64TFLOP/s'",
+    value("07 D128 N4k nc ms :q"): "bad format :q",
+    "a <!--r 07 D128 N4k nc ms-->1.5\n<!--/r--> b": "<!--r 07 D128 N4k nc ms--> without its pair",
+    "<!--r 07 D128 N4k nc ms\n-->1.5<!--/r-->": "without its pair",
+    "1.5<!--/r--> alone": "<!--/r--> without its pair",
+    value("07 D128 N4k nc ms", value("07 D128 N4k nc tflops")): "without its pair",  # nested
+}
 
 
-def test_update_values_all_or_nothing():
+@pytest.mark.parametrize("text, message", MALFORMED.items(), ids=[repr(t) for t in MALFORMED])
+def test_malformed_inline_value_is_refused(text, message):
+    with pytest.raises(ValueError) as refused:  # a malformed marker accepted: DID NOT RAISE
+        report.fill_values(text, fixture_rows(), "docs/page.md")
+    assert str(refused.value).startswith("docs/page.md: ") and message in str(refused.value), str(refused.value)
+    if "pair" not in message:
+        assert report.VALUE_SYNTAX in str(refused.value) or "format" in message, str(refused.value)
+
+
+def test_update_values_all_or_nothing(tmp_path, capsys):
     """A malformed marker in one file leaves every file as it was; a good run rewrites them all."""
-    with tempfile.TemporaryDirectory() as tmp:
-        good, bad = os.path.join(tmp, "good.md"), os.path.join(tmp, "bad.md")
-        with open(good, "w") as f:
-            f.write(f"07: {value('07 D128 N4k nc ms', 'old')} ms\n")
-        with open(bad, "w") as f:
-            f.write(f"broken: {value('07 D128 N4k', 'old')}\n")
-        try:
-            quiet(report.update_values, [good, bad], fixture_rows())
-        except ValueError as exc:
-            assert "bad.md" in str(exc) and "too few fields" in str(exc), str(exc)
-        else:
-            raise AssertionError("a malformed marker was accepted")
-        assert "old" in read(good), read(good)
-        _, printed = quiet(report.update_values, [good, os.path.join(tmp, "missing.md")], fixture_rows())
-        assert read(good) == f"07: {value('07 D128 N4k nc ms', '2.12')} ms\n" and "values updated" in printed
+    good, bad = tmp_path / "good.md", tmp_path / "bad.md"
+    good.write_text(f"07: {value('07 D128 N4k nc ms', 'old')} ms\n")
+    bad.write_text(f"broken: {value('07 D128 N4k', 'old')}\n")
+    with pytest.raises(ValueError) as refused:  # a malformed marker accepted: DID NOT RAISE
+        report.update_values([str(good), str(bad)], fixture_rows())
+    assert "bad.md" in str(refused.value) and "too few fields" in str(refused.value), str(refused.value)
+    assert "old" in read(good), read(good)
+    _, printed = printed_by(capsys, report.update_values, [str(good), str(tmp_path / "missing.md")], fixture_rows())
+    assert read(good) == f"07: {value('07 D128 N4k nc ms', '2.12')} ms\n" and "values updated" in printed
 
 
 def repository_tree(tmp, csv_path):
     """A copy of what `table` reads and writes: READMEs, chapter sources, docs/*.md, the results."""
-    import shutil
     names = ["README.md"] + [os.path.relpath(p, ROOT) for pattern in
                              ("[0-9][0-9]_*/README.md", "[0-9][0-9]_*/attention.cu", "docs/*.md")
-                             for p in glob.glob(os.path.join(ROOT, pattern))]
+                             for p in glob.glob(str(ROOT / pattern))]
     for path in (csv_path, results.pass_csv(csv_path, "backward")):  # and the backward's results beside it
         base = os.path.splitext(path)[0]
         names += [os.path.relpath(p, ROOT) for p in (path, base + ".notes.csv", base + ".env", base + ".md")
                   if os.path.exists(p)]
     for name in names:
-        os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
-        shutil.copyfile(os.path.join(ROOT, name), os.path.join(tmp, name))
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / name, tmp / name)
     return names
 
 
-def test_repository_prose_and_tables_are_current():
+def test_repository_prose_and_tables_are_current(tmp_path, capsys):
     """`stages.py table` on the committed results changes nothing: every table, and every measured
     number quoted in prose (the inline markers), already says what the CSV says."""
     csv_path = stages.default_csv()
     if not csv_path:
-        raise unittest.SkipTest("no docs/results/*.csv")
+        pytest.skip("no docs/results/*.csv")
     counts = {}
-    for path in report.prose_files(os.path.join(ROOT, "README.md")):
+    for path in report.prose_files(str(ROOT / "README.md")):
         counts[os.path.relpath(path, ROOT)] = len(report.VALUE.findall(read(path)))
     chapters = [name for name in counts if name[:2].isdigit()]
     assert chapters and all(counts[name] for name in chapters), f"chapter READMEs without inline values: {counts}"
-    with tempfile.TemporaryDirectory() as tmp:
-        names = repository_tree(tmp, csv_path)
-        _, printed = quiet(report.regenerate_tables, os.path.join(tmp, os.path.relpath(csv_path, ROOT)),
-                           os.path.join(tmp, "README.md"))
-        assert "warning:" not in printed, printed
-        stale = []
-        for name in names:
-            old, new = read(os.path.join(ROOT, name)), read(os.path.join(tmp, name))
-            if old != new:
-                lines = [l for l in difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0)
-                         if l[:1] in "+-" and l[:3] not in ("+++", "---")]
-                stale.append(f"{name}:\n" + "\n".join(lines[:6]))
+    names = repository_tree(tmp_path, csv_path)
+    _, printed = printed_by(capsys, report.regenerate_tables, str(tmp_path / os.path.relpath(csv_path, ROOT)),
+                            str(tmp_path / "README.md"))
+    assert "warning:" not in printed, printed
+    stale = []
+    for name in names:
+        old, new = read(ROOT / name), read(tmp_path / name)
+        if old != new:
+            lines = [line for line in difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0)
+                     if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+            stale.append(f"{name}:\n" + "\n".join(lines[:6]))
     assert not stale, ("the committed docs differ from what `common/stages.py table` writes from "
                        f"{os.path.relpath(csv_path, ROOT)} (run it):\n" + "\n".join(stale))
-    return f"{sum(counts.values())} inline values in {sum(1 for c in counts.values() if c)} files, all current"
+
+
+def test_readme_chapter_table_is_the_chapters_own_words():
+    """The README's chapter table is generated from each chapter's `Chapter` initializer
+    (`stages.py table`), so that what a chapter adds is written once, in its code."""
+    chapters = read_chapters(str(ROOT))
+    assert [c["name"] for c in chapters] == CHAPTERS, f"parsed {[c['name'] for c in chapters]}"
+    for c in chapters:
+        assert c["adds"] and c["math"] != c["precision"], f"{c['name']}: incomplete {c}"
+    block = read(ROOT / "README.md").split(CHAPTERS_BEGIN)[1].split(CHAPTERS_END)[0].strip()
+    assert block == chapters_markdown(chapters).strip(), (
+        "README.md's chapter table differs from the chapters' own words: run common/stages.py table")
 
 
 # --- Math, formats, the skip rule --------------------------------------------------------
@@ -363,7 +360,8 @@ def test_skip_projection():
     assert abs(stages.projected_seconds(10, 100.0, 40) - 5.6) < 1e-9
     assert stages.RUNS_PER_SHAPE == 14
     assert stages.BUDGET_S == 15
-    at = lambda n: results.bench_shape(128, n, 0)
+    def at(n):
+        return results.bench_shape(128, n, 0)
     assert results.work(at(8192)) == 2 * results.work(at(4096))      # B·N fixed: work grows as N
     assert stages.too_slow(None, at(512)) is None
     assert stages.too_slow((results.work(at(4096)), 354.0), at(8192)) is None  # 9.9 s: runs
@@ -407,7 +405,49 @@ def test_classify_exit_codes():
     assert runner.classify("04_fused", -11, "", "") == ("error", None, "exit -11: no output")
 
 
-# --- The commands, on fake chapter binaries ------------------------------------------------
+def test_harness_columns():
+    """The --csv columns harness.cu's help lists are results.HARNESS_FIELDS, and a binary's row
+    parses into them (the result fields, then the harness's further numbers)."""
+    literals = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', read(ROOT / "common" / "harness.cu")))
+    listed = literals.split("print one CSV row instead of the report:")[1].split("(")[0]
+    assert tuple(re.findall(r"[a-z_0-9]+", listed.replace("\\n", " "))) == results.HARNESS_FIELDS, listed
+    row = runner.parse_csv_line("08_fp8,4,16,4096,128,1,fp8,0.4697,585.21,4.003e-02,PASS,1.562e-01,8.456e-02,2,"
+                                "100687872,0.0757,0.3980,3.687e-02,370171904")
+    assert (row["ms"], row["lse_err"], row["attend_ms"], row["device_bytes"]) == (0.4697, 0.08456, 0.398, 370171904)
+    row = runner.parse_csv_line("04_fused,1,1,1,64,0,fp16,0.0100,0.00,,unchecked,,,1,0,,,,1028")
+    assert row["status"] == "unchecked" and row["lse_err"] is None and row["device_bytes"] == 1028, row
+
+
+def test_step_rows(tmp_path):
+    """08's steps: their rows carry their own impl (08.1 ... 08.4, read from 08's source), sort
+    between 07 and the chapter, and 08.5 names the chapter in markers; the binaries are
+    BUILD/08_fp8.stepK."""
+    assert results.steps() == {"08_fp8": ("08.1", "08.2", "08.3", "08.4")}, results.steps()
+    assert results.chapter_dtypes() == {"08.4": "fp8", "08_fp8": "fp8"}, results.chapter_dtypes()
+    assert results.step_binary("build", "08_fp8", "08.3") == os.path.join("build", "08_fp8.step3")
+    assert [name for name, _, _ in stages.chapter_binaries("b", ["07_async_pipeline", "08_fp8"])] == \
+        ["07_async_pipeline", "08.1", "08.2", "08.3", "08.4", "08_fp8"]
+    shape = results.bench_shape(128, 4096, 0)
+    rows = [results.make_row("07_async_pipeline", shape, "PASS", 2.0, 250.0, 1e-4),
+            results.make_row("08_fp8", shape, "SKIP", note="needs sm_90", dtype="fp8"),
+            results.make_row("08.3", shape, "PASS", 1.0, 500.0, 2e-4, note="fast")]
+    assert results.find_row(rows, "08_fp8", 128, 4096, 0)["status"] == "SKIP"
+    assert results.find_row(rows, "08.5", 128, 4096, 0)["status"] == "SKIP"
+    assert results.find_row(rows, "08.3", 128, 4096, 0)["ms"] == 1.0
+    assert results.chapter_impls(rows) == ["07_async_pipeline", "08.3", "08_fp8"]
+    assert report.resolve_impl(rows, "08.3") == "08.3" and report.resolve_impl(rows, "08") == "08_fp8"
+    assert report.resolve_impl(rows, "08.5") == "08_fp8"
+    path = str(tmp_path / "X.csv")
+    results.write_results(path, rows)
+    back = results.read_results(path)
+    assert [r.get("note") for r in back] == [None, "needs sm_90", "fast"], back
+    body = report.stage_body(back)
+    assert [line[0] for line in body] == ["07_async_pipeline", "08.3", "08_fp8"] and body[2][2] == "skip", body
+    sweep = report.results_sweep_table(back, 128, 0)
+    assert "| 08.3 |" in sweep and "| 08_fp8 | skip" in sweep, sweep
+
+
+# --- The commands, on stand-in chapter binaries ------------------------------------------
 
 FAKE_BINARY = '''#!{python}
 """A stand-in for a chapter binary: behaviour chosen by its name."""
@@ -437,227 +477,129 @@ if "--backward" in args:  # as 09 does: 2.5x the work, Q K V O dO dQ dK dV and L
         sys.exit(2)
     ms *= 2.5
     mem = 8 * b * h * n * d * 2 + b * h * n * 4
-    print(f"{{name}},{{b}},{{h}},{{n}},{{d}},{{c}},fp16,{{ms:.4f}},{{tflops:.2f}},3.100e-04,{{status}},1e-3,,2,0,,,,{{mem}},"
-          "3.100e-04,2.900e-04,2.800e-04")
+    print(f"{{name}},{{b}},{{h}},{{n}},{{d}},{{c}},fp16,{{ms:.4f}},{{tflops:.2f}},3.100e-04,{{status}},1e-3,,2,0,,,,"
+          f"{{mem}},3.100e-04,2.900e-04,2.800e-04")
     sys.exit(1 if status == "FAIL" else 0)
-print(f"{{name}},{{b}},{{h}},{{n}},{{d}},{{c}},fp16,{{ms:.4f}},{{tflops:.2f}},3.000e-04,{{status}},1e-3,1e-5,1,0,,,,{{mem}}")
+print(f"{{name}},{{b}},{{h}},{{n}},{{d}},{{c}},fp16,{{ms:.4f}},{{tflops:.2f}},3.000e-04,{{status}},1e-3,1e-5,1,0,,,,"
+      f"{{mem}}")
 sys.exit(1 if status == "FAIL" else 0)
 '''
 
 
 def make_fake_build(folder, names):
-    """Write executable fake chapter binaries named names into folder."""
-    os.makedirs(folder, exist_ok=True)
+    """Write executable stand-in chapter binaries (FAKE_BINARY) named names into folder; its path as a str."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     for name in names:
-        path = os.path.join(folder, name)
-        with open(path, "w") as f:
-            f.write(FAKE_BINARY.format(python=sys.executable))
-        os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)
+        path = folder / name
+        path.write_text(FAKE_BINARY.format(python=sys.executable))
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(folder)
 
 
-def without_torch(function, *args):
-    """Run a command as if PyTorch were absent, whatever this machine has."""
-    saved = stages.torch_gpu_ready
-    stages.torch_gpu_ready = lambda line: (print(line), False)[1]
-    try:
-        return quiet(function, *args)
-    finally:
-        stages.torch_gpu_ready = saved
+def without_torch(monkeypatch):
+    """Commands run as if PyTorch were absent, whatever this machine has."""
+    monkeypatch.setattr(stages, "torch_gpu_ready", lambda line: (print(line), False)[1])
 
 
-def test_bench_on_fake_binaries():
+def results_csvs(out):
+    """The results CSVs (not the notes) in folder out."""
+    return [p for p in os.listdir(out) if p.endswith(".csv") and not p.endswith(".notes.csv")]
+
+
+def test_bench_on_fake_binaries(tmp_path, capsys, monkeypatch):
+    without_torch(monkeypatch)
     names = ["01_slow", "02_big", "03_old", "04_bad", "05_good"]
-    with tempfile.TemporaryDirectory() as tmp:
-        make_fake_build(os.path.join(tmp, "build"), names)
-        out = os.path.join(tmp, "results")
-        readme = os.path.join(tmp, "README.md")
-        with open(readme, "w") as f:
-            f.write(f"{report.STAGE_BEGIN}\n{report.STAGE_END}\n")
-        args = stages.parse_args(["bench", "--build", os.path.join(tmp, "build"), "--quick",
-                                  "--out", out, "--readme", readme] + names)
-        code, printed = without_torch(stages.command_bench, args)
-        assert code == 1, printed  # 04_bad FAILed
-        assert "PyTorch not found: anchor rows skipped" in printed
-        csv_files = [p for p in os.listdir(out) if p.endswith(".csv") and not p.endswith(".notes.csv")]
-        assert len(csv_files) == 1, os.listdir(out)
-        rows = results.read_results(os.path.join(out, csv_files[0]))
-        assert len(rows) == 8 * len(names)
-        def at(impl, n, d=128, c=0):
-            return results.find_row(rows, impl, d, n, c)
-        assert at("01_slow", 1024)["status"] == "PASS"
-        assert at("01_slow", 4096)["status"] == "SKIP" and at("01_slow", 4096)["note"] == "projected 17 s"  # 300 ms x 4 x 14
-        assert at("01_slow", 4096)["ms"] is None
-        assert at("02_big", 4096, 64, 1)["note"] == "this shape needs 99.0 GiB of device memory"
-        assert at("03_old", 1024)["status"] == "SKIP" and "needs sm_80" in at("03_old", 1024)["note"]
-        assert at("04_bad", 4096)["status"] == "FAIL" and at("04_bad", 4096)["ms"] == 16.0
-        assert at("05_good", 4096)["status"] == "PASS" and at("05_good", 4096)["tflops"] > 0
-        assert os.path.exists(os.path.join(out, csv_files[0][:-4] + ".md"))
-        assert at("05_good", 4096)["device_bytes"] == 4 * 4 * 16 * 4096 * 128 * 2 + 4 * 16 * 4096 * 4
-        assert "| 05_good | 269 MB | 16.0 |" in read(readme)
+    build = make_fake_build(tmp_path / "build", names)
+    out = tmp_path / "results"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{report.STAGE_BEGIN}\n{report.STAGE_END}\n")
+    args = stages.parse_args(["bench", "--build", build, "--quick", "--out", str(out), "--readme", str(readme)] + names)
+    code, printed = printed_by(capsys, stages.command_bench, args)
+    assert code == 1, printed  # 04_bad FAILed
+    assert "PyTorch not found: anchor rows skipped" in printed
+    csv_files = results_csvs(out)
+    assert len(csv_files) == 1, os.listdir(out)
+    rows = results.read_results(str(out / csv_files[0]))
+    assert len(rows) == 8 * len(names)
+
+    def at(impl, n, d=128, c=0):
+        return results.find_row(rows, impl, d, n, c)
+    assert at("01_slow", 1024)["status"] == "PASS"
+    assert at("01_slow", 4096)["status"] == "SKIP"
+    assert at("01_slow", 4096)["note"] == "projected 17 s"  # 300 ms x 4 x 14
+    assert at("01_slow", 4096)["ms"] is None
+    assert at("02_big", 4096, 64, 1)["note"] == "this shape needs 99.0 GiB of device memory"
+    assert at("03_old", 1024)["status"] == "SKIP" and "needs sm_80" in at("03_old", 1024)["note"]
+    assert at("04_bad", 4096)["status"] == "FAIL" and at("04_bad", 4096)["ms"] == 16.0
+    assert at("05_good", 4096)["status"] == "PASS" and at("05_good", 4096)["tflops"] > 0
+    assert (out / (csv_files[0][:-4] + ".md")).exists()
+    assert at("05_good", 4096)["device_bytes"] == 4 * 4 * 16 * 4096 * 128 * 2 + 4 * 16 * 4096 * 4
+    assert "| 05_good | 269 MB | 16.0 |" in read(readme)
 
 
-def test_bench_of_some_chapters_keeps_the_others():
+def test_bench_of_some_chapters_keeps_the_others(tmp_path, capsys, monkeypatch):
     """A bench of a few chapters (or --quick) replaces their rows and keeps every other row of the file."""
-    with tempfile.TemporaryDirectory() as tmp:
-        make_fake_build(os.path.join(tmp, "build"), ["05_good", "06_good"])
-        out = os.path.join(tmp, "results")
-        readme = os.path.join(tmp, "README.md")
-        with open(readme, "w") as f:
-            f.write(f"{report.STAGE_BEGIN}\n{report.STAGE_END}\n")
+    without_torch(monkeypatch)
+    build = make_fake_build(tmp_path / "build", ["05_good", "06_good"])
+    out = tmp_path / "results"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{report.STAGE_BEGIN}\n{report.STAGE_END}\n")
 
-        def bench(*names):
-            args = stages.parse_args(["bench", "--build", os.path.join(tmp, "build"), "--quick", "--out", out,
-                                      "--readme", readme] + list(names))
-            return without_torch(stages.command_bench, args)
-        bench("05_good", "06_good")
-        csv_path = [os.path.join(out, p) for p in os.listdir(out) if p.endswith(".csv") and not p.endswith(".notes.csv")][0]
-        first = {results.row_key(r): r for r in results.read_results(csv_path)}
-        code, printed = bench("06_good")
-        assert code == 0, printed
-        second = {results.row_key(r): r for r in results.read_results(csv_path)}
-        assert second.keys() == first.keys(), "a bench of 06 alone dropped or added rows"
-        assert all(second[k] == first[k] for k in first if k[0] == "05_good"), "05's rows changed"
-        env = results.read_env(results.env_path(csv_path))
-        assert env["kept_rows"].startswith("8 rows"), env.get("kept_rows")
-
-
-def test_bench_stops_when_every_chapter_skips():
-    with tempfile.TemporaryDirectory() as tmp:
-        make_fake_build(os.path.join(tmp, "build"), ["01_old", "02_old"])
-        out = os.path.join(tmp, "results")
-        args = stages.parse_args(["bench", "--build", os.path.join(tmp, "build"), "--quick",
-                                  "--out", out, "--readme", os.path.join(tmp, "README.md"),
-                                  "01_old", "02_old"])
-        code, printed = without_torch(stages.command_bench, args)
-        assert code == 77 and not os.path.exists(out), f"exit {code} (expected 77, skipped): {printed}"
-        assert "nothing measured" in printed and "PyTorch not found" in printed, printed
+    def bench(*names):
+        args = stages.parse_args(["bench", "--build", build, "--quick", "--out", str(out), "--readme", str(readme)]
+                                 + list(names))
+        return printed_by(capsys, stages.command_bench, args)
+    bench("05_good", "06_good")
+    csv_path = str(out / results_csvs(out)[0])
+    first = {results.row_key(r): r for r in results.read_results(csv_path)}
+    code, printed = bench("06_good")
+    assert code == 0, printed
+    second = {results.row_key(r): r for r in results.read_results(csv_path)}
+    assert second.keys() == first.keys(), "a bench of 06 alone dropped or added rows"
+    assert all(second[k] == first[k] for k in first if k[0] == "05_good"), "05's rows changed"
+    env = results.read_env(results.env_path(csv_path))
+    assert env["kept_rows"].startswith("8 rows"), env.get("kept_rows")
 
 
-def test_run_on_fake_binaries():
-    saved_columns = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "200"  # wide enough that "adds" is not cut
-    try:
-        run_on_fake_binaries()
-    finally:
-        if saved_columns is None:
-            del os.environ["COLUMNS"]
-        else:
-            os.environ["COLUMNS"] = saved_columns
+def test_bench_stops_when_every_chapter_skips(tmp_path, capsys, monkeypatch):
+    without_torch(monkeypatch)
+    build = make_fake_build(tmp_path / "build", ["01_old", "02_old"])
+    out = tmp_path / "results"
+    args = stages.parse_args(["bench", "--build", build, "--quick", "--out", str(out),
+                              "--readme", str(tmp_path / "README.md"), "01_old", "02_old"])
+    code, printed = printed_by(capsys, stages.command_bench, args)
+    assert code == 77 and not out.exists(), f"exit {code} (expected 77, skipped): {printed}"
+    assert "nothing measured" in printed and "PyTorch not found" in printed, printed
 
 
-def run_on_fake_binaries():
-    """make run on fake binaries: exit 0 with a skip, 1 with a FAIL or a missing binary."""
-    with tempfile.TemporaryDirectory() as tmp:
-        build = os.path.join(tmp, "build")
-        make_fake_build(build, ["01_good", "02_good", "03_old", "04_bad"])
-        code, printed = quiet(stages.command_run, stages.parse_args(
-            ["run", "--build", build, "01_good", "02_good", "03_old"]))
-        assert code == 0, printed
-        assert "running 01_good" in printed and "not a failure" in printed
-        line = next(l for l in printed.splitlines() if l.startswith("02_good "))
-        assert "the fake idea of 02_good" in line and "4.00" in line and "PASS" in line, line
-        code, printed = quiet(stages.command_run, stages.parse_args(
-            ["run", "--build", build, "01_good", "04_bad", "09_missing"]))
-        assert code == 1 and "failed: 04_bad, 09_missing" in printed, printed
+def test_run_on_fake_binaries(tmp_path, capsys, monkeypatch):
+    """make run on stand-in binaries: exit 0 with a skip, 1 with a FAIL or a missing binary."""
+    monkeypatch.setenv("COLUMNS", "200")  # wide enough that "adds" is not cut
+    build = make_fake_build(tmp_path / "build", ["01_good", "02_good", "03_old", "04_bad"])
+    code, printed = printed_by(capsys, stages.command_run,
+                               stages.parse_args(["run", "--build", build, "01_good", "02_good", "03_old"]))
+    assert code == 0, printed
+    assert "running 01_good" in printed and "not a failure" in printed
+    line = next(line for line in printed.splitlines() if line.startswith("02_good "))
+    assert "the fake idea of 02_good" in line and "4.00" in line and "PASS" in line, line
+    code, printed = printed_by(capsys, stages.command_run,
+                               stages.parse_args(["run", "--build", build, "01_good", "04_bad", "09_missing"]))
+    assert code == 1 and "failed: 04_bad, 09_missing" in printed, printed
 
 
-def test_table_command_without_csv():
-    with tempfile.TemporaryDirectory() as tmp:
-        args = stages.parse_args(["table", "--csv", os.path.join(tmp, "none.csv")])
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            assert stages.command_table(args) == 2
-        assert "no results CSV" in err.getvalue()
+def test_table_command_without_csv(tmp_path, capsys):
+    args = stages.parse_args(["table", "--csv", str(tmp_path / "none.csv")])
+    assert stages.command_table(args) == 2
+    assert "no results CSV" in capsys.readouterr().err
 
 
-def test_scripts_run_as_programs():
+def test_scripts_run_as_programs(repo, tmp_path):
     """make run/bench/compare call common/stages.py as a program: it must act, not just import."""
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run([sys.executable, os.path.join(COMMON, "stages.py"), "table", "--csv",
-                               os.path.join(tmp, "none.csv")], capture_output=True, text=True, timeout=60)
+    proc = repo.run([sys.executable, ROOT / "common" / "stages.py", "table", "--csv", tmp_path / "none.csv"],
+                    timeout=60)
     assert proc.returncode == 2 and "no results CSV" in proc.stderr, \
         f"stages.py table as a program: exit {proc.returncode}, stderr {proc.stderr!r}"
     for script in ("stages.py", "anchors.py", "reference.py"):
-        source = open(os.path.join(COMMON, script)).read()
+        source = read(ROOT / "common" / script)
         assert 'if __name__ == "__main__":' in source, f"common/{script} has no main guard: running it does nothing"
-
-
-def main():
-    tests = [(name, f) for name, f in sorted(globals().items()) if name.startswith("test_") and callable(f)]
-    passed = failed = skipped = 0
-    for name, test in tests:
-        try:
-            test()
-        except unittest.SkipTest as exc:
-            skipped += 1
-            print(f"SKIP {name}: {exc}")
-        except Exception:
-            failed += 1
-            print(f"FAIL {name}")
-            traceback.print_exc()
-        else:
-            passed += 1
-            print(f"ok   {name}")
-    print(f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
-def test_readme_chapter_table_is_the_chapters_own_words(ctx):
-    """The README's chapter table is generated from each chapter's `Chapter` initializer
-    (`stages.py table`), so that what a chapter adds is written once, in its code."""
-    from chapters import CHAPTERS_BEGIN, CHAPTERS_END, chapters_markdown, read_chapters
-    chapters = read_chapters(str(ctx.root))
-    assert [c["name"] for c in chapters] == ctx.chapters, f"parsed {[c['name'] for c in chapters]}"
-    for c in chapters:
-        assert c["adds"] and c["math"] != c["precision"], f"{c['name']}: incomplete {c}"
-    text = (ctx.root / "README.md").read_text()
-    block = text.split(CHAPTERS_BEGIN)[1].split(CHAPTERS_END)[0].strip()
-    assert block == chapters_markdown(chapters).strip(), (
-        "README.md's chapter table differs from the chapters' own words: run common/stages.py table")
-
-
-def test_step_rows():
-    """08's steps: their rows carry their own impl (08.1 ... 08.4, read from 08's source), sort
-    between 07 and the chapter, and 08.5 names the chapter in markers; the binaries are
-    BUILD/08_fp8.stepK."""
-    assert results.STEPS == {"08_fp8": ("08.1", "08.2", "08.3", "08.4")}, results.STEPS
-    assert results.CHAPTER_DTYPES == {"08.4": "fp8", "08_fp8": "fp8"}, results.CHAPTER_DTYPES
-    assert results.step_binary("build", "08_fp8", "08.3") == os.path.join("build", "08_fp8.step3")
-    assert [name for name, _, _ in stages.chapter_binaries("b", ["07_async_pipeline", "08_fp8"])] == \
-        ["07_async_pipeline", "08.1", "08.2", "08.3", "08.4", "08_fp8"]
-    shape = results.bench_shape(128, 4096, 0)
-    rows = [results.make_row("07_async_pipeline", shape, "PASS", 2.0, 250.0, 1e-4),
-            results.make_row("08_fp8", shape, "SKIP", note="needs sm_90", dtype="fp8"),
-            results.make_row("08.3", shape, "PASS", 1.0, 500.0, 2e-4, note="fast")]
-    assert results.find_row(rows, "08_fp8", 128, 4096, 0)["status"] == "SKIP"
-    assert results.find_row(rows, "08.5", 128, 4096, 0)["status"] == "SKIP"
-    assert results.find_row(rows, "08.3", 128, 4096, 0)["ms"] == 1.0
-    assert results.chapter_impls(rows) == ["07_async_pipeline", "08.3", "08_fp8"]
-    assert report.resolve_impl(rows, "08.3") == "08.3" and report.resolve_impl(rows, "08") == "08_fp8"
-    assert report.resolve_impl(rows, "08.5") == "08_fp8"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "X.csv")
-        results.write_results(path, rows)
-        back = results.read_results(path)
-    assert [r.get("note") for r in back] == [None, "needs sm_90", "fast"], back
-    body = report.stage_body(back)
-    assert [line[0] for line in body] == ["07_async_pipeline", "08.3", "08_fp8"] and body[2][2] == "skip", body
-    sweep = report.results_sweep_table(back, 128, 0)
-    assert "| 08.3 |" in sweep and "| 08_fp8 | skip" in sweep, sweep
-
-
-def test_harness_columns():
-    """The --csv columns harness.cu's help lists are results.HARNESS_FIELDS, and a binary's row
-    parses into them (the result fields, then the harness's further numbers)."""
-    literals = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', read(os.path.join(ROOT, "common", "harness.cu"))))
-    listed = literals.split("print one CSV row instead of the report:")[1].split("(")[0]
-    assert tuple(re.findall(r"[a-z_0-9]+", listed.replace("\\n", " "))) == results.HARNESS_FIELDS, listed
-    row = runner.parse_csv_line("08_fp8,4,16,4096,128,1,fp8,0.4697,585.21,4.003e-02,PASS,1.562e-01,8.456e-02,2,"
-                                "100687872,0.0757,0.3980,3.687e-02,370171904")
-    assert (row["ms"], row["lse_err"], row["attend_ms"], row["device_bytes"]) == (0.4697, 0.08456, 0.398, 370171904)
-    row = runner.parse_csv_line("04_fused,1,1,1,64,0,fp16,0.0100,0.00,,unchecked,,,1,0,,,,1028")
-    assert row["status"] == "unchecked" and row["lse_err"] is None and row["device_bytes"] == 1028, row

@@ -5,13 +5,12 @@ out densely here (the whole score matrix at once, einsum, the mask as an -inf up
 sampled rows against full ones, the causal structure of dK and dV, then the command line:
 inputs --grad, backward's files, its cache and its refusals.
 """
-import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
-import reference  # noqa: E402
+import reference
 
 SCRIPT = Path(reference.__file__)
 
@@ -64,7 +63,7 @@ def inputs_and_grad(b, h, n, d, seed, qk_std=1.0):
 
 def test_full_gradients_match_finite_differences():
     """Every entry of dQ, dK, dV against (L(x + e) - L(x - e)) / 2e, L = sum(O * dO) in float64."""
-    step, checked = 1e-6, 0
+    step = 1e-6
     for n, d, causal in [(5, 4, False), (7, 8, True), (9, 6, False), (8, 4, True), (6, 8, True)]:
         q, k, v, do = (x.astype(np.float64) for x in inputs_and_grad(1, 2, n, d, seed=n * d))
         scale = 0.4
@@ -81,8 +80,6 @@ def test_full_gradients_match_finite_differences():
                 numeric[index] = (up - down) / (2 * step)
             err = float(np.linalg.norm(grad - numeric) / np.linalg.norm(numeric))
             assert err < 1e-7, f"N={n} D={d} causal={causal}: d{name} against finite differences: {err:.3e}"
-            checked += x.size
-    return f"{checked} entries"
 
 
 def test_blockwise_equals_dense():
@@ -102,7 +99,6 @@ def test_blockwise_equals_dense():
     dq, dk, dv, _ = reference.attention_backward(q, k, v, do, every_row(1), every_row(1), True, 0.3)
     assert np.abs(dq).max() < 1e-14 and np.abs(dk).max() < 1e-14, "N = 1: dQ and dK should be 0"
     assert np.array_equal(dv, do.astype(np.float64)), "N = 1: dV should equal dO"
-    return f"{len(cases)} shapes"
 
 
 def test_large_logits_stay_finite():
@@ -191,8 +187,8 @@ def test_sample_grad_rows():
 
 
 # --- the command line ----------------------------------------------------------------------------
-def run(ctx, *args):
-    return ctx.run([ctx.python, SCRIPT, *args], timeout=300)
+def run(repo, *args):
+    return repo.run([repo.python, SCRIPT, *args], timeout=300)
 
 
 SHAPE = (1, 2, 33, 16)
@@ -213,9 +209,9 @@ def check_grad_files(folder, tag, q, k, v, do, causal, scale, what):
     return dq_rows, kv_rows
 
 
-def test_inputs_grad_writes_do(ctx):
-    out = ctx.tmpdir()
-    proc = run(ctx, "inputs", "--out", out, *SHAPE_ARGS, "--grad")
+def test_inputs_grad_writes_do(repo, tmp_path):
+    out = tmp_path
+    proc = run(repo, "inputs", "--out", out, *SHAPE_ARGS, "--grad")
     assert proc.returncode == 0, f"inputs --grad failed ({proc.returncode}): {proc.stderr}"
     assert sorted(p.name for p in out.iterdir()) == ["do.npy", "k.npy", "q.npy", "v.npy"], \
         f"inputs --grad wrote {sorted(p.name for p in out.iterdir())}"
@@ -229,12 +225,13 @@ def test_inputs_grad_writes_do(ctx):
     assert not np.array_equal(do, reference.make_grad_output(*SHAPE, 4)), "seeds 3 and 4 gave the same dO"
 
 
-def test_backward_writes_documented_files(ctx):
-    out = ctx.tmpdir() / "data"
-    proc = run(ctx, "backward", "--out", out, *SHAPE_ARGS, "--scale", "0.3", "--causal")
+def test_backward_writes_documented_files(repo, tmp_path):
+    out = tmp_path / "data"
+    proc = run(repo, "backward", "--out", out, *SHAPE_ARGS, "--scale", "0.3", "--causal")
     assert proc.returncode == 0, f"backward failed ({proc.returncode}): {proc.stderr}"
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted(["q.npy", "k.npy", "v.npy", "do.npy"] + FORWARD_FILES + GRAD_FILES), f"backward wrote {names}"
+    assert names == sorted(["q.npy", "k.npy", "v.npy", "do.npy"] + FORWARD_FILES + GRAD_FILES), \
+        f"backward wrote {names}"
     q, k, v, do = (np.load(out / f"{n}.npy") for n in ("q", "k", "v", "do"))
     for x, want in zip((q, k, v, do), inputs_and_grad(*SHAPE, 3)):
         assert np.array_equal(x, want), "backward's inputs differ from make_inputs, make_grad_output of the seed"
@@ -243,51 +240,53 @@ def test_backward_writes_documented_files(ctx):
     # The cache: a second run keeps what is there; another scale and mask go beside it.
     marker = np.zeros((1, 2, 33, 16))
     np.save(out / "ref_c1_s0.3_dk.npy", marker)
-    proc = run(ctx, "backward", "--out", out, *SHAPE_ARGS, "--scale", "0.3", "--causal")
+    proc = run(repo, "backward", "--out", out, *SHAPE_ARGS, "--scale", "0.3", "--causal")
     assert proc.returncode == 0, f"backward (cached) failed: {proc.stderr}"
     assert np.array_equal(np.load(out / "ref_c1_s0.3_dk.npy"), marker), "backward rewrote a cached gradient"
-    proc = run(ctx, "backward", "--out", out, *SHAPE_ARGS, "--scale", "0.5")
+    proc = run(repo, "backward", "--out", out, *SHAPE_ARGS, "--scale", "0.5")
     assert proc.returncode == 0, f"backward --scale 0.5 failed: {proc.stderr}"
     check_grad_files(out, "c0_s0.5", q, k, v, do, False, 0.5, "backward --scale 0.5")
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name], "temporary files left behind"
-    only = ctx.tmpdir()
-    proc = run(ctx, "backward", "--out", only, *SHAPE_ARGS, "--scale", "0.3", "--no-ref")
+    only = tmp_path / "no-ref"
+    proc = run(repo, "backward", "--out", only, *SHAPE_ARGS, "--scale", "0.3", "--no-ref")
     assert proc.returncode == 0 and sorted(p.name for p in only.iterdir()) == ["do.npy", "k.npy", "q.npy", "v.npy"], \
         f"backward --no-ref: rc {proc.returncode}, wrote {sorted(p.name for p in only.iterdir())}"
 
 
-def test_backward_input_folder(ctx):
-    src, out = ctx.tmpdir(), ctx.tmpdir()
+def test_backward_input_folder(repo, tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
     rng = np.random.default_rng(8)
     arrays = [rng.standard_normal((2, 1, 20, 8)).astype(np.float16) for _ in range(4)]
     for name, array in zip(("q", "k", "v", "do"), arrays):
         np.save(src / f"{name}.npy", array)
-    proc = run(ctx, "backward", "--input", src, "--out", out, "--scale", "0.25")
+    proc = run(repo, "backward", "--input", src, "--out", out, "--scale", "0.25")
     assert proc.returncode == 0, f"backward --input failed ({proc.returncode}): {proc.stderr}"
     check_grad_files(out, "c0_s0.25", *arrays, False, 0.25, "backward --input")
     assert (out / "ref_c0_s0.25_o.npy").is_file(), "backward --input should write the forward's reference too"
     assert sorted(p.name for p in src.iterdir()) == ["do.npy", "k.npy", "q.npy", "v.npy"], "backward changed SRC"
 
 
-def test_backward_sampled_rows(ctx):
+def test_backward_sampled_rows(repo, tmp_path):
     """Past FULL_PAIRS: sampled rows, exact (some of them checked with row and column formulas
     written here, the rows at tile edges among them), Delta of every row. The forward's set is
     planted beforehand and must be kept (the cache): computing it here would take seconds and
-    1.6 GB, and test_cpu_reference checks it. Not causal, to keep the formulas here short (the
+    1.6 GB, and test_reference.py checks it. Not causal, to keep the formulas here short (the
     causal sampled rows are checked in process above)."""
     b, h, n, d, scale = 1, 1, 8200, 16, 0.25
     assert b * h * n * n > reference.FULL_PAIRS, "test shape too small to be sampled"
-    out = ctx.tmpdir()
+    out = tmp_path
     forward_rows = reference.sample_rows(b, h, n)
     planted = {"rows": forward_rows, "o": np.zeros((b, h, len(forward_rows), d)),
                "lse": np.zeros((b, h, len(forward_rows)))}
     for part, array in planted.items():
         np.save(out / f"ref_c0_s0.25_{part}.npy", array)
-    proc = run(ctx, "backward", "--out", out, "--batch", "1", "--heads", "1", "--seqlen", str(n), "--headdim", str(d),
+    proc = run(repo, "backward", "--out", out, "--batch", "1", "--heads", "1", "--seqlen", str(n), "--headdim", str(d),
                "--seed", "2", "--scale", "0.25")
     assert proc.returncode == 0, f"backward at N={n} failed ({proc.returncode}): {proc.stderr}"
     for part, array in planted.items():
-        assert np.array_equal(np.load(out / f"ref_c0_s0.25_{part}.npy"), array), f"backward rewrote the forward's {part}"
+        assert np.array_equal(np.load(out / f"ref_c0_s0.25_{part}.npy"), array), \
+            f"backward rewrote the forward's {part}"
     q, k, v, do = (np.load(out / f"{x}.npy")[0, 0].astype(np.float64) for x in ("q", "k", "v", "do"))
     dq_rows, kv_rows = (np.load(out / f"ref_c0_s0.25_{x}.npy") for x in ("dq_rows", "dkv_rows"))
     assert dq_rows[0] == 0 and dq_rows[-1] == n - 1 and len(dq_rows) < n and np.all(np.diff(dq_rows) > 0), \
@@ -319,39 +318,44 @@ def test_backward_sampled_rows(ctx):
         want_dk.append(scale * (p * (do @ v[j] - delta)) @ q)
     check_close(np.load(out / "ref_c0_s0.25_dk.npy")[0, 0, picked], np.array(want_dk), "sampled dK")
     check_close(np.load(out / "ref_c0_s0.25_dv.npy")[0, 0, picked], np.array(want_dv), "sampled dV")
-    return f"{len(dq_rows)} query rows, {len(kv_rows)} key rows of {n}, {len(picked)} of each checked"
 
 
-def test_backward_refusals_exit_2(ctx):
-    good = ctx.tmpdir()
-    proc = run(ctx, "inputs", "--out", good, *SHAPE_ARGS, "--grad")
-    assert proc.returncode == 0, f"inputs --grad failed: {proc.stderr}"
-    folders = {}
-    for label, change in [("float32 dO", lambda f: np.save(f / "do.npy", np.load(f / "do.npy").astype(np.float32))),
-                          ("no dO", lambda f: (f / "do.npy").unlink()),
-                          ("dO of another N", lambda f: np.save(f / "do.npy", np.zeros((1, 2, 32, 16), np.float16))),
-                          ("3-D dO", lambda f: np.save(f / "do.npy", np.zeros((2, 33, 16), np.float16))),
-                          ("k of another D", lambda f: np.save(f / "k.npy", np.zeros((1, 2, 33, 8), np.float16))),
-                          ("float64 q", lambda f: np.save(f / "q.npy", np.load(f / "q.npy").astype(np.float64)))]:
-        folder = ctx.tmpdir()
-        for name in ("q", "k", "v", "do"):
-            (folder / f"{name}.npy").write_bytes((good / f"{name}.npy").read_bytes())
-        change(folder)
-        folders[label] = folder
-    cases = [("float32 dO", "float16"), ("no dO", "do.npy"), ("dO of another N", "(1, 2, 33, 16)"),
-             ("3-D dO", "4-D"), ("k of another D", "shapes differ"), ("float64 q", "float16")]
-    for label, keyword in cases:
-        out = ctx.tmpdir()
-        proc = run(ctx, "backward", "--input", folders[label], "--out", out, "--scale", "0.3")
-        err = proc.stderr.strip()
-        assert proc.returncode == 2, f"backward with {label}: expected exit 2, got {proc.returncode}; stderr {err!r}"
-        assert "Traceback" not in err and len(err.splitlines()) == 1, f"backward with {label}: not one line: {err!r}"
-        assert keyword in err, f"backward with {label}: stderr lacks {keyword!r}: {err!r}"
-        assert not [p.name for p in out.iterdir() if "_d" in p.name], f"backward with {label} wrote gradients"
-    for args, keyword in [(["backward", "--out", str(good), *SHAPE_ARGS], "--scale"),
-                          (["backward", "--out", str(good), "--scale", "0.3"], "--batch"),
-                          (["backward", "--out", str(good), *SHAPE_ARGS, "--scale", "0"], "--scale")]:
-        proc = run(ctx, *args)
-        assert proc.returncode == 2 and keyword in proc.stderr, \
-            f"reference.py {' '.join(args)}: rc {proc.returncode}, stderr {proc.stderr.strip()!r}"
-    return f"{len(cases)} bad folders, 3 bad command lines"
+# A folder of inputs --grad's files with one of them wrong: (label, the change, what the message names).
+BAD_FOLDERS = [
+    ("float32 dO", lambda f: np.save(f / "do.npy", np.load(f / "do.npy").astype(np.float32)), "float16"),
+    ("no dO", lambda f: (f / "do.npy").unlink(), "do.npy"),
+    ("dO of another N", lambda f: np.save(f / "do.npy", np.zeros((1, 2, 32, 16), np.float16)), "(1, 2, 33, 16)"),
+    ("3-D dO", lambda f: np.save(f / "do.npy", np.zeros((2, 33, 16), np.float16)), "4-D"),
+    ("k of another D", lambda f: np.save(f / "k.npy", np.zeros((1, 2, 33, 8), np.float16)), "shapes differ"),
+    ("float64 q", lambda f: np.save(f / "q.npy", np.load(f / "q.npy").astype(np.float64)), "float16"),
+]
+
+
+@pytest.mark.parametrize("label, change, keyword", BAD_FOLDERS, ids=[label for label, _, _ in BAD_FOLDERS])
+def test_backward_refuses_bad_input_folder(repo, tmp_path, label, change, keyword):
+    """backward --input with a wrong file: exit 2, one line that names it, no gradient written.
+    The folder holds what inputs --grad writes (test_inputs_grad_writes_do), one file changed."""
+    folder, out = tmp_path / "in", tmp_path / "out"
+    folder.mkdir()
+    out.mkdir()
+    for name, array in zip(("q", "k", "v", "do"), inputs_and_grad(*SHAPE, 3)):
+        np.save(folder / f"{name}.npy", array)
+    change(folder)
+    proc = run(repo, "backward", "--input", folder, "--out", out, "--scale", "0.3")
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, f"backward with {label}: expected exit 2, got {proc.returncode}; stderr {err!r}"
+    assert "Traceback" not in err and len(err.splitlines()) == 1, f"backward with {label}: not one line: {err!r}"
+    assert keyword in err, f"backward with {label}: stderr lacks {keyword!r}: {err!r}"
+    assert not [p.name for p in out.iterdir() if "_d" in p.name], f"backward with {label} wrote gradients"
+
+
+BAD_COMMAND_LINES = [(SHAPE_ARGS, "--scale"), (["--scale", "0.3"], "--batch"),
+                     ([*SHAPE_ARGS, "--scale", "0"], "--scale")]
+
+
+@pytest.mark.parametrize("args, keyword", BAD_COMMAND_LINES, ids=["no --scale", "no shape", "--scale 0"])
+def test_backward_refuses_bad_command_line(repo, tmp_path, args, keyword):
+    args = ["backward", "--out", str(tmp_path), *args]
+    proc = run(repo, *args)
+    assert proc.returncode == 2 and keyword in proc.stderr, \
+        f"reference.py {' '.join(args)}: rc {proc.returncode}, stderr {proc.stderr.strip()!r}"

@@ -1,86 +1,112 @@
 """The PyTorch op's module (common/torch_op.py) and `make train` (common/train.py) without PyTorch or a GPU.
 
 Both import where PyTorch is missing and say so in one line: available() is False, attention() raises
-ImportError, train.py and `make train` print one line and exit 0; train.py without its libraries
-(--no-build) says so in one line, exit 1. The chapter names resolve to the
-builds `make lib` makes. The ctypes binding is common/library.h's: its codes, its FaShape (common/shape.h's
-AttnShape, field by field), its functions and their arities; loaded on a chapter's library (built by
-test_cpu_library's rule), it reads what the chapter says about itself and its workspaces, and its calls
-are refused as the C probe's are, with the code and line turned into a LibraryError. PyTorch is hidden
-from each child process (sys.modules['torch'] = None), so all of this holds where it is installed too.
+ImportError; train.py and `make train` print one line and exit 77, the skip code; train.py without its
+libraries (--no-build) says so in one line, exit 1. The chapter names resolve to the builds `make lib` makes.
+The ctypes binding is common/library.h's: its codes, its FaShape (common/shape.h's AttnShape, field by field),
+its functions and their arities; loaded on a chapter's library (the build folder's, BUILD/lib), it reads what
+the chapter says about itself and its workspaces, and its calls are refused as the C probe's are
+(test_library), with the code and line turned into a LibraryError. PyTorch is hidden from each child process
+(sys.modules['torch'] = None), so all of this holds where it is installed too.
 """
 import ctypes
 import importlib.util
 import json
 import re
 import shlex
-import unittest
 
+import pytest
+
+import runner
 import torch_op
 from chapters import read_chapter
-from test_cpu_backward_cli import has_backward
-from test_cpu_cli import WORKSPACE
-from test_cpu_library import backward_workspace, codes, exported_names, header, library, make_env
+from helpers import WORKSPACE, has_backward
+from test_library import backward_workspace, codes, exported_names, header, library
 
 HIDE_TORCH = "import sys\nsys.modules['torch'] = None  # `import torch` raises ImportError from here on\n"
 NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 BINDING_CHAPTERS = ("07_async_pipeline", "08_fp8", "09_backward")
 
 
-def run_hidden(ctx, body, env=None, args=()):
-    """body run by ctx.python with PyTorch hidden and common/ on sys.path: the CompletedProcess."""
-    script = HIDE_TORCH + f"sys.path.insert(0, {str(ctx.root / 'common')!r})\n" + body
-    return ctx.run([ctx.python, "-c", script, *args], env=env, timeout=120)
+def run_hidden(repo, body, env=None, args=()):
+    """body run by repo.python with PyTorch hidden and common/ on sys.path: the CompletedProcess."""
+    script = HIDE_TORCH + f"sys.path.insert(0, {str(repo.root / 'common')!r})\n" + body
+    return repo.run([repo.python, "-c", script, *args], env=env, timeout=120)
 
 
-def test_imports_without_torch(ctx):
-    proc = run_hidden(ctx, "import torch_op\n"
+def test_imports_without_torch(repo):
+    proc = run_hidden(repo, "import torch_op\n"
                            "print('available', torch_op.available())\n"
                            "try:\n"
                            "    torch_op.attention(None, None, None)\n"
                            "except ImportError as exc:\n"
                            "    print('ImportError', exc)\n")
-    assert proc.returncode == 0, f"importing torch_op without PyTorch: exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"
+    assert proc.returncode == 0, (
+        f"importing torch_op without PyTorch: exit {proc.returncode}: {proc.stderr.strip()[-1500:]}")
     lines = proc.stdout.splitlines()
     assert lines[:1] == ["available False"], f"torch_op.available() without PyTorch: {proc.stdout!r}"
-    assert len(lines) == 2 and lines[1].startswith("ImportError ") and "PyTorch" in lines[1] and "pip install torch" in lines[1], (
+    assert len(lines) == 2 and lines[1].startswith("ImportError ") and "PyTorch" in lines[1] \
+        and "pip install torch" in lines[1], (
         f"attention() without PyTorch should raise ImportError in one line naming PyTorch: {proc.stdout!r}")
 
 
-def test_train_without_torch(ctx):
-    """train.py says in one line that nothing was trained, exit 0; a wrong chapter is still a usage error."""
+NOTHING_TRAINED = "make train: skipped: PyTorch not found (pip install torch): nothing trained\n"
+
+
+def run_train_hidden(repo, *args):
+    """common/train.py ARGS run as a script, PyTorch hidden: the CompletedProcess."""
     body = "import runpy\nsys.argv = ['train.py'] + sys.argv[1:]\nrunpy.run_path({!r}, run_name='__main__')\n".format(
-        str(ctx.root / "common" / "train.py"))
-    proc = run_hidden(ctx, body, args=["--quick"])
-    assert proc.returncode == 0, f"train.py --quick without PyTorch: exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"
-    assert re.fullmatch(r"train\.py: PyTorch not found \(pip install torch\): nothing trained\n", proc.stdout), (
-        f"train.py without PyTorch: expected one line saying so, got {proc.stdout!r} (stderr {proc.stderr.strip()!r})")
-    wrong = run_hidden(ctx, body, args=["--chapter", "42"])
+        str(repo.root / "common" / "train.py"))
+    return run_hidden(repo, body, args=args)
+
+
+def test_train_without_torch(repo):
+    """train.py says in one line that nothing was trained, and exits 77, the skip code (`make train`'s recipe)."""
+    proc = run_train_hidden(repo, "--quick")
+    assert proc.returncode == 77 and proc.stdout == NOTHING_TRAINED, (
+        f"train.py --quick without PyTorch: exit {proc.returncode}, stdout {proc.stdout!r} (stderr "
+        f"{proc.stderr.strip()[-1500:]!r}); expected exit 77 and {NOTHING_TRAINED!r}")
+
+
+def test_train_refuses_a_wrong_chapter(repo):
+    """A chapter that does not exist is a usage error (exit 2), PyTorch or not."""
+    wrong = run_train_hidden(repo, "--chapter", "42")
     assert wrong.returncode == 2 and "chapter '42': no such chapter" in wrong.stderr, (
         f"train.py --chapter 42: exit {wrong.returncode}, stderr {wrong.stderr.strip()!r}")
 
 
-def test_train_without_libraries(ctx):
+def test_train_without_libraries(repo, tmp_path):
     """train.py --no-build on a build folder without the libraries: one line naming the make command,
     exit 1, not a traceback (its GPU check stood in for, so that it gets that far here)."""
     body = ("import train\ntrain.why_not_here = lambda: None  # as on a GPU\n"
             "sys.exit(train.main(sys.argv[1:]))\n")
-    empty = ctx.tmpdir()
-    proc = run_hidden(ctx, body, args=["--no-build", "--build", str(empty), "--chapter", "07"])
+    proc = run_hidden(repo, body, args=["--no-build", "--build", str(tmp_path), "--chapter", "07"])
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1 and "not found" in lines[0] and f"make lib BUILD={empty}" in lines[0], (
+    assert proc.returncode == 1 and len(lines) == 1 and "not found" in lines[0] \
+        and f"make lib BUILD={tmp_path}" in lines[0], (
         f"train.py --no-build without its libraries: exit {proc.returncode}, stderr {proc.stderr.strip()[-1500:]!r}")
 
 
-def test_make_train_without_torch(ctx):
+def make_train(repo, *args):
+    """make train ARGS with this Python (PyTorch as it is here) on the build folder."""
     if importlib.util.find_spec("torch") is not None:
-        raise unittest.SkipTest("PyTorch is installed here: `make train` would train (test_gpu_torch_op runs it)")
-    make = shlex.split(ctx.make) + ["--no-print-directory", f"BUILD={ctx.rel(ctx.multiarch)}", f"PYTHON_SYS={ctx.python}"]
-    proc = ctx.run(make + ["train", "CH=07", "TRAIN_ARGS=--quick"], env=make_env(), timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("nothing trained") and \
-        len(proc.stdout.strip().splitlines()) == 1, (
-            f"make train without PyTorch: exit {proc.returncode}, stdout {proc.stdout!r}, stderr {proc.stderr.strip()[-800:]!r}")
-    wrong = ctx.run(make + ["train", "CH=42"], env=make_env(), timeout=300)
+        pytest.skip("PyTorch is installed here: `make train` would train (test_gpu_torch_op runs it)")
+    return repo.run(shlex.split(repo.make) + ["--no-print-directory", f"BUILD={repo.build}",
+                                              f"PYTHON_SYS={repo.python}", "train", *args],
+                    env=runner.make_env(), timeout=300)
+
+
+def test_make_train_without_torch(repo):
+    """The Makefile: "Without PyTorch or a GPU: one line, exit 77": the line, and the recipe's exit 77, the skip
+    code (make reports it as "Error 77" and exits 2, as make does on any failed recipe)."""
+    proc = make_train(repo, "CH=07", "TRAIN_ARGS=--quick")
+    assert proc.stdout == NOTHING_TRAINED and proc.returncode == 2 and re.search(r"\] Error 77$", proc.stderr, re.M), (
+        f"make train without PyTorch: exit {proc.returncode}, stdout {proc.stdout!r}, stderr "
+        f"{proc.stderr.strip()[-800:]!r}; expected {NOTHING_TRAINED!r} and the recipe's exit 77 (make: '... Error 77')")
+
+
+def test_make_train_refuses_a_wrong_chapter(repo):
+    wrong = make_train(repo, "CH=42")
     assert wrong.returncode != 0 and "no chapter '42'" in wrong.stderr, (
         f"make train CH=42: exit {wrong.returncode}, stderr {wrong.stderr.strip()!r}")
 
@@ -96,15 +122,16 @@ NAMES_REFUSED = {"42": r"chapter '42': no such chapter.*07_async_pipeline", "": 
                  "07.2": r"07_async_pipeline is not built in steps"}
 
 
-def test_build_names(ctx):
+def test_build_names(repo, tmp_path):
     """Chapter names as the Makefile takes them, to the builds `make lib` makes (its targets)."""
-    dry = ctx.run(shlex.split(ctx.make) + ["-n", "--no-print-directory", "BUILD=build", "ARCH=sm_80", "lib"],
-                  env=make_env(), timeout=120)
-    built = set(re.findall(r"build/lib/(\S+)\.so\b", dry.stdout))
+    dry = repo.run(shlex.split(repo.make) + ["-n", "--no-print-directory", f"BUILD={tmp_path}", "ARCH=sm_80", "lib"],
+                   env=runner.make_env(), timeout=120)
+    built = set(re.findall(rf"{re.escape(str(tmp_path))}/lib/(\S+)\.so\b", dry.stdout))
     wrong = [f"{name!r} -> {torch_op.build_name(name)!r}, expected {want!r}" for name, want in BUILD_NAMES.items()
              if torch_op.build_name(name) != want]
     assert not wrong, "build names: " + "; ".join(wrong)
-    assert set(BUILD_NAMES.values()) <= built, f"names of builds `make lib` does not make: {set(BUILD_NAMES.values()) - built}"
+    assert set(BUILD_NAMES.values()) <= built, (
+        f"names of builds `make lib` does not make: {set(BUILD_NAMES.values()) - built}")
     for name, pattern in NAMES_REFUSED.items():
         try:
             got = torch_op.build_name(name)
@@ -112,27 +139,26 @@ def test_build_names(ctx):
             assert re.search(pattern, str(exc)), f"build_name({name!r}): {exc}, expected to match {pattern!r}"
         else:
             raise AssertionError(f"build_name({name!r}) gave {got!r}: expected a ValueError")
-    return f"{len(BUILD_NAMES)} names, {len(NAMES_REFUSED)} refused"
 
 
-def test_constants_are_library_h(ctx):
-    code = codes(ctx)
+def test_constants_are_library_h(repo):
+    code = codes(repo)
     ours = {"OK": torch_op.FA_OK, "ERR_INVALID_ARGUMENT": torch_op.FA_ERR_INVALID_ARGUMENT,
             "ERR_NO_BACKWARD": torch_op.FA_ERR_NO_BACKWARD, "ERR_NO_GPU": torch_op.FA_ERR_NO_GPU,
             "ERR_UNSUPPORTED_GPU": torch_op.FA_ERR_UNSUPPORTED_GPU, "ERR_CUDA": torch_op.FA_ERR_CUDA,
             "PRECISION_FP32": torch_op.FA_PRECISION_FP32, "PRECISION_FP16_TC": torch_op.FA_PRECISION_FP16_TC,
             "PRECISION_FP8_TC": torch_op.FA_PRECISION_FP8_TC, "ABI_VERSION": torch_op.ABI_VERSION}
     assert ours == code, f"torch_op's constants {ours} differ from common/library.h's {code}"
-    alignment = int(re.search(r"#define FA_ALIGNMENT (\d+)", header(ctx)).group(1))
+    alignment = int(re.search(r"#define FA_ALIGNMENT (\d+)", header(repo)).group(1))
     assert torch_op.ALIGNMENT == alignment, f"torch_op.ALIGNMENT {torch_op.ALIGNMENT}, library.h {alignment}"
 
 
 C_TYPES = {"int": ctypes.c_int, "float": ctypes.c_float}
 
 
-def test_shape_is_shape_h(ctx):
+def test_shape_is_shape_h(repo):
     """FaShape: AttnShape's fields in common/shape.h, in its order, of its C types."""
-    body = re.search(r"typedef struct \{(.*?)\} AttnShape;", (ctx.root / "common" / "shape.h").read_text(), re.S)
+    body = re.search(r"typedef struct \{(.*?)\} AttnShape;", (repo.root / "common" / "shape.h").read_text(), re.S)
     assert body, "common/shape.h: no `typedef struct { ... } AttnShape;`"
     fields = [(name, C_TYPES[kind]) for kind, name in re.findall(r"^\s*(int|float)\s+(\w+);", body.group(1), re.M)]
     assert fields and list(torch_op.FaShape._fields_) == fields, (
@@ -150,13 +176,13 @@ def c_parameter_type(param):
     return ctypes.c_void_p  # a device pointer, the stream
 
 
-def test_signatures_are_library_h(ctx):
+def test_signatures_are_library_h(repo):
     """One ctypes signature per function library.h declares: its return type and each parameter's type, in order."""
     declared = {}
-    for ret, name, params in re.findall(r"^FA_API ([^;(]*?)\b(fa_\w+)\(([^)]*)\);", header(ctx), re.M | re.S):
+    for ret, name, params in re.findall(r"^FA_API ([^;(]*?)\b(fa_\w+)\(([^)]*)\);", header(repo), re.M | re.S):
         kinds = [] if params.strip() == "void" else [c_parameter_type(p.strip()) for p in params.split(",")]
         declared[name] = (ctypes.c_char_p if "char *" in ret else ctypes.c_int, kinds)
-    assert set(declared) == exported_names(ctx), f"library.h's declarations read as {sorted(declared)}"
+    assert set(declared) == exported_names(repo), f"library.h's declarations read as {sorted(declared)}"
     ours = {name: (restype, list(argtypes)) for name, (restype, argtypes) in torch_op.SIGNATURES.items()}
     assert ours == declared, f"torch_op.SIGNATURES {ours} differ from library.h's {declared}"
 
@@ -194,18 +220,18 @@ print(json.dumps(out))
 SHAPES = [(1, 2, 16, 64), (2, 3, 100, 128), (3, 5, 1000, 64)]
 
 
-def test_binding_without_gpu(ctx):
+def test_binding_without_gpu(repo):
     """torch_op.Library on built libraries, every GPU hidden and PyTorch too: what each chapter says of
     itself, its workspaces (the chapter's rule), and its refusals as LibraryErrors with library.h's codes."""
-    paths = {chapter: str(library(ctx, chapter)) for chapter in BINDING_CHAPTERS}
-    proc = run_hidden(ctx, BINDING_PROBE, env=NO_GPU_ENV, args=[json.dumps(paths), json.dumps(SHAPES)])
+    paths = {chapter: str(library(repo, chapter)) for chapter in BINDING_CHAPTERS}
+    proc = run_hidden(repo, BINDING_PROBE, env=NO_GPU_ENV, args=[json.dumps(paths), json.dumps(SHAPES)])
     assert proc.returncode == 0, f"the binding's probe: exit {proc.returncode}: {proc.stderr.strip()[-2000:]}"
     found = json.loads(proc.stdout)
-    code = codes(ctx)
+    code = codes(repo)
     wrong = []
     for chapter in BINDING_CHAPTERS:
-        facts, chapter_says = found[chapter], read_chapter(ctx.root / chapter / "attention.cu")
-        backward = has_backward(ctx, chapter)
+        facts, chapter_says = found[chapter], read_chapter(repo.root / chapter / "attention.cu")
+        backward = has_backward(repo, chapter)
         said = {"name": facts["name"], "precision": facts["precision"], "has_backward": facts["has_backward"],
                 "min_sm": facts["min_sm"], "max_sm": facts["max_sm"]}
         want = {"name": chapter_says["name"], "precision": code[chapter_says["precision"]], "has_backward": backward,
@@ -230,4 +256,3 @@ def test_binding_without_gpu(ctx):
                     or not got[1].startswith(chapter_says["name"] + ": "):
                 wrong.append(f"{chapter} {label}: {got}, expected FA_{name} matching {pattern!r}")
     assert not wrong, f"{len(wrong)} wrong answers of the binding:\n" + "\n".join(wrong)
-    return f"{len(BINDING_CHAPTERS)} libraries"

@@ -2,19 +2,21 @@
 
 The direct formula here is deliberately naive and different from the reference's code: the
 whole score matrix at once (einsum), the mask as an -inf upper triangle, exp without a shift,
-the LSE as log(sum(exp(s))). Then the script's command line: file names, determinism, the
-cache, --input, and refusals.
+the LSE as log(sum(exp(s))). Then the script's command line (file names, determinism, the
+cache, --input, refusals), its e4m3 (FP8) emulation (every code, rounding, saturation, and
+against the toolkit's own conversion where nvcc is here), and the FP8 floor: its granularity is
+08's as built by default, and it is attention on the e4m3 inputs.
 """
 import math
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
-import reference  # noqa: E402
-import source  # noqa: E402
+import cuda_tools
+import reference
+import source
 
 SCRIPT = Path(reference.__file__)
 
@@ -50,21 +52,19 @@ def check_close(got, want, what, tol=1e-12):
 SHAPES = [(1, 1, 1, 64), (1, 1, 2, 128), (2, 3, 17, 64), (1, 2, 50, 128), (2, 1, 33, 64), (1, 1, 129, 128)]
 
 
-def test_matches_direct_formula_all_rows():
-    checked = 0
-    for b, h, n, d in SHAPES:
-        q, k, v = reference.make_inputs(b, h, n, d, seed=n + d)
-        for causal in (False, True):
-            for scale in (1 / math.sqrt(d), 0.3, 1.7, 0.0883883476):
-                rows = np.arange(n, dtype=np.int64)
-                o, lse = reference.attention_reference(q, k, v, rows, causal, scale)
-                want_o, want_lse = direct_attention(q, k, v, causal, scale)
-                what = f"B={b} H={h} N={n} D={d} causal={causal} scale={scale:g}"
-                assert o.dtype == np.float64 and lse.dtype == np.float64, f"{what}: dtypes {o.dtype}, {lse.dtype}"
-                check_close(o, want_o, f"{what}: O")
-                check_close(lse, want_lse, f"{what}: LSE")
-                checked += 1
-    return f"{checked} configurations"
+@pytest.mark.parametrize("b, h, n, d", SHAPES, ids=[f"B{b}H{h}N{n}D{d}" for b, h, n, d in SHAPES])
+def test_matches_direct_formula_all_rows(b, h, n, d):
+    """Every row, causal or not, at the default scale and at others."""
+    q, k, v = reference.make_inputs(b, h, n, d, seed=n + d)
+    for causal in (False, True):
+        for scale in (1 / math.sqrt(d), 0.3, 1.7, 0.0883883476):
+            rows = np.arange(n, dtype=np.int64)
+            o, lse = reference.attention_reference(q, k, v, rows, causal, scale)
+            want_o, want_lse = direct_attention(q, k, v, causal, scale)
+            what = f"B={b} H={h} N={n} D={d} causal={causal} scale={scale:g}"
+            assert o.dtype == np.float64 and lse.dtype == np.float64, f"{what}: dtypes {o.dtype}, {lse.dtype}"
+            check_close(o, want_o, f"{what}: O")
+            check_close(lse, want_lse, f"{what}: LSE")
 
 
 def test_matches_direct_formula_on_sampled_rows():
@@ -147,17 +147,17 @@ def test_sample_rows_large_shapes_sampled():
 
 
 # --- the command line ----------------------------------------------------------------------------
-def prepare(ctx, out, *args):
-    return ctx.run([ctx.python, SCRIPT, "prepare", "--out", out, *args], timeout=300)
+def prepare(repo, out, *args):
+    return repo.run([repo.python, SCRIPT, "prepare", "--out", out, *args], timeout=300)
 
 
 SHAPE_ARGS = ["--batch", "1", "--heads", "2", "--seqlen", "33", "--headdim", "64", "--seed", "3"]
 REF_FILES = ["ref_c1_s0.125_rows.npy", "ref_c1_s0.125_o.npy", "ref_c1_s0.125_lse.npy"]
 
 
-def test_prepare_writes_documented_files(ctx):
-    out = ctx.tmpdir() / "data"
-    proc = prepare(ctx, out, *SHAPE_ARGS, "--scale", "0.125", "--causal")
+def test_prepare_writes_documented_files(repo, tmp_path):
+    out = tmp_path / "data"
+    proc = prepare(repo, out, *SHAPE_ARGS, "--scale", "0.125", "--causal")
     assert proc.returncode == 0, f"prepare failed ({proc.returncode}): {proc.stderr}"
     names = sorted(p.name for p in out.iterdir())
     assert names == sorted(["q.npy", "k.npy", "v.npy"] + REF_FILES), f"prepare wrote {names}"
@@ -179,43 +179,44 @@ def test_prepare_writes_documented_files(ctx):
     assert named == sorted(REF_FILES), f"ref_paths gives {paths}"
 
 
-def test_prepare_deterministic_and_reuses_cache(ctx):
-    a, b = ctx.tmpdir(), ctx.tmpdir()
+def test_prepare_deterministic_and_reuses_cache(repo, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
     for out in (a, b):
-        proc = prepare(ctx, out, *SHAPE_ARGS, "--scale", "0.125", "--causal")
+        proc = prepare(repo, out, *SHAPE_ARGS, "--scale", "0.125", "--causal")
         assert proc.returncode == 0, f"prepare failed ({proc.returncode}): {proc.stderr}"
     for name in ["q.npy", "k.npy", "v.npy"] + REF_FILES:
         assert (a / name).read_bytes() == (b / name).read_bytes(), f"{name} differs between two runs of one seed"
     # A second prepare into the same folder keeps what is there (the cache): plant a marker.
     marker = np.zeros((1, 2, 33, 64))
     np.save(a / REF_FILES[1], marker)
-    proc = prepare(ctx, a, *SHAPE_ARGS, "--scale", "0.125", "--causal")
+    proc = prepare(repo, a, *SHAPE_ARGS, "--scale", "0.125", "--causal")
     assert proc.returncode == 0, f"prepare (cached) failed: {proc.stderr}"
     assert np.array_equal(np.load(a / REF_FILES[1]), marker), "prepare rewrote a cached reference file"
     leftovers = [p.name for p in a.iterdir() if ".tmp" in p.name]
     assert not leftovers, f"temporary files left behind: {leftovers}"
     # Another causal flag and scale in the same folder: new reference files beside the old ones.
-    proc = prepare(ctx, a, *SHAPE_ARGS, "--scale", "0.3")
+    proc = prepare(repo, a, *SHAPE_ARGS, "--scale", "0.3")
     assert proc.returncode == 0, f"prepare --scale 0.3 failed: {proc.stderr}"
     for part in ("rows", "o", "lse"):
         assert (a / f"ref_c0_s0.3_{part}.npy").is_file(), f"ref_c0_s0.3_{part}.npy not written"
 
 
-def test_prepare_no_ref_writes_inputs_only(ctx):
-    out = ctx.tmpdir()
-    proc = prepare(ctx, out, *SHAPE_ARGS, "--scale", "0.125", "--no-ref")
+def test_prepare_no_ref_writes_inputs_only(repo, tmp_path):
+    out = tmp_path
+    proc = prepare(repo, out, *SHAPE_ARGS, "--scale", "0.125", "--no-ref")
     assert proc.returncode == 0, f"prepare --no-ref failed: {proc.stderr}"
     names = sorted(p.name for p in out.iterdir())
     assert names == ["k.npy", "q.npy", "v.npy"], f"prepare --no-ref wrote {names}"
 
 
-def test_prepare_input_folder(ctx):
-    src, out = ctx.tmpdir(), ctx.tmpdir()
+def test_prepare_input_folder(repo, tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
     rng = np.random.default_rng(42)
     arrays = [rng.standard_normal((2, 1, 20, 128)).astype(np.float16) for _ in range(3)]
     for name, array in zip("qkv", arrays):
         np.save(src / f"{name}.npy", array)
-    proc = prepare(ctx, out, "--input", src, "--scale", "0.2", "--causal")
+    proc = prepare(repo, out, "--input", src, "--scale", "0.2", "--causal")
     assert proc.returncode == 0, f"prepare --input failed ({proc.returncode}): {proc.stderr}"
     o = np.load(out / "ref_c1_s0.2_o.npy")
     lse = np.load(out / "ref_c1_s0.2_lse.npy")
@@ -227,9 +228,9 @@ def test_prepare_input_folder(ctx):
     assert sorted(p.name for p in src.iterdir()) == ["k.npy", "q.npy", "v.npy"], "prepare --input changed SRC"
 
 
-def test_inputs_command_qk_std(ctx):
-    out = ctx.tmpdir()
-    proc = ctx.run([ctx.python, SCRIPT, "inputs", "--out", out, "--batch", "1", "--heads", "2", "--seqlen", "300",
+def test_inputs_command_qk_std(repo, tmp_path):
+    out = tmp_path
+    proc = repo.run([repo.python, SCRIPT, "inputs", "--out", out, "--batch", "1", "--heads", "2", "--seqlen", "300",
                     "--headdim", "64", "--seed", "7", "--qk-std", "4.5"])
     assert proc.returncode == 0, f"inputs failed ({proc.returncode}): {proc.stderr}"
     q, k, v = (np.load(out / f"{n}.npy") for n in "qkv")
@@ -237,9 +238,9 @@ def test_inputs_command_qk_std(ctx):
         assert np.array_equal(x, want), "inputs --qk-std 4.5 differ from make_inputs(qk_std=4.5)"
 
 
-def test_inputs_command_outliers(ctx):
-    out = ctx.tmpdir()
-    proc = ctx.run([ctx.python, SCRIPT, "inputs", "--out", out, "--batch", "1", "--heads", "2", "--seqlen", "500",
+def test_inputs_command_outliers(repo, tmp_path):
+    out = tmp_path
+    proc = repo.run([repo.python, SCRIPT, "inputs", "--out", out, "--batch", "1", "--heads", "2", "--seqlen", "500",
                     "--headdim", "128", "--seed", "11", "--outliers", "0.001"])
     assert proc.returncode == 0, f"inputs --outliers failed ({proc.returncode}): {proc.stderr}"
     q, k, v = (np.load(out / f"{n}.npy").astype(np.float64) for n in "qkv")
@@ -295,17 +296,15 @@ def test_e4m3_rounding_and_saturation():
         assert float(reference.e4m3_round(-x)) == -want, f"e4m3_round({-x!r}) is not -e4m3_round({x!r})"
 
 
-def test_e4m3_matches_cuda_fp8_conversion(ctx):
+def test_e4m3_matches_cuda_fp8_conversion(repo, tmp_path):
     """The emulation against the toolkit's own conversion (cuda_fp8.h's __nv_cvt_float_to_fp8,
     satfinite, e4m3), compiled here as a host program: 200k random float32 values over the whole
     range, every tie point between neighbouring codes, and the edges."""
-    import shutil
-    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    nvcc = cuda_tools.nvcc()
     if not nvcc:
-        import unittest
-        raise unittest.SkipTest("nvcc not found: no cuda_fp8.h to compare with")
-    exe = ctx.tmpdir() / "e4m3_codes"
-    proc = ctx.run([nvcc, "-o", exe, ctx.root / "tests" / "fixtures" / "e4m3_codes.cu"], timeout=300)
+        pytest.skip("nvcc not found: no cuda_fp8.h to compare with")
+    exe = tmp_path / "e4m3_codes"
+    proc = repo.run([nvcc, "-o", exe, repo.root / "tests" / "fixtures" / "e4m3_codes.cu"], timeout=300)
     assert proc.returncode == 0, f"nvcc failed on tests/fixtures/e4m3_codes.cu:\n{proc.stderr}"
     rng = np.random.default_rng(5)
     values = reference.e4m3_decode(np.arange(0x7F, dtype=np.uint8))
@@ -314,7 +313,7 @@ def test_e4m3_matches_cuda_fp8_conversion(ctx):
                         rng.uniform(-500, 500, 100000), ties, -ties, np.nextafter(ties, 0), np.nextafter(ties, 1),
                         [0.0, -0.0, 448.0, 449.0, 463.9, 464.0, 465.0, 1e30, np.inf, -np.inf]]).astype(np.float32)
     text = "\n".join(f"{b:08x}" for b in x.view(np.uint32)) + "\n"
-    run = ctx.run([exe], input=text, timeout=300)
+    run = repo.run([exe], input=text, timeout=300)
     assert run.returncode == 0, f"e4m3_codes failed: {run.stderr}"
     cuda = np.array([int(line, 16) for line in run.stdout.split()], dtype=np.uint8)
     assert cuda.size == x.size, f"e4m3_codes printed {cuda.size} codes for {x.size} values"
@@ -322,7 +321,6 @@ def test_e4m3_matches_cuda_fp8_conversion(ctx):
     wrong = np.nonzero(ours != cuda)[0]
     assert wrong.size == 0, (f"{wrong.size} of {x.size} values encode differently, e.g. {x[wrong[0]]!r}: "
                              f"numpy 0x{ours[wrong[0]]:02x}, cuda_fp8.h 0x{cuda[wrong[0]]:02x}")
-    return f"{x.size} values agree"
 
 
 def test_quantize_e4m3_scales_per_head():
@@ -364,35 +362,41 @@ def test_quantize_e4m3_scales_per_head():
         f"the small block's error: {rel_block:.3e} with its own scale (want < 5e-2), {rel_head:.3e} with its head's"
 
 
-def test_fp8_floor_matches_the_chapter(ctx):
+def test_fp8_floor_matches_the_chapter(repo):
     """The floor's granularity: 08 tells the harness its tiles by head dim, the harness names the
     floor's file as reference.py does, and reference.py's defaults are 08's as built by default."""
-    harness = (ctx.root / "common" / "harness.cu").read_text()
+    harness = (repo.root / "common" / "harness.cu").read_text()
     assert re.search(r'qk_range == 448 \? "fp8floor%dx%d" : "fp8floor%dx%dr%d",\s*fp8_scale_rows\(s->headdim, 0\),'
                      r'\s*fp8_scale_rows\(s->headdim, 1\), qk_range\)', harness), \
-        "harness.cu should name the floor's file fp8floor<Q rows>x<KV rows>[r<range>] from the chapter's tiles at the head dim"
+        ("harness.cu should name the floor's file fp8floor<Q rows>x<KV rows>[r<range>] from the chapter's tiles "
+         "at the head dim")
     assert reference.fp8_floor_part(128, 192) == "fp8floor128x192"
     assert reference.fp8_floor_part(128, 256, 16) == "fp8floor128x256r16"
-    kernel = source.without_switches((ctx.root / "08_fp8" / "attention.cu").read_text())  # as built by default
+    kernel = source.without_switches((repo.root / "08_fp8" / "attention.cu").read_text())  # as built by default
     q_rows = re.search(r"#define Q_SCALE_ROWS (\d+)", kernel)
     key_tile = re.search(r"static constexpr int BLOCK_KV = HEAD_DIM == 128 \? (\d+) : (\d+);", kernel)
     half = re.search(r"static constexpr bool SCORES_ARE_FP16 = HEAD_DIM == 128;", kernel)
     qk_range = re.search(r"#define QK_RANGE_F16 (\d+)", kernel)
     assert q_rows and key_tile and half and qk_range, \
-        "08_fp8/attention.cu as built by default: no Q_SCALE_ROWS, Config's BLOCK_KV by head dim, SCORES_ARE_FP16 or QK_RANGE_F16"
+        ("08_fp8/attention.cu as built by default: no Q_SCALE_ROWS, Config's BLOCK_KV by head dim, SCORES_ARE_FP16 "
+         "or QK_RANGE_F16")
     assert reference.FP8_QK_RANGE == {64: 448, 128: int(qk_range.group(1))}, \
         f"reference.py's FP8_QK_RANGE {reference.FP8_QK_RANGE} is not 08's (QK_RANGE_F16 at D = 128, fp16 scores)"
-    assert re.search(r"Fp8Scaling fp8_scaling = \{fp8_scale_rows, fp8_qk_range\};", kernel) and "&fp8_scaling," in kernel, \
+    assert re.search(r"Fp8Scaling fp8_scaling = \{fp8_scale_rows, fp8_qk_range\};", kernel) \
+        and "&fp8_scaling," in kernel, \
         "08's Chapter should give the harness its scale tiles and Q/K range (an Fp8Scaling)"
     tiles = (int(q_rows.group(1)), {64: int(key_tile.group(2)), 128: int(key_tile.group(1))})
     assert tiles == (reference.FP8_Q_ROWS, reference.FP8_KV_ROWS), \
-        f"08 scales per {tiles} rows of (Q, K and V by head dim), reference.py's defaults {(reference.FP8_Q_ROWS, reference.FP8_KV_ROWS)}"
-    assert re.search(r"fp8_scale_rows\(int headdim, int which\) \{ return which == 0 \? Q_SCALE_ROWS : key_tile\(headdim\); \}",
-                     kernel), "08's Chapter should give the harness its scale tiles: Q_SCALE_ROWS, then the key tile"
-    return f"Q per {tiles[0]} rows, K and V per {tiles[1][64]} (D = 64) and {tiles[1][128]} (D = 128)"
+        (f"08 scales per {tiles} rows of (Q, K and V by head dim), reference.py's defaults "
+         f"{(reference.FP8_Q_ROWS, reference.FP8_KV_ROWS)}")
+    assert re.search(r"fp8_scale_rows\(int headdim, int which\) \{ "
+                     r"return which == 0 \? Q_SCALE_ROWS : key_tile\(headdim\); \}", kernel), \
+        "08's Chapter should give the harness its scale tiles: Q_SCALE_ROWS, then the key tile"
 
 
-def test_fp8_floor(ctx):
+def test_fp8_floor(repo, tmp_path):
+    """The floor of N(0, 1) inputs is e4m3's (~4.7e-2), inputs exact in e4m3 have none, and
+    prepare --fp8-floor writes it with Q's rows per scale and K's and V's each where they belong."""
     q, k, v = reference.make_inputs(1, 2, 200, 128, seed=4)
     rows = np.arange(200, dtype=np.int64)
     for causal in (False, True):
@@ -406,14 +410,15 @@ def test_fp8_floor(ctx):
     o, lse = reference.attention_reference(*exact, np.arange(8), False, 0.125)
     rel, lse_err = reference.fp8_floor(*exact, np.arange(8), False, 0.125, o, lse)
     assert rel == 0 and lse_err == 0, f"inputs exact in e4m3 have a floor of 0, got {rel}, {lse_err}"
-    out = ctx.tmpdir() / "data"
-    proc = prepare(ctx, out, *SHAPE_ARGS, "--scale", "0.125", "--causal", "--fp8-floor", "16", "24")
+    out = tmp_path / "data"
+    proc = prepare(repo, out, *SHAPE_ARGS, "--scale", "0.125", "--causal", "--fp8-floor", "16", "24")
     assert proc.returncode == 0, f"prepare --fp8-floor failed: {proc.stderr}"
     floors = np.load(out / "ref_c1_s0.125_fp8floor16x24.npy")
     q, k, v = (np.load(out / f"{n}.npy") for n in "qkv")
     o, lse = np.load(out / REF_FILES[1]), np.load(out / REF_FILES[2])
     want = reference.fp8_floor(q, k, v, np.arange(33), True, 0.125, o, lse, 16, 24)
-    assert floors.dtype == np.float64 and np.allclose(floors, want, rtol=1e-12), f"fp8floor.npy {floors}, expected {want}"
+    assert floors.dtype == np.float64 and np.allclose(floors, want, rtol=1e-12), \
+        f"fp8floor.npy {floors}, expected {want}"
     # Q's rows per scale and K's and V's are not interchangeable: the floor is attention on Q per
     # 16 rows and K, V per 24, written out here with the direct formula.
     direct_o, direct_lse = direct_attention(reference.quantize_e4m3(q, 16), reference.quantize_e4m3(k, 24),
@@ -438,13 +443,13 @@ BAD_ARGS = [
 ]
 
 
-def test_bad_arguments_exit_2(ctx):
-    tmp = ctx.tmpdir()
-    for args, keyword in BAD_ARGS:
-        args = [str(tmp / a) if a in ("OUT", "MISSING") else a for a in args]
-        keyword = str(tmp / keyword) if keyword == "MISSING" else keyword
-        proc = ctx.run([ctx.python, SCRIPT, *args], timeout=60)
-        assert proc.returncode == 2, (
-            f"reference.py {' '.join(args)}: expected exit 2, got {proc.returncode}; stderr {proc.stderr.strip()!r}")
-        assert keyword in proc.stderr, f"reference.py {' '.join(args)}: stderr lacks {keyword!r}: {proc.stderr.strip()!r}"
-        assert "Traceback" not in proc.stderr, f"reference.py {' '.join(args)}: a traceback instead of a message"
+@pytest.mark.parametrize("args, keyword", BAD_ARGS, ids=[" ".join(args) or "no arguments" for args, _ in BAD_ARGS])
+def test_bad_arguments_exit_2(repo, tmp_path, args, keyword):
+    """A refused command line: exit 2, a message that names what is wrong, no traceback."""
+    args = [str(tmp_path / a) if a in ("OUT", "MISSING") else a for a in args]
+    keyword = str(tmp_path / keyword) if keyword == "MISSING" else keyword
+    proc = repo.run([repo.python, SCRIPT, *args], timeout=60)
+    assert proc.returncode == 2, (
+        f"reference.py {' '.join(args)}: expected exit 2, got {proc.returncode}; stderr {proc.stderr.strip()!r}")
+    assert keyword in proc.stderr, f"reference.py {' '.join(args)}: stderr lacks {keyword!r}: {proc.stderr.strip()!r}"
+    assert "Traceback" not in proc.stderr, f"reference.py {' '.join(args)}: a traceback instead of a message"

@@ -3,12 +3,17 @@ GPU needed): built by the Makefile's rule for ARCH=sm_90 (sm_90a code, no compil
 each of its kernels holds the instruction whose rate it reports: FFMA in the fp32 kernel, HMMA in
 the mma.sync one, HGMMA (fp16) and QGMMA (e4m3) in the two wgmma ones, which ptxas did not
 serialise. Without a GPU the program says so in one line and exits 77. SASS from cuobjdump, found
-or fetched as common/claims.py does (skipped with the reason when neither works)."""
+or fetched as common/claims.py does (skipped with the reason when neither works). The tests share
+one build (an xdist group)."""
 import re
 import shlex
-import unittest
 
+import pytest
+
+import runner
 from claims import kernel_base_name, sass_text
+
+pytestmark = pytest.mark.xdist_group("peaks")
 
 # kernel (function name, template arguments dropped; <FP8> told apart by its mangled name) -> opcodes
 PEAK_KERNELS = {
@@ -22,21 +27,22 @@ PEAK_KERNELS = {
 SERIALISED = re.compile(r"\((C7514|C7519)\)[^\n]*")
 
 
-def build(ctx):
-    """BUILD/peaks made by `make BUILD=<tmp> ARCH=sm_90 BUILD/peaks`, and its compiler log."""
+def build(repo):
+    """BUILD/peaks made by `make BUILD=<tmp> ARCH=sm_90 BUILD/peaks` (a folder of its own: the
+    build folder is not written), once: the binary, its compiler log and make's output."""
     def make():
-        folder = ctx.tmpdir()
+        folder = repo.tmpdir()
         target = folder / "peaks"
-        proc = ctx.run(shlex.split(ctx.make) + ["--no-print-directory", f"BUILD={folder}", "ARCH=sm_90", str(target)],
-                       timeout=900)
+        proc = repo.run(shlex.split(repo.make) + ["--no-print-directory", f"BUILD={folder}", "ARCH=sm_90", target],
+                        env=runner.make_env(), timeout=900)
         assert proc.returncode == 0, f"make {target} failed:\n{proc.stdout}{proc.stderr}"
         log = (folder / "peaks.log").read_text(errors="replace")
         return target, log, proc.stdout
-    return ctx.once("peaks_build", make)
+    return repo.once("peaks_build", make)
 
 
-def test_peaks_builds_for_sm90a_without_warnings(ctx):
-    binary, log, output = build(ctx)
+def test_peaks_builds_for_sm90a_without_warnings(repo):
+    binary, log, output = build(repo)
     assert "sm_90a" in output, f"make built tools/peaks.cu for another target than sm_90a:\n{output}"
     archs = set(re.findall(r"Compiling entry function '[^']+' for '(sm_\w+)'", log))
     assert archs == {"sm_90a"}, f"ptxas compiled peaks for {sorted(archs)}, expected sm_90a alone"
@@ -46,13 +52,12 @@ def test_peaks_builds_for_sm90a_without_warnings(ctx):
     assert spills and all(s == "0" for s in spills), f"ptxas spill stores in peaks: {spills}"
     serialised = [m.group(0) for m in SERIALISED.finditer(log)]
     assert not serialised, f"ptxas serialised or fenced the wgmmas itself: {serialised[:2]}"
-    return f"{binary.name}: sm_90a, {len(spills)} kernels, no warnings, no spills"
 
 
-def test_peaks_kernels_hold_their_instructions(ctx):
-    binary, _, _ = build(ctx)
+def test_peaks_kernels_hold_their_instructions(repo):
+    binary, _, _ = build(repo)
     functions = {}
-    for mangled, instructions in sass_text(ctx, binary).items():  # opcode counts and wgmma shapes per kernel
+    for mangled, instructions in sass_text(repo, binary).items():  # opcode counts and wgmma shapes per kernel
         fp8 = re.search(r"ILi(\d)E", mangled)
         current = functions.setdefault(kernel_base_name(mangled) + (f"<{fp8.group(1)}>" if fp8 else ""), {})
         for text in instructions:
@@ -61,27 +66,24 @@ def test_peaks_kernels_hold_their_instructions(ctx):
                 current[op.group(1)] = current.get(op.group(1), 0) + 1
                 if op.group(1) in ("HGMMA", "QGMMA"):
                     current.setdefault("shapes", set()).add(op.group(1) + op.group(2))
-    found = []
     for kernel, opcodes in PEAK_KERNELS.items():
         assert kernel in functions, f"no {kernel} in the SASS of {binary}; functions: {sorted(functions)}"
         missing = [op for op in opcodes if not functions[kernel].get(op)]
         assert not missing, f"{kernel} lacks {missing} in its SASS"
-        found.append(f"{kernel}: {opcodes[0]} x {functions[kernel][opcodes[0]]}")
     tensor = [op for op in ("HMMA", "HGMMA", "QGMMA") if functions["ffma_kernel"].get(op)]
     assert not tensor, f"ffma_kernel runs tensor-core instructions: {tensor}"
     shapes = functions["wgmma_kernel<0>"]["shapes"] | functions["wgmma_kernel<1>"]["shapes"]
-    assert shapes == {"HGMMA.64x256x16.F32", "QGMMA.64x256x32.F32.E4M3.E4M3"}, f"wgmma shapes in the SASS: {sorted(shapes)}"
-    return "; ".join(found)
+    assert shapes == {"HGMMA.64x256x16.F32", "QGMMA.64x256x32.F32.E4M3.E4M3"}, (
+        f"wgmma shapes in the SASS: {sorted(shapes)}")
 
 
-def test_peaks_without_gpu_exits_77(ctx):
-    if ctx.gpu:
-        raise unittest.SkipTest("a GPU is present: `make peaks` measures it instead")
-    binary, _, _ = build(ctx)
-    logs = ctx.tmpdir()
-    proc = ctx.run([binary, logs], timeout=120)
+def test_peaks_without_gpu_exits_77(repo, gpu_state, tmp_path):
+    usable, _ = gpu_state
+    if usable:
+        pytest.skip("a GPU is present: `make peaks` measures it instead")
+    binary, _, _ = build(repo)
+    proc = repo.run([binary, tmp_path], timeout=120)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 77 and len(lines) == 1, (
         f"peaks without a GPU: exit {proc.returncode}, output {proc.stdout!r}{proc.stderr!r}; expected 77 and one line")
-    assert not list(logs.iterdir()), f"peaks wrote {sorted(p.name for p in logs.iterdir())} without a GPU"
-    return lines[0]
+    assert not list(tmp_path.iterdir()), f"peaks wrote {sorted(p.name for p in tmp_path.iterdir())} without a GPU"

@@ -1,0 +1,268 @@
+"""The ablation switches (common/ablation.py, `make ablation CH=NN`) and `make diff` (common/source.py),
+without a GPU.
+
+  switches   every switch an ablation table names is a `#ifndef NAME` / `#define NAME 1` default in its
+             chapter (08, built in steps: `#define NAME (STEP >= k)`), so the chapter as written is the
+             variant with every idea on; a variant's switch (09's DETERMINISTIC_DQ) defaults to 0
+  rows       09, a backward chapter: its rows and their -D flags, no row for 08 (no backward), its
+             variants last; the forward chapters keep their before row
+  run        `ablation.py run` on stand-in binaries (helpers.fake_binary): every check and timed run of 09
+             has --backward, of 04 none; 09's CSV counts the backward's FLOPs (2.5x the forward's), its
+             table says so, a variant is costed against the chapter
+  compiles   every variant of 04's and 07's tables (each idea off alone, the ideas switched on one by one)
+             compiles for sm_90 with the chapter's flags, without a warning (08's steps and 09's
+             deterministic build are builds of `make all`)
+  readme     each chapter README has the table's markers, and where the measured CSV exists
+             (docs/results/logs/NN/ablation_NN.csv), the table between them is the one `ablation.py table`
+             writes from it (never stale); skipped, naming the CSV, where it is not measured yet (and then
+             no table is there)
+  table      the table's arithmetic on a made-up CSV: a step's speedup over the row above, a missing
+             idea's cost against the chapter
+  diff       each chapter (and each of 08's steps) as `make diff` shows it (the switches' off branches and
+             their comments left out) has no switch branch left and preprocesses to the very code of the
+             chapter as built (so it compiles as the chapter does); the filter on made-up sources
+"""
+import argparse
+import contextlib
+import csv
+import difflib
+import io
+import os
+import re
+
+import pytest
+
+import ablation
+import chapters
+import results
+import source
+from helpers import ARCH_FLAG_OF, CHAPTERS, SASS_ARCH_FLAG, compile_quietly, fake_binary, nvcc_flags
+
+ABLATED = list(ablation.ABLATION_SWITCHES)  # the chapters with an ablation table
+
+
+@pytest.mark.parametrize("chapter", ABLATED)
+def test_switches_default_on(repo, chapter):
+    spec = ablation.ablations()[chapter]
+    text = (repo.root / chapter / "attention.cu").read_text()
+    for name, _ in spec["ideas"]:
+        pattern = rf"#ifndef {name}\n#define {name} (1\b|\(STEP >= \d\))"
+        assert re.search(pattern, text), f"{chapter}/attention.cu: no `#ifndef {name}` / `#define {name} 1` default"
+    for _, switch, _ in spec["variants"]:
+        pattern = rf"#ifndef {switch}\n#define {switch} 0\b"
+        assert re.search(pattern, text), f"{chapter}/attention.cu: no `#ifndef {switch}` / `#define {switch} 0`"
+
+
+BACKWARD_ROWS = [  # 09's table: the ideas on one by one, each off alone (BWD_DQ_STAGE's is the row before the chapter)
+    ("none", "step", "-DBWD_WIDE_BLOCK=0 -DBWD_STAGGER=0 -DBWD_SPLIT=0 -DBWD_DQ_STAGE=0"),
+    ("plus_bwd_wide_block", "step", "-DBWD_STAGGER=0 -DBWD_SPLIT=0 -DBWD_DQ_STAGE=0"),
+    ("plus_bwd_stagger", "step", "-DBWD_SPLIT=0 -DBWD_DQ_STAGE=0"), ("plus_bwd_split", "step", "-DBWD_DQ_STAGE=0"),
+    ("chapter", "step", ""), ("without_bwd_wide_block", "without", "-DBWD_WIDE_BLOCK=0"),
+    ("without_bwd_stagger", "without", "-DBWD_STAGGER=0"), ("without_bwd_split", "without", "-DBWD_SPLIT=0"),
+    ("deterministic", "variant", "-DDETERMINISTIC_DQ=1"), ("dq_kernel", "variant", "-DBWD_DQ_KERNEL=1")]
+
+
+def test_backward_chapter_rows():
+    spec = ablation.ablations()["09_backward"]
+    assert spec["pass"] == "backward" and spec["before"] is None, f"09: pass {spec['pass']}, before {spec['before']}"
+    got = ablation.variants("09_backward")
+    assert got == BACKWARD_ROWS, f"09's rows:\n{got}\nexpected:\n{BACKWARD_ROWS}"
+    label = ablation.variant_label("09_backward", "deterministic", "variant")
+    assert label == "09_backward with `DETERMINISTIC_DQ` (dQ repeatable: a workspace copy per block)", label
+    label = ablation.variant_label("09_backward", "dq_kernel", "variant")
+    assert label == "09_backward with `BWD_DQ_KERNEL` (dQ repeatable: by a kernel of its own)", label
+    for chapter, spec in ablation.ablations().items():
+        if chapter != "09_backward":
+            previous = CHAPTERS[CHAPTERS.index(chapter) - 1]
+            assert (spec["pass"], spec["before"]) == ("forward", previous), \
+                f"{chapter}: {spec['pass']} {spec['before']}"
+            assert ablation.variants(chapter)[0] == ("before", "before", ""), f"{chapter}: no before row first"
+
+
+# --- ablation.py run, on stand-in binaries ------------------------------------------------------------
+
+STAND_IN_MS = {"none": 2.0, "plus_bwd_wide_block": 1.5, "plus_bwd_stagger": 1.2, "plus_bwd_split": 1.1, "chapter": 1.0,
+               "without_bwd_wide_block": 1.4, "without_bwd_stagger": 1.1, "without_bwd_split": 1.15,
+               "deterministic": 1.25, "dq_kernel": 1.2}
+
+
+def run_on_stand_ins(folder, chapter):
+    """`ablation.py run CH --rounds 1` with `true` for make and a stand-in at each variant's binary
+    path (helpers.fake_binary, STAND_IN_MS or 1 ms), in folder; ({variant: [command lines]}, the CSV's
+    rows, what it printed)."""
+    build, logs = folder / "build", folder / "logs"
+    logs.mkdir()
+    for variant, _, _ in ablation.variants(chapter):
+        path = ablation.binary_path(str(build), chapter, variant)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        stand_in = folder / "stand-ins" / variant
+        stand_in.mkdir(parents=True)
+        os.symlink(fake_binary(stand_in, STAND_IN_MS.get(variant, 1.0), log=str(logs / variant)), path)
+    out = folder / "ablation.csv"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        code = ablation.command_run(argparse.Namespace(chapter=chapter[:2], build=str(build), make="true", rounds=1,
+                                                       out=str(out)))
+    assert code == 0, f"ablation.py run {chapter[:2]} on stand-ins: exit {code}\n{printed.getvalue()[-2000:]}"
+    lines = {v: (logs / v).read_text().splitlines() for v, _, _ in ablation.variants(chapter)}
+    return lines, ablation.read_rows(out), printed.getvalue()
+
+
+def stand_in_run(repo, chapter):
+    """run_on_stand_ins, once per chapter (tests that share it are in the xdist group "stand-ins")."""
+    return repo.once(("ablation on stand-ins", chapter), lambda: run_on_stand_ins(repo.tmpdir(), chapter))
+
+
+@pytest.mark.xdist_group("stand-ins")
+@pytest.mark.parametrize("chapter, backward", [("09_backward", True), ("04_fused", False)])
+def test_run_passes_backward_only_for_a_backward_chapter(repo, chapter, backward):
+    lines, _, _ = stand_in_run(repo, chapter)
+    runs = len(ablation.CHECK_SHAPES) + 2  # the checks, then one round of each mask
+    for variant, got in lines.items():
+        assert len(got) == runs, f"{chapter} {variant}: {len(got)} runs, expected {runs}: {got}"
+        wrong = [line for line in got if ("--backward" in line.split()) != backward]
+        assert not wrong, f"{chapter} {variant}: {'without' if backward else 'with'} --backward: {wrong[:2]}"
+
+
+@pytest.mark.xdist_group("stand-ins")
+def test_backward_table_counts_backward_flops(repo):
+    _, rows, printed = stand_in_run(repo, "09_backward")
+    assert {r["variant"] for r in rows} == set(STAND_IN_MS) and len(rows) == 2 * len(STAND_IN_MS), (
+        f"09's CSV rows: {[r['variant'] for r in rows]}")
+    assert set(rows[0]) == set(ablation.FIELDS), f"09's CSV columns: {list(rows[0])} (expected FIELDS, no pass column)"
+    shape = results.bench_shape(results.HEADLINE_D, results.HEADLINE_N, 0)
+    flops = 2.5 * 4 * results.work(shape)  # 2.5x the forward's 4·B·H·N²·D: 1374.4 TFLOP/s in 1 ms
+    table = ablation.table_markdown("09_backward", rows)
+    assert table.strip() in printed, "the table printed is not the one the CSV makes"
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    chapter = next(v for k, v in lines.items() if k.endswith("**09_backward**"))
+    assert f"| {flops / 1e-3 / 1e12:.1f} |" in chapter and f"| {flops / 2 / 1e-3 / 1e12:.1f} |" in chapter, (
+        f"1 ms at the headline shape is {flops / 1e-3 / 1e12:.1f} TFLOP/s of the backward (causal: half): {chapter}")
+    variant = lines[ablation.variant_label("09_backward", "deterministic", "variant")]
+    assert variant.count("1.25x slower") == 2, f"1.25 ms against the chapter's 1 ms is 1.25x slower: {variant}"
+    assert "the backward (dQ, dK, dV), FLOPs 2.5x the forward's" in table, table.splitlines()[0]
+    assert "backward" not in ablation.table_caption("04_fused", rows), "04's caption names the backward"
+
+
+# --- The variants compile ------------------------------------------------------------------------------
+
+# 04's and 07's switches stay in their code; 08's steps are `make all`'s builds (BUILD/08_fp8.stepK), and so
+# is 09's deterministic build.
+COMPILED = [(chapter, variant, flags) for chapter in ("04_fused", "07_async_pipeline")
+            for variant, kind, flags in ablation.variants(chapter) if kind != "before" and flags]
+
+
+@pytest.mark.parametrize("chapter, variant, flags", COMPILED, ids=[f"{c}:{v}" for c, v, _ in COMPILED])
+def test_variant_compiles_without_warnings(repo, tmp_path, chapter, variant, flags):
+    compile_quietly(repo, repo.root / chapter / "attention.cu", tmp_path / f"{variant}.o", ["-c", *flags.split()])
+
+
+# --- The README tables ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chapter", ABLATED)
+def test_readme_table_is_its_csvs(repo, chapter):
+    text = (repo.root / chapter / "README.md").read_text()
+    begin = ablation.ABLATION_BEGIN.format(nn=chapter[:2])
+    assert begin in text and ablation.ABLATION_END in text, f"{chapter}/README.md: no ablation table markers"
+    path = ablation.csv_path(chapter)
+    inside = text.split(begin, 1)[1].split(ablation.ABLATION_END, 1)[0]
+    if not os.path.exists(path):
+        assert not re.search(r"^\|", inside, re.M), f"{chapter}/README.md: a table with no CSV to make it"
+        pytest.skip(f"{repo.rel(path)} not measured yet (`make ablation CH={chapter[:2]}` on a GPU writes it); "
+                    "the markers are there, no table")
+    table = ablation.table_markdown(chapter, ablation.read_rows(path))
+    assert inside.strip() == table.strip(), (
+        f"{chapter}/README.md: the ablation table differs from {repo.rel(path)}: "
+        f"run `python3 common/ablation.py table {chapter[:2]}`")
+
+
+def test_table_arithmetic(tmp_path):
+    path = tmp_path / "ablation.csv"
+    made_up = [("before", "before", "", 4.0),
+               ("none", "step", "-DLOOP_ORDER=0 -DREGISTER_TILING=0 -DLOG2_DOMAIN=0", 8.0),
+               ("plus_loop_order", "step", "-DREGISTER_TILING=0 -DLOG2_DOMAIN=0", 4.0),
+               ("plus_register_tiling", "step", "-DLOG2_DOMAIN=0", 2.0), ("chapter", "step", "", 1.0),
+               ("without_loop_order", "without", "-DLOOP_ORDER=0", 3.0)]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=ablation.FIELDS)
+        writer.writeheader()
+        for causal in (0, 1):
+            for variant, kind, flags, ms in made_up:
+                writer.writerow({"variant": variant, "kind": kind, "flags": flags, "impl": "04_fused", "batch": 4,
+                                 "heads": 16, "seqlen": 4096, "headdim": 128, "causal": causal, "ms": ms * (1 + causal),
+                                 "tflops": 1.0, "attend_ms": "", "round_ms": f"{ms} {ms} {ms}"})
+    table = ablation.table_markdown("04_fused", ablation.read_rows(path))
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    assert "0.50x" in lines["every idea off"], f"8 ms after 4 ms is 0.50x: {lines['every idea off']}"
+    assert "2.00x" in lines["+ " + dict(ablation.ablations()["04_fused"]["ideas"])["LOOP_ORDER"]], table
+    without = next(v for k, v in lines.items() if k.startswith("04_fused with "))
+    assert without.count("3.00x slower") == 2, f"3 ms against the chapter's 1 ms is 3.00x slower: {without}"
+    assert "median of 3 interleaved rounds" in table, table
+
+
+# --- make diff: the chapters as their defaults compile them ------------------------------------------
+
+def preprocessed(repo, top, chapter, arch, defines):
+    """The code nvcc compiles from top/chapter/attention.cu for arch (its device pass: -E), with the
+    Makefile's flags, run in top (so that __FILE__ reads the same): line markers and blank lines left
+    out, spaces squeezed."""
+    path = f"{chapter}/attention.cu"
+    proc = repo.run(nvcc_flags(repo) + [arch, *defines, "-E", path], timeout=120, cwd=top)
+    assert proc.returncode == 0, f"nvcc -E {top}/{path} {' '.join(defines)} fails:\n{proc.stderr.strip()[-2000:]}"
+    lines = (" ".join(line.split()) for line in proc.stdout.splitlines() if not re.match(r"#\s*(\d|line\b)", line))
+    return [line for line in lines if line]
+
+
+STEPS_OF_08 = range(1, len(chapters.read_steps(os.path.join(ablation.ROOT, "08_fp8", "attention.cu"))))
+STRIPPED = [(chapter, None) for chapter in ABLATED] + [("08_fp8", step) for step in STEPS_OF_08]
+
+
+@pytest.mark.parametrize("chapter, step", STRIPPED, ids=[c + (f"-step{s}" if s else "") for c, s in STRIPPED])
+def test_diff_shows_the_code_as_compiled(repo, tmp_path, chapter, step):
+    """The chapter (or one of its steps) as `make diff` shows it: no switch branch left, no `// Ablation`
+    comment, and the very code the chapter (the step) compiles to, at sm_90 (08: sm_90a), and at sm_80
+    too where its code tests __CUDA_ARCH__ (the Makefile builds the chapters but 08 for sm_80)."""
+    original = (repo.root / chapter / "attention.cu").read_text()
+    text = source.without_switches(original, step)
+    values = source.switches_of(original, step)
+    left = [line for line in text.splitlines() if (source.SWITCH_IF.match(line.strip())
+            and source.SWITCH_IF.match(line.strip()).group(2) in values) or source.STEP_IF.match(line.strip())]
+    assert not left and "// Ablation" not in text, f"{chapter}: switch branches left: {left[:3]}"
+    stripped = tmp_path / chapter / "attention.cu"
+    stripped.parent.mkdir()
+    stripped.write_text(text)
+    (tmp_path / "common").symlink_to(repo.root / "common")  # its #include "../common/..."
+    shown = f"{chapter} (step {step})" if step else chapter
+    defines = [f"-DSTEP={step}"] if step else []
+    arches = [ARCH_FLAG_OF.get(chapter[:2], SASS_ARCH_FLAG)]
+    if chapter[:2] not in ARCH_FLAG_OF and re.search(r"^\s*#\s*(el)?if\b.*__CUDA_ARCH__", original, re.M):
+        arches.append("-gencode=arch=compute_80,code=sm_80")  # its code below sm_90 (09's scalar dQ adds)
+    for arch in arches:
+        want = preprocessed(repo, repo.root, chapter, arch, defines)
+        got = preprocessed(repo, tmp_path, chapter, arch, defines)
+        assert got == want, (f"{shown} without its switches is not the code it compiles to ({arch}):\n"
+                             + "\n".join(list(difflib.unified_diff(want, got, "as built", "as make diff shows it",
+                                                                   lineterm="", n=1))[:30]))
+
+
+def test_step_filter():
+    """A chapter built in steps: each switch `#define NAME (STEP >= k)` is on from step k, and an
+    `#if STEP == k` / `#elif STEP == k` chain keeps the branch of the step shown."""
+    text = ("#ifndef STEP\n#define STEP 3\n#endif\n#ifndef B\n#define B (STEP >= 2)\n#endif\n"
+            "#if B\nb\n#else\nnot b\n#endif\n#if STEP == 1\none\n#elif STEP == 2\ntwo\n#elif STEP == 3\nthree\n"
+            "#else\n#error\n#endif\n#if !B\nbefore b\n#endif\n")
+    head = "#ifndef STEP\n#define STEP 3\n#endif\n#ifndef B\n#define B (STEP >= 2)\n#endif\n"
+    want = {1: head + "not b\none\nbefore b\n", 2: head + "b\ntwo\n", None: head + "b\nthree\n"}
+    for step, expected in want.items():
+        got = source.without_switches(text, step)
+        assert got == expected, f"step {step}:\n{got}\nexpected:\n{expected}"
+
+
+def test_switch_filter():
+    text = ("#ifndef A\n#define A 1\n#endif\n#if X\nx\n#endif\n    // Ablation (-DA=0): off\n"
+            "    // continued\n#if A  // a note\nkept\n#else\ngone\n#endif\n#if !A\ngone too\n#endif\n"
+            "// Ablation (-DA=0): a comment on kept code\nkept too\n// a comment of its own\nend\n")
+    want = "#ifndef A\n#define A 1\n#endif\n#if X\nx\n#endif\nkept\nkept too\n// a comment of its own\nend\n"
+    got = source.without_switches(text)
+    assert got == want, f"filtered:\n{got}\nexpected:\n{want}"
+    with pytest.raises(ValueError):  # #elif in a switch's #if accepted: DID NOT RAISE
+        source.without_switches("#ifndef A\n#define A 1\n#endif\n#if A\na\n#elif B\nb\n#endif\n")

@@ -1,0 +1,178 @@
+"""What each chapter claims to do, checked in the code the compiler made (no GPU needed): every
+claim of common/claims.py on every chapter (its PTX from `nvcc -ptx`, its SASS from the build
+folder's binary, its spills from the build's ptxas log, its launches from the source), and the
+claims of 08's steps: the instructions each step adds, in its build's SASS.
+
+A chapter's claims share its PTX and SASS, made once per worker (repo.once): each chapter's claims
+are one xdist group, so that each is made once in all."""
+import os
+import re
+
+import pytest
+
+import runner
+from chapters import read_chapter
+from claims import claim_cases, kernel_base_name, nvcc, sass_tools, strip_comments
+from helpers import CHAPTERS
+
+
+def chapter_claims():
+    """pytest.params of every claim of every chapter (fn(repo)), grouped by chapter."""
+    out = []
+    for chapter in CHAPTERS:
+        adds = read_chapter(os.path.join(runner.ROOT, chapter, "attention.cu"))["adds"]
+        for name, fn in claim_cases(chapter, int(chapter[:2]), adds):
+            out.append(pytest.param(fn, id=name.removeprefix("claims[").removesuffix("]"),
+                                    marks=pytest.mark.xdist_group(f"claims-{chapter}")))
+    return out
+
+
+@pytest.mark.parametrize("claim", chapter_claims())
+def test_chapter_claim(repo, claim):
+    claim(repo)
+
+
+def test_kernel_base_name():
+    """The .entry grouping used by the kernel-count claim."""
+    examples = {
+        "_Z22flash_attention_kernelILi64EEvPK6__halfS2_S2_PS0_Pfifi": "flash_attention_kernel",
+        "_Z22flash_attention_kernelILi128EEvPK6__halfS2_S2_PS0_Pfifi": "flash_attention_kernel",
+        "_Z13scores_kernelPK6__halfS1_Pfiifi": "scores_kernel",
+        "_ZL6kernelv": "kernel",
+        "_ZN12_GLOBAL__N_16kernelILi64EEEvPf": "_GLOBAL__N_1::kernel",
+        "_ZN2fa6attendEPf": "fa::attend",
+        "plain_c_kernel": "plain_c_kernel",
+    }
+    for mangled, want in examples.items():
+        got = kernel_base_name(mangled)
+        assert got == want, f"kernel_base_name({mangled!r}) = {got!r}, expected {want!r}"
+
+
+def test_strip_comments():
+    text = 'a<<<1>>>(); // b<<<\n/* c<<< \n cudaMalloc( */ s = "<<<"; char c = \'"\'; d<<<2>>>();'
+    stripped = strip_comments(text)
+    assert stripped.count("<<<") == 2 and "cudaMalloc" not in stripped, f"strip_comments gave {stripped!r}"
+
+
+def test_mma_sync_e4m3_is_emulated_on_sm90(repo):
+    """Why 08 uses wgmma: mma.sync with e4m3 operands (tests/fixtures/mma_e4m3.cu) is one native
+    QMMA on sm_89, but on sm_90 conversions to fp16 (F2FP) plus fp16 HMMAs. Hopper's FP8 rate
+    is reached only through wgmma (QGMMA)."""
+    cuobjdump, env = sass_tools(repo)
+    cubin = repo.tmpdir() / "mma_e4m3.fatbin"  # one compile, both archs; cuobjdump -arch picks each
+    proc = repo.run([nvcc(), "-fatbin", "-gencode=arch=compute_89,code=sm_89", "-gencode=arch=compute_90,code=sm_90",
+                     "-o", cubin, repo.root / "tests" / "fixtures" / "mma_e4m3.cu"], timeout=300)
+    assert proc.returncode == 0, f"nvcc -fatbin for sm_89 and sm_90 failed:\n{proc.stderr}"
+    ops = {}
+    for arch in ("sm_89", "sm_90"):
+        dump = repo.run([cuobjdump, "--dump-sass", "-arch", arch, cubin], env=env, timeout=300)
+        assert dump.returncode == 0 and "Function" in dump.stdout, (
+            f"cuobjdump -arch {arch} failed on {cubin}:\n{dump.stderr}")
+        ops[arch] = re.findall(r"\b(QMMA|HMMA|QGMMA|F2FP)(\.[A-Z0-9_.]*)?", dump.stdout)
+    names = {arch: sorted({op for op, _ in found}) for arch, found in ops.items()}
+    assert "QMMA" in names["sm_89"] and "HMMA" not in names["sm_89"], (
+        f"sm_89: expected a native QMMA, got {names['sm_89']}")
+    assert "HMMA" in names["sm_90"] and "QMMA" not in names["sm_90"], (
+        f"sm_90: expected HMMA, no QMMA, got {names['sm_90']}")
+    unpacks = [op + rest for op, rest in ops["sm_90"] if op == "F2FP" and "E4M3" in rest]
+    assert unpacks, f"sm_90: expected F2FP conversions from e4m3, got {ops['sm_90']}"
+
+
+def build_08(repo, step=None):
+    """08 as its build made it: (ptxas report lines, {head dim: SASS text of its attention_kernel}).
+    A step (1-4) is the build 08_fp8.stepK, None the chapter, 08_fp8 (its last step, 08.5): the SASS
+    of its object, BUILD/obj/<build>.o, linked as it is into BUILD/<build> (the binary's other code,
+    the harness's, left out: a third of the time), and its build log, read once per worker."""
+    name = f"08_fp8.step{step}" if step else "08_fp8"
+    binary = repo.require_binary(name)
+    cuobjdump, env = sass_tools(repo)
+
+    def read():
+        log, code = repo.build / f"{name}.log", repo.build / "obj" / f"{name}.o"
+        if not log.is_file():
+            pytest.skip(f"{repo.rel(log)} missing: the build did not run (make)")
+        code = code if code.is_file() else binary
+        dump = repo.run([cuobjdump, "--dump-sass", "-arch", "sm_90a", code], env=env, timeout=300)
+        assert dump.returncode == 0, f"cuobjdump failed on {repo.rel(code)}:\n{dump.stderr}"
+        kernels = {}
+        for text in re.split(r"Function : ", dump.stdout)[1:]:
+            function = text.split()[0]
+            if kernel_base_name(function) == "attention_kernel":
+                kernels[int(re.search(r"ILi(\d+)E", function).group(1))] = text
+        assert sorted(kernels) == [64, 128], (
+            f"step {step or 5}: attention_kernel for D = {sorted(kernels)}, expected 64 and 128")
+        return log.read_text(errors="replace").splitlines(), kernels
+    return repo.once(("08 build", step), read)
+
+
+def spill_report(lines, dim):
+    """ptxas's spill line for attention_kernel<dim> in a -Xptxas -v report."""
+    entry = [i for i, l in enumerate(lines) if "Function properties for" in l and f"attention_kernelILi{dim}E" in l]
+    assert entry and entry[0] + 1 < len(lines), f"no ptxas report for attention_kernel<{dim}>"
+    return lines[entry[0] + 1]
+
+
+# What each of 08's steps adds, as its attention kernels' SASS shows it: (present, absent) per step.
+# 08.1: wgmma on fp16 (HGMMA) fed by TMA (UTMALDG) through mbarriers (SYNCS), one wait per product;
+# 08.2: setmaxnreg (USETMAXREG) between the producer and the consumers; 08.3: the ping-pong's named
+# barriers (BAR.ARV) and a wait that leaves one wgmma group in flight (P V under the softmax);
+# 08.4: e4m3 operands (QGMMA, and P converted to e4m3); 08.5: S in fp16 (D = 128, test_fp8_scores_in_fp16).
+STEP_SASS = {
+    1: (["HGMMA.64x128x16.F32", "UTMALDG.3D", "SYNCS.PHASECHK.TRANS64.TRYWAIT"],
+        ["QGMMA", "USETMAXREG", "BAR.ARV", "WARPGROUP.DEPBAR.LE gsb0, 0x1", "F2FP.SATFINITE.E4M3"]),
+    2: (["HGMMA.64x128x16.F32", "UTMALDG.3D", "USETMAXREG.DEALLOC", "USETMAXREG.TRY_ALLOC"],
+        ["QGMMA", "BAR.ARV", "WARPGROUP.DEPBAR.LE gsb0, 0x1", "F2FP.SATFINITE.E4M3"]),
+    3: (["HGMMA.64x128x16.F32", "UTMALDG.3D", "USETMAXREG.TRY_ALLOC", "BAR.ARV", "WARPGROUP.DEPBAR.LE gsb0, 0x1"],
+        ["QGMMA", "F2FP.SATFINITE.E4M3"]),
+    4: (["QGMMA", "UTMALDG.3D", "USETMAXREG.TRY_ALLOC", "BAR.ARV", "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+         "F2FP.SATFINITE.E4M3"], ["HGMMA", "MUFU.EX2.F16"]),
+}
+
+
+@pytest.mark.xdist_group("claims-08-steps")
+@pytest.mark.parametrize("step", sorted(STEP_SASS), ids=lambda step: f"08.{step}")
+def test_fp8_chapter_step(repo, step):
+    """Each of 08's step builds (BUILD/08_fp8.step1 ... step4) uses the instructions its step adds and
+    none of a later step's, in both attention kernels, and none of them spills."""
+    present, absent = STEP_SASS[step]
+    lines, kernels = build_08(repo, step)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", "\n".join(lines))
+    assert spills and all(s == ("0", "0") for s in spills), f"08.{step}: spills in its build: {spills}"
+    for dim, text in kernels.items():
+        missing = [op for op in present if op not in text]
+        found = [op for op in absent if op in text]
+        assert not missing and not found, f"08.{step} attention_kernel<{dim}>: lacks {missing}, has {found}"
+
+
+# (present, absent) in attention_kernel<D>'s SASS: 08.5, the chapter (S in fp16 at D = 128), and 08.4 (fp32 S).
+SCORES_SASS = {
+    (5, 128): (["QGMMA.64x256x32.F16.E4M3.E4M3", "MUFU.EX2.F16"], ["QGMMA.64x256x32.F32", "QGMMA.64x192x32"]),
+    (5, 64): (["QGMMA.64x128x32.F32.E4M3.E4M3"], ["QGMMA.64x128x32.F16", "MUFU.EX2.F16"]),
+    (4, 128): (["QGMMA.64x192x32.F32.E4M3.E4M3"], ["QGMMA.64x256x32", "MUFU.EX2.F16", ".F16.E4M3"]),
+}
+
+
+@pytest.mark.xdist_group("claims-08-steps")
+@pytest.mark.parametrize("step, dim", sorted(SCORES_SASS), ids=[f"08.{s} D={d}" for s, d in sorted(SCORES_SASS)])
+def test_fp8_scores_in_fp16(repo, step, dim):
+    """08 (its last step, 08.5) at D = 128 keeps S in fp16: Q K^T is a QGMMA with fp16 accumulators
+    over 256 keys and the exponentials are MUFU.EX2.F16, about one in five a polynomial on the FMA
+    units instead (SPLIT_EXP2); D = 64 keeps fp32 scores. Step 08.4 is the fp32-score kernel on
+    192-key tiles. Neither build spills."""
+    present, absent = SCORES_SASS[step, dim]
+    lines, kernels = build_08(repo, None if step == 5 else step)
+    shown = f"08.{step} D={dim}"
+    report = spill_report(lines, dim)
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, f"{shown}: {report}"
+    text = kernels[dim]
+    missing = [op for op in present if op not in text]
+    found = [op for op in absent if op in text]
+    assert not missing and not found, f"{shown}: lacks {missing}, has {found}"
+    # The split exponentials (fp16 scores only): each polynomial ends in one HMUL2 (by 2^j),
+    # which nothing else in the kernel uses, in place of two MUFU.EX2.F16.
+    polys, mufu_pairs = text.count("HMUL2"), text.count("MUFU.EX2.F16") / 2
+    if step == 5 and dim == 128:
+        share = polys / (polys + mufu_pairs)
+        assert 0.1 < share < 0.3, f"{shown}: {polys} exp2 polynomials beside {mufu_pairs:.0f} MUFU pairs"
+    else:
+        assert polys == 0, f"{shown}: {polys} HMUL2 with fp32 scores"

@@ -1,0 +1,288 @@
+"""The chapters as a PyTorch op (common/torch_op.py) on the GPU. Skipped, in one line, without PyTorch or
+a CUDA device it sees. The libraries it loads are `make lib`'s (make test builds them first).
+
+  forward    06, 07, 08, 08.3, 09 x D {64, 128} x causal: O and LSE against float64 (helpers.attention64)
+             within the chapter's precision's tolerance (FP8: 1.5x the e4m3 floor + 3e-3)
+  gradients  07, 08 (FP8: O and LSE recomputed by 09's forward), 09 forward, 09 backward, on the
+             backward's output shapes: dQ, dK, dV within BACKWARD_TOL of float64 and at most twice the
+             max abs error of PyTorch's own fp16 backward (flash) on the same inputs; once with a
+             non-contiguous dO (autograd's, which the op makes contiguous)
+  opcheck    torch.library.opcheck of both ops (schema, autograd registration, fake tensors, AOT
+             dispatch with dynamic shapes), on 09's deterministic backward so that eager and compiled
+             gradients are bitwise comparable
+  compile    torch.compile(fullgraph=True) of a function calling the op, aot_eager and inductor:
+             the same O and gradients as eager
+  errors     each refusal: its exception type and words
+  training   50 steps of common/train.py's model with the op: finite losses that fall, from where the
+             same run with SDPA starts, as far as it within a tenth of its fall; common/train.py end to
+             end (its CSV, its summary)
+"""
+import csv
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+
+import torch_op
+from chapters import runs_on
+from helpers import (BACKWARD_OUTPUT_SHAPES, BACKWARD_TOL, FP8_FLOOR_FACTOR, LSE_TOL, REL_L2_TOL, attention64,
+                     attention64_grads, fp8_floor_attention, torch_grad_errors)
+
+pytestmark = pytest.mark.gpu
+
+FORWARD_CHAPTERS = ("06", "07", "08", "08.3", "09")
+GRADIENT_CHAPTERS = ("07", "08", "09")
+FORWARD_SHAPE = (2, 3, 257)  # B, H, N (ragged: not a multiple of any tile)
+DIMS = (64, 128)
+DETERMINISTIC = "09.deterministic"
+TOLERANCE_OF = {torch_op.FA_PRECISION_FP32: REL_L2_TOL[1], torch_op.FA_PRECISION_FP16_TC: REL_L2_TOL[7]}
+TRAIN_STEPS, TRAIN_BATCH = 50, 8
+
+
+@pytest.fixture(scope="module")
+def op(repo, torch):
+    """torch, with torch_op loading the build folder's libraries (make lib)."""
+    os.environ["FA_BUILD"] = str(repo.build)
+    return torch
+
+
+def runs_here(torch, *chapters):
+    """Skip unless every named chapter's library is built and runs on this GPU."""
+    major, minor = torch.cuda.get_device_capability()
+    for chapter in chapters:
+        if not os.path.isfile(torch_op.library_path(chapter)):
+            pytest.skip(f"{torch_op.library_path(chapter)} is not built: run make lib")
+        lib = torch_op.library(chapter)
+        if not lib.runs_on(major * 10 + minor):
+            pytest.skip(f"{lib.name} runs on {runs_on({'min_sm': lib.min_sm, 'max_sm': lib.max_sm})}, "
+                        f"this GPU is sm_{major}{minor}")
+
+
+def random_inputs(b, h, n, d, seed, names="qkv"):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((b, h, n, d)).astype(np.float16) for _ in names]
+
+
+def rel_l2(got, want):
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def to_numpy(t):
+    return t.detach().float().cpu().numpy().astype(np.float64)
+
+
+def shown_shape(chapter, b, h, n, d, causal):
+    return f"{chapter} B={b} H={h} N={n} D={d}{' causal' if causal else ''}"
+
+
+# --- The forward -------------------------------------------------------------------------------------
+def forward_tolerances(lib, q, k, v, causal, want_o, want_lse):
+    """(rel L2 of O, LSE max abs): the harness's rule of the library's precision."""
+    if lib.precision != torch_op.FA_PRECISION_FP8_TC:
+        return TOLERANCE_OF[lib.precision], LSE_TOL
+    floor_o, floor_lse = fp8_floor_attention(q, k, v, causal, q.shape[-1])
+    return (FP8_FLOOR_FACTOR * rel_l2(floor_o, want_o) + REL_L2_TOL[7],
+            FP8_FLOOR_FACTOR * float(np.abs(floor_lse - want_lse).max()) + LSE_TOL)
+
+
+@pytest.mark.parametrize("chapter", FORWARD_CHAPTERS)
+@pytest.mark.parametrize("causal", (False, True), ids=["", "causal"])
+@pytest.mark.parametrize("d", DIMS, ids=lambda d: f"D={d}")
+def test_forward(op, chapter, d, causal):
+    torch = op
+    runs_here(torch, chapter)
+    b, h, n = FORWARD_SHAPE
+    q, k, v = random_inputs(b, h, n, d, seed=n + d + causal)
+    o, lse = torch_op.attention(*(torch.from_numpy(x).cuda() for x in (q, k, v)), causal=causal, chapter=chapter,
+                                backward=None, return_lse=True)
+    shown = shown_shape(chapter, b, h, n, d, causal)
+    assert o.dtype == torch.float16 and tuple(o.shape) == (b, h, n, d), f"{shown}: O is {o.dtype} {tuple(o.shape)}"
+    assert lse.dtype == torch.float32 and tuple(lse.shape) == (b, h, n), f"{shown}: LSE is {lse.dtype} {tuple(lse.shape)}"
+    want_o, want_lse = attention64(q, k, v, causal, 1 / math.sqrt(d))
+    got_o, got_lse = to_numpy(o), to_numpy(lse)
+    assert np.isfinite(got_o).all() and np.isfinite(got_lse).all(), f"{shown}: non-finite O or LSE"
+    tol, lse_tol = forward_tolerances(torch_op.library(chapter), q, k, v, causal, want_o, want_lse)
+    rel, lse_err = rel_l2(got_o, want_o), float(np.abs(got_lse - want_lse).max())
+    assert rel <= tol, f"{shown}: O relative L2 error {rel:.3e} against float64, expected <= {tol:.2e}"
+    assert lse_err <= lse_tol, f"{shown}: LSE max abs error {lse_err:.3e}, expected <= {lse_tol:.2e}"
+
+
+# --- The gradients ------------------------------------------------------------------------------------
+def check_gradients(shown, grads, want, torch_errors):
+    """Each of dQ, dK, dV within BACKWARD_TOL (rel L2) of float64 and at most twice PyTorch's max abs error."""
+    notes = []
+    for name, got, w, theirs in zip(("dq", "dk", "dv"), grads, want, torch_errors):
+        got = to_numpy(got)
+        assert np.isfinite(got).all(), f"{shown}: non-finite {name}"
+        rel, mine = rel_l2(got, w), float(np.abs(got - w).max())
+        assert rel <= BACKWARD_TOL, f"{shown}: {name} relative L2 error {rel:.3e} against float64, expected <= {BACKWARD_TOL}"
+        assert mine <= 2 * theirs, (f"{shown}: max abs error of {name} {mine:.3e}, more than twice PyTorch's fp16 "
+                                    f"backward's {theirs:.3e} on the same inputs")
+        notes.append(f"{name} {rel:.1e} ({mine / theirs:.2f}x PyTorch's max abs)")
+    return ", ".join(notes)
+
+
+GRADIENT_PARAMS = [pytest.param(chapter, *shape, False, id=f"{chapter} B={shape[0]} H={shape[1]} N={shape[2]} "
+                                f"D={shape[3]}{' causal' if shape[4] else ''}")
+                   for chapter in GRADIENT_CHAPTERS for shape in BACKWARD_OUTPUT_SHAPES]
+GRADIENT_PARAMS.append(pytest.param("07", *BACKWARD_OUTPUT_SHAPES[0], True, id="07 dO not contiguous"))
+
+
+@pytest.mark.parametrize("chapter,b,h,n,d,causal,transposed_grad", GRADIENT_PARAMS)
+def test_gradients(op, repo, chapter, b, h, n, d, causal, transposed_grad):
+    torch = op
+    runs_here(torch, chapter, "09")
+    q, k, v, do = random_inputs(b, h, n, d, seed=7 * n + d, names="qkvo")
+    leaves = [torch.from_numpy(x).cuda().requires_grad_() for x in (q, k, v)]
+    o = torch_op.attention(*leaves, causal=causal, chapter=chapter, backward="09")
+    grad = torch.from_numpy(do).cuda()
+    if transposed_grad:  # dO's values, its memory laid out [B, N, H, D]: autograd hands the op that layout
+        arrived = []
+        o.register_hook(lambda g: arrived.append(g.is_contiguous()))
+        (o.float() * grad.transpose(1, 2).contiguous().transpose(1, 2).float()).sum().backward()
+        assert arrived == [False], f"the op's dO was contiguous ({arrived}): the case tests nothing"
+    else:
+        o.backward(grad)
+    want = attention64_grads(q, k, v, do, causal, 1 / math.sqrt(d))
+    theirs = repo.once(("torch_op_grad_errors", b, h, n, d, causal), lambda: torch_grad_errors(q, k, v, do, causal, want))
+    shown = shown_shape(chapter, b, h, n, d, causal) + (" (dO not contiguous)" if transposed_grad else "")
+    check_gradients(shown, [x.grad for x in leaves], want, theirs)
+
+
+# --- opcheck and torch.compile ----------------------------------------------------------------------------
+@pytest.mark.parametrize("chapter,d,causal", [("07", 64, True), ("09", 128, False), ("08", 128, True)],
+                         ids=["07 D=64 causal", "09 D=128", "08 D=128 causal"])
+def test_opcheck(op, chapter, d, causal):
+    torch = op
+    runs_here(torch, chapter, DETERMINISTIC)
+    b, h, n = 1, 2, 200
+    q, k, v, do = (torch.from_numpy(x).cuda() for x in random_inputs(b, h, n, d, seed=3, names="qkvo"))
+    scale = 1 / math.sqrt(d)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(torch.ops.fa_tutorial.attention.default, (*leaves, causal, scale, chapter, DETERMINISTIC))
+    o, lse = torch.ops.fa_tutorial.attention(q, k, v, causal, scale, chapter, "")
+    torch.library.opcheck(torch.ops.fa_tutorial.attention_backward.default,
+                          (q, k, v, o, lse, do, causal, scale, chapter, DETERMINISTIC))
+
+
+@pytest.mark.parametrize("backend", ("aot_eager", "inductor"))
+def test_compile(op, backend):
+    torch = op
+    runs_here(torch, "07", DETERMINISTIC)
+    q, k, v, do = (torch.from_numpy(x).cuda() for x in random_inputs(2, 3, 300, 64, seed=5, names="qkvo"))
+
+    def loss(q, k, v):
+        o = torch_op.attention(q, k, v, causal=True, chapter="07", backward=DETERMINISTIC)
+        return o, (o.float() * do.float()).sum()
+
+    results = []
+    for fn in (loss, torch.compile(loss, backend=backend, fullgraph=True)):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o, total = fn(*leaves)
+        total.backward()
+        results.append([o.detach()] + [x.grad for x in leaves])
+    for name, eager, compiled in zip(("O", "dQ", "dK", "dV"), *results):
+        assert torch.equal(eager, compiled), (
+            f"torch.compile(backend={backend!r}): {name} differs from eager by up to "
+            f"{(eager.float() - compiled.float()).abs().max().item():.3e}")
+
+
+# --- The refusals ---------------------------------------------------------------------------------------
+def error_cases(torch):
+    """(label, call, exception type, pattern of its message)."""
+    cuda = torch.device("cuda")
+    base = torch.randn(1, 2, 64, 64, device=cuda, dtype=torch.float16)
+    misaligned = torch.empty(base.numel() + 1, device=cuda, dtype=torch.float16)[1:].view(base.shape)
+    attend = torch_op.attention
+    return [
+        ("cpu tensors", lambda: attend(base.cpu(), base.cpu(), base.cpu()), ValueError, r"q is on cpu.*CUDA device"),
+        ("float32", lambda: attend(base.float(), base.float(), base.float()), TypeError, r"torch\.float32.*float16"),
+        ("bfloat16 k", lambda: attend(base, base.bfloat16(), base), TypeError, r"k is torch\.bfloat16"),
+        ("head dim 96", lambda: attend(*(torch.randn(1, 2, 64, 96, device=cuda, dtype=torch.float16),) * 3),
+         ValueError, r"head dimension D = 96.*64 or 128"),
+        ("k of another N", lambda: attend(base, base[:, :, :32], base[:, :, :32]), ValueError, r"expected one shape"),
+        ("3 dimensions", lambda: attend(base[0], base[0], base[0]), ValueError, r"\(2, 64, 64\).*\[B, H, N, D\]"),
+        ("not contiguous", lambda: attend(base.transpose(1, 2), base.transpose(1, 2), base.transpose(1, 2)),
+         ValueError, r"q is not contiguous.*\.contiguous\(\)"),
+        ("misaligned", lambda: attend(misaligned, base, base), ValueError, r"q's data .* not 16-byte aligned"),
+        ("no such chapter", lambda: attend(base, base, base, chapter="42"), ValueError, r"chapter '42': no such chapter"),
+        ("no such step", lambda: attend(base, base, base, chapter="08.9"), ValueError, r"steps are 08\.1 \.\.\. 08\.5"),
+        ("B*H too large", lambda: attend(*(torch.randn(1, 65536, 1, 64, device=cuda, dtype=torch.float16),) * 3),
+         RuntimeError, r"B\*H = 65536: at most 65535.*FA_ERR_INVALID_ARGUMENT"),
+        ("backward=None", lambda: backward_through(torch, None), RuntimeError, r"no backward chapter was given"),
+        ("backward=07", lambda: backward_through(torch, "07"), RuntimeError, r"07_async_pipeline has no backward pass"),
+    ]
+
+
+def backward_through(torch, backward):
+    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    torch_op.attention(q, q.detach(), q.detach(), backward=backward).sum().backward()
+
+
+def test_errors(op):
+    torch = op
+    runs_here(torch, "07", "09")
+    wrong = []
+    cases = error_cases(torch)
+    for label, call, kind, pattern in cases:
+        try:
+            call()
+            wrong.append(f"{label}: no exception, expected {kind.__name__} matching {pattern!r}")
+        except Exception as exc:  # the type and words are what is checked
+            text = str(exc)
+            if not isinstance(exc, kind) or not re.search(pattern, text) or "\n" in text:
+                wrong.append(f"{label}: {type(exc).__name__}: {text!r}, expected one line of {kind.__name__} "
+                             f"matching {pattern!r}")
+    assert not wrong, f"{len(wrong)} of {len(cases)} refusals wrong:\n" + "\n".join(wrong)
+
+
+# --- Training ---------------------------------------------------------------------------------------------
+def training_module():
+    import train
+    return train
+
+
+def test_training_run_learns(op):
+    """TRAIN_STEPS steps with the op (07 forward, 09 backward) and with SDPA, from one seed."""
+    runs_here(op, "07", "09")
+    train = training_module()
+    corpus = train.load_corpus("cuda")
+    runs = {}
+    for run, attend in (("07", train.chapter_attention("07", "09")), ("sdpa", train.sdpa_attention)):
+        runs[run], _ = train.train_run(run, attend, corpus, TRAIN_STEPS, TRAIN_BATCH, eval_every=TRAIN_STEPS // 2,
+                                       eval_batches=2, progress=False)
+    rows = runs["07"]
+    losses = [r["val_loss"] for r in rows] + [r["train_loss"] for r in rows[1:]]
+    assert all(math.isfinite(x) for x in losses), f"non-finite losses: {rows}"
+    first, last = rows[0]["val_loss"], rows[-1]["val_loss"]
+    assert last < 0.9 * first, f"validation loss {first:.3f} at step 0, {last:.3f} after {TRAIN_STEPS} steps: expected a fall"
+    assert rows[-1]["train_loss"] < rows[1]["train_loss"], f"training loss did not fall: {rows}"
+    # The same model from the same seed: at step 0 the two runs differ by the forwards' rounding
+    # only. After it the loss falls steeply (about 0.02 a step here), and the runs part by their
+    # gradients' rounding (and the order of both backwards' dQ atomics), so what must agree is how
+    # far each has fallen: within a tenth of SDPA's fall. A wrong gradient stalls or slows the fall.
+    sdpa_first, other = runs["sdpa"][0]["val_loss"], runs["sdpa"][-1]["val_loss"]
+    assert abs(first - sdpa_first) < 1e-2, f"validation loss at step 0: {first:.4f} with the op, {sdpa_first:.4f} with SDPA"
+    fall, sdpa_fall = first - last, sdpa_first - other
+    assert abs(fall - sdpa_fall) < 0.1 * sdpa_fall, (
+        f"after {TRAIN_STEPS} steps: validation loss {first:.4f} -> {last:.4f} with the op, {sdpa_first:.4f} -> "
+        f"{other:.4f} with SDPA: falls of {fall:.4f} and {sdpa_fall:.4f} differ by more than a tenth of SDPA's")
+
+
+def test_train_script(op, repo, tmp_path):
+    """common/train.py end to end, briefly: both runs, the CSV and the summary."""
+    runs_here(op, "07", "09")
+    out = tmp_path / "train.csv"
+    proc = repo.run([repo.python, repo.root / "common" / "train.py", "--chapter", "07", "--steps", "20", "--eval-every",
+                    "10", "--eval-batches", "1", "--batch", "4", "--out", out, "--build", repo.build, "--no-build"],
+                   timeout=600)
+    assert proc.returncode == 0, f"train.py: exit {proc.returncode}:\n{(proc.stdout + proc.stderr).strip()[-2000:]}"
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["run"], r["step"]) for r in rows] == [(run, s) for run in ("sdpa", "07_async_pipeline")
+                                                     for s in ("0", "10", "20")], f"{out.name}: rows {rows}"
+    assert re.search(r"difference of the final validation losses \(07_async_pipeline - sdpa\): [+-]\d", proc.stdout), (
+        f"train.py's summary lacks the difference of the final losses:\n{proc.stdout}")
+    assert len(re.findall(r"tokens/s", proc.stdout)) >= 2, f"train.py's summary lacks each run's tokens/s:\n{proc.stdout}"
