@@ -38,7 +38,7 @@ import unittest
 
 import claims
 from chapters import read_chapter
-from cuda_tools import check_summary, find_sanitizer, sass_tools
+from cuda_tools import check_summary, find_sanitizer
 from exercise_copy import STUDENT_DIR, fail, link_common, read_record, regions
 from exercise_markers import (EXERCISES, HEAD_DIMS, HEADLINE, PASSES, PASS_ARGS, PASS_WORDS, TODO_CALL, MarkerError,
                               cap, chapter_source, exercise_parts, is_standin, parse, pass_of, shape_text,
@@ -91,7 +91,6 @@ def claim_checks(chapter, build):
     except ValueError:
         adds = chapter
     repo = Repo(STUDENT_DIR, os.path.join(ROOT, build, "exercises"))
-    repo.once("sass_tools", lambda: sass_tools(fetch=False))  # the grader fetches nothing: no cuobjdump, no SASS claims
     out = []
     try:
         for name, fn in claims.claim_cases(chapter, int(chapter[:2]), adds):

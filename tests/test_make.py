@@ -88,3 +88,27 @@ def test_bench_passes_and_quick(repo, args, want):
 def test_compare_takes_bench_pass(repo):
     proc = make(repo, "-n", "compare", "BENCH_PASS=backward")
     assert "common/stages.py compare" in proc.stdout and "--pass backward" in proc.stdout, proc.stdout[-300:]
+
+
+# What the targets that need a GPU (or PyTorch) print where they cannot run, and its first words:
+# (make's arguments, the start of the one line that says why).
+SKIPPING_TARGETS = [(("run",), "make run: skipped: "), (("bench",), "make bench: skipped: "),
+                    (("sanitize",), "make sanitize: skipped: "), (("ablation", "CH=7"), "make ablation CH=7: skipped: "),
+                    (("peaks",), "peaks: skipped: "), (("compare",), "make compare: skipped: "),
+                    (("train", "CH=07"), "make train: skipped: ")]
+
+
+@pytest.mark.parametrize("args, line", SKIPPING_TARGETS, ids=[" ".join(a) for a, _ in SKIPPING_TARGETS])
+def test_a_target_that_cannot_run_here_says_why_once_and_exits_77(repo, args, line):
+    """With every GPU hidden (CUDA_VISIBLE_DEVICES=, so that this holds on a GPU machine too), each
+    target that needs one builds what it needs (nothing here: the build is current, but peaks), then
+    says in one line why it skips, naming the chapter it was asked for, and its recipe exits 77 (make
+    itself reports that as "Error 77" and exits 2, as it does for any recipe that fails)."""
+    proc = repo.run(shlex.split(repo.make) + ["--no-print-directory", f"BUILD={repo.build}", f"ARCH={build_arch(repo)}",
+                                              *args], env={**runner.make_env(), "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
+    said = [l for l in proc.stdout.strip().splitlines() if not l.startswith("nvcc ")]
+    shown = f"make {' '.join(args)} without a GPU"
+    assert len(said) == 1 and said[0].startswith(line), f"{shown}: expected one line '{line}<why>', got {proc.stdout!r}"
+    assert proc.returncode == 2 and re.search(r"\] Error 77$", proc.stderr, re.M), (
+        f"{shown}: exit {proc.returncode}, stderr {proc.stderr.strip()!r}; expected its recipe's exit 77 "
+        f"(make: '... Error 77', exit 2)")
