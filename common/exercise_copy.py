@@ -34,10 +34,10 @@ import os
 import sys
 import textwrap
 
-from exercise_markers import (EXERCISES, REGION, END, MarkerError, check_blocks, chapter_source, describe,
-                              exercise_chapters, exercise_parts, facts_table, grading_text, is_standin, main_part,
-                              parse, solution_lines, standin_copy, tasks)
-from runner import chapters, find_chapter
+from exercise_markers import (EXERCISES, REGION, END, MarkerError, chapter_named, check_blocks, chapter_source,
+                              describe, exercise_chapters, exercise_parts, facts_table, grading_text, is_standin,
+                              main_part, parse, solution_lines, standin_copy, tasks)
+from runner import chapters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDENT_DIR = os.path.join(ROOT, "exercises")
@@ -203,9 +203,9 @@ def write_copy(chapter, only=None, force=False, student_dir=STUDENT_DIR, root=RO
 
 
 def command_make(args):
-    chapter = find_chapter(args.chapter)
+    chapter, why = chapter_named(args.chapter, "make exercise")
     if not chapter:
-        return fail(2, f"make exercise: no chapter '{args.chapter}' (e.g. CH=04; chapters: {' '.join(chapters())})")
+        return fail(2, why)
     try:
         path, names = write_copy(chapter, args.only.split(",") if args.only else None, args.force)
     except (MarkerError, FileExistsError) as exc:

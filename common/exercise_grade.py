@@ -41,9 +41,9 @@ from chapters import read_chapter
 from cuda_tools import check_summary, find_sanitizer
 from exercise_copy import STUDENT_DIR, fail, link_common, read_record, regions
 from exercise_markers import (EXERCISES, HEAD_DIMS, HEADLINE, PASSES, PASS_ARGS, PASS_WORDS, TODO_CALL, MarkerError,
-                              cap, chapter_source, exercise_parts, is_standin, parse, pass_of, shape_text,
-                              timed_as, timed_what, words_list)
-from runner import Repo, chapters, find_chapter, gpu_probe, make_env, run_case, shape_args
+                              cap, chapter_named, chapter_source, exercise_parts, is_standin, parse, pass_of,
+                              shape_text, timed_as, timed_what, words_list)
+from runner import Repo, gpu_probe, make_env, run_case, shape_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The compact GPU matrix: D x causal x N (1, one ragged tile, whole tiles, many and ragged) x (B, H);
@@ -582,9 +582,9 @@ def reference_solution(chapter, build, names):
 
 
 def command_grade(args):
-    chapter = find_chapter(args.chapter)
+    chapter, why = chapter_named(args.chapter, "make grade")
     if not chapter:
-        return fail(2, f"make grade: no chapter '{args.chapter}' (e.g. CH=04; chapters: {' '.join(chapters())})")
+        return fail(2, why)
     path = os.path.join(STUDENT_DIR, chapter, "attention.cu")
     if not os.path.isfile(path):
         return fail(2, f"make grade: there is no student copy {os.path.relpath(path, ROOT)}: write one with "

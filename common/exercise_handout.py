@@ -21,9 +21,8 @@ import tempfile
 
 from chapters import read_chapter, runs_on
 from exercise_copy import HANDOUT_GUIDE, RECORD, digest, fail, student_copy
-from exercise_markers import (EXERCISES, Facts, MarkerError, chapter_source, facts_table, grading_text,
-                              is_standin, parse, standin_note, tasks, words_list)
-from runner import chapters, find_chapter
+from exercise_markers import (EXERCISES, Facts, MarkerError, chapter_named, chapter_source, facts_table,
+                              grading_text, is_standin, parse, standin_note, tasks, words_list)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIN_SOLUTION_LINE = 16  # shorter solution lines ("}", "#pragma unroll") say nothing of the solution
@@ -183,9 +182,9 @@ def write_handout(chapter, out_dir, root=ROOT):
 
 
 def command_handout(args):
-    chapter = find_chapter(args.chapter)
+    chapter, why = chapter_named(args.chapter, "make handout")
     if not chapter:
-        return fail(2, f"make handout: no chapter '{args.chapter}' (e.g. CH=04; chapters: {' '.join(chapters())})")
+        return fail(2, why)
     try:
         path, names = write_handout(chapter, args.out)
     except MarkerError as exc:

@@ -580,6 +580,15 @@ def describe(name, table=EXERCISES):
     return f"{info['kind']}: {grading_text(info)}"
 
 
+def chapter_named(arg, command):
+    """(the chapter folder that `arg` names: 4, 04 or 04_fused, None), or (None, the line that says
+    there is none, for `command`)."""
+    chapter = find_chapter(arg)
+    if chapter:
+        return chapter, None
+    return None, f"{command}: no chapter '{arg}' (e.g. CH=04; chapters: {' '.join(chapters())})"
+
+
 def exercise_chapters(root=ROOT):
     return " ".join(c[:2] for c in chapters(root)
                     if not is_standin(chapter_source(c, root)) and parse(chapter_source(c, root)))
