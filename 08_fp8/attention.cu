@@ -1,77 +1,39 @@
-// 08_fp8: 07's algorithm on Hopper's own datapath, built in five steps (STEP, below). Both
-// matrix products run on warpgroup MMA (wgmma: operands in shared memory, accumulators in
-// registers), their tiles arrive through the bulk tensor copy engine (TMA) completing on
-// mbarriers, and P goes back into the tensor cores from registers. From 08.4 on, Q, K and V are
-// quantised to e4m3 first (a scale per tile, found on the device) and both products run in FP8.
+// 08_fp8 (08.6, the last of its six steps): at D = 128, Q K^T accumulates S in fp16 (half the
+// registers: 256-key tiles) and the softmax works on half2, some of its exponentials on the FMA
+// units beside the special-function unit. Otherwise 08.5: e4m3 copies with a scale per tile
+// (quantize_kernel), both products on e4m3 wgmma (hopper.h) fed by TMA through an mbarrier ring,
+// a producer warpgroup, consumers taking turns, P V under the softmax; at D = 64 three consumers.
 //
-// attention_kernel: one block per (query tile, b*h), heaviest causal tiles first (as 05), one
-// consumer warpgroup per 64 query rows; from 08.2 on, a producer warpgroup that only issues the
-// copies beside them. Shared memory: the Q tile and a ring of STAGES (K, V) tile pairs of
-// BLOCK_KV keys, in the swizzled layout TMA writes and wgmma reads. Registers: per consumer the
-// 64 x BLOCK_KV scores, the 64 x HEAD_DIM output accumulator, P as the A operand of P V, and each
-// row's running max and sum. quantize_kernel (08.4 on): the e4m3 copies and their scales.
-#include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)
-#include <cudaTypedefs.h>
+// attention_kernel: one block per (query tile, b*h), heaviest causal tiles first (as 05), a
+// producer warpgroup and one consumer warpgroup per 64 query rows. Shared memory: the Q tile and a
+// ring of STAGES (K, Vt) tile pairs of BLOCK_KV keys, in e4m3, in the swizzled layout TMA writes
+// and wgmma reads. Registers: per consumer the 64 x BLOCK_KV scores (D = 128: in fp16), the 64 x
+// HEAD_DIM output accumulator (in V's e4m3 units), P as the A operand of P V, each row's running
+// max and sum.
 #include <cuda_fp8.h>
 #include <stdio.h>
 
 #include "../common/harness.h"
+#include "hopper.h"
 
 // --- Configuration -------------------------------------------------------------------------
-// The chapter's steps, each a build (make build/08_fp8.stepN; 5 is the chapter) and a diff of
-// its own (make diff A=08.1 B=08.2). Each idea is a switch that its step turns on.
-#ifndef STEP
-#define STEP 5
-#endif
-#ifndef WARP_SPECIALISED
-#define WARP_SPECIALISED (STEP >= 2)  // 08.2: a producer warpgroup only copies; the consumers only compute
-#endif
-#ifndef PINGPONG
-#define PINGPONG (STEP >= 3)  // 08.3: the consumers take turns issuing their products (named barriers)
-#endif
-#ifndef INTRA_OVERLAP
-#define INTRA_OVERLAP (STEP >= 3)  // 08.3: P V of tile j-1 runs while the softmax of tile j does
-#endif
-#ifndef FP8_OPERANDS
-#define FP8_OPERANDS (STEP >= 4)  // 08.4: Q, K, V quantised to e4m3 with per-tile scales; FP8 wgmma
-#endif
-#ifndef FP16_SCORES
-#define FP16_SCORES (STEP >= 5)  // 08.5: at D = 128, Q K^T accumulates S in fp16; softmax on half2
-#endif
-#ifndef SPLIT_EXP2
-#define SPLIT_EXP2 (STEP >= 5)  // 08.5: some exponentials on the FMA units, beside the MUFU unit
-#endif
-
 #define WARPGROUP_THREADS 128
 #define WARPGROUP_ROWS 64  // query rows per consumer warpgroup: wgmma's M
 #define STAGES_D128 3      // (K, V) tile pairs in flight, by head dim: chosen by a sweep
 #define STAGES_D64 4
-#if FP8_OPERANDS
-#define ELEMENT_BYTES 1  // of an operand: e4m3
-#else
-#define ELEMENT_BYTES 2  // of an operand: fp16
-#endif
+#define ELEMENT_BYTES 1                      // of an operand: e4m3
 #define KSTEP_BYTES 32                       // of the reduced dimension per wgmma, for every type
-#define MMA_K (KSTEP_BYTES / ELEMENT_BYTES)  // elements of it: 32 e4m3 or 16 fp16
+#define MMA_K (KSTEP_BYTES / ELEMENT_BYTES)  // elements of it: 32 e4m3
 #define SLICE_BYTES 128                      // the widest swizzle: longer rows are stored as 128-byte slices
 #define P_SCALE_LOG2 8.0f                    // P is stored as 256 p: small p stay normal numbers (e4m3: p >= 2^-14)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
-#if WARP_SPECIALISED
 #define PRODUCER_REGISTERS 24  // setmaxnreg: the producer keeps few registers (the consumers' share is in Config)
-#endif
-#if FP8_OPERANDS
-#define Q_SCALE_ROWS 128  // rows of Q per quantisation scale, whatever a block's query tile
-#define E4M3_MAX 448.0f   // the largest finite e4m3 value
-#endif
-#if FP16_SCORES
-#define QK_RANGE_F16 16  // with fp16 scores: |q|, |k| <= 16, so |S| <= 128 * 16 * 16
-#endif
-#if SPLIT_EXP2
-#define EXP2_FMA_PERIOD 5  // one 8-key chunk in this many has its exponentials on the FMA units (a sweep)
-#endif
+#define Q_SCALE_ROWS 128       // rows of Q per quantisation scale, whatever a block's query tile
+#define E4M3_MAX 448.0f        // the largest finite e4m3 value
+#define QK_RANGE_F16 16        // with fp16 scores: |q|, |k| <= 16, so |S| <= 128 * 16 * 16
+#define EXP2_FMA_PERIOD 5      // one 8-key chunk in this many has its exponentials on the FMA units (a sweep)
 
-#if FP16_SCORES
 template <bool FP16>
 struct ScoreType {
     typedef float T;
@@ -80,58 +42,28 @@ template <>
 struct ScoreType<true> {
     typedef unsigned T;  // two fp16 scores, adjacent columns of a row
 };
-#endif
 
 template <int HEAD_DIM>
 struct Config {
-#if FP8_OPERANDS
-    static constexpr int CONSUMERS = HEAD_DIM == 128 ? 2 : 3;  // consumer warpgroups per block: measured
-#else
-    static constexpr int CONSUMERS = 2;
-#endif
+    static constexpr int CONSUMERS = HEAD_DIM == 128 ? 2 : 3;   // consumer warpgroups per block: measured
     static constexpr int BLOCK_Q = CONSUMERS * WARPGROUP_ROWS;  // query rows per block
     // Keys per tile (wgmma's N for Q K^T): as many as the score registers allow, by measurement.
-#if FP16_SCORES
-    static constexpr int BLOCK_KV = HEAD_DIM == 128 ? 256 : 128;  // fp16 scores: half the registers
-#else
-#if FP8_OPERANDS
-    static constexpr int BLOCK_KV = HEAD_DIM == 128 ? 192 : 128;
-#else
-    static constexpr int BLOCK_KV = 128;
-#endif
-#endif
-#if WARP_SPECIALISED
+    static constexpr int BLOCK_KV = HEAD_DIM == 128 ? 256 : 128;         // fp16 scores: half the registers
     static constexpr int THREADS = (CONSUMERS + 1) * WARPGROUP_THREADS;  // the producer, then the consumers
     // setmaxnreg: the consumers get the rest of the 64K registers, in steps of 8 (2: 240, 3: 160).
     static constexpr int CONSUMER_REGISTERS = (65536 / WARPGROUP_THREADS - PRODUCER_REGISTERS) / CONSUMERS / 8 * 8;
     static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * CONSUMERS * WARPGROUP_THREADS <= 65536,
                   "the register file holds both roles");
-#else
-    static constexpr int THREADS = CONSUMERS * WARPGROUP_THREADS;
-#endif
     static constexpr int CONSUMER_WARPS = CONSUMERS * WARPGROUP_THREADS / 32;
     static constexpr int STAGES = HEAD_DIM == 128 ? STAGES_D128 : STAGES_D64;
-#if INTRA_OVERLAP
     // Where a consumer waits for its own P V of tile j-1: true, at the top of the next loop
     // iteration, so tile j's softmax runs under it; false, after tile j's softmax, where ptxas
     // schedules that wait before the softmax. Chosen by measurement.
-#if FP8_OPERANDS
     static constexpr bool SOFTMAX_UNDER_PV = HEAD_DIM == 64;
-#else
-    static constexpr bool SOFTMAX_UNDER_PV = false;
-#endif
-#endif
-#if FP16_SCORES
     // S in fp16 (FP8 at D = 128): half the score registers, two scores an instruction in the softmax.
     static constexpr bool SCORES_ARE_FP16 = HEAD_DIM == 128;
     static constexpr int SCORE_REGS = SCORES_ARE_FP16 ? BLOCK_KV / 4 : BLOCK_KV / 2;  // a thread's, for 64 x BLOCK_KV
     static constexpr float QK_RANGE = SCORES_ARE_FP16 ? QK_RANGE_F16 : E4M3_MAX;      // Q, K quantised to |x| <= this
-#else
-    static constexpr int SCORE_REGS = BLOCK_KV / 2;  // a thread's, for 64 x BLOCK_KV
-#if FP8_OPERANDS
-    static constexpr float QK_RANGE = E4M3_MAX;      // Q, K quantised to |x| <= this
-#endif
-#endif
     static constexpr int Q_BYTES = BLOCK_Q * HEAD_DIM * ELEMENT_BYTES;
     static constexpr int K_BYTES = BLOCK_KV * HEAD_DIM * ELEMENT_BYTES;
     static constexpr int V_BYTES = HEAD_DIM * BLOCK_KV * ELEMENT_BYTES;
@@ -139,13 +71,11 @@ struct Config {
     // [rows][slice] tile in its swizzle: one TMA box each.
     static constexpr int QK_SLICE = HEAD_DIM * ELEMENT_BYTES < SLICE_BYTES ? HEAD_DIM * ELEMENT_BYTES : SLICE_BYTES;
     static constexpr int QK_SLICES = HEAD_DIM * ELEMENT_BYTES / QK_SLICE;
-#if FP8_OPERANDS
     // Vt's rows (BLOCK_KV keys) likewise, in slices of 128 or 64 bytes.
     static constexpr int V_SLICE = BLOCK_KV * ELEMENT_BYTES % SLICE_BYTES == 0 ? SLICE_BYTES : 64;
     static constexpr int V_SLICES = BLOCK_KV * ELEMENT_BYTES / V_SLICE;
     static_assert(BLOCK_KV % 64 == 0, "Vt's rows are whole 64-byte slices");
     static_assert(Q_SCALE_ROWS <= BLOCK_KV, "the quantisation's block, sized for a key tile, holds Q's scale tile");
-#endif
     static constexpr int BARRIERS = 1 + 2 * STAGES;  // Q full, K/V full and empty
     static constexpr int SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_BYTES + V_BYTES) + BARRIERS * 8;
     static_assert(SMEM_BYTES <= 227 * 1024, "Q and the ring exceed the 227 KiB of shared memory a block can have");
@@ -154,227 +84,30 @@ struct Config {
                   "every tile starts 1024-byte aligned, as the 128-byte swizzle needs");
 };
 
-// --- Hopper's asynchronous machinery, as the PTX ISA documents it --------------------------
-__device__ unsigned smem_address(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-// An mbarrier completes a phase once `count` threads have arrived and every byte announced with
-// expect_tx has landed; waiters name the phase parity they wait for.
-__device__ void mbarrier_init(uint64_t *barrier, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(barrier)), "r"(count));
-}
-
-__device__ void mbarrier_arrive_expect_bytes(uint64_t *barrier, int bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(barrier)), "r"(bytes)
-                 : "memory");
-}
-
-__device__ void mbarrier_arrive(uint64_t *barrier) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(barrier)) : "memory");
-}
-
-__device__ void mbarrier_wait(uint64_t *barrier, int phase) {
-    unsigned done;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(smem_address(barrier)), "r"(phase)
-            : "memory");
-    } while (!done);
-}
-
-// TMA: copy the box at (x, y, z) of a tensor map into shared memory; its bytes count towards
-// the barrier's transaction. Rows outside the tensor arrive as zeros.
-__device__ void tma_load(void *dst, const CUtensorMap *map, uint64_t *barrier, int x, int y, int z) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
-        "[%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(smem_address(dst)),
-        "l"(map), "r"(smem_address(barrier)), "r"(x), "r"(y), "r"(z)
-        : "memory");
-}
-
-// A wgmma operand in shared memory: a K-major tile whose rows are row_bytes (64 or 128) long,
-// swizzled as TMA wrote it. Fields: start address, leading byte offset (unused by swizzled
-// K-major tiles: 1), stride byte offset (8 rows, one swizzle atom), swizzle mode; all >> 4.
-__device__ uint64_t smem_descriptor_at(unsigned address, int row_bytes) {
-    const uint64_t mode = row_bytes == 128 ? 1 : 2;  // 128-byte or 64-byte swizzle
-    return (uint64_t)(address & 0x3FFFF) >> 4 | 1ull << 16 | (uint64_t)(8 * row_bytes >> 4) << 32 | mode << 62;
-}
-
-__device__ uint64_t smem_descriptor(const void *tile, int row_bytes) {
-    return smem_descriptor_at(smem_address(tile), row_bytes);
-}
-
-#if !FP8_OPERANDS
-// fp16 operands: V as it lies in memory, [keys][dims], read MN-major (wgmma's transpose bit, which
-// 16-bit types have): rows of 128 bytes (64 dims) swizzled as TMA wrote them, 8-row groups of keys
-// 1024 bytes apart (stride byte offset), 64-dim column blocks block_bytes apart (leading byte offset).
-__device__ uint64_t smem_descriptor_mn_major(const void *tile, int block_bytes) {
-    return (uint64_t)(smem_address(tile) & 0x3FFFF) >> 4 | (uint64_t)(block_bytes >> 4) << 16 |
-           (uint64_t)(8 * SLICE_BYTES >> 4) << 32 | 1ull << 62;
-}
-#endif
-
-// wgmma runs asynchronously: fence (operand registers ready), issue, commit, wait.
-__device__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int PENDING>  // wait until at most PENDING committed groups are still running
-__device__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
-}
-
-// Keeps the compiler from moving reads or writes of wgmma operands across the async region.
-template <int COUNT>
-__device__ void hold_registers(float (&acc)[COUNT]) {
-#pragma unroll
-    for (int i = 0; i < COUNT; i++) asm volatile("" : "+f"(acc[i])::"memory");
-}
-
-#if FP16_SCORES
-template <int COUNT>
-__device__ void hold_registers(unsigned (&acc)[COUNT]) {
-#pragma unroll
-    for (int i = 0; i < COUNT; i++) asm volatile("" : "+r"(acc[i])::"memory");
-}
-#endif
-
-template <int FRAGS>
-__device__ void hold_registers(unsigned (&frag)[FRAGS][4]) {
-#pragma unroll
-    for (int i = 0; i < FRAGS; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) asm volatile("" : "+r"(frag[i][j])::"memory");
-}
-
-#if WARP_SPECIALISED
-// setmaxnreg: a warpgroup gives registers back to the SM or takes more (sm_90a).
-template <int REGISTERS>
-__device__ void setmaxnreg_dec() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
-}
-
-template <int REGISTERS>
-__device__ void setmaxnreg_inc() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
-}
-#endif
-
-#define ACC8(d, i)                                                                                              \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
-        "+f"(d[i + 7])
-#define ACC32(d, i) ACC8(d, i), ACC8(d, i + 8), ACC8(d, i + 16), ACC8(d, i + 24)
-#define REGS32                                                               \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define REGS64                                                                      \
-    REGS32                                                                          \
-    ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
-    "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-
-// The instruction's k and types, and its trailing immediates: with A in registers, scale-d (1:
-// accumulate) first; then scale-a and scale-b (1: no negation), and for 16-bit types whether A
-// (shared A only) and B are transposed (0: K-major; 1: B, V, is read MN-major).
-#if FP8_OPERANDS
-#define WGMMA_K_TYPES "k32.f32.e4m3.e4m3"
-#define WGMMA_SHARED_A_IMM "1, 1"
-#define WGMMA_REGISTER_A_IMM "1, 1, 1"
-#else
-#define WGMMA_K_TYPES "k16.f32.f16.f16"
-#define WGMMA_SHARED_A_IMM "1, 1, 0, 0"
-#define WGMMA_REGISTER_A_IMM "1, 1, 1, 1"
-#endif
-
-// d (64 x 128 fp32) = A (64 x MMA_K, shared) * B (MMA_K x 128, shared) [+ d if accumulate].
-// Thread t of the warpgroup holds d rows 16 (t/32) + t%32/4 (+8), columns 8c + 2 (t%4) (+1).
-__device__ void wgmma_64x128_shared_a(float (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128" WGMMA_K_TYPES " {" REGS64 "}, %64, %65, acc, " WGMMA_SHARED_A_IMM
-        ";\n}\n"
-        : ACC32(d, 0), ACC32(d, 32)
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
-}
-
-#if FP8_OPERANDS
-#if !FP16_SCORES
-#define REGS96                                                                           \
-    REGS64                                                                               \
-    ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
-
-// The same, 192 columns wide (FP8's key tile at D = 128).
-__device__ void wgmma_64x192_shared_a(float (&d)[96], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %98, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n192" WGMMA_K_TYPES " {" REGS96 "}, %96, %97, acc, " WGMMA_SHARED_A_IMM
-        ";\n}\n"
-        : ACC32(d, 0), ACC32(d, 32), ACC32(d, 64)
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
-}
-#endif
-#endif
-
+// --- The instructions of the two products (hopper.h) -------------------------------------
 // S (64 x BLOCK_KV, SCORES = BLOCK_KV / 2 a thread) [+]= Q K^T's k-step.
 template <int SCORES>
 __device__ void wgmma_qk(float (&score)[SCORES], uint64_t q_desc, uint64_t k_desc, int accumulate) {
-#if FP8_OPERANDS
-#if !FP16_SCORES
-    if constexpr (SCORES == 96) wgmma_64x192_shared_a(score, q_desc, k_desc, accumulate);
-    else
-#endif
-#endif
-        wgmma_64x128_shared_a(score, q_desc, k_desc, accumulate);
-}
-
-#if FP16_SCORES
-// S in fp16: the same product for 256 keys accumulated in fp16, each register holding the two
-// adjacent columns that fp32 keeps in two (e4m3 operands only).
-#define ACCH8(d, i)                                                                                             \
-    "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), "+r"(d[i + 6]), \
-        "+r"(d[i + 7])
-#define ACCH32(d, i) ACCH8(d, i), ACCH8(d, i + 8), ACCH8(d, i + 16), ACCH8(d, i + 24)
-
-__device__ void wgmma_64x256_f16_shared_a(unsigned (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 {" REGS64 "}, %64, %65, acc, 1, 1;\n}\n"
-        : ACCH32(d, 0), ACCH32(d, 32)
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+    wgmma_m64n128k32_e4m3_ss(score, q_desc, k_desc, accumulate);
 }
 
 template <int REGS>
 __device__ void wgmma_qk(unsigned (&score)[REGS], uint64_t q_desc, uint64_t k_desc, int accumulate) {
     static_assert(REGS == 64, "a wgmma of Q K^T in fp16 for 256 keys");
-    wgmma_64x256_f16_shared_a(score, q_desc, k_desc, accumulate);
-}
-#endif
-
-// d (64 x N fp32) += A (64 x MMA_K in registers: 4 x 4 bytes per thread) * B (MMA_K x N, shared).
-__device__ void wgmma_64x128_register_a(float (&d)[64], const unsigned (&a)[4], uint64_t b_desc) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128" WGMMA_K_TYPES " {" REGS64
-                 "}, {%64, %65, %66, %67}, %68, " WGMMA_REGISTER_A_IMM ";\n"
-                 : ACC32(d, 0), ACC32(d, 32)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
-}
-
-__device__ void wgmma_64x64_register_a(float (&d)[32], const unsigned (&a)[4], uint64_t b_desc) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64" WGMMA_K_TYPES " {" REGS32
-                 "}, {%32, %33, %34, %35}, %36, " WGMMA_REGISTER_A_IMM ";\n"
-                 : ACC32(d, 0)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+    wgmma_m64n256k32_f16_e4m3_ss(score, q_desc, k_desc, accumulate);
 }
 
 template <int HEAD_DIM>
 __device__ void wgmma_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p)[4], uint64_t v_desc) {
-    if constexpr (HEAD_DIM == 128) wgmma_64x128_register_a(o_acc, p, v_desc);
-    else wgmma_64x64_register_a(o_acc, p, v_desc);
+    if constexpr (HEAD_DIM == 128) wgmma_m64n128k32_e4m3_rs(o_acc, p, v_desc);
+    else wgmma_m64n64k32_e4m3_rs(o_acc, p, v_desc);
 }
 
 // --- The block's shared memory and work ---------------------------------------------------
 struct Smem {
     unsigned char *q_tile;  // [BLOCK_Q][HEAD_DIM]
     unsigned char *k_ring;  // [STAGES][BLOCK_KV][HEAD_DIM]
-    unsigned char *v_ring;  // [STAGES][BLOCK_KV][HEAD_DIM]; FP8: Vt, [STAGES][HEAD_DIM][BLOCK_KV]
+    unsigned char *v_ring;  // Vt: [STAGES][HEAD_DIM][BLOCK_KV]
     uint64_t *q_full, *kv_full, *kv_empty;
 };
 
@@ -394,16 +127,12 @@ __device__ Smem smem_layout(unsigned char *raw) {
 // What a block works on, and where its copies come from.
 struct Work {
     const CUtensorMap *k_map, *v_map;
-#if FP8_OPERANDS
     const float *k_descales, *v_descales;  // one per key tile of this (b, h)
-#endif
     int head, query0, kv_tiles, seqlen, causal;
 };
 
-#if FP8_OPERANDS
 // A tile's descale: what its e4m3 values are multiplied by to give the fp16 inputs back.
 __device__ float descale_at(const float *descales, int tile) { return __ldg(&descales[tile]); }
-#endif
 
 // --- The producer: TMA copies into the ring -------------------------------------------------
 // The K and V tiles of `tile` into their ring stage; its full barrier completes once all bytes
@@ -416,20 +145,12 @@ __device__ void load_kv_tile(const Smem &smem, const Work &w, int tile) {
     for (int slice = 0; slice < Cfg::QK_SLICES; slice++)
         tma_load(smem.k_ring + stage * Cfg::K_BYTES + slice * Cfg::BLOCK_KV * Cfg::QK_SLICE, w.k_map,
                  &smem.kv_full[stage], slice * Cfg::QK_SLICE, tile * Cfg::BLOCK_KV, w.head);
-#if FP8_OPERANDS
     // Vt: [slice][dim][128 bytes of keys]
     for (int slice = 0; slice < Cfg::V_SLICES; slice++)
         tma_load(smem.v_ring + stage * Cfg::V_BYTES + slice * HEAD_DIM * Cfg::V_SLICE, w.v_map, &smem.kv_full[stage],
                  tile * Cfg::BLOCK_KV * ELEMENT_BYTES + slice * Cfg::V_SLICE, 0, w.head);
-#else
-    // V in K's layout: [slice][key][128 bytes of dims]
-    for (int slice = 0; slice < Cfg::QK_SLICES; slice++)
-        tma_load(smem.v_ring + stage * Cfg::V_BYTES + slice * Cfg::BLOCK_KV * Cfg::QK_SLICE, w.v_map,
-                 &smem.kv_full[stage], slice * Cfg::QK_SLICE, tile * Cfg::BLOCK_KV, w.head);
-#endif
 }
 
-#if WARP_SPECIALISED
 // The producer warpgroup's one thread: every (K, V) tile pair, each into a stage once it is empty.
 template <int HEAD_DIM>
 __device__ void produce(const Smem &smem, const Work &w) {
@@ -439,7 +160,6 @@ __device__ void produce(const Smem &smem, const Work &w) {
         load_kv_tile<HEAD_DIM>(smem, w, tile);
     }
 }
-#endif
 
 // A consumer is done with the stage of `tile`: each of its warps arrives on the stage's empty
 // barrier.
@@ -448,13 +168,6 @@ __device__ void release_stage(const Smem &smem, const Work &w, int tile) {
     constexpr int STAGES = Config<HEAD_DIM>::STAGES;
     __syncwarp();
     if (threadIdx.x % 32 == 0) mbarrier_arrive(&smem.kv_empty[tile % STAGES]);
-#if !WARP_SPECIALISED
-    // No producer: thread 0 refills the stage with the tile STAGES ahead, once every warp has let go of it.
-    if (threadIdx.x == 0 && tile + STAGES < w.kv_tiles) {
-        mbarrier_wait(&smem.kv_empty[tile % STAGES], tile / STAGES % 2);
-        load_kv_tile<HEAD_DIM>(smem, w, tile + STAGES);
-    }
-#endif
     __syncwarp();
 }
 
@@ -475,12 +188,10 @@ __device__ void issue_qk(Score (&score)[Config<HEAD_DIM>::SCORE_REGS], const uns
                          const unsigned char *k_tile) {
     typedef Config<HEAD_DIM> Cfg;
     unsigned q_address = smem_address(q_rows);
-#if FP16_SCORES
     // Q's descriptors are the same every tile. With fp16 scores they are rebuilt here from one
     // 32-bit address, rather than held in eight registers through the softmax, where 256 scores
     // and the overlap leave none to spare (the empty asm keeps them from being hoisted).
     if (Cfg::SCORES_ARE_FP16) asm volatile("" : "+r"(q_address));
-#endif
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / MMA_K; ks++)
@@ -492,7 +203,7 @@ __device__ void issue_qk(Score (&score)[Config<HEAD_DIM>::SCORE_REGS], const uns
     wgmma_commit();
 }
 
-// O += P V: P from registers, V from shared memory (fp16: V, MN-major; FP8: Vt, K-major); issued.
+// O += P V: P from registers, Vt from shared memory (K-major: 8-bit operands have no transpose); issued.
 template <int HEAD_DIM>
 __device__ void issue_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p_frag)[Config<HEAD_DIM>::BLOCK_KV / MMA_K][4],
                          const unsigned char *v_tile) {
@@ -500,14 +211,8 @@ __device__ void issue_pv(float (&o_acc)[HEAD_DIM / 2], const unsigned (&p_frag)[
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Cfg::BLOCK_KV / MMA_K; kk++)
-#if FP8_OPERANDS
         wgmma_pv<HEAD_DIM>(o_acc, p_frag[kk],
                            smem_descriptor(kstep(v_tile, HEAD_DIM * Cfg::V_SLICE, Cfg::V_SLICE, kk), Cfg::V_SLICE));
-#else
-        wgmma_pv<HEAD_DIM>(
-            o_acc, p_frag[kk],
-            smem_descriptor_mn_major(v_tile + kk * MMA_K * Cfg::QK_SLICE, Cfg::BLOCK_KV * Cfg::QK_SLICE));
-#endif
     wgmma_commit();
 }
 
@@ -573,7 +278,6 @@ __device__ void softmax_tile(float (&score)[SCORES], float (&row_max)[2], float 
     }
 }
 
-#if FP16_SCORES
 __device__ __half2 as_half2(unsigned bits) { return *(__half2 *)&bits; }
 __device__ unsigned as_bits(__half2 h) { return *(unsigned *)&h; }
 
@@ -602,7 +306,6 @@ __device__ __half2 exp2_approx_h2(__half2 x) {
     return as_half2(y);
 }
 
-#if SPLIT_EXP2
 // 2^x of two halves on the FMA units, for when the MUFU unit (16 ex2 a cycle per SM) is the
 // limit: x = j + f, 2^f by a cubic in half2 (relative error 6e-4, fp16's own rounding is 5e-4),
 // times 2^j made in the exponent bits. Adding 1536 (1.5 * 2^10) leaves x rounded to the integer
@@ -623,7 +326,6 @@ __device__ __half2 exp2_fma_h2(__half2 x) {
 
 // Whether the exponentials of 8-key chunk `chunk` go to the FMA units: one chunk in EXP2_FMA_PERIOD.
 __device__ constexpr bool exp2_on_fma(int chunk) { return (chunk + 1) % EXP2_FMA_PERIOD == 0; }
-#endif
 
 // The exponent s * scale + (8 - max) as one HFMA2 needs the offset 8 - max in fp16 to within 1
 // (|max| < 2^11 in log2 units) and a finite scale.
@@ -705,11 +407,7 @@ __device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float
 #pragma unroll
         for (int chunk = 0; chunk < REGS / 2; chunk++) {
             const __half2 x = __hfma2(as_half2(score[2 * chunk + r]), scale2, offset2);
-#if SPLIT_EXP2
             const __half2 p = exp2_on_fma(chunk) ? exp2_fma_h2(x) : exp2_approx_h2(x);
-#else
-            const __half2 p = exp2_approx_h2(x);
-#endif
             score[2 * chunk + r] = as_bits(p);
             sum[chunk % 2] = __hadd2(sum[chunk % 2], p);
         }
@@ -719,14 +417,12 @@ __device__ void softmax_tile(unsigned (&score)[REGS], float (&row_max)[2], float
         row_sum[r] = row_sum[r] * rescale[r] + tile_sum;
     }
 }
-#endif
 
 __device__ unsigned pack_half2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
     return *(unsigned *)&h;
 }
 
-#if FP8_OPERANDS
 // Four fp32 values to four e4m3 bytes, the first in the lowest byte.
 __device__ unsigned pack_e4m3x4(float a, float b, float c, float d) {
     unsigned lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
@@ -760,7 +456,6 @@ __device__ void pack_p(const float (&score)[SCORES], unsigned (&p_frag)[2 * SCOR
     // EXERCISE END
 }
 
-#if FP16_SCORES
 // The same from fp16 scores: fp32 chunks c and c + 1 of row r are registers 2c + r and 2c + 2 + r.
 template <int REGS>
 __device__ void pack_p(const unsigned (&score)[REGS], unsigned (&p_frag)[4 * REGS / MMA_K][4]) {
@@ -775,80 +470,44 @@ __device__ void pack_p(const unsigned (&score)[REGS], unsigned (&p_frag)[4 * REG
                             (unsigned)__nv_cvt_halfraw2_to_fp8x2(hi, __NV_SATFINITE, __NV_E4M3) << 16;
         }
 }
-#endif
-#else
-// P to fp16, in the A-operand layout, which for 16-bit types is the accumulator's own: per 16
-// keys (n8 chunks c, c + 1), rows g and g + 8 of keys 2t, 2t+1 of each chunk. V keeps key order.
-template <int SCORES>
-__device__ void pack_p(const float (&score)[SCORES], unsigned (&p_frag)[2 * SCORES / MMA_K][4]) {
-#pragma unroll
-    for (int kk = 0; kk < 2 * SCORES / MMA_K; kk++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int chunk = 2 * kk + i / 2, r = i % 2;  // n8 chunk `chunk`, row g + 8r
-            p_frag[kk][i] = pack_half2(score[4 * chunk + 2 * r], score[4 * chunk + 2 * r + 1]);
-        }
-}
-#endif
 
-// O times each row's rescale (FP8: and the change of V's units, next_v_units), before the next P V.
+// O times each row's rescale and the change of V's units (next_v_units), before the next P V.
 template <int HEAD_DIM, typename Warpgroup>
 __device__ void rescale_output(Warpgroup &wg) {
-#if FP8_OPERANDS
     const float v_units = next_v_units(wg);
     const float factor[2] = {wg.rescale[0] * v_units, wg.rescale[1] * v_units};
-#else
-    const float factor[2] = {wg.rescale[0], wg.rescale[1]};
-#endif
 #pragma unroll
     for (int chunk = 0; chunk < HEAD_DIM / 8; chunk++)
 #pragma unroll
         for (int j = 0; j < 4; j++) wg.o_acc[4 * chunk + j] *= factor[j / 2];
 }
 
-#if PINGPONG
 // Ping-pong: consumer warpgroup g issues its matrix products only after the one before it (g - 1,
 // in a ring) has issued its own (named barrier 1 + g: g's 128 threads wait, that one's 128
 // arrive), so that one warpgroup's softmax runs while the others' products keep the tensor cores
 // busy.
-__device__ void wait_turn(int group) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "n"(2 * WARPGROUP_THREADS) : "memory");
-}
+__device__ void wait_turn(int group) { bar_sync<2 * WARPGROUP_THREADS>(1 + group); }
 
 __device__ void pass_turn(int group, int consumers) {
     const int next = consumers == 2 ? 1 - group : (group + 1) % consumers;  // the next warpgroup in the ring
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + next), "n"(2 * WARPGROUP_THREADS) : "memory");
+    bar_arrive<2 * WARPGROUP_THREADS>(1 + next);
 }
-#endif
 
 // What a consumer warpgroup keeps on chip; thread t holds rows row0 and row0 + 8 of each.
-#if FP16_SCORES
 template <int HEAD_DIM, bool WIDE>  // WIDE: its softmax checks every tile for logits past one HFMA2's reach
-#else
-template <int HEAD_DIM>
-#endif
 struct Consumer {
-#if FP16_SCORES
     static constexpr bool WIDE_LOGITS = WIDE;
-#endif
-    float o_acc[HEAD_DIM / 2];  // O, unnormalised (FP8: in V's e4m3 units)
-#if FP16_SCORES
+    float o_acc[HEAD_DIM / 2];  // O, unnormalised, in V's e4m3 units
     typename ScoreType<Config<HEAD_DIM>::SCORES_ARE_FP16>::T score[Config<HEAD_DIM>::SCORE_REGS];  // S, then 2^8 p
-#else
-    float score[Config<HEAD_DIM>::SCORE_REGS];  // S, then 2^8 p
-#endif
     unsigned p_frag[Config<HEAD_DIM>::BLOCK_KV / MMA_K][4];  // P, the A operand of P V
     float row_max[2], row_sum[2], rescale[2];
     const unsigned char *q_rows;  // the warpgroup's 64 rows of the Q tile
     int group, group_query0, row0;
-    float score_scale_log2;  // the softmax scale in log2 units (FP8: times Q's descale; K's is per tile)
-#if FP8_OPERANDS
-    float v_descale;       // O is kept in the units of the last V tile it accumulated
-    float next_v_descale;  // V's descale of the tile whose scores were computed last
-#endif
+    float score_scale_log2;  // the softmax scale in log2 units, times Q's descale (K's is per tile)
+    float v_descale;         // O is kept in the units of the last V tile it accumulated
+    float next_v_descale;    // V's descale of the tile whose scores were computed last
 };
 
-#if FP8_OPERANDS
 // Each V tile has its own scale: before P V of `tile` adds in that tile's units, O moves to them.
 template <typename Warpgroup>
 __device__ float next_v_units(Warpgroup &wg) {
@@ -856,9 +515,7 @@ __device__ float next_v_units(Warpgroup &wg) {
     wg.v_descale = wg.next_v_descale;
     return ratio;
 }
-#endif
 
-#if INTRA_OVERLAP
 // Whether a tile's scores are masked: decided here at run time, or by the caller's loop. With a
 // P V in flight the caller decides: a branch between the two waits makes ptxas wait for the P V
 // at its join, before the softmax it should overlap.
@@ -867,63 +524,34 @@ enum MaskMode { MASK_IF_NEEDED, MASK_NONE, MASK_ALL };
 // Tile `tile` up to its probabilities: wait for its copy and for our turn, issue Q K^T (and, with
 // PV_IN_FLIGHT, P V of the previous tile right behind it), pass the turn, mask, softmax.
 template <int HEAD_DIM, bool PV_IN_FLIGHT, MaskMode MASK = MASK_IF_NEEDED, typename Warpgroup>
-#else
-// Tile `tile` up to its probabilities: wait for its copy, Q K^T, mask, softmax.
-template <int HEAD_DIM, typename Warpgroup>
-#endif
 __device__ void scores_and_softmax(Warpgroup &wg, const Smem &smem, const Work &w, int tile) {
     typedef Config<HEAD_DIM> Cfg;
     const int key0 = tile * Cfg::BLOCK_KV;
-#if FP8_OPERANDS
     const float k_descale = descale_at(w.k_descales, tile);
     const float *v_descales = w.v_descales;
-#if FP16_SCORES
     if (Cfg::SCORES_ARE_FP16) {  // V's descales found from K's, one pointer fewer through the softmax (Q K^T)
         int heads_tiles = (w.causal ? gridDim.x : gridDim.y) * ceil_div(w.seqlen, Cfg::BLOCK_KV);
         asm volatile("" : "+r"(heads_tiles));
         v_descales = w.k_descales + heads_tiles;
     }
-#endif
     wg.next_v_descale = descale_at(v_descales, tile);  // with K's, long before O needs it
-#endif
     mbarrier_wait(&smem.kv_full[tile % Cfg::STAGES], tile / Cfg::STAGES % 2);
-#if PINGPONG
     wait_turn(wg.group);
-#endif
     issue_qk<HEAD_DIM>(wg.score, wg.q_rows, smem.k_ring + tile % Cfg::STAGES * Cfg::K_BYTES);
-#if INTRA_OVERLAP
     if (PV_IN_FLIGHT) issue_pv<HEAD_DIM>(wg.o_acc, wg.p_frag, smem.v_ring + (tile - 1) % Cfg::STAGES * Cfg::V_BYTES);
-#endif
-#if PINGPONG
     // Every wait_turn has its pass_turn: the last warpgroup passed one turn before the loop.
     const bool last_group = Cfg::CONSUMERS == 2 ? wg.group != 0 : wg.group == Cfg::CONSUMERS - 1;
     if (!last_group || tile < w.kv_tiles - 1) pass_turn(wg.group, Cfg::CONSUMERS);
-#endif
-#if INTRA_OVERLAP
     if (PV_IN_FLIGHT) wgmma_wait<1>();  // S is in (groups complete in order); P V may still run
     else wgmma_wait<0>();
-#else
-    wgmma_wait<0>();
-#endif
     hold_registers(wg.score);
     const bool needs_mask = key0 + Cfg::BLOCK_KV > w.seqlen || (w.causal && key0 + Cfg::BLOCK_KV - 1 > wg.group_query0);
-#if INTRA_OVERLAP
     if (MASK == MASK_ALL || (MASK == MASK_IF_NEEDED && needs_mask))
-#else
-    if (needs_mask)
-#endif
         mask_scores(wg.score, wg.row0, key0 + 2 * (threadIdx.x % 4), w.seqlen, w.causal);
-#if FP8_OPERANDS
     const float scale_log2 = wg.score_scale_log2 * k_descale;  // K's descale is the tile's
-#else
-    const float scale_log2 = wg.score_scale_log2;
-#endif
-#if FP16_SCORES
     if constexpr (Cfg::SCORES_ARE_FP16)
         softmax_tile<Warpgroup::WIDE_LOGITS>(wg.score, wg.row_max, wg.row_sum, wg.rescale, scale_log2);
-    else
-#endif
-        softmax_tile(wg.score, wg.row_max, wg.row_sum, wg.rescale, scale_log2);
+    else softmax_tile(wg.score, wg.row_max, wg.row_sum, wg.rescale, scale_log2);
 }
 
 // O += P V for the tile whose P is in registers, waited for, then its stage released.
@@ -936,7 +564,6 @@ __device__ void finish_pv(Warpgroup &wg, const Smem &smem, const Work &w, int ti
     release_stage<HEAD_DIM>(smem, w, tile);
 }
 
-#if INTRA_OVERLAP
 // EXERCISE 08.intra_overlap BEGIN: issue the P V of tile j-1 behind the Q K^T of tile j: it runs during j's softmax
 //   kind: speed
 //   shape: headline
@@ -951,7 +578,8 @@ __device__ void finish_pv(Warpgroup &wg, const Smem &smem, const Work &w, int ti
 //     iteration it stays after it (make sass CH=08 shows where the WARPGROUP.DEPBAR went); and no branch
 //     between the two waits, or ptxas waits at the join: decide the mask by loop (MASK_NONE for the tiles
 //     that need none, MASK_ALL for the rest), and do not put the second product under an if (tile > 0).
-//   stub: measured: the chapter with -DINTRA_OVERLAP=0, its attention kernel 0.587 ms against 0.565 at
+//   stub: measured: the chapter without the overlap (its switch off, in the ablation of commit d0df0f8), its
+//     attention kernel 0.587 ms against 0.565 at
 //     B=4 H=16 N=4096 D=128, 1.04x, and 1.05x at D=64, within a shared GPU's noise for a gate
 //     (docs/results/logs/08/ablation_08.csv)
 //   ptx: \bwgmma\.wait_group\.sync\.aligned\s+1\s*;
@@ -985,7 +613,6 @@ __device__ void overlapped_tile(Warpgroup &wg, const Smem &smem, const Work &w, 
     if (!UNDER_PV) previous_p_ready<HEAD_DIM>(wg, smem, w, tile + 1);
 }
 // EXERCISE END
-#endif
 
 // A consumer warpgroup: its 64 query rows against every key tile, then O and LSE.
 template <int HEAD_DIM, typename Warpgroup>
@@ -998,20 +625,15 @@ __device__ void consume(const Smem &smem, const Work &w, int group, float score_
     wg.row0 = wg.group_query0 + threadIdx.x / 32 % 4 * 16 + lane / 4;
     wg.q_rows = smem.q_tile + group * WARPGROUP_ROWS * Cfg::QK_SLICE;  // in every slice
     wg.score_scale_log2 = score_scale_log2;
-#if FP8_OPERANDS
     wg.v_descale = descale_at(w.v_descales, 0);
-#endif
     for (int i = 0; i < HEAD_DIM / 2; i++) wg.o_acc[i] = 0.0f;
     for (int r = 0; r < 2; r++) {
         wg.row_max[r] = -INFINITY;
         wg.row_sum[r] = 0.0f;
     }
     mbarrier_wait(smem.q_full, 0);
-#if PINGPONG
     if (group == Cfg::CONSUMERS - 1) pass_turn(group, Cfg::CONSUMERS);  // warpgroup 0 goes first
-#endif
 
-#if INTRA_OVERLAP
     // EXERCISE 08.intra_overlap BEGIN
     // P V of tile j-1 is issued right behind Q K^T of tile j, in the same turn; O is rescaled
     // once it is done, before the next P V. The tiles that need no mask come first, [0,
@@ -1034,25 +656,12 @@ __device__ void consume(const Smem &smem, const Work &w, int group, float score_
     //     finish_pv<HEAD_DIM>(wg, smem, w, tile);
     // }
     // EXERCISE END
-#else
-    // Each tile in turn: its scores and softmax, then its P V, waited for.
-    for (int tile = 0; tile < w.kv_tiles; tile++) {
-        scores_and_softmax<HEAD_DIM>(wg, smem, w, tile);
-        rescale_output<HEAD_DIM>(wg);
-        pack_p(wg.score, wg.p_frag);
-        finish_pv<HEAD_DIM>(wg, smem, w, tile);
-    }
-#endif
 
-    // O = accumulator (FP8: times V's descale) / sum, LSE = ln(sum) + max (p was scaled by 2^8), once each.
+    // O = accumulator times V's descale / sum, LSE = ln(sum) + max (p was scaled by 2^8), once each.
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int query = wg.row0 + 8 * r;
-#if FP8_OPERANDS
         const float sum = quad_sum(wg.row_sum[r]), scale_out = wg.v_descale / sum;
-#else
-        const float sum = quad_sum(wg.row_sum[r]), scale_out = 1.0f / sum;
-#endif
         if (query >= w.seqlen) continue;
         __half *o_row = o + ((size_t)w.head * w.seqlen + query) * HEAD_DIM + 2 * (lane % 4);
 #pragma unroll
@@ -1064,7 +673,6 @@ __device__ void consume(const Smem &smem, const Work &w, int group, float score_
 }
 
 // --- The kernel ----------------------------------------------------------------------------
-#if FP16_SCORES
 // Whether a consumer's logits can pass HALF_MAX_LIMIT: |S| <= HEAD_DIM * QK_RANGE^2 in e4m3 units,
 // times its Q descale (in score_scale_log2, with the softmax scale) and the largest K descale
 // among the block's key tiles. The same in every lane of a warpgroup.
@@ -1087,7 +695,6 @@ __device__ void consume_by_reach(const Smem &smem, const Work &w, int group, flo
     else if constexpr (Config<HEAD_DIM>::SCORES_ARE_FP16)
         consume<HEAD_DIM, Consumer<HEAD_DIM, true>>(smem, w, group, score_scale_log2, o, lse);
 }
-#endif
 
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
@@ -1108,11 +715,10 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
     w.kv_tiles =
         ceil_div(causal ? min(seqlen, w.query0 + Cfg::BLOCK_Q) : seqlen, Cfg::BLOCK_KV);  // causal: to the diagonal
 
-#if FP8_OPERANDS
     // The descales, Q's [b*h][Q scale tile] then K's and V's [b*h][key tile], fold into the softmax
     // scale (Q per consumer warpgroup, K per tile) and into O (V per tile).
     const int q_scale_tiles = ceil_div(seqlen, Q_SCALE_ROWS), key_tiles = ceil_div(seqlen, Cfg::BLOCK_KV);
-    const int consumer = max(0, (int)(threadIdx.x / WARPGROUP_THREADS) - WARP_SPECIALISED);
+    const int consumer = max(0, (int)(threadIdx.x / WARPGROUP_THREADS) - 1);
     const int q_scale_tile = Cfg::BLOCK_Q == Q_SCALE_ROWS
                                  ? query_tile  // the block's query tile is Q's scale tile
                                  : min((w.query0 + consumer * WARPGROUP_ROWS) / Q_SCALE_ROWS, q_scale_tiles - 1);
@@ -1120,18 +726,12 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
     const float score_scale_log2 = scale_log2e * descales[w.head * q_scale_tiles + q_scale_tile];
     w.k_descales = kv_descales + w.head * key_tiles;
     w.v_descales = kv_descales + (heads + w.head) * key_tiles;
-#else
-    const float score_scale_log2 = scale_log2e;  // (descales: NULL, fp16 operands have none)
-#endif
-#if FP16_SCORES
     // Whether a consumer's logits may pass one HFMA2's reach, which picks its loop. Asked before
     // the setup, its loads overlap it (asked after it, ptxas spills in the loop); the producer
     // does not ask, so thread 0 loads Q and fills the ring at once.
     bool wide = false;
     if constexpr (Cfg::SCORES_ARE_FP16)
-        if (!WARP_SPECIALISED || threadIdx.x >= WARPGROUP_THREADS)
-            wide = logits_may_be_wide<HEAD_DIM>(w, score_scale_log2);
-#endif
+        if (!1 || threadIdx.x >= WARPGROUP_THREADS) wide = logits_may_be_wide<HEAD_DIM>(w, score_scale_log2);
 
     if (threadIdx.x == 0) {
         mbarrier_init(smem.q_full, 1);
@@ -1139,18 +739,17 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
             mbarrier_init(&smem.kv_full[i], 1);
             mbarrier_init(&smem.kv_empty[i], Cfg::CONSUMER_WARPS);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        fence_mbarrier_init();
         mbarrier_arrive_expect_bytes(smem.q_full, Cfg::Q_BYTES);
         for (int slice = 0; slice < Cfg::QK_SLICES; slice++)
             tma_load(smem.q_tile + slice * Cfg::BLOCK_Q * Cfg::QK_SLICE, &q_map, smem.q_full, slice * Cfg::QK_SLICE,
                      w.query0, w.head);
-        // The ring's first tiles, at once; the producer (before 08.2: release_stage) refills it.
+        // The ring's first tiles, at once; the producer refills it.
         for (int tile = 0; tile < min(Cfg::STAGES, w.kv_tiles); tile++) load_kv_tile<HEAD_DIM>(smem, w, tile);
     }
     __syncthreads();  // the barriers are initialised before anyone waits on them
 
     const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
-#if WARP_SPECIALISED
     // Warp specialisation: warpgroup 0 only copies and gives most of its registers to the
     // consumer warpgroups, which only compute.
     if (warpgroup == 0) {
@@ -1158,23 +757,11 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::THREADS, 1)
         if (threadIdx.x == 0) produce<HEAD_DIM>(smem, w);
     } else {
         setmaxnreg_inc<Cfg::CONSUMER_REGISTERS>();
-#if FP16_SCORES
         consume_by_reach<HEAD_DIM>(smem, w, warpgroup - 1, score_scale_log2, o, lse, wide);
-#else
-        consume<HEAD_DIM, Consumer<HEAD_DIM>>(smem, w, warpgroup - 1, score_scale_log2, o, lse);
-#endif
     }
-#else
-#if FP16_SCORES
-    consume_by_reach<HEAD_DIM>(smem, w, warpgroup, score_scale_log2, o, lse, wide);
-#else
-    consume<HEAD_DIM, Consumer<HEAD_DIM>>(smem, w, warpgroup, score_scale_log2, o, lse);
-#endif
-#endif
 }
 
-#if FP8_OPERANDS
-// --- Quantisation (08.4 on): e4m3 copies, one scale per tile of each (b, h) and tensor -------
+// --- Quantisation: e4m3 copies, one scale per tile of each (b, h) and tensor ----------------
 // A scale per tile rather than per (b, h) makes the quantisation one pass: a block reads its
 // tile once, finds its max |x|, and writes the e4m3 copy and the descale. It is also finer: one
 // outlier costs the resolution of its tile, not of the whole head. Q's tile is Q_SCALE_ROWS
@@ -1299,19 +886,17 @@ __global__ void __launch_bounds__(Config<HEAD_DIM>::BLOCK_KV *HEAD_DIM / 128)
                                                      vt8 + head * HEAD_DIM * seqlen_padded + row0, rows,
                                                      seqlen_padded - row0, seqlen_padded, tile, descale);
 }
-#endif
 
 // --- Launchers -------------------------------------------------------------------------------
-// What the attention kernel reads. FP8: the workspace holds the descales (Q's [b*h][query
+// What the attention kernel reads: the workspace, which holds the descales (Q's [b*h][query
 // tiles], then K's and V's [2][b*h][key tiles]), then Q and K in e4m3 ([b*h][N][D]), then Vt
-// ([b*h][D][N_padded]). fp16 operands: the inputs.
+// ([b*h][D][N_padded]).
 typedef struct {
     float *descales;
-    unsigned char *q, *k, *v;  // FP8: v is Vt
-    int seqlen_padded;         // FP8: Vt's rows are padded to 16 keys, since TMA needs row strides of 16 bytes
+    unsigned char *q, *k, *v;  // v is Vt
+    int seqlen_padded;         // Vt's rows are padded to 16 keys, since TMA needs row strides of 16 bytes
 } Workspace;
 
-#if FP8_OPERANDS
 // The key tile of a head dim (the harness has refused any other).
 static int key_tile(int headdim) { return headdim == 64 ? Config<64>::BLOCK_KV : Config<128>::BLOCK_KV; }
 
@@ -1354,54 +939,6 @@ static cudaError_t quantize(const AttnArgs *args, cudaStream_t stream) {
 static cudaError_t prepare(const AttnArgs *args, cudaStream_t stream) {
     return launch_for_head_dim(args, stream, quantize<64>, quantize<128>);
 }
-#else
-static Workspace workspace_layout(const AttnArgs *args) {  // nothing to prepare: the kernel reads the inputs
-    Workspace w;
-    w.descales = NULL;
-    w.q = (unsigned char *)args->q;
-    w.k = (unsigned char *)args->k;
-    w.v = (unsigned char *)args->v;
-    w.seqlen_padded = args->shape.seqlen;
-    return w;
-}
-#endif
-
-// cuTensorMapEncodeTiled from the driver, found at run time (the program links no libcuda).
-static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
-    if (!encode) {
-        void *found = NULL;
-        cudaDriverEntryPointQueryResult status;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &found, 12000, cudaEnableDefault, &status) ==
-                cudaSuccess &&
-            status == cudaDriverEntryPointSuccess)
-            encode = (PFN_cuTensorMapEncodeTiled_v12000)found;
-    }
-    return encode;
-}
-
-// A tensor map over the bytes of [heads][rows][row_bytes] whose boxes are box_rows x box_bytes,
-// swizzled by the box row length (64 or 128 bytes), the layout wgmma's descriptors name.
-static cudaError_t make_tensor_map(CUtensorMap *map, void *base, int row_bytes, int rows, int heads, int box_bytes,
-                                   int box_rows) {
-    PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-    if (!encode) {
-        fprintf(stderr, "%s: the driver offers no cuTensorMapEncodeTiled (needs CUDA 12 or newer)\n", chapter.name);
-        return cudaErrorNotSupported;
-    }
-    cuuint64_t dims[3] = {(cuuint64_t)row_bytes, (cuuint64_t)rows, (cuuint64_t)heads};
-    cuuint64_t strides[2] = {(cuuint64_t)row_bytes, (cuuint64_t)row_bytes * rows};  // of dims 1, 2 in bytes
-    cuuint32_t box[3] = {(cuuint32_t)box_bytes, (cuuint32_t)box_rows, 1}, element_strides[3] = {1, 1, 1};
-    CUresult result =
-        encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, base, dims, strides, box, element_strides,
-               CU_TENSOR_MAP_INTERLEAVE_NONE, box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (result != CUDA_SUCCESS) {
-        fprintf(stderr, "%s: cuTensorMapEncodeTiled failed (CUresult %d)\n", chapter.name, (int)result);
-        return cudaErrorInvalidValue;
-    }
-    return cudaSuccess;
-}
 
 template <int HEAD_DIM>
 static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
@@ -1411,14 +948,12 @@ static cudaError_t launch(const AttnArgs *args, cudaStream_t stream) {
     const int heads = shape->batch * shape->heads, tiles = ceil_div(shape->seqlen, Cfg::BLOCK_Q);
     const int row_bytes = HEAD_DIM * ELEMENT_BYTES;
     CUtensorMap q_map, k_map, v_map;
-    RETURN_IF_ERROR(make_tensor_map(&q_map, w.q, row_bytes, shape->seqlen, heads, Cfg::QK_SLICE, Cfg::BLOCK_Q));
-    RETURN_IF_ERROR(make_tensor_map(&k_map, w.k, row_bytes, shape->seqlen, heads, Cfg::QK_SLICE, Cfg::BLOCK_KV));
-#if FP8_OPERANDS
     RETURN_IF_ERROR(
-        make_tensor_map(&v_map, w.v, w.seqlen_padded * ELEMENT_BYTES, HEAD_DIM, heads, Cfg::V_SLICE, HEAD_DIM));
-#else
-    RETURN_IF_ERROR(make_tensor_map(&v_map, w.v, row_bytes, shape->seqlen, heads, Cfg::QK_SLICE, Cfg::BLOCK_KV));
-#endif
+        make_tensor_map(&q_map, w.q, row_bytes, shape->seqlen, heads, Cfg::QK_SLICE, Cfg::BLOCK_Q, chapter.name));
+    RETURN_IF_ERROR(
+        make_tensor_map(&k_map, w.k, row_bytes, shape->seqlen, heads, Cfg::QK_SLICE, Cfg::BLOCK_KV, chapter.name));
+    RETURN_IF_ERROR(make_tensor_map(&v_map, w.v, w.seqlen_padded * ELEMENT_BYTES, HEAD_DIM, heads, Cfg::V_SLICE,
+                                    HEAD_DIM, chapter.name));
     RETURN_IF_ERROR(
         cudaFuncSetAttribute(attention_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES));
     dim3 grid = shape->causal ? dim3(heads, tiles) : dim3(tiles, heads);
@@ -1431,7 +966,6 @@ static cudaError_t forward(const AttnArgs *args, cudaStream_t stream) {
     return launch_for_head_dim(args, stream, launch<64>, launch<128>);
 }
 
-#if FP8_OPERANDS
 // The check's scale tiles, as the quantisation makes them: Q per Q_SCALE_ROWS rows (which 0), K
 // and V per key tile of the head dim (1).
 static int fp8_scale_rows(int headdim, int which) { return which == 0 ? Q_SCALE_ROWS : key_tile(headdim); }
@@ -1440,48 +974,16 @@ static int fp8_scale_rows(int headdim, int which) { return which == 0 ? Q_SCALE_
 static int fp8_qk_range(int headdim) { return (int)(headdim == 128 ? Config<128>::QK_RANGE : Config<64>::QK_RANGE); }
 
 static const Fp8Scaling fp8_scaling = {fp8_scale_rows, fp8_qk_range};  // for the check's floor
-#endif
 
-// The build's name, the idea it adds and its precision: each step is a build of its own (the
-// chapter is its last step, 08.5).
-#if STEP == 1
-#define STEP_NAME "08.1"
-#define STEP_ADDS "Hopper's datapath on fp16 operands: wgmma fed by TMA through an mbarrier ring"
-#define STEP_PRECISION PRECISION_FP16_TC
-#elif STEP == 2
-#define STEP_NAME "08.2"
-#define STEP_ADDS "warp specialisation: a TMA producer warpgroup, consumer warpgroups, setmaxnreg"
-#define STEP_PRECISION PRECISION_FP16_TC
-#elif STEP == 3
-#define STEP_NAME "08.3"
-#define STEP_ADDS "the softmax under the tensor cores: ping-pong and intra-warpgroup overlap"
-#define STEP_PRECISION PRECISION_FP16_TC
-#elif STEP == 4
-#define STEP_NAME "08.4"
-#define STEP_ADDS "FP8: e4m3 operands with per-tile scales found on the device, P in e4m3"
-#define STEP_PRECISION PRECISION_FP8_TC
-#elif STEP == 5
-#define STEP_NAME "08_fp8"
-#define STEP_ADDS "FP8 e4m3 with per-tile scales on Hopper's wgmma fed by TMA: warp-specialised, softmax under the MMAs"
-#define STEP_PRECISION PRECISION_FP8_TC
-#else
-#error "STEP is 1 to 5"
-#endif
-
+// The chapter's name, what it adds and its precision (its steps before it: step1_*.cu ... step5_*.cu).
 const Chapter chapter = {
-    STEP_NAME,
-    STEP_ADDS,
-    STEP_PRECISION,
+    "08_fp8",
+    "FP8 e4m3 with per-tile scales on Hopper's wgmma fed by TMA: warp-specialised, softmax under the MMAs",
+    PRECISION_FP8_TC,
     90,
     90,  // sm_90 only: wgmma is an sm_90a feature, and sm_90a code runs on no other GPU
-#if FP8_OPERANDS
     workspace_bytes,
     prepare,  // quantise Q, K, V to e4m3 (timed with the forward and on its own)
     forward,
     &fp8_scaling,  // one scale per 128 rows of Q and per key tile of K and of V; Q, K to |x| <= 16 at D = 128
-#else
-    NULL,  // no workspace
-    NULL,  // nothing to prepare
-    forward,
-#endif
 };
