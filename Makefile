@@ -43,17 +43,21 @@ endif
 # Chapters built on Hopper's arch-specific features (wgmma) target sm_90a alone, whatever ARCH says:
 # sm_90a code runs on sm_90 only, and the chapter says so (exit 77) on any other GPU.
 SM90A_CHAPTERS := 08_fp8
-# 08 is built in steps (08.1 ... 08.5, `#if STEP == k` in its source): BUILD/08_fp8.stepK for each
-# step but the last, which is the chapter, BUILD/08_fp8. Each is a bench row of its own.
-STEP_BUILDS := $(foreach k,1 2 3 4,08_fp8.step$(k))
+# A chapter of ordered steps (08) holds one file per step, NN_name/stepK_<idea>.cu, a program of its
+# own: BUILD/NN_name.stepK (its attention.cu is the last step, BUILD/NN_name). Each is a bench row.
+STEP_SOURCES := $(sort $(wildcard [0-9][0-9]_*/step[0-9]_*.cu))
+step_build = $(patsubst %/,%,$(dir $(1))).step$(patsubst step%,%,$(firstword $(subst _, ,$(notdir $(1)))))
+STEP_BUILDS := $(foreach s,$(STEP_SOURCES),$(call step_build,$(s)))
 # 09's backward with dQ summed in a fixed order (DETERMINISTIC_DQ=1): bitwise repeatable gradients.
 VARIANT_BUILDS := 09_backward.deterministic
 BUILDS := $(CHAPTERS) $(STEP_BUILDS) $(VARIANT_BUILDS)
-SM90A_BUILDS := $(SM90A_CHAPTERS) $(STEP_BUILDS)
-# What each build adds to the compile line: the step it is, the switch it sets.
-BUILD_DEFINES = $(if $(findstring .step,$(1)),-DSTEP=$(lastword $(subst .step, ,$(1))))$(if \
-                $(findstring .deterministic,$(1)),-DDETERMINISTIC_DQ=1)
-source_of = $(firstword $(subst ., ,$(1)))/attention.cu
+SM90A_BUILDS := $(filter $(addsuffix %,$(SM90A_CHAPTERS)),$(BUILDS))
+# A build's source: its step file, or its chapter's attention.cu; and what a variant build sets.
+chapter_of_build = $(firstword $(subst ., ,$(1)))
+source_of = $(or $(filter $(call chapter_of_build,$(1))/step$(lastword $(subst .step, ,$(1)))_%,$(if \
+            $(findstring .step,$(1)),$(STEP_SOURCES))),$(call chapter_of_build,$(1))/attention.cu)
+BUILD_DEFINES = $(if $(findstring .deterministic,$(1)),-DDETERMINISTIC_DQ=1)
+CHAPTER_HEADERS := $(wildcard [0-9][0-9]_*/*.h)
 
 EXTRA_NVFLAGS ?=   # e.g. -DBLOCK_KV_D128=64 to try another tile size in 07
 NVFLAGS := -O3 -std=c++17 -lineinfo -Xcompiler -Wall,-Wextra -Xptxas -v $(EXTRA_NVFLAGS) \
@@ -103,7 +107,7 @@ $(BUILD)/common/%.o: common/%.c $(HEADERS) $(BUILD)/.flags
 # One object per build (a chapter, a step of 08, 09's deterministic build); its ptxas report in
 # BUILD/<build>.log. Then the executable (with the harness) and the library (make lib) link it.
 .SECONDEXPANSION:
-$(BUILD)/obj/%.o: $$(call source_of,$$*) $(HEADERS) $(BUILD)/.flags
+$(BUILD)/obj/%.o: $$(call source_of,$$*) $(HEADERS) $(CHAPTER_HEADERS) $(BUILD)/.flags
 	@mkdir -p $(dir $@)
 	@echo "nvcc  $< -> $(BUILD)/$* ($(call arch_of,$*)$(if $(call BUILD_DEFINES,$*), $(call BUILD_DEFINES,$*)))"
 	@$(call compile,$(PIC) $(call BUILD_DEFINES,$*) -c -o $@ $<,$(BUILD)/$*.log)
@@ -208,13 +212,11 @@ profile:
 # kernels or those whose name contains KERNEL (make sass CH=07 KERNEL=attention); a step: CH=08.3.
 # cuobjdump and nvdisasm from the CUDA toolkit, or fetched into .cache/tools (common/cuda_tools.py).
 SASS_ARCH ?= $(if $(filter multi,$(ARCH)),sm_90,$(ARCH))
-sass_build = $(CH_DIR)$(if $(findstring .,$(CH)),$(if $(filter 5,$(lastword $(subst ., ,$(CH)))),,.step$(lastword $(subst ., ,$(CH)))))
 sass:
-	@test -n "$(CH_DIR)" || $(call no_chapter,$(CH),CH)
-	@test -n "$(filter $(sass_build),$(BUILDS))" || { echo "make sass: no build $(sass_build): no such step (08's are 08.1 ... 08.5)" >&2; exit 2; }
-	@$(MAKE) --no-print-directory -s $(BUILD)/$(sass_build)
-	@tools=$$($(PYTHON) common/cuda_tools.py path) && PATH="$$tools:$$PATH" cuobjdump --dump-sass \
-	    -arch $(if $(filter $(CH_DIR),$(SM90A_CHAPTERS)),sm_90a,$(SASS_ARCH)) $(BUILD)/$(sass_build) | \
+	@build=$$($(PYTHON_SYS) common/runner.py build '$(CH)') || exit 2; \
+	$(MAKE) --no-print-directory -s $(BUILD)/$$build && \
+	tools=$$($(PYTHON) common/cuda_tools.py path) && PATH="$$tools:$$PATH" cuobjdump --dump-sass \
+	    -arch $(if $(filter $(CH_DIR),$(SM90A_CHAPTERS)),sm_90a,$(SASS_ARCH)) $(BUILD)/$$build | \
 	    awk -v k='$(KERNEL)' '/Function :/ { show = (k == "" || index($$0, k) > 0) } k == "" || show'
 
 # Graded exercises (common/exercises.py): a student copy of a chapter in exercises/ (EX= one

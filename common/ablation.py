@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import fmt_ms, fmt_speedup, fmt_tflops, markdown_table, replace_between, say  # noqa: E402
 from results import (HEADLINE_D, HEADLINE_N, backward_builds, backward_tflops, bench_shape, forward_tflops,  # noqa: E402
                      write_if_changed)
-from runner import chapters, find_chapter as chapter_named, make_env, run_case, shape_args  # noqa: E402
+from runner import build_of, chapters, find_chapter as chapter_named, make_env, run_case, shape_args  # noqa: E402
 from chapters import read_steps  # noqa: E402
 from source import without_switches  # noqa: E402
 
@@ -51,7 +51,7 @@ from source import without_switches  # noqa: E402
 ABLATION_SWITCHES = {
     "04_fused": ("LOOP_ORDER", "REGISTER_TILING", "LOG2_DOMAIN"),
     "07_async_pipeline": ("P_IN_REGISTERS", "ASYNC_RING", "QUERY_ROWS_128", "DOUBLE_BUFFER", "RESCALE_VOTE"),
-    "08_fp8": ("WARP_SPECIALISED", "PINGPONG", "INTRA_OVERLAP", "SPLIT_EXP2"),
+    "08_fp8": (),  # a chapter of steps as files (stepK_*.cu): its table is the staircase of its steps
     "09_backward": ("BWD_WIDE_BLOCK", "BWD_STAGGER", "BWD_SPLIT", "BWD_DQ_STAGE"),
 }
 # A chapter's variants, rows after those without one idea: (variant, a switch that defaults to 0 and
@@ -62,13 +62,12 @@ TFLOPS_OF_PASS = {"forward": forward_tflops, "backward": backward_tflops}
 
 
 def switch_words(text, name):
-    """A switch's words, its comment in the source (`#define NAME 1  // what it is (0: the other)`,
-    or `(STEP >= k)  // 08.k: what it is`), without the step's number and the off setting."""
-    found = re.search(rf"#define {name} (?:1|\(STEP >= \d+\))\s*//\s*(.+)", text)
+    """A switch's words, its comment in the source (`#define NAME 1  // what it is (0: the other)`),
+    without the off setting."""
+    found = re.search(rf"#define {name} 1\s*//\s*(.+)", text)
     if not found:
         raise ValueError(f"no `#define {name} 1  // what it is` in the chapter's source")
-    words = re.sub(r"^\d\d\.\d+: ", "", found.group(1).strip())
-    return re.sub(r"\s*\(0: [^)]*\)$", "", words)
+    return re.sub(r"\s*\(0: [^)]*\)$", "", found.group(1).strip())
 
 
 def chapter_pass(chapter, root=ROOT):
@@ -109,7 +108,7 @@ def variants(chapter):
     out = [("before", "before", "")] if spec["before"] else []
     if spec.get("steps"):
         count = len(read_steps(os.path.join(ROOT, chapter, "attention.cu")))
-        out += [(f"step{k}", "step", f"-DSTEP={k}") for k in range(1, count)] + [("chapter", "step", "")]
+        out += [(f"step{k}", "step", "") for k in range(1, count)] + [("chapter", "step", "")]
     else:
         out.append(("none", "step", " ".join(f"-D{n}=0" for n in names)))
         for k in range(1, len(names) + 1):
@@ -147,8 +146,22 @@ def variant_label(chapter, variant, kind):
 
 
 def variant_impl(chapter, variant):
-    """The chapter a variant's binary is (the one before, for the before row)."""
-    return ablations()[chapter]["before"] if variant == "before" else chapter
+    """The chapter a variant's binary is (the one before, for the before row; a step's own name)."""
+    if variant == "before":
+        return ablations()[chapter]["before"]
+    if ablations()[chapter]["steps"] and variant.startswith("step"):
+        return read_steps(os.path.join(ROOT, chapter, "attention.cu"))[int(variant[len("step"):]) - 1]["name"]
+    return chapter
+
+
+def plain_build(chapter, variant):
+    """The Makefile's own build a variant is, where it is one (the chapter before; a step of a chapter
+    of steps, or that chapter: BUILD/08_fp8.step3, BUILD/08_fp8), else None: a build of its own flags."""
+    if variant == "before":
+        return ablations()[chapter]["before"]
+    if ablations()[chapter]["steps"] and (variant == "chapter" or variant.startswith("step")):
+        return chapter if variant == "chapter" else f"{chapter}.{variant}"
+    return None
 
 
 def case_args(chapter, dims, warmup, iters):
@@ -158,15 +171,14 @@ def case_args(chapter, dims, warmup, iters):
 
 
 def binary_path(build, chapter, variant):
-    if variant == "before":
-        return os.path.join(build, ablations()[chapter]["before"])
-    return os.path.join(build, "ablation", variant, chapter)
+    plain = plain_build(chapter, variant)
+    return os.path.join(build, plain) if plain else os.path.join(build, "ablation", variant, chapter)
 
 
 def build_variant(build, make, chapter, variant, flags):
-    """Build one variant with the Makefile (its own BUILD folder); (ok, output tail)."""
-    if variant == "before":
-        target, extra = os.path.join(build, ablations()[chapter]["before"]), [f"BUILD={build}"]
+    """Build one variant with the Makefile (a build of its own, or its own BUILD folder); (ok, output tail)."""
+    if plain_build(chapter, variant):
+        target, extra = binary_path(build, chapter, variant), [f"BUILD={build}"]
     else:
         folder = os.path.join(build, "ablation", variant)
         target, extra = os.path.join(folder, chapter), [f"BUILD={folder}", f"EXTRA_NVFLAGS={flags}"]
@@ -327,21 +339,19 @@ def command_table(args):
 
 def diff_source(name):
     """(label, text) of a `make diff` operand: a chapter by number or folder (04, 4, 04_fused) as its
-    defaults compile it, or a step of a chapter built in steps (08.3) as that step compiles it."""
-    number, _, step = name.partition(".")
+    defaults compile it, or a step of a chapter built in steps (08.3) as its step file holds it."""
     folder = chapter_named(name)
     if folder is None:
         raise SystemExit(f"make diff: no chapter '{name}' (name one by its number, e.g. 04, or a step, e.g. 08.3)")
     path = os.path.join(ROOT, folder, "attention.cu")
-    text = open(path).read()
-    if not step:
-        return f"{folder}/attention.cu", without_switches(text)
-    count = len(read_steps(path))
-    if not step.isdigit() or not 1 <= int(step) <= count:
-        raise SystemExit(f"make diff: {folder} has no step '{name}'"
-                         + (f" (its steps: {', '.join(f'{number[:2]}.{k}' for k in range(1, count + 1))})"
-                            if count else " (it is not built in steps)"))
-    return f"{folder}/attention.cu (step {number[:2]}.{step})", without_switches(text, int(step))
+    if not name.partition(".")[2]:
+        return f"{folder}/attention.cu", without_switches(open(path).read())
+    try:
+        build = build_of(name)
+    except ValueError as exc:
+        raise SystemExit(f"make diff: {exc}") from None
+    source = path if build == folder else read_steps(path)[int(build.rpartition(".step")[2]) - 1]["source"]
+    return os.path.relpath(source, ROOT), open(source).read()
 
 
 def command_diff(args):

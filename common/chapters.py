@@ -9,11 +9,9 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INITIALIZER = re.compile(r'const\s+Chapter\s+chapter\s*=\s*\{\s*"([^"]+)",\s*"((?:[^"\\]|\\.)*)",\s*'
                          r'(PRECISION_\w+),\s*(\d+),\s*(\d+),')
-# A chapter built in steps (08) names each build in a `#if STEP == k` block of defines, and its
-# initializer uses them: the chapter is the step named like its folder.
-STEP_DEFINES = re.compile(r'#(?:el)?if STEP == (\d+)\n#define STEP_NAME "([^"]+)"\n#define STEP_ADDS "((?:[^"\\]|\\.)*)"\n'
-                          r'#define STEP_PRECISION (PRECISION_\w+)\n')
-STEP_INITIALIZER = re.compile(r'const\s+Chapter\s+chapter\s*=\s*\{\s*STEP_NAME,\s*STEP_ADDS,\s*STEP_PRECISION,\s*(\d+),\s*(\d+),')
+# A chapter of ordered steps (08) holds one file per step, NN_name/stepK_<idea>.cu, each a program
+# with a Chapter of its own; its attention.cu is the last step.
+STEP_FILE = re.compile(r"^step(\d+)_\w+\.cu$")
 # A chapter with a backward pass registers a `Backward` beside its forward (common/harness.h).
 BACKWARD_DEFINITION = re.compile(r"^[ \t]*(?:static[ \t]+)?const[ \t]+(?:struct[ \t]+)?Backward[ \t]+\w+[ \t]*=", re.M)
 CHAPTERS_BEGIN, CHAPTERS_END = "<!-- chapters:begin -->", "<!-- chapters:end -->"
@@ -27,13 +25,23 @@ def precision_words(root=ROOT):
     return {precision: rules[rule] for precision, rule in cases}
 
 
+def step_files(folder):
+    """[(k, path)] of a chapter folder's step files, in order of k ([] for a chapter of one file)."""
+    found = [(int(m.group(1)), os.path.join(folder, name)) for name in os.listdir(folder)
+             for m in [STEP_FILE.match(name)] if m]
+    return sorted(found)
+
+
 def read_steps(path, words=None):
-    """The steps of a chapter built in steps, in order, as dicts (name, adds, precision, math,
-    step); [] for any other chapter."""
+    """The steps of a chapter built in steps, in order, as dicts (step, name, adds, precision, math,
+    source): each step file's Chapter, then the chapter's own attention.cu (`path`) as the last step;
+    [] for any other chapter."""
+    files = step_files(os.path.dirname(os.path.abspath(path)))
+    if not files:
+        return []
     words = words or precision_words()
-    return [{"step": int(step), "name": name, "adds": adds.replace('\\"', '"'), "precision": precision,
-             "math": words.get(precision, precision)}
-            for step, name, adds, precision in STEP_DEFINES.findall(open(path).read())]
+    steps = [dict(read_chapter(source, words), step=k, source=source) for k, source in files]
+    return steps + [dict(read_chapter(path, words), step=len(files) + 1, source=path)]
 
 
 def has_backward(path):
@@ -42,23 +50,14 @@ def has_backward(path):
 
 
 def read_chapter(path, words=None):
-    """The chapter defined in one attention.cu, as a dict."""
+    """The chapter (or step) defined in one source file, as a dict."""
     text = open(path).read()
     words = words or precision_words()
-    found, stepped = INITIALIZER.search(text), STEP_INITIALIZER.search(text)
-    if found:
-        name, adds, precision, min_sm, max_sm = found.groups()
-        adds = adds.replace('\\"', '"')
-    elif stepped:
-        folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
-        last = [s for s in read_steps(path, words) if s["name"] == folder]
-        if not last:
-            raise ValueError(f"{path}: no `#if STEP == k` block names the chapter {folder}")
-        name, adds, precision = last[0]["name"], last[0]["adds"], last[0]["precision"]
-        min_sm, max_sm = stepped.groups()
-    else:
+    found = INITIALIZER.search(text)
+    if not found:
         raise ValueError(f"{path}: no 'const Chapter chapter = {{ name, adds, precision, min_sm, max_sm, ...' found")
-    return {"name": name, "adds": adds, "precision": precision,
+    name, adds, precision, min_sm, max_sm = found.groups()
+    return {"name": name, "adds": adds.replace('\\"', '"'), "precision": precision,
             "math": words.get(precision, precision), "min_sm": int(min_sm), "max_sm": int(max_sm)}
 
 

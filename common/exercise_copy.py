@@ -169,6 +169,22 @@ def link_common(student_dir):
         os.symlink(os.path.join("..", "common"), link)
 
 
+def chapter_headers(chapter, root=ROOT):
+    """The headers a chapter's folder holds beside its sources (08_fp8/hopper.h), which its
+    attention.cu includes as "hopper.h"."""
+    folder = os.path.join(root, chapter)
+    return sorted(name for name in os.listdir(folder) if name.endswith(".h"))
+
+
+def link_chapter_headers(chapter, copy_folder, root=ROOT):
+    """A link beside the student copy to each of the chapter's headers (exercises/08_fp8/hopper.h ->
+    ../../08_fp8/hopper.h), so that its #include "hopper.h" resolves."""
+    for name in chapter_headers(chapter, root):
+        link = os.path.join(copy_folder, name)
+        if not os.path.lexists(link):
+            os.symlink(os.path.relpath(os.path.join(root, chapter, name), copy_folder), link)
+
+
 def write_copy(chapter, only=None, force=False, student_dir=STUDENT_DIR, root=ROOT):
     """Write exercises/<chapter>/attention.cu; (path, names). Refuses to overwrite a copy that
     differs from what was written last (the student's work) unless force. In a hand-out (the
@@ -195,6 +211,7 @@ def write_copy(chapter, only=None, force=False, student_dir=STUDENT_DIR, root=RO
                                   "make exercise wrote): keep it, or overwrite it with FORCE=1")
     os.makedirs(folder, exist_ok=True)
     link_common(student_dir)
+    link_chapter_headers(chapter, folder, root)
     with open(path, "w") as f:
         f.write(text)
     with open(os.path.join(folder, RECORD), "w") as f:

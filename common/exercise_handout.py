@@ -20,7 +20,7 @@ import tarfile
 import tempfile
 
 from chapters import read_chapter, runs_on
-from exercise_copy import HANDOUT_GUIDE, RECORD, digest, fail, student_copy
+from exercise_copy import HANDOUT_GUIDE, RECORD, chapter_headers, digest, fail, student_copy
 from exercise_markers import (EXERCISES, Facts, MarkerError, chapter_named, chapter_source, facts_table,
                               grading_text, is_standin, parse, standin_note, tasks, words_list)
 
@@ -142,6 +142,9 @@ def handout_files(chapter, root=ROOT):
             add(f"common/{name}")
     for page in docs_named(names, root, table):
         add(page)
+    for header in chapter_headers(chapter, root):  # the chapter's own headers, which the copy includes
+        add(f"{chapter}/{header}")
+        files[f"exercises/{chapter}/{header}"] = f"../../{chapter}/{header}"
     student = f"exercises/{chapter}/attention.cu"
     files[f"{chapter}/attention.cu"] = (standin_note(student, table, names) + copy).encode()
     files[student] = copy.encode()

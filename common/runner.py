@@ -39,6 +39,24 @@ def chapters(root=ROOT):
                   and os.path.isfile(os.path.join(root, d, "attention.cu")))
 
 
+def build_of(arg, root=ROOT):
+    """The build a name means: 4, 04 or 04_fused its chapter's (04_fused); a step, 08.3, its step file's
+    build (08_fp8.step3), and the last step its chapter's (08.6: 08_fp8). ValueError, saying what
+    there is, for a name that means none."""
+    chapter = find_chapter(arg, root)
+    if not chapter:
+        raise ValueError(f"no chapter '{arg}' (chapters: {' '.join(chapters(root))})")
+    step = str(arg).partition(".")[2]
+    if not step:
+        return chapter
+    files = [name for name in os.listdir(os.path.join(root, chapter)) if re.match(r"step\d+_\w+\.cu$", name)]
+    last = len(files) + 1
+    if not files or not step.isdigit() or not 1 <= int(step) <= last:
+        steps = f"its steps are {chapter[:2]}.1 ... {chapter[:2]}.{last}" if files else "it has no steps"
+        raise ValueError(f"no step '{arg}' of {chapter}: {steps}")
+    return chapter if int(step) == last else f"{chapter}.step{int(step)}"
+
+
 def find_chapter(arg, root=ROOT):
     """The chapter folder named by 4, 04 or 04_fused, or by one of its steps (08.3: 08_fp8); None if
     there is none. What a step names within its chapter is the caller's (source.without_switches)."""
@@ -201,9 +219,17 @@ class Repo:
 
 def main(argv):
     """runner.py gpu WHAT BINARY: exit 0 where BINARY finds a GPU it can run on; else print
-    "WHAT: skipped: <why>" (one line) and exit 77. The Makefile's targets that need a GPU ask this first."""
+    "WHAT: skipped: <why>" (one line) and exit 77. The Makefile's targets that need a GPU ask this first.
+    runner.py build NAME: the build a chapter's or a step's name means (build_of), or exit 2 saying why."""
+    if len(argv) == 2 and argv[0] == "build":
+        try:
+            print(build_of(argv[1]))
+            return 0
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
     if len(argv) != 3 or argv[0] != "gpu":
-        print("usage: runner.py gpu WHAT BINARY", file=sys.stderr)
+        print("usage: runner.py gpu WHAT BINARY | runner.py build NAME", file=sys.stderr)
         return 2
     what, binary = argv[1], argv[2]
     usable, why = gpu_probe(binary)

@@ -87,7 +87,7 @@ def require_torch():
 def build_name(chapter):
     """The build a chapter argument names, as `make lib` names its library: '7', '07' and
     '07_async_pipeline' -> '07_async_pipeline'; '08.3' and '08_fp8.step3' -> '08_fp8.step3' (the last
-    step, '08.5', is the chapter, '08_fp8'); '09.deterministic' -> '09_backward.deterministic'."""
+    step, '08.6', is the chapter, '08_fp8'); '09.deterministic' -> '09_backward.deterministic'."""
     text = str(chapter).strip()
     head, _, tail = text.partition(".")
     folder = find_chapter(head) if head else None

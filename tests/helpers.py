@@ -12,6 +12,7 @@ import unittest
 import numpy as np
 
 import runner
+from chapters import read_steps
 from claims import strip_comments
 from reference import FP8_KV_ROWS, FP8_Q_ROWS, FP8_QK_RANGE, quantize_e4m3
 
@@ -104,13 +105,18 @@ def fake_binary(folder, ms, todo=False, attend_ms="", status="PASS", log=""):
 
 def write_tree(folder, files):
     """files {relative path: NN_name/attention.cu text} under folder, with a common/ link beside each
-    chapter folder (its #include "../common/harness.h"); folder."""
+    chapter folder (its #include "../common/harness.h") and, in it, a link to each of the chapter's own
+    headers (08_fp8/hopper.h); folder."""
     for rel, text in files.items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
         (folder / rel).write_text(text)
         link = (folder / rel).parent.parent / "common"
         if not os.path.lexists(link):
             os.symlink(os.path.join(runner.ROOT, "common"), link)
+        chapter = os.path.join(runner.ROOT, (folder / rel).parent.name)
+        for header in (h for h in (os.listdir(chapter) if os.path.isdir(chapter) else []) if h.endswith(".h")):
+            if not os.path.lexists(folder / rel / ".." / header):
+                os.symlink(os.path.join(chapter, header), (folder / rel).parent / header)
     return folder
 
 
@@ -146,9 +152,10 @@ LSE_TOL = 1e-3
 FP8 = {8}                 # tolerance: FP8_FLOOR_FACTOR x the e4m3 floor + the fp16 chapters' bound
 FP8_FLOOR_FACTOR = 1.5
 BACKWARD_TOL = 1e-3       # each gradient's rel L2 (common/harness.cu's BACKWARD_REL_L2_TOL)
-# 08's steps (BUILD/08_fp8.step1 ... step4; step 5 is the chapter): (step, build, dtype)
-STEP_BUILDS = [("08.1", "08_fp8.step1", "fp16"), ("08.2", "08_fp8.step2", "fp16"), ("08.3", "08_fp8.step3", "fp16"),
-               ("08.4", "08_fp8.step4", "fp8")]
+# The step files of the chapters built in steps (08_fp8/stepK_*.cu: BUILD/08_fp8.stepK; the last step
+# is the chapter's attention.cu, in CHAPTERS): (step, build, dtype), e.g. ("08.4", "08_fp8.step4", "fp8").
+STEP_BUILDS = [(s["name"], f"{c}.step{s['step']}", "fp8" if s["precision"] == "PRECISION_FP8_TC" else "fp16")
+               for c in CHAPTERS for s in read_steps(os.path.join(runner.ROOT, c, "attention.cu"))[:-1]]
 BACKWARD_VARIANTS = ("deterministic",)  # BUILD/<chapter>.<variant>: the Makefile's VARIANT_BUILDS
 BACKWARD_CHAPTERS = [c for c in CHAPTERS if re.search(r"\bBackward\b", strip_comments(
     open(os.path.join(runner.ROOT, c, "attention.cu")).read()))]

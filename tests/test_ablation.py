@@ -35,6 +35,7 @@ import pytest
 import ablation
 import chapters
 import results
+import runner
 import source
 from helpers import ARCH_FLAG_OF, CHAPTERS, SASS_ARCH_FLAG, compile_quietly, fake_binary, nvcc_flags
 
@@ -212,27 +213,25 @@ def preprocessed(repo, top, chapter, arch, defines):
     return [line for line in lines if line]
 
 
-STEPS_OF_08 = range(1, len(chapters.read_steps(os.path.join(ablation.ROOT, "08_fp8", "attention.cu"))))
-STRIPPED = [(chapter, None) for chapter in ABLATED] + [("08_fp8", step) for step in STEPS_OF_08]
+SWITCHED = [chapter for chapter in ABLATED if ablation.ablations()[chapter]["ideas"]]  # 08's steps are files
 
 
-@pytest.mark.parametrize("chapter, step", STRIPPED, ids=[c + (f"-step{s}" if s else "") for c, s in STRIPPED])
-def test_diff_shows_the_code_as_compiled(repo, tmp_path, chapter, step):
-    """The chapter (or one of its steps) as `make diff` shows it: no switch branch left, no `// Ablation`
-    comment, and the very code the chapter (the step) compiles to, at sm_90 (08: sm_90a), and at sm_80
-    too where its code tests __CUDA_ARCH__ (the Makefile builds the chapters but 08 for sm_80)."""
+@pytest.mark.parametrize("chapter", SWITCHED)
+def test_diff_shows_the_code_as_compiled(repo, tmp_path, chapter):
+    """A chapter with switches as `make diff` shows it: no switch branch left, no `// Ablation`
+    comment, and the very code the chapter compiles to, at sm_90, and at sm_80 too where its code
+    tests __CUDA_ARCH__."""
     original = (repo.root / chapter / "attention.cu").read_text()
-    text = source.without_switches(original, step)
-    values = source.switches_of(original, step)
-    left = [line for line in text.splitlines() if (source.SWITCH_IF.match(line.strip())
-            and source.SWITCH_IF.match(line.strip()).group(2) in values) or source.STEP_IF.match(line.strip())]
+    text = source.without_switches(original)
+    values = source.switches_of(original)
+    left = [line for line in text.splitlines()
+            if source.SWITCH_IF.match(line.strip()) and source.SWITCH_IF.match(line.strip()).group(2) in values]
     assert not left and "// Ablation" not in text, f"{chapter}: switch branches left: {left[:3]}"
     stripped = tmp_path / chapter / "attention.cu"
     stripped.parent.mkdir()
     stripped.write_text(text)
     (tmp_path / "common").symlink_to(repo.root / "common")  # its #include "../common/..."
-    shown = f"{chapter} (step {step})" if step else chapter
-    defines = [f"-DSTEP={step}"] if step else []
+    shown, defines = chapter, []
     arches = [ARCH_FLAG_OF.get(chapter[:2], SASS_ARCH_FLAG)]
     if chapter[:2] not in ARCH_FLAG_OF and re.search(r"^\s*#\s*(el)?if\b.*__CUDA_ARCH__", original, re.M):
         arches.append("-gencode=arch=compute_80,code=sm_80")  # its code below sm_90 (09's scalar dQ adds)
@@ -244,17 +243,16 @@ def test_diff_shows_the_code_as_compiled(repo, tmp_path, chapter, step):
                                                                    lineterm="", n=1))[:30]))
 
 
-def test_step_filter():
-    """A chapter built in steps: each switch `#define NAME (STEP >= k)` is on from step k, and an
-    `#if STEP == k` / `#elif STEP == k` chain keeps the branch of the step shown."""
-    text = ("#ifndef STEP\n#define STEP 3\n#endif\n#ifndef B\n#define B (STEP >= 2)\n#endif\n"
-            "#if B\nb\n#else\nnot b\n#endif\n#if STEP == 1\none\n#elif STEP == 2\ntwo\n#elif STEP == 3\nthree\n"
-            "#else\n#error\n#endif\n#if !B\nbefore b\n#endif\n")
-    head = "#ifndef STEP\n#define STEP 3\n#endif\n#ifndef B\n#define B (STEP >= 2)\n#endif\n"
-    want = {1: head + "not b\none\nbefore b\n", 2: head + "b\ntwo\n", None: head + "b\nthree\n"}
-    for step, expected in want.items():
-        got = source.without_switches(text, step)
-        assert got == expected, f"step {step}:\n{got}\nexpected:\n{expected}"
+@pytest.mark.parametrize("a, b", [("08.2", "08.3"), ("08.5", "08.6"), ("8.1", "08")])
+def test_diff_of_two_steps_is_the_diff_of_their_files(a, b):
+    """make diff A=08.2 B=08.3: a step is a file (08_fp8/stepK_*.cu; the last, 08.6, the chapter's
+    attention.cu), shown as it is."""
+    for name in (a, b):
+        label, text = ablation.diff_source(name)
+        build, chapter = runner.build_of(name), os.path.join(ablation.ROOT, "08_fp8", "attention.cu")
+        steps = chapters.read_steps(chapter)
+        path = steps[int(build.rpartition(".step")[2]) - 1]["source"] if ".step" in build else chapter
+        assert label == os.path.relpath(path, ablation.ROOT) and text == open(path).read(), f"make diff {name}: {label}"
 
 
 def test_switch_filter():

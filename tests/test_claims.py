@@ -80,7 +80,7 @@ def test_mma_sync_e4m3_is_emulated_on_sm90(repo):
 
 def build_08(repo, step=None):
     """08 as its build made it: (ptxas report lines, {head dim: SASS text of its attention_kernel}).
-    A step (1-4) is the build 08_fp8.stepK, None the chapter, 08_fp8 (its last step, 08.5): the SASS
+    A step (1-5) is the build 08_fp8.stepK, None the chapter, 08_fp8 (its last step, 08.6): the SASS
     of its object, BUILD/obj/<build>.o, linked as it is into BUILD/<build> (the binary's other code,
     the harness's, left out: a third of the time), and its build log, read once per worker."""
     name = f"08_fp8.step{step}" if step else "08_fp8"
@@ -100,7 +100,7 @@ def build_08(repo, step=None):
             if kernel_base_name(function) == "attention_kernel":
                 kernels[int(re.search(r"ILi(\d+)E", function).group(1))] = text
         assert sorted(kernels) == [64, 128], (
-            f"step {step or 5}: attention_kernel for D = {sorted(kernels)}, expected 64 and 128")
+            f"step {step or LAST_STEP}: attention_kernel for D = {sorted(kernels)}, expected 64 and 128")
         return log.read_text(errors="replace").splitlines(), kernels
     return repo.once(("08 build", step), read)
 
@@ -116,7 +116,11 @@ def spill_report(lines, dim):
 # 08.1: wgmma on fp16 (HGMMA) fed by TMA (UTMALDG) through mbarriers (SYNCS), one wait per product;
 # 08.2: setmaxnreg (USETMAXREG) between the producer and the consumers; 08.3: the ping-pong's named
 # barriers (BAR.ARV) and a wait that leaves one wgmma group in flight (P V under the softmax);
-# 08.4: e4m3 operands (QGMMA, and P converted to e4m3); 08.5: S in fp16 (D = 128, test_fp8_scores_in_fp16).
+# 08.4: e4m3 operands (QGMMA, and P converted to e4m3); 08.5: 192-key tiles at D = 128 and 08.6: S in
+# fp16 there (test_fp8_scores_in_fp16).
+LAST_STEP = 6  # 08_fp8/attention.cu
+FP8_STEP = (["QGMMA", "UTMALDG.3D", "USETMAXREG.TRY_ALLOC", "BAR.ARV", "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+             "F2FP.SATFINITE.E4M3"], ["HGMMA", "MUFU.EX2.F16"])
 STEP_SASS = {
     1: (["HGMMA.64x128x16.F32", "UTMALDG.3D", "SYNCS.PHASECHK.TRANS64.TRYWAIT"],
         ["QGMMA", "USETMAXREG", "BAR.ARV", "WARPGROUP.DEPBAR.LE gsb0, 0x1", "F2FP.SATFINITE.E4M3"]),
@@ -124,15 +128,15 @@ STEP_SASS = {
         ["QGMMA", "BAR.ARV", "WARPGROUP.DEPBAR.LE gsb0, 0x1", "F2FP.SATFINITE.E4M3"]),
     3: (["HGMMA.64x128x16.F32", "UTMALDG.3D", "USETMAXREG.TRY_ALLOC", "BAR.ARV", "WARPGROUP.DEPBAR.LE gsb0, 0x1"],
         ["QGMMA", "F2FP.SATFINITE.E4M3"]),
-    4: (["QGMMA", "UTMALDG.3D", "USETMAXREG.TRY_ALLOC", "BAR.ARV", "WARPGROUP.DEPBAR.LE gsb0, 0x1",
-         "F2FP.SATFINITE.E4M3"], ["HGMMA", "MUFU.EX2.F16"]),
+    4: FP8_STEP,
+    5: FP8_STEP,
 }
 
 
 @pytest.mark.xdist_group("claims-08-steps")
 @pytest.mark.parametrize("step", sorted(STEP_SASS), ids=lambda step: f"08.{step}")
 def test_fp8_chapter_step(repo, step):
-    """Each of 08's step builds (BUILD/08_fp8.step1 ... step4) uses the instructions its step adds and
+    """Each of 08's step builds (BUILD/08_fp8.step1 ... step5) uses the instructions its step adds and
     none of a later step's, in both attention kernels, and none of them spills."""
     present, absent = STEP_SASS[step]
     lines, kernels = build_08(repo, step)
@@ -144,23 +148,25 @@ def test_fp8_chapter_step(repo, step):
         assert not missing and not found, f"08.{step} attention_kernel<{dim}>: lacks {missing}, has {found}"
 
 
-# (present, absent) in attention_kernel<D>'s SASS: 08.5, the chapter (S in fp16 at D = 128), and 08.4 (fp32 S).
+# (present, absent) in attention_kernel<D>'s SASS: 08.6, the chapter (S in fp16 at D = 128), 08.5 (fp32 S,
+# 192 keys) and 08.4 (fp32 S, 128 keys, as 08.3's tiles).
 SCORES_SASS = {
-    (5, 128): (["QGMMA.64x256x32.F16.E4M3.E4M3", "MUFU.EX2.F16"], ["QGMMA.64x256x32.F32", "QGMMA.64x192x32"]),
-    (5, 64): (["QGMMA.64x128x32.F32.E4M3.E4M3"], ["QGMMA.64x128x32.F16", "MUFU.EX2.F16"]),
-    (4, 128): (["QGMMA.64x192x32.F32.E4M3.E4M3"], ["QGMMA.64x256x32", "MUFU.EX2.F16", ".F16.E4M3"]),
+    (6, 128): (["QGMMA.64x256x32.F16.E4M3.E4M3", "MUFU.EX2.F16"], ["QGMMA.64x256x32.F32", "QGMMA.64x192x32"]),
+    (6, 64): (["QGMMA.64x128x32.F32.E4M3.E4M3"], ["QGMMA.64x128x32.F16", "MUFU.EX2.F16"]),
+    (5, 128): (["QGMMA.64x192x32.F32.E4M3.E4M3"], ["QGMMA.64x256x32", "MUFU.EX2.F16", ".F16.E4M3"]),
+    (4, 128): (["QGMMA.64x128x32.F32.E4M3.E4M3"], ["QGMMA.64x192x32", "QGMMA.64x256x32", "MUFU.EX2.F16", ".F16.E4M3"]),
 }
 
 
 @pytest.mark.xdist_group("claims-08-steps")
 @pytest.mark.parametrize("step, dim", sorted(SCORES_SASS), ids=[f"08.{s} D={d}" for s, d in sorted(SCORES_SASS)])
 def test_fp8_scores_in_fp16(repo, step, dim):
-    """08 (its last step, 08.5) at D = 128 keeps S in fp16: Q K^T is a QGMMA with fp16 accumulators
+    """08 (its last step, 08.6) at D = 128 keeps S in fp16: Q K^T is a QGMMA with fp16 accumulators
     over 256 keys and the exponentials are MUFU.EX2.F16, about one in five a polynomial on the FMA
-    units instead (SPLIT_EXP2); D = 64 keeps fp32 scores. Step 08.4 is the fp32-score kernel on
-    192-key tiles. Neither build spills."""
+    units instead (exp2_fma_h2); D = 64 keeps fp32 scores. Step 08.5 is the fp32-score kernel on
+    192-key tiles, 08.4 on 128-key ones. No build spills."""
     present, absent = SCORES_SASS[step, dim]
-    lines, kernels = build_08(repo, None if step == 5 else step)
+    lines, kernels = build_08(repo, None if step == LAST_STEP else step)
     shown = f"08.{step} D={dim}"
     report = spill_report(lines, dim)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, f"{shown}: {report}"
@@ -171,7 +177,7 @@ def test_fp8_scores_in_fp16(repo, step, dim):
     # The split exponentials (fp16 scores only): each polynomial ends in one HMUL2 (by 2^j),
     # which nothing else in the kernel uses, in place of two MUFU.EX2.F16.
     polys, mufu_pairs = text.count("HMUL2"), text.count("MUFU.EX2.F16") / 2
-    if step == 5 and dim == 128:
+    if step == LAST_STEP and dim == 128:
         share = polys / (polys + mufu_pairs)
         assert 0.1 < share < 0.3, f"{shown}: {polys} exp2 polynomials beside {mufu_pairs:.0f} MUFU pairs"
     else:

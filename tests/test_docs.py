@@ -119,11 +119,18 @@ def known_names(root):
     return known
 
 
+def chapter_words(folder):
+    """The names in a chapter's sources: attention.cu, its step files and its headers (comments stripped)."""
+    paths = [folder / "attention.cu", *sorted(folder.glob("step[0-9]_*.cu")), *sorted(folder.glob("*.h"))]
+    return set().union(*(words(strip_comments(path.read_text())) for path in paths))
+
+
 def test_named_symbols_exist(repo):
     """Every code name a chapter README writes in backticks (not in its ```c blocks, which
     test_quoted_code_is_in_the_chapter checks) exists: a function named with its `(`, an ALL_CAPS
     macro or constant, a `-DNAME=` switch, a snake_case name. It is looked for in the chapter's
-    attention.cu and in the one it was copied from (a README contrasts the two), comments stripped;
+    sources (attention.cu, its step files and headers) and in the one it was copied from (a README
+    contrasts the two), comments stripped;
     in common/ (the harness's C, and the names and string keys of its Python); among the tests'
     functions and case names, the Makefile's variables and the rows of the results."""
     known = known_names(repo.root)
@@ -131,9 +138,9 @@ def test_named_symbols_exist(repo):
     name_like = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*|_*[a-z][a-z0-9]*(?:_+[a-z0-9]+)+")
     missing = []
     for i, chapter in enumerate(CHAPTERS):
-        found = set(known) | words(strip_comments((repo.root / chapter / "attention.cu").read_text()))
+        found = set(known) | chapter_words(repo.root / chapter)
         if i:
-            found |= words(strip_comments((repo.root / CHAPTERS[i - 1] / "attention.cu").read_text()))
+            found |= chapter_words(repo.root / CHAPTERS[i - 1])
         readme = re.sub(r"```.*?```", "", (repo.root / chapter / "README.md").read_text(), flags=re.S)
         for text in span.findall(readme):
             text = text.strip()

@@ -19,7 +19,7 @@ others reuse it, and no two workers ever make the same folder at once.
   twice_torch     fp16 tensor-core chapters (06, 07, 09, and 08's fp16 steps): max abs error of O at
                   most twice that of PyTorch's fp16 flash attention on the same inputs (FlashAttention's
                   own rule; skipped without PyTorch)
-  step            08's step builds (BUILD/08_fp8.step1 ... step4): a lean matrix (both D, masks,
+  step            08's step builds (BUILD/08_fp8.step1 ... step5): a lean matrix (both D, masks,
                   ragged N, large logits) under each step's precision
   scratch         chapters with B*H*N^2 scratch: a shape whose scratch cannot fit is refused (exit 2)
   backward        chapters with a backward pass (09) x D x causal x N x (B, H), --backward: dQ, dK, dV
@@ -347,8 +347,8 @@ def test_scratch_that_cannot_fit_is_refused(repo, chapter):
         f"{shown}: the message should say the memory does not fit and what to lower: {message!r}")
 
 
-# --- 08's steps (BUILD/08_fp8.step1 ... step4; step 5 is the chapter, in the matrix above) -------------
-STEP_KEY_TILE = {"08.4": {64: 128, 128: 192}}  # FP8 steps' key tiles, where they differ from the chapter's
+# --- 08's steps (BUILD/08_fp8.step1 ... step5; step 6 is the chapter, in the matrix above) -------------
+STEP_KEY_TILE = {"08.4": {64: 128, 128: 128}, "08.5": {64: 128, 128: 192}}  # the FP8 steps' key tiles
 STEP_SEQLENS = (1, 127, 385, 1000)  # one key, ragged tiles, past 2 x 192 keys, many tiles
 
 

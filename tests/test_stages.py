@@ -419,24 +419,24 @@ def test_harness_columns():
 
 
 def test_step_rows(tmp_path):
-    """08's steps: their rows carry their own impl (08.1 ... 08.4, read from 08's source), sort
-    between 07 and the chapter, and 08.5 names the chapter in markers; the binaries are
+    """08's steps: their rows carry their own impl (08.1 ... 08.5, read from its step files), sort
+    between 07 and the chapter, and 08.6 names the chapter in markers; the binaries are
     BUILD/08_fp8.stepK."""
-    assert results.steps() == {"08_fp8": ("08.1", "08.2", "08.3", "08.4")}, results.steps()
-    assert results.chapter_dtypes() == {"08.4": "fp8", "08_fp8": "fp8"}, results.chapter_dtypes()
+    assert results.steps() == {"08_fp8": ("08.1", "08.2", "08.3", "08.4", "08.5")}, results.steps()
+    assert results.chapter_dtypes() == {"08.4": "fp8", "08.5": "fp8", "08_fp8": "fp8"}, results.chapter_dtypes()
     assert results.step_binary("build", "08_fp8", "08.3") == os.path.join("build", "08_fp8.step3")
     assert [name for name, _, _ in stages.chapter_binaries("b", ["07_async_pipeline", "08_fp8"])] == \
-        ["07_async_pipeline", "08.1", "08.2", "08.3", "08.4", "08_fp8"]
+        ["07_async_pipeline", "08.1", "08.2", "08.3", "08.4", "08.5", "08_fp8"]
     shape = results.bench_shape(128, 4096, 0)
     rows = [results.make_row("07_async_pipeline", shape, "PASS", 2.0, 250.0, 1e-4),
             results.make_row("08_fp8", shape, "SKIP", note="needs sm_90", dtype="fp8"),
             results.make_row("08.3", shape, "PASS", 1.0, 500.0, 2e-4, note="fast")]
     assert results.find_row(rows, "08_fp8", 128, 4096, 0)["status"] == "SKIP"
-    assert results.find_row(rows, "08.5", 128, 4096, 0)["status"] == "SKIP"
+    assert results.find_row(rows, "08.6", 128, 4096, 0)["status"] == "SKIP"
     assert results.find_row(rows, "08.3", 128, 4096, 0)["ms"] == 1.0
     assert results.chapter_impls(rows) == ["07_async_pipeline", "08.3", "08_fp8"]
     assert report.resolve_impl(rows, "08.3") == "08.3" and report.resolve_impl(rows, "08") == "08_fp8"
-    assert report.resolve_impl(rows, "08.5") == "08_fp8"
+    assert report.resolve_impl(rows, "08.6") == "08_fp8"
     path = str(tmp_path / "X.csv")
     results.write_results(path, rows)
     back = results.read_results(path)

@@ -179,7 +179,7 @@ def test_resolve_impl_with_variants():
     shape = results.bench_shape(128, 4096, 0)
     steps = [results.make_row(n, shape, "PASS", 1.0, 1.0, 1e-4) for n in ("08.3", "08_fp8")]
     assert report.resolve_impl(steps, "08") == "08_fp8" and report.resolve_impl(steps, "08.3") == "08.3"
-    assert report.resolve_impl(steps, "08.5") == "08_fp8"
+    assert report.resolve_impl(steps, "08.6") == "08_fp8"
 
 
 def test_regenerate_backward_on_a_tree(tmp_path, capsys):

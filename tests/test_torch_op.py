@@ -113,12 +113,13 @@ def test_make_train_refuses_a_wrong_chapter(repo):
 
 BUILD_NAMES = {
     "7": "07_async_pipeline", "07": "07_async_pipeline", "07_async_pipeline": "07_async_pipeline",
-    "8": "08_fp8", "08.5": "08_fp8", "08.1": "08_fp8.step1", "8.3": "08_fp8.step3", "08_fp8.step4": "08_fp8.step4",
+    "8": "08_fp8", "08.6": "08_fp8", "08.5": "08_fp8.step5", "08.1": "08_fp8.step1", "8.3": "08_fp8.step3",
+    "08_fp8.step4": "08_fp8.step4",
     "09": "09_backward", "09.deterministic": "09_backward.deterministic",
     "09_backward.deterministic": "09_backward.deterministic",
 }
 NAMES_REFUSED = {"42": r"chapter '42': no such chapter.*07_async_pipeline", "": r"no such chapter",
-                 "seven": r"no such chapter", "08.6": r"08_fp8's steps are 08\.1 \.\.\. 08\.5",
+                 "seven": r"no such chapter", "08.7": r"08_fp8's steps are 08\.1 \.\.\. 08\.6",
                  "07.2": r"07_async_pipeline is not built in steps"}
 
 

@@ -144,18 +144,12 @@ def source_text(chapter, **defines):
 
 
 def chapter_steps(chapter):
-    """A chapter built in steps (a STEP switch selecting STEP_NAME and STEP_PRECISION, as 08's): [(step,
-    name, precision macro)] for STEP = 1, 2, ... up to the first that is an #error; [] for other chapters."""
-    text = raw_source(chapter)
-    if "STEP" not in preprocess(text)[1]:
-        return []
-    steps = []
-    for step in range(1, 100):
-        _, defines, errors = preprocess(text, {"STEP": str(step)})
-        if errors or "STEP_NAME" not in defines:
-            break
-        steps.append((step, defines["STEP_NAME"].strip('"'), defines.get("STEP_PRECISION", "")))
-    return steps
+    """A chapter built in steps (08: its step files 08_fp8/stepK_*.cu, then attention.cu): [(step, name,
+    precision macro)] as common/chapters.py reads them; [] for other chapters."""
+    sys.path.insert(0, os.path.join(ROOT, "common"))
+    import chapters  # common/chapters.py: the steps as the build and the bench see them
+    return [(s["step"], s["name"], s["precision"])
+            for s in chapters.read_steps(os.path.join(ROOT, chapter, "attention.cu"))]
 
 
 def split_top_level(text):
@@ -329,7 +323,7 @@ def headline_shape():
 @functools.lru_cache(maxsize=None)
 def step_table():
     """impl -> (step label, dtype of its operands) for the builds of every chapter built in steps: 08's
-    STEP_NAME and STEP_PRECISION of each STEP, e.g. '08.1' -> ('08.1', 'fp16'), '08_fp8' -> ('08.5', 'fp8')."""
+    steps as common/chapters.py reads them, e.g. '08.1' -> ('08.1', 'fp16'), '08_fp8' -> ('08.6', 'fp8')."""
     table = {}
     for path in sorted(glob.glob(os.path.join(ROOT, "[0-9][0-9]_*", "attention.cu"))):
         chapter = os.path.basename(os.path.dirname(path))
@@ -1326,8 +1320,8 @@ def measured_together(env, chapters):
 
 def staircase_bars(rows):
     """The bars, in order: (impl, tick label, precision). Each chapter NN_name in turn, except that where the
-    CSV has rows of its steps (NN.1, NN.2, ...: the builds of its STEP switch, step_table) those come first
-    and the chapter's own row closes them as its last step (08_fp8 is 08.5). Steps with no row are left out."""
+    CSV has rows of its steps (NN.1, NN.2, ...: the builds of its step files, step_table) those come first
+    and the chapter's own row closes them as its last step (08_fp8 is 08.6). Steps with no row are left out."""
     bars, table = [], step_table()
     for chapter in sorted(impl for impl in rows if is_chapter(impl)):
         steps = sorted((impl for impl in rows if is_step(impl) and impl[:2] == chapter[:2]),
@@ -1424,9 +1418,6 @@ PP = {"qk": 0.5, "pv": 0.5, "softmax": 0.7, "pack": 0.3, "issue": 0.12, "copy": 
 def pingpong_source():
     """08's constants at D = 128, after checking that its kernel still has the order the figure draws."""
     text, c = source_text("08_fp8"), chapter_constants("08_fp8")
-    for switch in ("WARP_SPECIALISED", "PINGPONG", "INTRA_OVERLAP"):
-        if not const(c, switch):
-            raise LookupError(f"08's {switch} is not 1: the ping-pong figure needs updating")
     if const(c, "SOFTMAX_UNDER_PV", HEAD_DIM=128):
         raise LookupError("08's SOFTMAX_UNDER_PV is true at D = 128: the ping-pong figure draws the other order")
     # The checks name what the code does, not what its variables are called (\w+, [^;]*).
