@@ -20,9 +20,11 @@ else
   ARCH_WORDS := $(ARCH)
 endif
 
-# --- Python: the system's where it has what a target needs, else .venv (made with the system's
-# packages visible, PyTorch included): NumPy for every Python tool (requirements.txt), and pytest
-# (below 9.1) with pytest-xdist for make test (requirements-dev.txt).
+# --- Python: NumPy for every tool (requirements.txt): the system's python3 where it has NumPy, else
+# a .venv made from requirements.txt. make test also needs pytest (below 9.1) and pytest-xdist
+# (requirements-dev.txt): where that Python lacks them, pip installs them into .cache/python, which
+# pytest's run puts first on PYTHONPATH (a Python that is itself a venv, PyTorch's say, keeps its
+# packages so), and which make clean keeps, as it keeps the tools fetched into .cache/tools.
 PYTHON_SYS ?= python3
 has_modules = $(shell $(PYTHON_SYS) -c 'import $(1)' >/dev/null 2>&1 && echo yes)
 ifeq ($(call has_modules,numpy),yes)
@@ -32,12 +34,12 @@ else
   PYTHON  := $(CURDIR)/.venv/bin/python
   PY_DEPS := .venv/.ready
 endif
-ifeq ($(shell $(PYTHON_SYS) -c 'import numpy, xdist, pytest; assert pytest.version_tuple < (9, 1)' >/dev/null 2>&1 && echo yes),yes)
-  TEST_PYTHON := $(shell command -v $(PYTHON_SYS))
-  TEST_DEPS   :=
+TEST_SITE := .cache/python
+TEST_ENV  := PYTHONPATH=$(CURDIR)/$(TEST_SITE)$${PYTHONPATH:+:$$PYTHONPATH}
+ifeq ($(shell $(TEST_ENV) $(PYTHON) -c 'import xdist, pytest; assert pytest.version_tuple < (9, 1)' >/dev/null 2>&1 && echo yes),yes)
+  TEST_DEPS := $(PY_DEPS)
 else
-  TEST_PYTHON := $(CURDIR)/.venv/bin/python
-  TEST_DEPS   := .venv/.ready .venv/.dev-ready
+  TEST_DEPS := $(PY_DEPS) $(TEST_SITE)/.ready
 endif
 
 # Chapters built on Hopper's arch-specific features (wgmma) target sm_90a alone, whatever ARCH says:
@@ -134,13 +136,13 @@ $(BUILD)/exercises/%: exercises/%/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)
 
 .venv/.ready: requirements.txt
 	@echo "setting up .venv with NumPy (the system Python lacks it)"
-	$(PYTHON_SYS) -m venv --system-site-packages .venv
+	$(PYTHON_SYS) -m venv .venv
 	.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	@touch $@
 
-.venv/.dev-ready: requirements-dev.txt .venv/.ready
-	@echo "installing the test runner into .venv (pytest, pytest-xdist: requirements-dev.txt)"
-	.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+$(TEST_SITE)/.ready: requirements-dev.txt $(PY_DEPS)
+	@echo "installing the test runner into $(TEST_SITE) (pytest, pytest-xdist: requirements-dev.txt)"
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --upgrade --target $(TEST_SITE) -r requirements-dev.txt
 	@touch $@
 
 # A target that needs a GPU says so in one line and exits 77 (the skip code; make reports it as
@@ -159,11 +161,11 @@ test: $(TEST_DEPS)
 	@echo "== make test, 1 of 2: make all lib, every build for $(ARCH_WORDS) (nothing to do where current)"
 	@$(MAKE) --no-print-directory -j$(shell nproc 2>/dev/null || echo 2) all lib
 	@echo "== make test, 2 of 2: pytest: the CPU tests, and the GPU tests where a GPU is usable"
-	@FA_BUILD=$(BUILD) $(TEST_PYTHON) -m pytest -n $(TEST_JOBS) $(TEST_ARGS)
+	@FA_BUILD=$(BUILD) $(TEST_ENV) $(PYTHON) -m pytest -n $(TEST_JOBS) $(TEST_ARGS)
 
 sanitize: all $(TEST_DEPS)
 	@$(call need_gpu,sanitize,$(BUILD)/$(firstword $(CHAPTERS)))
-	@FA_BUILD=$(BUILD) $(TEST_PYTHON) -m pytest -m sanitize -n $(TEST_JOBS) $(TEST_ARGS)
+	@FA_BUILD=$(BUILD) $(TEST_ENV) $(PYTHON) -m pytest -m sanitize -n $(TEST_JOBS) $(TEST_ARGS)
 
 # make bench: the forward's sweep, then the backward's (the chapters that have a backward pass, 09's
 # deterministic build, PyTorch's backward: docs/results/<gpu>.backward.csv). BENCH_PASS=backward: the
@@ -293,10 +295,10 @@ help:
 	@echo "make ablation CH=07   each idea of 04, 07, 08 or 09 (its backward) switched off, checked and timed in one run (GPU)"
 	@echo "make train CH=07 [TRAIN_ARGS=--quick]   a small GPT trained with SDPA, then with chapter CH's forward and 09's backward (GPU, PyTorch)"
 	@echo "make peaks      this GPU's ceilings (FFMA, mma.sync, wgmma, copy) -> docs/results/logs/common/ (GPU)"
-	@echo "make clean      remove $(BUILD)/ and the input/reference cache (.cache/, but the tools fetched into .cache/tools)"
+	@echo "make clean      remove $(BUILD)/ and the input/reference cache (.cache/; the tools fetched into .cache/tools and .cache/python stay)"
 	@echo "(GPU): without a usable GPU (or PyTorch, where named) the target says why in one line and exits 77, the skip code"
 	@echo "chapters: $(CHAPTERS)"
 
 clean:
 	rm -rf $(BUILD)
-	@if [ -d .cache ]; then find .cache -mindepth 1 -maxdepth 1 ! -name tools -exec rm -rf {} +; fi
+	@if [ -d .cache ]; then find .cache -mindepth 1 -maxdepth 1 ! -name tools ! -name python -exec rm -rf {} +; fi
