@@ -1600,7 +1600,7 @@ static cudaError_t dq_copies_of(const AttnShape *s, int *copies) {
     return cudaSuccess;
 }
 
-static size_t backward_workspace_bytes(const AttnShape *s) {
+static size_t backward_workspace_bytes(const AttnShape *s, int) {
     const size_t dq_acc = (size_t)s->batch * s->heads * s->seqlen * s->headdim * sizeof(float);
     int copies = 1;
     if (s->headdim == 64 ? dq_copies_of<64>(s, &copies) : dq_copies_of<128>(s, &copies))

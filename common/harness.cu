@@ -120,7 +120,8 @@ typedef struct {
     unsigned long long seed;
     int warmup, iters;
     int check, csv, dry_run;
-    int backward;  // --backward: the chapter's backward pass is what is checked and timed
+    int backward;       // --backward: the chapter's backward pass is what is checked and timed
+    int deterministic;  // --deterministic: that backward in its deterministic mode (BackwardArgs.deterministic)
     const char *input_dir, *output_dir;
 } Options;
 
@@ -152,6 +153,8 @@ static void print_help(void) {
         "                  dQ, dK, dV from dO (N(0,1), seeded; --input: DIR/do.npy, fp16 as q)\n"
         "                  are checked (rel L2 of each <= 1e-3) and timed alone, TFLOP/s at\n"
         "                  2.5x the forward's FLOPs; --output also writes dq.npy dk.npy dv.npy\n"
+        "  --deterministic with --backward: the backward in its deterministic mode, dQ, dK, dV\n"
+        "                  bitwise the same on every run (its --csv row's impl: %s.deterministic)\n"
         "  --csv           print one CSV row instead of the report:\n"
         "                  impl,batch,heads,seqlen,headdim,causal,dtype,ms,tflops,rel_l2,status,\n"
         "                  max_abs,lse_err,kernels,workspace_bytes,prepare_ms,attend_ms,rel_l2_floor,\n"
@@ -165,7 +168,7 @@ static void print_help(void) {
         "exit codes: 0 ran (and passed), 1 failed the check or a CUDA error,\n"
         "            2 bad usage or input, 77 skipped (no GPU, or a GPU this chapter cannot use)\n"
         "environment: FA_PYTHON (Python with NumPy), FA_CACHE (input/reference cache folder)\n",
-        chapter.name, chapter.adds);
+        chapter.name, chapter.adds, chapter.name);
 }
 
 // One rule for every number on the command line: decimal digits after an optional '-' (a value out
@@ -222,7 +225,8 @@ static Options parse_args(int argc, char **argv) {
     o.check = 1;
     static const char *const with_value[] = {"--batch", "--heads",  "--seqlen", "--headdim", "--scale",
                                              "--seed",  "--warmup", "--iters",  "--input",   "--output"};
-    static const char *const switches[] = {"--causal", "--no-check", "--csv", "--dry-run", "--backward", "--help"};
+    static const char *const switches[] = {"--causal",   "--no-check",      "--csv", "--dry-run",
+                                           "--backward", "--deterministic", "--help"};
     for (int i = 1; i < argc; i++) {
         char flag[64];
         const char *arg = strcmp(argv[i], "-h") == 0 ? "--help" : argv[i], *value = NULL, *eq = strchr(arg, '=');
@@ -263,6 +267,7 @@ static Options parse_args(int argc, char **argv) {
         else if (!strcmp(flag, "--csv")) o.csv = 1;
         else if (!strcmp(flag, "--dry-run")) o.dry_run = 1;
         else if (!strcmp(flag, "--backward")) o.backward = 1;
+        else if (!strcmp(flag, "--deterministic")) o.deterministic = 1;
         else if (!strcmp(flag, "--help")) print_help(), exit(EXIT_PASS);
     }
     return o;
@@ -975,6 +980,8 @@ static void print_backward_plan(const Options *o, size_t workspace, size_t grad_
     char a[32], b[32], c[32], d[32];
     print_shape(o);
     printf("  backward  dQ, dK, dV from dO, Q, K, V and the chapter's forward's O and LSE (run first, untimed)\n");
+    if (o->deterministic)
+        printf("  mode      deterministic: dQ, dK, dV bitwise the same on every run (--deterministic)\n");
     printf("  work      %.3g GFLOP (2.5x the forward's %.3g), at least %s moved\n", backward_flops(s) / 1e9,
            forward_flops(s) / 1e9, human_bytes(backward_bytes(s), a, sizeof a));
     printf("  memory    tensors %s (Q, K, V, O, LSE, dO, dQ, dK, dV), %s in all with the workspaces\n",
@@ -1046,7 +1053,8 @@ static int run_backward(const Options *o, const DataPaths *paths, const AttnArgs
                         size_t workspace, size_t grad_workspace, cudaStream_t stream, const cudaDeviceProp *prop) {
     const AttnShape *s = &o->shape;
     const size_t in_bytes = elems_qkv(s) * sizeof(__half), lse_bytes = elems_lse(s) * sizeof(float);
-    BackwardArgs grad = {*s, args->q, args->k, args->v, args->o, args->lse, d_o, NULL, NULL, NULL, NULL};
+    BackwardArgs grad = {*s,  args->q, args->k, args->v, args->o, args->lse,
+                         d_o, NULL,    NULL,    NULL,    NULL,    o->deterministic};
     __half **dev_grad[3] = {&grad.dq, &grad.dk, &grad.dv};
     for (int g = 0; g < 3; g++) {
         CUDA_CHECK(cudaMalloc(dev_grad[g], in_bytes));
@@ -1087,8 +1095,9 @@ static int run_backward(const Options *o, const DataPaths *paths, const AttnArgs
     if (o->check) backward_failures(&forward, &check, why, sizeof why);
 
     if (o->csv) {
-        printf("%s,%d,%d,%d,%d,%d,fp16,%.4f,%.2f,", chapter.name, s->batch, s->heads, s->seqlen, s->headdim, s->causal,
-               ms, tflops);
+        // The impl names the mode, so that rows of the two modes are told apart (09_backward.deterministic).
+        printf("%s%s,%d,%d,%d,%d,%d,fp16,%.4f,%.2f,", chapter.name, o->deterministic ? ".deterministic" : "", s->batch,
+               s->heads, s->seqlen, s->headdim, s->causal, ms, tflops);
         if (o->check) printf("%.3e,%s,%.3e,,", check.worst_rel_l2, status, check.worst_max_abs);  // no lse_err
         else printf(",%s,,,", status);
         printf("%d,%zu,,,,%zu,", kernels, grad_workspace, device_bytes);  // no prepare_ms, attend_ms, rel_l2_floor
@@ -1136,6 +1145,11 @@ int main(int argc, char **argv) {
             "this chapter has no backward pass (--backward): drop it, or run it on a chapter that registers one");
     if (o.backward && !chapter.backward->backward)
         die(EXIT_FAILED, "the chapter's Backward has no backward function: name its launcher there");
+    if (o.deterministic && !o.backward)
+        die(EXIT_USAGE, "%s",
+            chapter.backward ? "--deterministic is a mode of the backward pass: add --backward, or drop it"
+                             : "--deterministic is a mode of the backward pass (--backward), which this chapter "
+                               "has not: drop it, or run it on a chapter that registers one");
     if (o.output_dir) check_output_dir(o.output_dir, output_count(&o));
     if (o.input_dir) shape_from_input(&o);
     validate_shape(&o.shape);
@@ -1149,7 +1163,8 @@ int main(int argc, char **argv) {
         check_finite(o.input_dir, s, inputs, host_in);
     }
     size_t workspace = chapter.workspace_bytes ? chapter.workspace_bytes(s) : 0;
-    size_t grad_workspace = o.backward && chapter.backward->workspace_bytes ? chapter.backward->workspace_bytes(s) : 0;
+    size_t grad_workspace =
+        o.backward && chapter.backward->workspace_bytes ? chapter.backward->workspace_bytes(s, o.deterministic) : 0;
     if (o.dry_run) {
         if (o.backward) {
             DataPaths paths = data_paths(&o);

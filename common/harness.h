@@ -31,7 +31,10 @@ typedef struct {
     const float *lse;         // the forward's LSE, [B, H, N], natural log
     const __half *d_o;        // dO, the gradient of the loss with respect to O, [B, H, N, D]
     __half *dq, *dk, *dv;     // [B, H, N, D]: every element written by every call
-    void *workspace;          // chapter.backward->workspace_bytes(shape) bytes, NULL when 0
+    void *workspace;          // chapter.backward->workspace_bytes(shape, deterministic) bytes, NULL when 0
+    // 1: dQ, dK, dV bitwise the same on every call with the same inputs (a chapter's backward must
+    // honour it; one that is always deterministic may ignore it). 0: any order of summation.
+    int deterministic;
 } BackwardArgs;
 
 // Internal precision of a chapter: selects its tolerances and how the check reads them
@@ -73,9 +76,11 @@ struct Fp8Scaling {
 // compute dQ, dK and dV from nothing: it writes every element of them, and zeroes on `stream`, as part
 // of the call, anything it accumulates into (dQ partial sums in the workspace, say), since the harness
 // clears neither the workspace nor dQ, dK, dV between calls (before the checked call they are NaN).
+// `--backward --deterministic` runs it with BackwardArgs.deterministic = 1: a run-time mode, not a build.
 struct Backward {
-    // Device scratch the backward needs (the harness allocates it; chapters never allocate). NULL: none.
-    size_t (*workspace_bytes)(const AttnShape *shape);
+    // Device scratch the backward needs in that mode (BackwardArgs.deterministic, which may need more;
+    // the harness allocates it; chapters never allocate). NULL: none.
+    size_t (*workspace_bytes)(const AttnShape *shape, int deterministic);
     // Enqueue one backward pass on `stream` alone (no other stream, no synchronisation: it is captured
     // into a graph to count its kernels); return the first CUDA error met.
     cudaError_t (*backward)(const BackwardArgs *args, cudaStream_t stream);

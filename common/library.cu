@@ -145,12 +145,25 @@ static int check_backward(const char *function) {
     return FA_OK;
 }
 
-FA_API int fa_backward_workspace_bytes(const FaShape *shape, size_t *bytes) {
+// The backward's mode: 0 or 1, as the shape's causal is.
+static int check_deterministic(const char *function, int deterministic) {
+    if (deterministic != 0 && deterministic != 1)
+        return fail(FA_ERR_INVALID_ARGUMENT, function, "deterministic = %d: expected 0 or 1", deterministic);
+    return FA_OK;
+}
+
+// The backward's scratch for a shape in a mode, both already checked.
+static size_t backward_need(const FaShape *shape, int deterministic) {
+    return chapter.backward->workspace_bytes ? chapter.backward->workspace_bytes(shape, deterministic) : 0;
+}
+
+FA_API int fa_backward_workspace_bytes(const FaShape *shape, int deterministic, size_t *bytes) {
     const char *function = "fa_backward_workspace_bytes";
     CHECK(check_backward(function));
     CHECK(check_shape(function, shape));
+    CHECK(check_deterministic(function, deterministic));
     if (!bytes) return fail(FA_ERR_INVALID_ARGUMENT, function, "bytes is NULL");
-    *bytes = chapter.backward->workspace_bytes ? chapter.backward->workspace_bytes(shape) : 0;
+    *bytes = backward_need(shape, deterministic);
     return FA_OK;
 }
 
@@ -171,20 +184,21 @@ FA_API int fa_forward(const FaShape *shape, const void *q, const void *k, const 
     return enqueued(function, chapter.forward(&args, s), "the chapter's forward");
 }
 
-FA_API int fa_backward(const FaShape *shape, const void *q, const void *k, const void *v, const void *o,
-                       const float *lse, const void *d_o, void *dq, void *dk, void *dv, void *workspace,
+FA_API int fa_backward(const FaShape *shape, int deterministic, const void *q, const void *k, const void *v,
+                       const void *o, const float *lse, const void *d_o, void *dq, void *dk, void *dv, void *workspace,
                        size_t workspace_bytes, void *stream) {
     const char *function = "fa_backward";
     CHECK(check_backward(function));
     CHECK(check_shape(function, shape));
+    CHECK(check_deterministic(function, deterministic));
     const char *names[9] = {"q", "k", "v", "o", "lse", "d_o", "dq", "dk", "dv"};
     const void *pointers[9] = {q, k, v, o, lse, d_o, dq, dk, dv};
     for (int i = 0; i < 9; i++) CHECK(check_pointer(function, names[i], pointers[i]));
-    const size_t need = chapter.backward->workspace_bytes ? chapter.backward->workspace_bytes(shape) : 0;
     BackwardArgs args = {*shape, (const __half *)q,   (const __half *)k, (const __half *)v, (const __half *)o,
                          lse,    (const __half *)d_o, (__half *)dq,      (__half *)dk,      (__half *)dv,
-                         NULL};
-    CHECK(check_workspace(function, "fa_backward_workspace_bytes", need, workspace, workspace_bytes, &args.workspace));
+                         NULL,   deterministic};
+    CHECK(check_workspace(function, "fa_backward_workspace_bytes", backward_need(shape, deterministic), workspace,
+                          workspace_bytes, &args.workspace));
     CHECK(check_gpu(function));
     return enqueued(function, chapter.backward->backward(&args, (cudaStream_t)stream), "the chapter's backward");
 }

@@ -18,14 +18,15 @@
 extern "C" {
 #endif
 
-#define FA_ABI_VERSION 1  // fa_abi_version() of a library built from this header
+#define FA_ABI_VERSION 2  // fa_abi_version() of a library built from this header (2: `deterministic`)
 #define FA_ALIGNMENT 16   // bytes: every device pointer (the kernels load 16 bytes at once; TMA)
 
 typedef AttnShape FaShape;  // scale: positive and normal (the CLI's 1/sqrt(D) is not implied)
 
 enum {
     FA_OK = 0,
-    FA_ERR_INVALID_ARGUMENT = 1,  // the shape (the CLI's rules), a NULL or misaligned pointer, a small workspace
+    FA_ERR_INVALID_ARGUMENT = 1,  // the shape (the CLI's rules), a NULL or misaligned pointer, a small workspace,
+                                  // a `deterministic` other than 0 or 1
     FA_ERR_NO_BACKWARD = 2,       // fa_backward*: this chapter has no backward pass
     FA_ERR_NO_GPU = 3,            // no usable CUDA GPU (no driver, no device visible)
     FA_ERR_UNSUPPORTED_GPU = 4,   // this GPU's compute capability is outside fa_min_sm() .. fa_max_sm()
@@ -47,10 +48,10 @@ FA_API int fa_has_backward(void);          // 1: fa_backward runs; 0: it answers
 FA_API int fa_min_sm(void);                // the compute capabilities it runs on, e.g. 80 for sm_80 ...
 FA_API int fa_max_sm(void);                // ... up to this one; 0: no upper bound
 
-// The device scratch fa_forward (fa_backward) needs for this shape, into *bytes (0: none; pass any
-// workspace then, NULL too). Checks the shape as fa_forward does; needs no GPU.
+// The device scratch fa_forward (fa_backward, in its mode: see below) needs for this shape, into *bytes
+// (0: none; pass any workspace then, NULL too). Checks the shape as fa_forward does; needs no GPU.
 FA_API int fa_workspace_bytes(const FaShape *shape, size_t *bytes);
-FA_API int fa_backward_workspace_bytes(const FaShape *shape, size_t *bytes);
+FA_API int fa_backward_workspace_bytes(const FaShape *shape, int deterministic, size_t *bytes);
 
 // One forward on `stream`: the chapter's prepare (08: quantisation to FP8, into the workspace), then
 // its forward, writing every element of O and LSE: exactly the harness's whole forward. Enqueued
@@ -60,8 +61,10 @@ FA_API int fa_forward(const FaShape *shape, const void *q, const void *k, const 
 
 // One backward on `stream`: dQ, dK, dV (every element written) of L = sum(O * dO), from Q, K, V and
 // the O and LSE that this library's fa_forward made of them, and dO. Enqueued only, as above.
-FA_API int fa_backward(const FaShape *shape, const void *q, const void *k, const void *v, const void *o,
-                       const float *lse, const void *d_o, void *dq, void *dk, void *dv, void *workspace,
+// deterministic 1: dQ, dK, dV bitwise the same on every call with the same inputs (the workspace is
+// fa_backward_workspace_bytes's for that mode); 0: the chapter's fastest order of summation.
+FA_API int fa_backward(const FaShape *shape, int deterministic, const void *q, const void *k, const void *v,
+                       const void *o, const float *lse, const void *d_o, void *dq, void *dk, void *dv, void *workspace,
                        size_t workspace_bytes, void *stream);
 
 // The last failure of this thread's calls, in one line ("" before any): "<chapter>: <function>: <what>".

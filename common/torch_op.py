@@ -4,13 +4,16 @@ torch.export) and an autograd formula whose backward is 09's.
 
     import torch_op                                    # common/ on sys.path
     o = torch_op.attention(q, k, v, causal=True, chapter="07", backward="09")
+    o = torch_op.attention(q, k, v, causal=True, backward="09", deterministic=True)  # repeatable gradients
 
 q, k, v: torch.float16 CUDA tensors [B, H, N, D], contiguous, D = 64 or 128, one shape for all
 three (self-attention). The op runs on torch.cuda.current_stream(), takes its workspace from
 PyTorch's allocator and returns O (fp16, [B, H, N, D]); return_lse=True also returns the LSE
 (fp32, [B, H, N], natural log), which is not differentiable. A chapter is named as the Makefile
-names it: 7, 07 or 07_async_pipeline; a step of 08 as 08.3 or 08_fp8.step3 (08.5 is 08_fp8); a
-variant build as 09.deterministic or 09_backward.deterministic.
+names it: 7, 07 or 07_async_pipeline; a step of 08 as 08.3 or 08_fp8.step3 (08.5 is 08_fp8).
+deterministic=True runs the backward in its deterministic mode (fa_backward's `deterministic`): dQ,
+dK, dV bitwise the same on every call with the same inputs. It is a mode of the backward chapter's
+library, not a build: '09.deterministic' names nothing, and says so.
 
 What the op refuses, and why:
   - TypeError: a dtype other than torch.float16 (the kernels read fp16; a cast is the caller's).
@@ -62,7 +65,7 @@ except ImportError:
 ROOT = os.path.dirname(HERE)
 NAMESPACE = "fa_tutorial"
 HEAD_DIMS = (64, 128)
-ABI_VERSION = 1  # common/library.h's FA_ABI_VERSION
+ABI_VERSION = 2  # common/library.h's FA_ABI_VERSION
 ALIGNMENT = 16   # bytes, FA_ALIGNMENT
 # common/library.h's return codes and precisions (tests/test_torch_op.py checks them against it).
 FA_OK, FA_ERR_INVALID_ARGUMENT, FA_ERR_NO_BACKWARD, FA_ERR_NO_GPU, FA_ERR_UNSUPPORTED_GPU, FA_ERR_CUDA = range(6)
@@ -87,7 +90,8 @@ def require_torch():
 def build_name(chapter):
     """The build a chapter argument names, as `make lib` names its library: '7', '07' and
     '07_async_pipeline' -> '07_async_pipeline'; '08.3' and '08_fp8.step3' -> '08_fp8.step3' (the last
-    step, '08.6', is the chapter, '08_fp8'); '09.deterministic' -> '09_backward.deterministic'."""
+    step, '08.6', is the chapter, '08_fp8'). Any other name after the dot is refused: '09.deterministic'
+    with a pointer to deterministic=True, the backward's run-time mode."""
     text = str(chapter).strip()
     head, _, tail = text.partition(".")
     folder = find_chapter(head) if head else None
@@ -98,7 +102,10 @@ def build_name(chapter):
         return folder
     step = tail[len("step"):] if tail.startswith("step") else tail
     if not step.isdigit():
-        return f"{folder}.{tail}"  # a variant build, such as 09_backward.deterministic
+        mode = "; determinism is a run-time mode of the backward: pass deterministic=True" \
+            if tail == "deterministic" else ""
+        raise ValueError(f"chapter {chapter!r}: {folder} has no build {tail!r} (a step is named as "
+                         f"{folder[:2]}.K){mode}")
     numbers = [s["step"] for s in read_steps(os.path.join(ROOT, folder, "attention.cu"))]
     if not numbers:
         raise ValueError(f"chapter {chapter!r}: {folder} is not built in steps")
@@ -140,9 +147,11 @@ SIGNATURES = {  # name: (restype, argtypes), as common/library.h declares them
     "fa_precision": (ctypes.c_int, []), "fa_has_backward": (ctypes.c_int, []),
     "fa_min_sm": (ctypes.c_int, []), "fa_max_sm": (ctypes.c_int, []), "fa_last_error": (ctypes.c_char_p, []),
     "fa_workspace_bytes": (ctypes.c_int, [ctypes.POINTER(FaShape), ctypes.POINTER(ctypes.c_size_t)]),
-    "fa_backward_workspace_bytes": (ctypes.c_int, [ctypes.POINTER(FaShape), ctypes.POINTER(ctypes.c_size_t)]),
+    "fa_backward_workspace_bytes": (ctypes.c_int, [ctypes.POINTER(FaShape), ctypes.c_int,
+                                                   ctypes.POINTER(ctypes.c_size_t)]),
     "fa_forward": (ctypes.c_int, [ctypes.POINTER(FaShape)] + [POINTER] * 6 + [ctypes.c_size_t, POINTER]),
-    "fa_backward": (ctypes.c_int, [ctypes.POINTER(FaShape)] + [POINTER] * 10 + [ctypes.c_size_t, POINTER]),
+    "fa_backward": (ctypes.c_int, [ctypes.POINTER(FaShape), ctypes.c_int] + [POINTER] * 10
+                    + [ctypes.c_size_t, POINTER]),
 }
 
 
@@ -186,17 +195,18 @@ class Library:
         self.check(self.dll.fa_workspace_bytes(ctypes.byref(shape), ctypes.byref(size)))
         return size.value
 
-    def backward_workspace_bytes(self, shape):
+    def backward_workspace_bytes(self, shape, deterministic=False):
         size = ctypes.c_size_t(0)
-        self.check(self.dll.fa_backward_workspace_bytes(ctypes.byref(shape), ctypes.byref(size)))
+        self.check(self.dll.fa_backward_workspace_bytes(ctypes.byref(shape), int(bool(deterministic)),
+                                                        ctypes.byref(size)))
         return size.value
 
     def forward(self, shape, q, k, v, o, lse, workspace, workspace_bytes, stream):
         self.check(self.dll.fa_forward(ctypes.byref(shape), q, k, v, o, lse, workspace, workspace_bytes, stream))
 
-    def backward(self, shape, q, k, v, o, lse, d_o, dq, dk, dv, workspace, workspace_bytes, stream):
-        self.check(self.dll.fa_backward(ctypes.byref(shape), q, k, v, o, lse, d_o, dq, dk, dv, workspace,
-                                        workspace_bytes, stream))
+    def backward(self, shape, deterministic, q, k, v, o, lse, d_o, dq, dk, dv, workspace, workspace_bytes, stream):
+        self.check(self.dll.fa_backward(ctypes.byref(shape), int(bool(deterministic)), q, k, v, o, lse, d_o, dq, dk,
+                                        dv, workspace, workspace_bytes, stream))
 
 
 @functools.lru_cache(maxsize=None)
@@ -290,14 +300,14 @@ def run_forward(lib, q, k, v, causal, scale):
     return o, lse
 
 
-def run_backward(lib, q, k, v, o, lse, d_o, causal, scale):
-    """dQ, dK, dV of one fa_backward on the current stream."""
+def run_backward(lib, q, k, v, o, lse, d_o, causal, scale, deterministic):
+    """dQ, dK, dV of one fa_backward on the current stream, in the deterministic mode or not."""
     shape = shape_of(q, causal, scale)
     dq, dk, dv = (q.new_empty(q.shape) for _ in range(3))
     with torch.cuda.device(q.device):
-        pointer, size, held = scratch(lib.backward_workspace_bytes(shape), q.device)
-        lib.backward(shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), d_o.data_ptr(),
-                     dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), pointer, size, stream_of(q.device))
+        pointer, size, held = scratch(lib.backward_workspace_bytes(shape, deterministic), q.device)
+        lib.backward(shape, deterministic, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                     d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), pointer, size, stream_of(q.device))
     del held
     return dq, dk, dv
 
@@ -319,46 +329,47 @@ def saved_forward_is_exact_enough(chapter):
     return library(chapter).precision != FA_PRECISION_FP8_TC
 
 
-def forward_impl(q, k, v, causal, scale, chapter, backward):
+def forward_impl(q, k, v, causal, scale, chapter, backward, deterministic):
     check_inputs(q=q, k=k, v=v)
     check_aligned(q=q, k=k, v=v)
     return run_forward(library(chapter), q, k, v, causal, scale)
 
 
-def forward_fake(q, k, v, causal, scale, chapter, backward):
+def forward_fake(q, k, v, causal, scale, chapter, backward, deterministic):
     check_inputs(q=q, k=k, v=v)
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def backward_impl(q, k, v, o, lse, d_o, causal, scale, chapter, backward):
+def backward_impl(q, k, v, o, lse, d_o, causal, scale, chapter, backward, deterministic):
     check_inputs(q=q, k=k, v=v, o=o, d_o=d_o)
     check_lse(lse, q)
     check_aligned(q=q, k=k, v=v, o=o, lse=lse, d_o=d_o)
     lib = backward_library(backward)
     if not saved_forward_is_exact_enough(chapter):
         o, lse = run_forward(lib, q, k, v, causal, scale)
-    return run_backward(lib, q, k, v, o, lse, d_o, causal, scale)
+    return run_backward(lib, q, k, v, o, lse, d_o, causal, scale, deterministic)
 
 
-def backward_fake(q, k, v, o, lse, d_o, causal, scale, chapter, backward):
+def backward_fake(q, k, v, o, lse, d_o, causal, scale, chapter, backward, deterministic):
     check_inputs(q=q, k=k, v=v, o=o, d_o=d_o)
     return tuple(q.new_empty(q.shape) for _ in range(3))
 
 
 def setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, chapter, backward = inputs
+    q, k, v, causal, scale, chapter, backward, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.mark_non_differentiable(lse)
-    ctx.causal, ctx.scale, ctx.chapter, ctx.backward = causal, scale, chapter, backward
+    ctx.causal, ctx.scale, ctx.chapter, ctx.backward, ctx.deterministic = causal, scale, chapter, backward, deterministic
 
 
 def backward_formula(ctx, grad_o, grad_lse):
-    """dQ, dK, dV from the backward op; the LSE's gradient is None (it is marked non-differentiable)."""
+    """dQ, dK, dV from the backward op; the LSE's gradient is None (it is marked non-differentiable), as
+    are those of the op's other arguments."""
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.fa_tutorial.attention_backward(q, k, v, o, lse, grad_o.contiguous(), ctx.causal, ctx.scale,
-                                                          ctx.chapter, ctx.backward)
-    return dq, dk, dv, None, None, None, None
+                                                          ctx.chapter, ctx.backward, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None
 
 
 def register():
@@ -371,13 +382,14 @@ def register():
     from typing import Tuple
     Tensor = torch.Tensor
 
-    def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, chapter: str,
-                     backward: str) -> Tuple[Tensor, Tensor]:
-        return forward_impl(q, k, v, causal, scale, chapter, backward)
+    def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, chapter: str, backward: str,
+                     deterministic: bool) -> Tuple[Tensor, Tensor]:
+        return forward_impl(q, k, v, causal, scale, chapter, backward, deterministic)
 
     def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, d_o: Tensor, causal: bool,
-                              scale: float, chapter: str, backward: str) -> Tuple[Tensor, Tensor, Tensor]:
-        return backward_impl(q, k, v, o, lse, d_o, causal, scale, chapter, backward)
+                              scale: float, chapter: str, backward: str,
+                              deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        return backward_impl(q, k, v, o, lse, d_o, causal, scale, chapter, backward, deterministic)
 
     forward_op = torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())(attention_op)
     forward_op.register_fake(forward_fake)
@@ -386,15 +398,18 @@ def register():
     backward_op.register_fake(backward_fake)
 
 
-def attention(q, k, v, causal=False, chapter="07", backward="09", scale=None, return_lse=False):
+def attention(q, k, v, causal=False, chapter="07", backward="09", scale=None, return_lse=False, *,
+              deterministic=False):
     """O = softmax(q kᵀ * scale [causal mask]) v by a chapter's forward (scale: 1/sqrt(D) unless
-    given); differentiable through `backward`'s fa_backward (None: not differentiable). With
-    return_lse, (O, LSE)."""
+    given); differentiable through `backward`'s fa_backward (None: not differentiable), in its
+    deterministic mode with deterministic=True (dQ, dK, dV bitwise the same on every call with the
+    same inputs). With return_lse, (O, LSE)."""
     require_torch()
     check_tensor("q", q)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    o, lse = torch.ops.fa_tutorial.attention(q, k, v, bool(causal), float(scale), str(chapter), str(backward or ""))
+    o, lse = torch.ops.fa_tutorial.attention(q, k, v, bool(causal), float(scale), str(chapter), str(backward or ""),
+                                             bool(deterministic))
     return (o, lse) if return_lse else o
 
 

@@ -3,7 +3,9 @@
 A chapter without a backward pass refuses --backward, exit 2, in one line that names the chapter
 that has one. The command line is read first (an unknown flag, a malformed value are reported as
 such), then whether the chapter has a backward, then the inputs, the output folder and the shape:
-none of those would make the run possible, so they are not what the message is about.
+none of those would make the run possible, so they are not what the message is about. --deterministic,
+the backward's deterministic mode, is refused the same way without --backward (on any binary: it is a
+mode of the backward pass), before the inputs, the output folder and the shape.
 
 What a binary with a backward checks before any GPU work runs on tests/fixtures/backward_stub.cu, a
 Chapter with a forward and a backward linked with the build's harness objects (and on any chapter
@@ -11,7 +13,7 @@ that registers a backward): --dry-run's plan (the backward's FLOPs, buffers, wor
 reference's folder), --input's do.npy (missing, another dtype or shape, NaN, not a file: refused as
 q.npy is), --output's dq.npy, dk.npy, dv.npy (checked as o.npy is), the cache folder of --input data
 (its name hashes do.npy too), exit 77 without a GPU, and that the forward of the same binary is
-unchanged.
+unchanged; --deterministic's plan says the mode and sizes the backward's workspace for it.
 """
 import os
 import re
@@ -27,6 +29,7 @@ from test_cli import (AT_LEAST_1, CAST_TO_FP16, assert_refused, human_bytes, out
 STUB = "backward_stub"
 STUB_SHAPES = [(1, 2, 16, 64, False), (2, 3, 100, 128, True), (1, 16, 65536, 128, False)]  # (B, H, N, D, causal)
 NO_BACKWARD = [r"no backward", r"--backward", r"drop it"]  # what a chapter without one says
+MODE_ALONE = [r"--deterministic is a mode of the backward pass"]  # --deterministic without --backward
 WITHOUT_BACKWARD = [chapter for chapter in CHAPTERS if chapter not in BACKWARD_CHAPTERS]
 # The stub's tests run on one worker, which compiles it once.
 BACKWARD_BINARIES = [pytest.param(STUB, marks=pytest.mark.xdist_group(STUB)), *BACKWARD_CHAPTERS]
@@ -35,6 +38,11 @@ BACKWARD_BINARIES = [pytest.param(STUB, marks=pytest.mark.xdist_group(STUB)), *B
 def stub_workspaces(b, h, n, d):
     """The stub's forward and backward scratch (tests/fixtures/backward_stub.cu)."""
     return b * h * n * 4, b * h * n * d * 4
+
+
+def stub_deterministic_workspace(b, h, n, d):
+    """The stub's backward scratch in its deterministic mode: twice the other's."""
+    return 2 * b * h * n * d * 4
 
 
 def stub_binary(repo):
@@ -144,6 +152,13 @@ WITHOUT = [
             r"--help", unwanted=r"no backward"),
     refusal("--backward with a value", lambda t: ["--backward=1"], r"--backward", r"takes no value",
             unwanted=r"no backward"),
+    # --deterministic is a mode of a pass this chapter has not: said so, whichever flag names it.
+    refusal("--deterministic", lambda t: ["--deterministic"], *MODE_ALONE, r"which this chapter has not",
+            r"drop it"),
+    refusal("--deterministic --dry-run, head dim 96", lambda t: ["--dry-run", "--deterministic", "--headdim", "96"],
+            *MODE_ALONE, r"which this chapter has not", unwanted=r"\b96\b"),
+    refusal("--backward --deterministic", lambda t: ["--backward", "--deterministic"], *NO_BACKWARD,
+            unwanted=r"mode of the backward"),
 ]
 
 
@@ -162,6 +177,19 @@ def test_no_backward_message_names_the_chapter(repo, tmp_path, chapter):
 
 # --- a binary with a backward: what it checks before any GPU work -----------------------------------
 REFUSED = [
+    # --deterministic without --backward: a mode of a pass not asked for, said before the rest.
+    refusal("--deterministic without --backward", lambda t: ["--deterministic"], *MODE_ALONE, r"add --backward",
+            unwanted=r"which this chapter has not"),
+    refusal("--deterministic without --backward, --dry-run", lambda t: ["--dry-run", "--deterministic"],
+            *MODE_ALONE, r"add --backward"),
+    refusal("--deterministic without --backward, head dim 96 and --output a file",
+            lambda t: ["--deterministic", "--headdim", "96", "--output", write_qkv(t / "in") / "q.npy"],
+            *MODE_ALONE, unwanted=r"\b96\b|not a folder"),
+    refusal("--deterministic with a value", lambda t: ["--backward", "--deterministic=1"], r"--deterministic",
+            r"takes no value"),
+    refusal("--backward --deterministic, do.npy missing",
+            lambda t: ["--backward", "--deterministic", "--input", with_do(t / "in", do="absent")],
+            path_in_tmp("in", "do.npy"), r"does not exist"),
     refusal("do.npy missing", lambda t: ["--backward", "--input", with_do(t / "in", do="absent")],
             path_in_tmp("in", "do.npy"), r"does not exist", r"--backward", r"float16|fp16"),
     refusal("do.npy missing, --dry-run",
@@ -269,6 +297,34 @@ def test_backward_plan(repo, tmp_path, shape):
     assert not cache.exists(), f"{shown}: a dry run prepared data in FA_CACHE"
 
 
+@pytest.mark.xdist_group(STUB)
+@pytest.mark.parametrize("shape", STUB_SHAPES[:2],
+                         ids=[f"B={b} H={h} N={n} D={d}{' causal' if c else ''}" for b, h, n, d, c in STUB_SHAPES[:2]])
+def test_deterministic_plan(repo, tmp_path, shape):
+    """--dry-run --backward --deterministic: the plan says the mode (the plain --backward's does not), and the
+    backward's workspace, and the total, are the chapter's for that mode (the stub's: twice the other's)."""
+    b, h, n, d, causal = shape
+    binary = stub_binary(repo)
+    args = [str(a) for a in ["--dry-run", "--backward", "--batch", b, "--heads", h, "--seqlen", n, "--headdim", d]]
+    args += ["--causal"] if causal else []
+    plain = run_binary(repo, binary, args, tmp_path / "cache")
+    proc = run_binary(repo, binary, args + ["--deterministic"], tmp_path / "cache")
+    shown = f"{STUB} {' '.join(args)} --deterministic"
+    assert plain.returncode == 0 and proc.returncode == 0, f"{shown}: exit {proc.returncode}: {proc.stderr.strip()}"
+    assert not re.search(r"^  mode\b", plain.stdout, re.M), f"{STUB} --backward: a mode in the plan:\n{plain.stdout}"
+    assert re.search(r"^  mode\s+deterministic: dQ, dK, dV bitwise the same on every run", proc.stdout, re.M), (
+        f"{shown}: the plan does not say the mode:\n{proc.stdout}")
+    ws_forward = stub_workspaces(b, h, n, d)[0]
+    ws_backward = stub_deterministic_workspace(b, h, n, d)
+    workspace = re.search(r"workspace\s+forward (.+?), backward (.+?)$", proc.stdout, re.M)
+    assert workspace and workspace.groups() == (human_bytes(ws_forward), human_bytes(ws_backward)), (
+        f"{shown}: expected workspaces forward {human_bytes(ws_forward)}, backward {human_bytes(ws_backward)} (the "
+        f"deterministic mode's):\n{proc.stdout}")
+    total = 8 * b * h * n * d * 2 + b * h * n * 4 + ws_forward + ws_backward
+    assert re.search(rf"\), {re.escape(human_bytes(total))} in all with the workspaces", proc.stdout), (
+        f"{shown}: expected {human_bytes(total)} in all:\n{proc.stdout}")
+
+
 @pytest.mark.parametrize("name", BACKWARD_BINARIES)
 def test_backward_plan_of_input_names_its_reference_by_every_file(repo, tmp_path, name):
     """--dry-run --backward --input: the shape from the files, and the reference's folder named by a hash
@@ -322,7 +378,8 @@ def test_backward_without_gpu_exits_77_and_writes_nothing(repo, tmp_path, name):
     runs = {"generated": ["--backward", *small, "--warmup", "0", "--iters", "1"],
             "input output csv": ["--backward", "--input", with_do(tmp_path / "in"), "--output", tmp_path / "out",
                                  "--csv"],
-            "existing output folder": ["--backward", *small, "--output", kept, "--no-check"]}
+            "existing output folder": ["--backward", *small, "--output", kept, "--no-check"],
+            "deterministic": ["--backward", "--deterministic", *small, "--csv"]}
     for label, args in runs.items():
         args = [str(a) for a in args]
         proc = run_binary(repo, binary, args, tmp_path / "cache")
@@ -345,8 +402,10 @@ def test_backward_without_gpu_exits_77_and_writes_nothing(repo, tmp_path, name):
 
 @pytest.mark.parametrize("name", BACKWARD_BINARIES)
 def test_help_explains_backward(repo, tmp_path, name):
-    """--help says what --backward reads (do.npy), writes (dq.npy ...), costs (2.5x) and is checked against."""
+    """--help says what --backward reads (do.npy), writes (dq.npy ...), costs (2.5x) and is checked against, and
+    what --deterministic gives and what its --csv row is named."""
     proc = run_binary(repo, binary_of(repo, name), ["--help"], tmp_path / "cache")
     assert proc.returncode == 0, f"{name} --help: exit {proc.returncode}"
-    for word in (r"--backward\b", r"do\.npy", r"dq\.npy", r"2\.5x", r"1e-3", r"dq_rel_l2"):
+    for word in (r"--backward\b", r"do\.npy", r"dq\.npy", r"2\.5x", r"1e-3", r"dq_rel_l2", r"--deterministic\b",
+                 r"bitwise the same", rf"impl: {re.escape(name)}\.deterministic"):
         assert re.search(word, proc.stdout), f"{name} --help does not say {word!r}:\n{proc.stdout}"

@@ -5,10 +5,11 @@ missing); it links the object of the build's executable (whose compile test_buil
 the fa_* functions common/library.h declares. tests/fixtures/library_probe.c, a C program that dlopen()s the
 library, then calls it on made-up device pointers: each call must be refused before any kernel could read them,
 with the code library.h gives and a one-line fa_last_error() naming the problem: the command line's shape rules
-(common/shape.h, in the very words the binary prints), the scale, NULL and misaligned pointers, a workspace too
-small, a backward on a chapter without one (before anything else, as the command line says it); a valid call,
-where no GPU is visible, answers FA_ERR_NO_GPU. Never a crash, an exit or a line printed. The sizes
-fa_workspace_bytes gives are the chapter's (helpers.WORKSPACE, 09's backward's here).
+(common/shape.h, in the very words the binary prints), the scale, the backward's mode (`deterministic` 0 or 1),
+NULL and misaligned pointers, a workspace too small (in either mode), a backward on a chapter without one (before
+anything else, as the command line says it); a valid call, where no GPU is visible, answers FA_ERR_NO_GPU. Never
+a crash, an exit or a line printed. The sizes fa_workspace_bytes and fa_backward_workspace_bytes (in each mode)
+give are the chapter's (helpers.WORKSPACE, 09's backward's here).
 """
 import re
 import shlex
@@ -18,11 +19,10 @@ import pytest
 
 import runner
 from chapters import read_chapter
-from helpers import BACKWARD_CHAPTERS, BACKWARD_VARIANTS, CHAPTERS, STEP_BUILDS, WORKSPACE, has_backward
+from helpers import CHAPTERS, STEP_BUILDS, WORKSPACE, has_backward
 
 # Every build of `make all`, each with its library (test_build holds the list to the Makefile's).
-BUILDS = [*CHAPTERS, *(build for _, build, _ in STEP_BUILDS),
-          *(f"{c}.{v}" for c in BACKWARD_CHAPTERS for v in BACKWARD_VARIANTS)]
+BUILDS = [*CHAPTERS, *(build for _, build, _ in STEP_BUILDS)]
 BASE = (1, 2, 16, 64)  # the probe's shape for every call (B, H, N, D), scale 0.125
 PROBE_SHAPES = [(1, 2, 16, 64), (2, 3, 100, 128), (3, 5, 1000, 64), (1, 16, 65536, 128)]
 NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
@@ -34,7 +34,7 @@ def header(repo):
 
 def codes(repo):
     """library.h's numbers by name: {'OK': 0, 'ERR_INVALID_ARGUMENT': 1, ..., 'PRECISION_FP32': 0, ...,
-    'ABI_VERSION': 1}."""
+    'ABI_VERSION': 2}."""
     text = header(repo)
     found = {name: int(value) for name, value in re.findall(r"\bFA_(\w+) = (\d+)", text)}
     found["ABI_VERSION"] = int(re.search(r"#define FA_ABI_VERSION (\d+)", text).group(1))
@@ -46,8 +46,9 @@ def exported_names(repo):
     return set(re.findall(r"^FA_API [^;(]*?\b(fa_\w+)\(", header(repo), re.M))
 
 
-def backward_workspace(b, h, n, d):
-    """09's backward scratch: D (a float per query row, to 256 bytes), then the fp32 dQ accumulator."""
+def backward_workspace(b, h, n, d, deterministic=False):
+    """09's backward scratch: D (a float per query row, to 256 bytes), then the fp32 dQ accumulator; the same in
+    its deterministic mode."""
     return -(-b * h * n * 4 // 256) * 256 + b * h * n * d * 4
 
 
@@ -97,7 +98,7 @@ def test_header_is_plain_c_and_cxx(repo):
 
 
 def test_make_lib_builds_every_build(repo, tmp_path):
-    """`make lib` has a library for every build of `all` (the chapters, 08's steps, 09's deterministic variant),
+    """`make lib` has a library for every build of `all` (the chapters, 08's steps),
     each linked -shared from the build's position-independent object (the executable's) and library.o, without
     the harness; `make all` builds none of them (it stays as quick as it was), and `make help` names the target
     (make -n in an empty folder: what it would run)."""
@@ -190,6 +191,7 @@ def expected_cases(repo, chapter):
     backward = has_backward(repo, chapter)
     need = WORKSPACE[int(chapter[:2])](*BASE)
     grad_need = backward_workspace(*BASE) if backward else 0
+    deterministic_need = backward_workspace(*BASE, deterministic=True) if backward else 0
     bad = "ERR_INVALID_ARGUMENT"
     no_bwd = ("ERR_NO_BACKWARD", NO_BACKWARD)
     want = {}
@@ -200,6 +202,8 @@ def expected_cases(repo, chapter):
     want["forward: shape NULL"] = (bad, [r"shape is NULL"])
     want["workspace_bytes: bytes NULL"] = (bad, [r"bytes is NULL"])
     want["backward_workspace_bytes: bytes NULL"] = (bad, [r"bytes is NULL"]) if backward else no_bwd
+    want["backward_workspace_bytes: deterministic 2"] = (bad, [r"deterministic = 2", r"0 or 1"]) if backward else no_bwd
+    want["backward: deterministic -1"] = (bad, [r"deterministic = -1", r"0 or 1"]) if backward else no_bwd
     for i, name in enumerate(TENSORS):
         for how, words in (("NULL", [rf"\b{name} is NULL", r"device pointer"]),
                            ("misaligned", [rf"\b{name} \(0x[0-9a-f]+\)", r"not 16-byte aligned"])):
@@ -216,9 +220,13 @@ def expected_cases(repo, chapter):
         else fine) if backward else no_bwd
     want["backward: workspace NULL"] = ((bad, [r"workspace is NULL", rf"needs {grad_need} bytes"]) if grad_need
                                         else fine) if backward else no_bwd
+    want["backward: deterministic, workspace too small"] = (
+        (bad, [r"workspace too small", rf"needs {deterministic_need}\b", r"fa_backward_workspace_bytes"])
+        if deterministic_need else fine) if backward else no_bwd
     want["forward: valid"] = fine
     want["forward: valid causal D=128"] = fine
     want["backward: valid"] = fine if backward else no_bwd
+    want["backward: valid deterministic"] = fine if backward else no_bwd
     want["forward: headdim 96, then another thread"] = (bad, SHAPES_REFUSED["headdim 96"])
     return want
 
@@ -254,10 +262,12 @@ def test_library_refuses_bad_calls_before_gpu_work(repo, gpu_state, chapter, hid
         assert info[f"workspace {b} {h} {n} {d}"] == f"0 {forward}", (
             f"{shown}: fa_workspace_bytes of B={b} H={h} N={n} D={d}: {info[f'workspace {b} {h} {n} {d}']} "
             f"(code, bytes), expected 0 {forward}")
-        grad = f"0 {backward_workspace(b, h, n, d)}" if backward else f"{code['ERR_NO_BACKWARD']} 0"
-        assert info[f"backward_workspace {b} {h} {n} {d}"] == grad, (
-            f"{shown}: fa_backward_workspace_bytes of B={b} H={h} N={n} D={d}: "
-            f"{info[f'backward_workspace {b} {h} {n} {d}']} (code, bytes), expected {grad}")
+        for mode, deterministic in (("backward_workspace", False), ("deterministic_backward_workspace", True)):
+            grad = (f"0 {backward_workspace(b, h, n, d, deterministic)}" if backward
+                    else f"{code['ERR_NO_BACKWARD']} 0")
+            assert info[f"{mode} {b} {h} {n} {d}"] == grad, (
+                f"{shown}: fa_backward_workspace_bytes of B={b} H={h} N={n} D={d}, deterministic "
+                f"{int(deterministic)}: {info[f'{mode} {b} {h} {n} {d}']} (code, bytes), expected {grad}")
 
     want = expected_cases(repo, chapter)
     assert set(cases) == set(want), (f"{shown}: the probe's cases differ from the test's: "

@@ -2,10 +2,12 @@
 
 Both import where PyTorch is missing and say so in one line: available() is False, attention() raises
 ImportError; train.py and `make train` print one line and exit 77, the skip code; train.py without its
-libraries (--no-build) says so in one line, exit 1. The chapter names resolve to the builds `make lib` makes.
+libraries (--no-build) says so in one line, exit 1. The chapter names resolve to the builds `make lib` makes;
+determinism is no build ('09.deterministic' is refused, pointing at deterministic=True).
 The ctypes binding is common/library.h's: its codes, its FaShape (common/shape.h's AttnShape, field by field),
 its functions and their arities; loaded on a chapter's library (the build folder's, BUILD/lib), it reads what
-the chapter says about itself and its workspaces, and its calls are refused as the C probe's are
+the chapter says about itself and its workspaces (the backward's in each mode), and its calls are refused as
+the C probe's are
 (test_library), with the code and line turned into a LibraryError. PyTorch is hidden from each child process
 (sys.modules['torch'] = None), so all of this holds where it is installed too.
 """
@@ -115,12 +117,14 @@ BUILD_NAMES = {
     "7": "07_async_pipeline", "07": "07_async_pipeline", "07_async_pipeline": "07_async_pipeline",
     "8": "08_fp8", "08.6": "08_fp8", "08.5": "08_fp8.step5", "08.1": "08_fp8.step1", "8.3": "08_fp8.step3",
     "08_fp8.step4": "08_fp8.step4",
-    "09": "09_backward", "09.deterministic": "09_backward.deterministic",
-    "09_backward.deterministic": "09_backward.deterministic",
+    "09": "09_backward",
 }
 NAMES_REFUSED = {"42": r"chapter '42': no such chapter.*07_async_pipeline", "": r"no such chapter",
                  "seven": r"no such chapter", "08.7": r"08_fp8's steps are 08\.1 \.\.\. 08\.6",
-                 "07.2": r"07_async_pipeline is not built in steps"}
+                 "07.2": r"07_async_pipeline is not built in steps",
+                 "09.deterministic": r"09_backward has no build 'deterministic'.*pass deterministic=True",
+                 "09_backward.deterministic": r"09_backward has no build 'deterministic'.*pass deterministic=True",
+                 "07.fast": r"07_async_pipeline has no build 'fast' \(a step is named as 07\.K\)$"}
 
 
 def test_build_names(repo, tmp_path):
@@ -173,6 +177,9 @@ def c_parameter_type(param):
         return ctypes.POINTER(torch_op.FaShape)
     if param.split()[0] == "size_t":
         return ctypes.POINTER(ctypes.c_size_t) if "*" in param else ctypes.c_size_t
+    if param.split()[0] == "int":
+        assert "*" not in param, f"library.h: a parameter the binding has no rule for: {param!r}"
+        return ctypes.c_int  # the backward's mode
     assert "*" in param, f"library.h: a parameter the binding has no rule for: {param!r}"
     return ctypes.c_void_p  # a device pointer, the stream
 
@@ -195,19 +202,23 @@ out = {}
 for chapter, path in json.loads(sys.argv[1]).items():
     lib = torch_op.Library(path)
     facts = {"name": lib.name, "precision": lib.precision, "has_backward": lib.has_backward,
-             "min_sm": lib.min_sm, "max_sm": lib.max_sm, "workspace": {}, "backward_workspace": {}, "refused": {}}
+             "min_sm": lib.min_sm, "max_sm": lib.max_sm, "workspace": {}, "backward_workspace": {},
+             "deterministic_backward_workspace": {}, "refused": {}}
     for b, h, n, d in json.loads(sys.argv[2]):
         shape = torch_op.make_shape(b, h, n, d, 0, 0.125)
         facts["workspace"][f"{b} {h} {n} {d}"] = lib.workspace_bytes(shape)
         if lib.has_backward:
             facts["backward_workspace"][f"{b} {h} {n} {d}"] = lib.backward_workspace_bytes(shape)
+            facts["deterministic_backward_workspace"][f"{b} {h} {n} {d}"] = lib.backward_workspace_bytes(shape, True)
     good, pointers = torch_op.make_shape(1, 2, 16, 64, 1, 0.125), [0x7F0000000000 + 0x1000000 * i for i in range(1, 10)]
     calls = {
         "headdim 96": lambda: lib.workspace_bytes(torch_op.make_shape(1, 2, 16, 96, 0, 0.125)),
         "scale 0": lambda: lib.forward(torch_op.make_shape(1, 2, 16, 64, 0, 0.0), *pointers[:5], None, 0, None),
         "q misaligned": lambda: lib.forward(good, pointers[0] + 2, *pointers[1:5], None, 0, None),
         "valid forward": lambda: lib.forward(good, *pointers[:5], pointers[5], 1 << 30, None),
-        "valid backward": lambda: lib.backward(good, *pointers[:9], pointers[0], 1 << 30, None),
+        "valid backward": lambda: lib.backward(good, False, *pointers[:9], pointers[0], 1 << 30, None),
+        "valid deterministic backward": lambda: lib.backward(good, True, *pointers[:9], pointers[0], 1 << 30, None),
+        "deterministic, workspace too small": lambda: lib.backward(good, True, *pointers[:9], pointers[0], 1, None),
     }
     for label, call in calls.items():
         try:
@@ -245,12 +256,19 @@ def test_binding_without_gpu(repo):
                 wrong.append(f"{chapter}: workspace of {key} is {facts['workspace'][key]}")
             if backward and facts["backward_workspace"][key] != backward_workspace(b, h, n, d):
                 wrong.append(f"{chapter}: backward workspace of {key} is {facts['backward_workspace'][key]}")
+            deterministic = facts["deterministic_backward_workspace"].get(key)
+            if backward and deterministic != backward_workspace(b, h, n, d, deterministic=True):
+                wrong.append(f"{chapter}: deterministic backward workspace of {key} is {deterministic}")
+        no_backward = ("ERR_NO_BACKWARD", r"fa_backward: this chapter has no backward pass")
+        no_gpu = ("ERR_NO_GPU", r"fa_backward: no usable CUDA GPU") if backward else no_backward
         expect = {"headdim 96": ("ERR_INVALID_ARGUMENT", r"fa_workspace_bytes: head dimension 96"),
                   "scale 0": ("ERR_INVALID_ARGUMENT", r"fa_forward: scale 0\b"),
                   "q misaligned": ("ERR_INVALID_ARGUMENT", r"fa_forward: q \(0x[0-9a-f]+\) is not 16-byte aligned"),
                   "valid forward": ("ERR_NO_GPU", r"fa_forward: no usable CUDA GPU"),
-                  "valid backward": ("ERR_NO_GPU", r"fa_backward: no usable CUDA GPU") if backward
-                  else ("ERR_NO_BACKWARD", r"fa_backward: this chapter has no backward pass")}
+                  "valid backward": no_gpu, "valid deterministic backward": no_gpu,
+                  "deterministic, workspace too small": ("ERR_INVALID_ARGUMENT",
+                                                         r"fa_backward: workspace too small: 1 bytes given")
+                  if backward else no_backward}
         for label, (name, pattern) in expect.items():
             got = facts["refused"][label]
             if not got or got[0] != code[name] or not re.search(pattern, got[1]) or f"(FA_{name})" not in got[1] \

@@ -8,10 +8,11 @@ a CUDA device it sees. The libraries it loads are `make lib`'s (make test builds
              max abs error of PyTorch's own fp16 backward (flash) on the same inputs; once with a
              non-contiguous dO (autograd's, which the op makes contiguous)
   opcheck    torch.library.opcheck of both ops (schema, autograd registration, fake tensors, AOT
-             dispatch with dynamic shapes), on 09's deterministic backward so that eager and compiled
-             gradients are bitwise comparable
+             dispatch with dynamic shapes), on 09's backward in its deterministic mode (deterministic=True)
+             so that eager and compiled gradients are bitwise comparable
   compile    torch.compile(fullgraph=True) of a function calling the op, aot_eager and inductor:
              the same O and gradients as eager
+  repeat     deterministic=True: dQ, dK, dV bitwise the same in two backward calls on the same inputs
   errors     each refusal: its exception type and words
   training   50 steps of common/train.py's model with the op: finite losses that fall, from where the
              same run with SDPA starts, as far as it within a tenth of its fall; common/train.py end to
@@ -36,7 +37,6 @@ FORWARD_CHAPTERS = ("06", "07", "08", "08.3", "08.4", "09")
 GRADIENT_CHAPTERS = ("07", "08", "09")
 FORWARD_SHAPE = (2, 3, 257)  # B, H, N (ragged: not a multiple of any tile)
 DIMS = (64, 128)
-DETERMINISTIC = "09.deterministic"
 TOLERANCE_OF = {torch_op.FA_PRECISION_FP32: REL_L2_TOL[1], torch_op.FA_PRECISION_FP16_TC: REL_L2_TOL[7]}
 TRAIN_STEPS, TRAIN_BATCH = 50, 8
 
@@ -156,25 +156,25 @@ def test_gradients(op, repo, chapter, b, h, n, d, causal, transposed_grad):
                          ids=["07 D=64 causal", "09 D=128", "08 D=128 causal"])
 def test_opcheck(op, chapter, d, causal):
     torch = op
-    runs_here(torch, chapter, DETERMINISTIC)
+    runs_here(torch, chapter, "09")
     b, h, n = 1, 2, 200
     q, k, v, do = (torch.from_numpy(x).cuda() for x in random_inputs(b, h, n, d, seed=3, names="qkvo"))
     scale = 1 / math.sqrt(d)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    torch.library.opcheck(torch.ops.fa_tutorial.attention.default, (*leaves, causal, scale, chapter, DETERMINISTIC))
-    o, lse = torch.ops.fa_tutorial.attention(q, k, v, causal, scale, chapter, "")
+    torch.library.opcheck(torch.ops.fa_tutorial.attention.default, (*leaves, causal, scale, chapter, "09", True))
+    o, lse = torch.ops.fa_tutorial.attention(q, k, v, causal, scale, chapter, "", False)
     torch.library.opcheck(torch.ops.fa_tutorial.attention_backward.default,
-                          (q, k, v, o, lse, do, causal, scale, chapter, DETERMINISTIC))
+                          (q, k, v, o, lse, do, causal, scale, chapter, "09", True))
 
 
 @pytest.mark.parametrize("backend", ("aot_eager", "inductor"))
 def test_compile(op, backend):
     torch = op
-    runs_here(torch, "07", DETERMINISTIC)
+    runs_here(torch, "07", "09")
     q, k, v, do = (torch.from_numpy(x).cuda() for x in random_inputs(2, 3, 300, 64, seed=5, names="qkvo"))
 
     def loss(q, k, v):
-        o = torch_op.attention(q, k, v, causal=True, chapter="07", backward=DETERMINISTIC)
+        o = torch_op.attention(q, k, v, causal=True, chapter="07", backward="09", deterministic=True)
         return o, (o.float() * do.float()).sum()
 
     results = []
@@ -187,6 +187,28 @@ def test_compile(op, backend):
         assert torch.equal(eager, compiled), (
             f"torch.compile(backend={backend!r}): {name} differs from eager by up to "
             f"{(eager.float() - compiled.float()).abs().max().item():.3e}")
+
+
+def test_deterministic_repeats_bitwise(op):
+    """deterministic=True: two backward calls through the op on the same inputs give bitwise the same dQ, dK
+    and dV, each within BACKWARD_TOL of float64 (test_gpu repeats the binary's on more shapes)."""
+    torch = op
+    runs_here(torch, "09")
+    b, h, n, d, causal = 1, 4, 1024, 128, True
+    q, k, v, do = random_inputs(b, h, n, d, seed=11, names="qkvo")
+    want = attention64_grads(q, k, v, do, causal, 1 / math.sqrt(d))
+    runs = []
+    for _ in range(2):
+        leaves = [torch.from_numpy(x).cuda().requires_grad_() for x in (q, k, v)]
+        torch_op.attention(*leaves, causal=causal, chapter="09", backward="09", deterministic=True).backward(
+            torch.from_numpy(do).cuda())
+        runs.append([x.grad for x in leaves])
+    shown = shown_shape("09", b, h, n, d, causal) + " deterministic=True, twice"
+    for name, first, second, w in zip(("dQ", "dK", "dV"), *runs, want):
+        error = rel_l2(to_numpy(first), w)
+        assert error <= BACKWARD_TOL, f"{shown}: {name} relative L2 error {error:.3e}, expected <= {BACKWARD_TOL}"
+        assert torch.equal(first.view(torch.int16), second.view(torch.int16)), (
+            f"{shown}: {name} differs between the two calls, expected bitwise the same")
 
 
 # --- The refusals ---------------------------------------------------------------------------------------
@@ -209,6 +231,8 @@ def error_cases(torch):
         ("misaligned", lambda: attend(misaligned, base, base), ValueError, r"q's data .* not 16-byte aligned"),
         ("no such chapter", lambda: attend(base, base, base, chapter="42"), ValueError, r"chapter '42': no such chapter"),
         ("no such step", lambda: attend(base, base, base, chapter="08.9"), ValueError, r"steps are 08\.1 \.\.\. 08\.6"),
+        ("deterministic as a build", lambda: backward_through(torch, "09.deterministic"), ValueError,
+         r"no build 'deterministic'.*deterministic=True"),
         ("B*H too large", lambda: attend(*(torch.randn(1, 65536, 1, 64, device=cuda, dtype=torch.float16),) * 3),
          RuntimeError, r"B\*H = 65536: at most 65535.*FA_ERR_INVALID_ARGUMENT"),
         ("backward=None", lambda: backward_through(torch, None), RuntimeError, r"no backward chapter was given"),
