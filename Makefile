@@ -50,15 +50,12 @@ SM90A_CHAPTERS := 08_fp8
 STEP_SOURCES := $(sort $(wildcard [0-9][0-9]_*/step[0-9]_*.cu))
 step_build = $(patsubst %/,%,$(dir $(1))).step$(patsubst step%,%,$(firstword $(subst _, ,$(notdir $(1)))))
 STEP_BUILDS := $(foreach s,$(STEP_SOURCES),$(call step_build,$(s)))
-# 09's backward with dQ summed in a fixed order (DETERMINISTIC_DQ=1): bitwise repeatable gradients.
-VARIANT_BUILDS := 09_backward.deterministic
-BUILDS := $(CHAPTERS) $(STEP_BUILDS) $(VARIANT_BUILDS)
+BUILDS := $(CHAPTERS) $(STEP_BUILDS)
 SM90A_BUILDS := $(filter $(addsuffix %,$(SM90A_CHAPTERS)),$(BUILDS))
-# A build's source: its step file, or its chapter's attention.cu; and what a variant build sets.
+# A build's source: its step file, or its chapter's attention.cu.
 chapter_of_build = $(firstword $(subst ., ,$(1)))
 source_of = $(or $(filter $(call chapter_of_build,$(1))/step$(lastword $(subst .step, ,$(1)))_%,$(if \
             $(findstring .step,$(1)),$(STEP_SOURCES))),$(call chapter_of_build,$(1))/attention.cu)
-BUILD_DEFINES = $(if $(findstring .deterministic,$(1)),-DDETERMINISTIC_DQ=1)
 CHAPTER_HEADERS := $(wildcard [0-9][0-9]_*/*.h)
 
 EXTRA_NVFLAGS ?=   # e.g. -DBLOCK_KV_D128=64 to try another tile size in 07
@@ -106,13 +103,13 @@ $(BUILD)/common/%.o: common/%.c $(HEADERS) $(BUILD)/.flags
 	@echo "nvcc  $< -> $@"
 	@$(call compile,$(PIC) -c -o $@ $<,$@.log)
 
-# One object per build (a chapter, a step of 08, 09's deterministic build); its ptxas report in
-# BUILD/<build>.log. Then the executable (with the harness) and the library (make lib) link it.
+# One object per build (a chapter, a step of 08); its ptxas report in BUILD/<build>.log. Then the
+# executable (with the harness) and the library (make lib) link it.
 .SECONDEXPANSION:
 $(BUILD)/obj/%.o: $$(call source_of,$$*) $(HEADERS) $(CHAPTER_HEADERS) $(BUILD)/.flags
 	@mkdir -p $(dir $@)
-	@echo "nvcc  $< -> $(BUILD)/$* ($(call arch_of,$*)$(if $(call BUILD_DEFINES,$*), $(call BUILD_DEFINES,$*)))"
-	@$(call compile,$(PIC) $(call BUILD_DEFINES,$*) -c -o $@ $<,$(BUILD)/$*.log)
+	@echo "nvcc  $< -> $(BUILD)/$* ($(call arch_of,$*))"
+	@$(call compile,$(PIC) -c -o $@ $<,$(BUILD)/$*.log)
 
 $(addprefix $(BUILD)/,$(BUILDS)): $(BUILD)/%: $(BUILD)/obj/%.o $(COMMON_OBJ)
 	@$(NVCC) $(GENCODE) -o $@ $^
@@ -167,8 +164,8 @@ sanitize: all $(TEST_DEPS)
 	@$(call need_gpu,sanitize,$(BUILD)/$(firstword $(CHAPTERS)))
 	@FA_BUILD=$(BUILD) $(TEST_ENV) $(PYTHON) -m pytest -m sanitize -n $(TEST_JOBS) $(TEST_ARGS)
 
-# make bench: the forward's sweep, then the backward's (the chapters that have a backward pass, 09's
-# deterministic build, PyTorch's backward: docs/results/<gpu>.backward.csv). BENCH_PASS=backward: the
+# make bench: the forward's sweep, then the backward's (the chapters that have a backward pass and
+# PyTorch's backward: docs/results/<gpu>.backward.csv). BENCH_PASS=backward: the
 # backward's alone, the forward's rows left as they are (BENCH_PASS=forward: the forward's alone);
 # QUICK=1: only N = 1k and 4k. make compare takes both too.
 BENCH_PASS ?= both

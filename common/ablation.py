@@ -18,7 +18,8 @@ README (between ABLATION_BEGIN and ABLATION_END).
 The rows of a table: the chapter before (the baseline), the chapter with every idea off, then
 the ideas switched on one at a time in the order listed (the last row is the chapter), then the
 chapter with each idea off alone (what that idea is worth in the finished kernel), then its
-variants (a switch that defaults to 0 set to 1, such as 09's DETERMINISTIC_DQ) against the chapter.
+run-time variants (the chapter's binary run with one more flag, such as 09's --deterministic)
+against the chapter. A chapter built in steps has its steps as the first rows instead.
 A chapter that registers a backward pass (09) is ablated on its backward: every run gets
 --backward, TFLOP/s count 2.5x the forward's FLOPs, and the chapter before is the baseline only
 if it has a backward too (08 has none, so 09's table has no such row).
@@ -38,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import fmt_ms, fmt_speedup, fmt_tflops, markdown_table, replace_between, say  # noqa: E402
-from results import (HEADLINE_D, HEADLINE_N, backward_builds, backward_tflops, bench_shape, forward_tflops, gpu_name,  # noqa: E402
+from results import (HEADLINE_D, HEADLINE_N, backward_runs, backward_tflops, bench_shape, forward_tflops, gpu_name,  # noqa: E402
                      write_if_changed)
 from runner import build_of, chapters, find_chapter as chapter_named, make_env, run_case, shape_args  # noqa: E402
 from chapters import read_steps  # noqa: E402
@@ -52,12 +53,12 @@ ABLATION_SWITCHES = {
     "04_fused": ("LOOP_ORDER", "REGISTER_TILING", "LOG2_DOMAIN"),
     "07_async_pipeline": ("P_IN_REGISTERS", "ASYNC_RING", "QUERY_ROWS_128", "DOUBLE_BUFFER", "RESCALE_VOTE"),
     "08_fp8": (),  # a chapter of steps as files (stepK_*.cu): its table is the staircase of its steps
-    "09_backward": ("BWD_WIDE_BLOCK", "BWD_STAGGER", "BWD_SPLIT", "BWD_DQ_STAGE"),
+    "09_backward": (),  # the same, on its backward
 }
-# A chapter's variants, rows after those without one idea: (variant, a switch that defaults to 0 and
-# is set to 1, what that gives), each against the chapter. 09's is the build the bench also times.
-ABLATION_VARIANTS = {"09_backward": (("deterministic", "DETERMINISTIC_DQ", "dQ repeatable: a workspace copy per block"),
-                                     ("dq_kernel", "BWD_DQ_KERNEL", "dQ repeatable: by a kernel of its own"))}
+# A chapter's run-time variants, rows after those without one idea: (variant, the flag its binary runs
+# with, what that gives), each against the chapter, run by the chapter row's binary. 09's is the mode
+# the bench also times (09_backward.deterministic).
+ABLATION_VARIANTS = {"09_backward": (("deterministic", "--deterministic", "dQ, dK, dV bitwise the same on every run"),)}
 TFLOPS_OF_PASS = {"forward": forward_tflops, "backward": backward_tflops}
 
 
@@ -71,8 +72,8 @@ def switch_words(text, name):
 
 
 def chapter_pass(chapter, root=ROOT):
-    """The pass a chapter is ablated on: "backward" where it registers one (results.backward_builds)."""
-    return "backward" if backward_builds(chapter, root) else "forward"
+    """The pass a chapter is ablated on: "backward" where it registers one (results.backward_runs)."""
+    return "backward" if backward_runs(chapter, root) else "forward"
 
 
 @functools.cache
@@ -100,15 +101,19 @@ ROUNDS, WARMUP, ITERS = 3, 3, 20
 
 
 def variants(chapter):
-    """[(variant name, kind, -D flags)]: before, none, the ideas on one by one, each off alone, the
-    variants; for a chapter built in steps: before, each step (step1 ... chapter), each idea off
-    alone. No before row where the chapter before has not the chapter's pass."""
+    """[(variant name, kind, flags)]: before, none, the ideas on one by one, each off alone (their -D
+    flags), the run-time variants (the binary's flag); for a chapter built in steps: before, each step
+    (step1 ... chapter), each idea off alone, the run-time variants; for a chapter with neither steps nor
+    ideas: before, the chapter, the run-time variants. No before row where the chapter before has not
+    the chapter's pass."""
     spec = ablations()[chapter]
     names = [name for name, _ in spec["ideas"]]
     out = [("before", "before", "")] if spec["before"] else []
     if spec.get("steps"):
         count = len(read_steps(os.path.join(ROOT, chapter, "attention.cu")))
         out += [(f"step{k}", "step", "") for k in range(1, count)] + [("chapter", "step", "")]
+    elif not names:
+        out.append(("chapter", "step", ""))
     else:
         out.append(("none", "step", " ".join(f"-D{n}=0" for n in names)))
         for k in range(1, len(names) + 1):
@@ -120,7 +125,7 @@ def variants(chapter):
         flags = f"-D{name}=0"
         if flags not in seen:
             out.append((f"without_{name.lower()}", "without", flags))
-    return out + [(variant, "variant", f"-D{switch}=1") for variant, switch, _ in spec["variants"]]
+    return out + [(variant, "variant", flag) for variant, flag, _ in spec["variants"]]
 
 
 def variant_label(chapter, variant, kind):
@@ -134,12 +139,12 @@ def variant_label(chapter, variant, kind):
         name = f"{chapter[:2]}.{step['step']}"
         return f"{name}: {step['adds']}" + (f" (**{chapter}**)" if variant == "chapter" else "")
     if kind == "variant":
-        switch, words = next((s, w) for v, s, w in spec["variants"] if v == variant)
-        return f"{chapter} with `{switch}` ({words})"
+        flag, words = next((f, w) for v, f, w in spec["variants"] if v == variant)
+        return f"{chapter} with `{flag}` ({words})"
     if variant == "none":
         return "every idea off"
     if variant == "chapter":
-        return f"+ {spec['ideas'][-1][1]}: **{chapter}**"
+        return f"+ {spec['ideas'][-1][1]}: **{chapter}**" if spec["ideas"] else f"**{chapter}**"
     if kind == "step":
         return "+ " + dict(spec["ideas"])[variant[len("plus_"):].upper()]
     return f"{chapter} with `{variant[len('without_'):].upper()}` off"
@@ -164,13 +169,23 @@ def plain_build(chapter, variant):
     return None
 
 
-def case_args(chapter, dims, warmup, iters):
-    """The command line of a check or a timed run: the shape, its runs, the chapter's pass."""
+def run_flags(chapter, variant):
+    """The flags a run-time variant's binary runs with (09's deterministic: --deterministic); [] for any
+    other row."""
+    return [flag for name, flag, _ in ablations()[chapter]["variants"] if name == variant]
+
+
+def case_args(chapter, variant, dims, warmup, iters):
+    """The command line of a check or a timed run: the shape, its runs, the chapter's pass, the
+    variant's run-time flags."""
     backward = ["--backward"] if ablations()[chapter]["pass"] == "backward" else []
-    return shape_args(dims) + ["--warmup", str(warmup), "--iters", str(iters)] + backward
+    return shape_args(dims) + ["--warmup", str(warmup), "--iters", str(iters)] + backward + run_flags(chapter, variant)
 
 
 def binary_path(build, chapter, variant):
+    """The binary a row runs: its own build, the chapter row's for a run-time variant."""
+    if run_flags(chapter, variant):
+        variant = "chapter"
     plain = plain_build(chapter, variant)
     return os.path.join(build, plain) if plain else os.path.join(build, "ablation", variant, chapter)
 
@@ -190,10 +205,11 @@ def build_variant(build, make, chapter, variant, flags):
 def command_run(args):
     chapter = find_chapter(args.chapter)
     rows = variants(chapter)
-    say(f"ablation of {chapter}: {len(rows)} variants, building ...")
+    builds = [row for row in rows if not run_flags(chapter, row[0])]  # a run-time variant: the chapter's binary
+    say(f"ablation of {chapter}: {len(rows)} variants, building {len(builds)} ...")
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        built = list(pool.map(lambda r: build_variant(args.build, args.make, chapter, r[0], r[2]), rows))
-    for (variant, _, flags), (ok, tail) in zip(rows, built):
+        built = list(pool.map(lambda r: build_variant(args.build, args.make, chapter, r[0], r[2]), builds))
+    for (variant, _, flags), (ok, tail) in zip(builds, built):
         if not ok:
             say(f"{variant} ({flags}): build failed:\n{tail}")
             return 1
@@ -201,7 +217,8 @@ def command_run(args):
     for variant, _, flags in rows:
         impl = variant_impl(chapter, variant)
         for shape in CHECK_SHAPES:
-            status, _, note = run_case(binary_path(args.build, chapter, variant), impl, case_args(chapter, shape, 0, 1))
+            status, _, note = run_case(binary_path(args.build, chapter, variant), impl,
+                                       case_args(chapter, variant, shape, 0, 1))
             if status == "skipped":
                 say(f"ablation: {impl} did not run here: {note}")
                 return 1
@@ -219,7 +236,7 @@ def command_run(args):
             for variant, _, _ in rows:
                 check = [] if rnd == 0 else ["--no-check"]
                 status, row, note = run_case(binary_path(args.build, chapter, variant), variant_impl(chapter, variant),
-                                             case_args(chapter, dims, WARMUP, ITERS) + check)
+                                             case_args(chapter, variant, dims, WARMUP, ITERS) + check)
                 if status not in ("PASS", "unchecked"):
                     say(f"FAIL {variant} {dims}: {status} {note or ''}")
                     return 1
@@ -258,6 +275,16 @@ def csv_path(chapter):
 def read_rows(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def stale(chapter, rows):
+    """What makes a CSV's rows another ablation than the chapter's now (its variants, their flags), in
+    words; None where they are the same rows. A stale CSV makes no table: `make ablation` measures anew."""
+    measured = [(r["variant"], r["kind"], r["flags"]) for r in rows if int(r["causal"]) == 0]
+    if measured == variants(chapter):
+        return None
+    return (f"{os.path.relpath(csv_path(chapter), ROOT)} holds the rows {[v for v, _, _ in measured]}, the chapter's "
+            f"ablation now {[v for v, _, _ in variants(chapter)]}: run `make ablation CH={chapter[:2]}` on a GPU")
 
 
 def table_markdown(chapter, rows):
@@ -301,7 +328,7 @@ def table_caption(chapter, rows):
     spec, shape = ablations()[chapter], bench_shape(HEADLINE_D, HEADLINE_N, 0)
     rounds = len(rows[0]["round_ms"].split())
     backward = "the backward (dQ, dK, dV), FLOPs 2.5x the forward's; " if spec["pass"] == "backward" else ""
-    variants = "".join(f", or with `{switch}`" for _, switch, _ in spec["variants"])
+    variants = "".join(f", or with `{flag}`" for _, flag, _ in spec["variants"])
     gpu = rows[0].get("gpu") or "the GPU not recorded"
     return (f"*{gpu}, D={HEADLINE_D}, N={HEADLINE_N}, B={shape['batch']}, H={shape['heads']}; {backward}median of {rounds} "
             f"interleaved rounds, each the median of {rows[0].get('iters') or ITERS} runs; `change`: a step's speedup over the row "
@@ -310,13 +337,18 @@ def table_caption(chapter, rows):
 
 
 def update_readme(chapter):
-    """Refill the chapter README's table from its CSV; False when the README has no markers."""
+    """Refill the chapter README's table from its CSV; False when the README has no markers or the
+    CSV is stale."""
     path = os.path.join(ROOT, chapter, "README.md")
     with open(path) as f:
         text = f.read()
     begin = ABLATION_BEGIN.format(nn=chapter[:2])
     if begin not in text or ABLATION_END not in text:
         say(f"{path}: no ablation markers, left alone")
+        return False
+    why = stale(chapter, read_rows(csv_path(chapter)))
+    if why:
+        say(f"{path}: left alone: {why}")
         return False
     if write_if_changed(path, replace_between(text, begin, ABLATION_END, table_markdown(chapter,
                                                                                        read_rows(csv_path(chapter))))):
@@ -373,8 +405,8 @@ def command_list(_args):
         print(f"{chapter} (before: {spec['before'] or 'none of the same pass'}{backward})")
         for name, what in spec["ideas"]:
             print(f"  -D{name}=0   turns off {what}")
-        for _, switch, what in spec["variants"]:
-            print(f"  -D{switch}=1   turns on {what}")
+        for _, flag, what in spec["variants"]:
+            print(f"  {flag}   runs it with {what}")
     return 0
 
 

@@ -301,7 +301,7 @@ def inputs_bytes(shape):
 
 
 def backward_impls(rows):
-    """The backward rows' impls: the chapters (each followed by its variant builds), then the anchors."""
+    """The backward rows' impls: the chapters (each followed by its modes' rows), then the anchors."""
     return chapter_impls(rows) + anchor_impls(rows)
 
 
@@ -410,7 +410,7 @@ def backward_results_markdown(rows, env, csv_name):
 
 
 def backward_chapter_markdown(rows, chapter, source, gpu):
-    """A chapter README's backward block: the chapter, its variant builds, FA2 and cuDNN, by N, with ms
+    """A chapter README's backward block: the chapter, its modes' rows, FA2 and cuDNN, by N, with ms
     and x FA2 at the headline N."""
     impls = ([chapter] + [v for v in variants().get(chapter, ()) if any(row["impl"] == v for row in rows)]
              + [a for a in (FA2, CUDNN) if a in anchor_impls(rows)])
@@ -507,7 +507,7 @@ def update_file(path, begin, end, body):
 # torch_cudnn), D (D128), N (N4096 or N4k), the mask (nc or causal), and the quantity: ms, tflops,
 # rel_l2, mem (device memory), x OTHER (how many times faster than OTHER, by ms) or % OTHER (TFLOP/s as a percentage
 # of OTHER's, or of a constant such as 64TFLOP/s). IMPL may name a step of a chapter built in
-# steps (08.1 ... 08.5, the last being the chapter), or a variant build (09.deterministic for
+# steps (08.1 ... 08.5, the last being the chapter), or a chapter's run in a mode (09.deterministic for
 # 09_backward.deterministic). IMPL, D, N and the mask may list values (04,05;
 # N2k,8k) or take all (D*, N*, *): the text is then the range over them, 1.01-1.17x. A last field
 # :SPEC formats with format(value, SPEC) (tflops :.0f gives 658) instead of the tables' format.
@@ -567,7 +567,7 @@ def parse_value_marker(spec):
 
 def resolve_impl(rows, name):
     """A marker's impl: FA2 and cuDNN by their rows' names, a bare number NN as the one chapter
-    named NN_..., NN.variant as that chapter's variant build (09.deterministic:
+    named NN_..., NN.mode as that chapter's rows in the mode (09.deterministic:
     09_backward.deterministic), a step as its build's impl (08.3; 08.5, the last, is the chapter
     08_fp8), any other name as it is."""
     number, dot, variant = name.partition(".")

@@ -81,32 +81,38 @@ def step_aliases():
     return _steps()[2]
 
 
-# A chapter's variant builds, the Makefile's VARIANT_BUILDS (BUILD/<chapter>.<variant>, the chapter's
-# source with one switch set: 09_backward.deterministic, -DDETERMINISTIC_DQ=1). They change the
-# backward alone, so each is a row of the backward sweep (impl: the build's name), not of the forward's.
+# The backward's run-time modes (common/harness.h, BackwardArgs.deterministic): every chapter with a
+# backward pass runs it in each, `BUILD/<chapter> --backward --<mode>`, as a row of the backward's sweep
+# of its own, impl <chapter>.<mode> (09_backward.deterministic), the name its binary's --csv row gives
+# itself in that mode.
+BACKWARD_MODES = ("deterministic",)
+
+
 @functools.cache
-def variants(makefile=os.path.join(ROOT, "Makefile")):
-    if not os.path.exists(makefile):
-        return {}
-    found = re.search(r"^VARIANT_BUILDS\s*:?=[ \t]*(.*)$", open(makefile).read(), re.M)
-    variants = {}
-    for build in found.group(1).split() if found else ():
-        variants.setdefault(build.partition(".")[0], []).append(build)
-    return {chapter: tuple(builds) for chapter, builds in variants.items()}
+def variants(root=ROOT):
+    """{chapter: its modes' impls} for every chapter with a backward pass:
+    {"09_backward": ("09_backward.deterministic",)}."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(root, "[0-9][0-9]_*", "attention.cu"))):
+        chapter = os.path.basename(os.path.dirname(path))
+        if has_backward(path):
+            found[chapter] = tuple(f"{chapter}.{mode}" for mode in BACKWARD_MODES)
+    return found
 
 
+def impl_command(impl):
+    """(the build whose binary runs impl, its run-time flags): ("09_backward", ["--deterministic"]) for
+    09_backward.deterministic, (impl, []) for any other (a chapter, a step such as 08.3). The build's
+    name is also the one its binary's messages start with."""
+    build, _, mode = impl.rpartition(".")
+    return (build, [f"--{mode}"]) if build in variants() and mode in BACKWARD_MODES else (impl, [])
 
-def build_chapter(impl):
-    """The name a build's binary prints for itself (its --csv row, its messages): its chapter's for a
-    variant build (09_backward for 09_backward.deterministic), else the impl itself."""
-    return next((chapter for chapter, builds in variants().items() if impl in builds), impl)
 
-
-def backward_builds(chapter, root=ROOT):
-    """The builds of a chapter whose backward the bench times: the chapter and its VARIANTS, where
-    it registers a backward pass (a `Backward` in its source); () for the others."""
-    path = os.path.join(root, chapter, "attention.cu")
-    return (chapter,) + variants().get(chapter, ()) if os.path.exists(path) and has_backward(path) else ()
+def backward_runs(chapter, root=ROOT):
+    """The impls of a chapter whose backward the bench times: the chapter, then its modes, where it
+    registers a backward pass (a `Backward` in its source); () for the others."""
+    modes = variants(root).get(chapter)
+    return (chapter,) + modes if modes else ()
 
 # --- The benchmark's shapes (docs/design.md) ----------------------------------------------
 BENCH_DS = (128, 64)

@@ -7,10 +7,11 @@
       (make bench) The benchmark sweep (docs/design.md), then the PyTorch anchors when PyTorch has a
       GPU; writes DIR/<gpu>.csv, .notes.csv, .env, .md (and .png with matplotlib), then `table`.
       Then (--pass both, the default) the backward's sweep: each chapter among CH that has a backward
-      pass, and its variant builds (09_backward.deterministic), timed with --backward on the same
-      shapes, then PyTorch's backward anchors; their rows go to DIR/<gpu>.backward.csv (.notes.csv,
-      .env, .md beside it), the forward's files untouched. --pass backward: that sweep alone;
-      --pass forward: the forward's alone. Exit 1 if a chapter row FAILed.
+      pass, timed with --backward on the same shapes, and again in each of its modes (impl
+      09_backward.deterministic: --backward --deterministic), then PyTorch's backward anchors; their
+      rows go to DIR/<gpu>.backward.csv (.notes.csv, .env, .md beside it), the forward's files
+      untouched. --pass backward: that sweep alone; --pass forward: the forward's alone. Exit 1 if a
+      chapter row FAILed.
   stages.py compare --build DIR [--pass forward|backward|both] [--quick] [--out DIR] [--readme FILE]
       (make compare) Only the PyTorch anchors, merged into DIR/<gpu>.csv (torch_* rows replaced), and
       the backward's into DIR/<gpu>.backward.csv, then `table`.
@@ -47,9 +48,9 @@ sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import (fmt_ms, fmt_rel, fmt_tflops, print_backward_summary, print_summary, plot_results,  # noqa: E402
                     regenerate_tables, run_stage_table, say)
 from results import (BENCH_ITERS, BENCH_WARMUP, GRAD_FIELDS, HEADLINE_D, HEADLINE_N, PASSES,  # noqa: E402
-                     QUICK_NS, backward_builds, chapter_dtypes, bench_shape, build_chapter, bench_shapes, collect_env, csv_pass, env_path,
-                     gpu_name, gpu_slug, is_anchor, make_row, pass_csv, read_env, read_results, row_key, shape_label,
-                     step_binary, steps, work, write_env, write_results)
+                     QUICK_NS, backward_runs, chapter_dtypes, bench_shape, bench_shapes, collect_env, csv_pass, env_path,
+                     gpu_name, gpu_slug, impl_command, is_anchor, make_row, pass_csv, read_env, read_results, row_key,
+                     shape_label, step_binary, steps, work, write_env, write_results)
 from runner import chapters as chapters_of, classify, run_binary  # noqa: E402
 
 # --- Running the chapters: the sweep and its skip policy -------------------------------------
@@ -115,17 +116,19 @@ def shape_flags(shape, warmup, iters, pass_="forward"):
 
 
 def bench_one(binary, name, dtype, shape, last, unsupported, pass_="forward"):
-    """One chapter's binary at one bench shape, under the skip policy; returns a result row
-    (dtype: the one its rows carry, also on the rows of runs that printed none; a backward row also
-    has each gradient's error, GRAD_FIELDS)."""
+    """One chapter's binary at one bench shape, under the skip policy, with the run-time flags of the
+    impl `name` (09_backward.deterministic: --deterministic); returns a result row (dtype: the one its
+    rows carry, also on the rows of runs that printed none; a backward row also has each gradient's
+    error, GRAD_FIELDS)."""
     unknown = (None,) * len(GRAD_FIELDS) if pass_ == "backward" else None  # a backward row's, not measured
     if binary in unsupported:
         return make_row(name, shape, "SKIP", note=unsupported[binary], dtype=dtype, grads=unknown)
     slow = too_slow(last, shape)
     if slow:
         return make_row(name, shape, "SKIP", note=slow, dtype=dtype, grads=unknown)
-    code, stdout, stderr = run_binary(binary, shape_flags(shape, BENCH_WARMUP, BENCH_ITERS, pass_))
-    status, row, note = classify(build_chapter(name), code, stdout, stderr)
+    build, flags = impl_command(name)
+    code, stdout, stderr = run_binary(binary, shape_flags(shape, BENCH_WARMUP, BENCH_ITERS, pass_) + flags)
+    status, row, note = classify(build, code, stdout, stderr)
     if status == "skipped":
         unsupported[binary] = note
         return make_row(name, shape, "SKIP", note=note, dtype=dtype, grads=unknown)
@@ -163,8 +166,9 @@ def chapter_binaries(build, chapters):
 
 def backward_binaries(build, chapters):
     """[(impl, binary, dtype)] of the backward's sweep: each chapter that has a backward pass, then its
-    variant builds (09_backward, then BUILD/09_backward.deterministic)."""
-    return [(name, os.path.join(build, name), "fp16") for chapter in chapters for name in backward_builds(chapter)]
+    modes, on the chapter's own binary (09_backward, then 09_backward.deterministic: both BUILD/09_backward)."""
+    return [(name, os.path.join(build, impl_command(name)[0]), "fp16") for chapter in chapters
+            for name in backward_runs(chapter)]
 
 
 def pass_binaries(build, chapters, pass_):
@@ -173,19 +177,20 @@ def pass_binaries(build, chapters, pass_):
 
 
 def bench_chapters(build, chapters, shapes, pass_="forward"):
-    """Every chapter (and step build) of the pass on every shape; None when every one was skipped (no GPU)."""
+    """Every chapter (and step build, and mode) of the pass on every shape; None when every binary was
+    skipped (no GPU)."""
     rows, last, unsupported, said = [], {}, {}, set()
     binaries = pass_binaries(build, chapters, pass_)
     for i, shape in enumerate(shapes):
         say(f"[{i + 1}/{len(shapes)}] {shape_label(shape)}{' (backward)' if pass_ == 'backward' else ''}")
         for name, binary, dtype in binaries:
-            key = (binary, shape["headdim"], shape["causal"])
+            key = (name, shape["headdim"], shape["causal"])
             row = bench_one(binary, name, dtype, shape, last.get(key), unsupported, pass_)
             if row["ms"] is not None:
                 last[key] = (work(shape), row["ms"])
             rows.append(row)
             say(row_progress(row, said))
-        if i == 0 and len(unsupported) == len(binaries):
+        if i == 0 and len(unsupported) == len({binary for _, binary, _ in binaries}):
             return None
     return rows
 
@@ -272,7 +277,7 @@ def command_bench(args):
     chapters = [c.rstrip("/") for c in args.chapters]
     if args.pass_ == "backward" and not backward_binaries(args.build, chapters):
         print(f"stages.py bench --pass backward: none of {', '.join(chapters)} has a backward pass "
-              f"(the chapters that have one: {', '.join(c for c in chapters_of(ROOT) if backward_builds(c))})",
+              f"(the chapters that have one: {', '.join(c for c in chapters_of(ROOT) if backward_runs(c))})",
               file=sys.stderr)
         return 2
     codes = []
@@ -415,8 +420,8 @@ def parse_args(argv):
         p.add_argument("chapters", nargs="+", metavar="CH", help="chapter names, in order")
     for p in (bench, compare):
         p.add_argument("--pass", dest="pass_", choices=PASSES + ("both",), default="both",
-                       help="the forward's sweep, the backward's (chapters with a backward pass, their variant "
-                            "builds, PyTorch's backward), or both (default)")
+                       help="the forward's sweep, the backward's (chapters with a backward pass, in each of "
+                            "their modes, PyTorch's backward), or both (default)")
         p.add_argument("--quick", action="store_true", help=f"only N in {QUICK_NS}")
         p.add_argument("--out", default=os.path.join("docs", "results"), help="results folder")
     for p in (table, memory):

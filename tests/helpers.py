@@ -75,8 +75,9 @@ def compile_quietly(repo, source, out, extra=()):
 
 
 # --- a stand-in for a chapter binary ------------------------------------------------------------------
-# Prints the harness's --csv row for the shape it is given (ms, attend_ms and the status as asked),
-# or fails as an EXERCISE_TODO stub does; `log` records each command line.
+# Prints the harness's --csv row for the shape it is given (ms, attend_ms and the status as asked; ms
+# deterministic_ms with --deterministic), or fails as an EXERCISE_TODO stub does; `log` records each
+# command line.
 FAKE = """#!{python} -IS
 import sys
 args = sys.argv[1:]
@@ -87,18 +88,20 @@ if {log!r}:
 if {todo}:
     sys.stderr.write("04_fused: TODO: exercise 04.online_softmax is not written yet (its EXERCISE_TODO stub ran)\\n")
     sys.exit(1)
-print("04_fused,%s,%s,%s,%s,%d,fp16,{ms},1.0,2.1e-04,{status},5.7e-05,1.2e-06,1,0,,{attend_ms},," % (
-    value("--batch"), value("--heads"), value("--seqlen"), value("--headdim"), "--causal" in args))
+print("04_fused,%s,%s,%s,%s,%d,fp16,%s,1.0,2.1e-04,{status},5.7e-05,1.2e-06,1,0,,{attend_ms},," % (
+    value("--batch"), value("--heads"), value("--seqlen"), value("--headdim"), "--causal" in args,
+    {deterministic_ms} if "--deterministic" in args else {ms}))
 if "{status}" == "FAIL":
     sys.stderr.write("04_fused: rel_l2 2.1e-04 is above the tolerance\\n")
     sys.exit(1)
 """
 
 
-def fake_binary(folder, ms, todo=False, attend_ms="", status="PASS", log=""):
+def fake_binary(folder, ms, todo=False, attend_ms="", status="PASS", log="", deterministic_ms=None):
     """A stand-in for build/04_fused in folder (see FAKE); its path."""
     path = folder / "04_fused"
-    path.write_text(FAKE.format(python=sys.executable, ms=ms, todo=todo, attend_ms=attend_ms, status=status, log=log))
+    path.write_text(FAKE.format(python=sys.executable, ms=ms, todo=todo, attend_ms=attend_ms, status=status, log=log,
+                                deterministic_ms=ms if deterministic_ms is None else deterministic_ms))
     path.chmod(0o755)
     return str(path)
 
@@ -156,7 +159,6 @@ BACKWARD_TOL = 1e-3       # each gradient's rel L2 (common/harness.cu's BACKWARD
 # is the chapter's attention.cu, in CHAPTERS): (step, build, dtype), e.g. ("08.4", "08_fp8.step4", "fp8").
 STEP_BUILDS = [(s["name"], f"{c}.step{s['step']}", "fp8" if s["precision"] == "PRECISION_FP8_TC" else "fp16")
                for c in CHAPTERS for s in read_steps(os.path.join(runner.ROOT, c, "attention.cu"))[:-1]]
-BACKWARD_VARIANTS = ("deterministic",)  # BUILD/<chapter>.<variant>: the Makefile's VARIANT_BUILDS
 BACKWARD_CHAPTERS = [c for c in CHAPTERS if re.search(r"\bBackward\b", strip_comments(
     open(os.path.join(runner.ROOT, c, "attention.cu")).read()))]
 # (B, H, N, D, causal) where --output's gradients are checked against float64 and PyTorch's error

@@ -3,19 +3,22 @@ without a GPU.
 
   switches   every switch an ablation table names is a `#ifndef NAME` / `#define NAME 1` default in its
              chapter (08, built in steps: `#define NAME (STEP >= k)`), so the chapter as written is the
-             variant with every idea on; a variant's switch (09's DETERMINISTIC_DQ) defaults to 0
-  rows       09, a backward chapter: its rows and their -D flags, no row for 08 (no backward), its
-             variants last; the forward chapters keep their before row
+             variant with every idea on; a run-time variant's flag (09's --deterministic) is the harness's
+  rows       09, a backward chapter: its steps (or the chapter alone), no row for 08 (no backward), no -D
+             flag, its run-time variant last (--deterministic, on the chapter's own binary); the forward
+             chapters keep their before row
   run        `ablation.py run` on stand-in binaries (helpers.fake_binary): every check and timed run of 09
-             has --backward, of 04 none; 09's CSV counts the backward's FLOPs (2.5x the forward's), its
-             table says so, a variant is costed against the chapter
+             has --backward, of 04 none, and --deterministic exactly those of 09's deterministic row; 09's
+             CSV counts the backward's FLOPs (2.5x the forward's), its table says so, a variant is costed
+             against the chapter
   compiles   every variant of 04's and 07's tables (each idea off alone, the ideas switched on one by one)
-             compiles for sm_90 with the chapter's flags, without a warning (08's steps and 09's
-             deterministic build are builds of `make all`)
+             compiles for sm_90 with the chapter's flags, without a warning (08's steps are builds of
+             `make all`, and 09's run-time variant is its chapter's binary)
   readme     each chapter README has the table's markers, and where the measured CSV exists
              (docs/results/logs/NN/ablation_NN.csv), the table between them is the one `ablation.py table`
              writes from it (never stale); skipped, naming the CSV, where it is not measured yet (and then
-             no table is there)
+             no table is there) or was measured for other rows than the chapter's ablation has now
+             (`ablation.py table` then leaves the README alone, saying so)
   table      the table's arithmetic on a made-up CSV: a step's speedup over the row above, a missing
              idea's cost against the chapter
   diff       each chapter (and each of 08's steps) as `make diff` shows it (the switches' off branches and
@@ -49,29 +52,27 @@ def test_switches_default_on(repo, chapter):
     for name, _ in spec["ideas"]:
         pattern = rf"#ifndef {name}\n#define {name} (1\b|\(STEP >= \d\))"
         assert re.search(pattern, text), f"{chapter}/attention.cu: no `#ifndef {name}` / `#define {name} 1` default"
-    for _, switch, _ in spec["variants"]:
-        pattern = rf"#ifndef {switch}\n#define {switch} 0\b"
-        assert re.search(pattern, text), f"{chapter}/attention.cu: no `#ifndef {switch}` / `#define {switch} 0`"
+    harness = (repo.root / "common" / "harness.cu").read_text()
+    for _, flag, _ in spec["variants"]:
+        assert re.search(rf'switches\[\] = \{{[^}}]*"{flag}"', harness), (
+            f"{chapter}'s run-time variant runs with {flag}, which is not one of common/harness.cu's switches")
 
 
-BACKWARD_ROWS = [  # 09's table: the ideas on one by one, each off alone (BWD_DQ_STAGE's is the row before the chapter)
-    ("none", "step", "-DBWD_WIDE_BLOCK=0 -DBWD_STAGGER=0 -DBWD_SPLIT=0 -DBWD_DQ_STAGE=0"),
-    ("plus_bwd_wide_block", "step", "-DBWD_STAGGER=0 -DBWD_SPLIT=0 -DBWD_DQ_STAGE=0"),
-    ("plus_bwd_stagger", "step", "-DBWD_SPLIT=0 -DBWD_DQ_STAGE=0"), ("plus_bwd_split", "step", "-DBWD_DQ_STAGE=0"),
-    ("chapter", "step", ""), ("without_bwd_wide_block", "without", "-DBWD_WIDE_BLOCK=0"),
-    ("without_bwd_stagger", "without", "-DBWD_STAGGER=0"), ("without_bwd_split", "without", "-DBWD_SPLIT=0"),
-    ("deterministic", "variant", "-DDETERMINISTIC_DQ=1"), ("dq_kernel", "variant", "-DBWD_DQ_KERNEL=1")]
-
-
-def test_backward_chapter_rows():
+def test_backward_chapter_rows(repo):
+    """09's rows: its steps where it is built in steps (the last, the chapter), else the chapter alone, then
+    its deterministic mode, run by the chapter row's binary with --deterministic; no -D flag anywhere."""
     spec = ablation.ablations()["09_backward"]
     assert spec["pass"] == "backward" and spec["before"] is None, f"09: pass {spec['pass']}, before {spec['before']}"
+    assert spec["ideas"] == [], f"09's ideas are its steps, not switches: {spec['ideas']}"
     got = ablation.variants("09_backward")
-    assert got == BACKWARD_ROWS, f"09's rows:\n{got}\nexpected:\n{BACKWARD_ROWS}"
+    count = len(chapters.read_steps(str(repo.root / "09_backward" / "attention.cu")))
+    steps = [(f"step{k}", "step", "") for k in range(1, count)] + [("chapter", "step", "")]
+    assert got == steps + [("deterministic", "variant", "--deterministic")], f"09's rows: {got}"
     label = ablation.variant_label("09_backward", "deterministic", "variant")
-    assert label == "09_backward with `DETERMINISTIC_DQ` (dQ repeatable: a workspace copy per block)", label
-    label = ablation.variant_label("09_backward", "dq_kernel", "variant")
-    assert label == "09_backward with `BWD_DQ_KERNEL` (dQ repeatable: by a kernel of its own)", label
+    assert label == "09_backward with `--deterministic` (dQ, dK, dV bitwise the same on every run)", label
+    assert ablation.binary_path("B", "09_backward", "deterministic") == ablation.binary_path("B", "09_backward", "chapter")
+    assert ablation.run_flags("09_backward", "deterministic") == ["--deterministic"]
+    assert ablation.run_flags("09_backward", "chapter") == [] and ablation.run_flags("04_fused", "chapter") == []
     for chapter, spec in ablation.ablations().items():
         if chapter != "09_backward":
             previous = CHAPTERS[CHAPTERS.index(chapter) - 1]
@@ -82,29 +83,37 @@ def test_backward_chapter_rows():
 
 # --- ablation.py run, on stand-in binaries ------------------------------------------------------------
 
-STAND_IN_MS = {"none": 2.0, "plus_bwd_wide_block": 1.5, "plus_bwd_stagger": 1.2, "plus_bwd_split": 1.1, "chapter": 1.0,
-               "without_bwd_wide_block": 1.4, "without_bwd_stagger": 1.1, "without_bwd_split": 1.15,
-               "deterministic": 1.25, "dq_kernel": 1.2}
+STAND_IN_MS = {"none": 2.0, "deterministic": 1.25}  # ms of a row's stand-in; every other row's: 1 ms
 
 
 def run_on_stand_ins(folder, chapter):
-    """`ablation.py run CH --rounds 1` with `true` for make and a stand-in at each variant's binary
-    path (helpers.fake_binary, STAND_IN_MS or 1 ms), in folder; ({variant: [command lines]}, the CSV's
-    rows, what it printed)."""
+    """`ablation.py run CH --rounds 1` with `true` for make and a stand-in at each row's binary path
+    (helpers.fake_binary, STAND_IN_MS or 1 ms; a run-time variant's is the chapter row's, which gives its
+    ms when run with the variant's flag), in folder; ({variant: [its command lines]}, the CSV's rows,
+    what it printed)."""
     build, logs = folder / "build", folder / "logs"
     logs.mkdir()
-    for variant, _, _ in ablation.variants(chapter):
+    rows = ablation.variants(chapter)
+    for variant, _, _ in rows:
         path = ablation.binary_path(str(build), chapter, variant)
+        if os.path.lexists(path):
+            continue  # a run-time variant's binary: the chapter row's, made already
         os.makedirs(os.path.dirname(path), exist_ok=True)
         stand_in = folder / "stand-ins" / variant
         stand_in.mkdir(parents=True)
-        os.symlink(fake_binary(stand_in, STAND_IN_MS.get(variant, 1.0), log=str(logs / variant)), path)
+        os.symlink(fake_binary(stand_in, STAND_IN_MS.get(variant, 1.0), log=str(logs / variant),
+                               deterministic_ms=STAND_IN_MS["deterministic"]), path)
     out = folder / "ablation.csv"
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         code = ablation.command_run(argparse.Namespace(chapter=chapter[:2], build=str(build), make="true", rounds=1,
                                                        out=str(out)))
     assert code == 0, f"ablation.py run {chapter[:2]} on stand-ins: exit {code}\n{printed.getvalue()[-2000:]}"
-    lines = {v: (logs / v).read_text().splitlines() for v, _, _ in ablation.variants(chapter)}
+    lines = {}
+    for variant, _, _ in rows:  # the lines of a row's binary that carry its run-time flags, and no other's
+        binary = "chapter" if ablation.run_flags(chapter, variant) else variant
+        flags = {f for v, _, _ in rows for f in ablation.run_flags(chapter, v)}
+        lines[variant] = [line for line in (logs / binary).read_text().splitlines()
+                          if flags & set(line.split()) == set(ablation.run_flags(chapter, variant))]
     return lines, ablation.read_rows(out), printed.getvalue()
 
 
@@ -116,8 +125,11 @@ def stand_in_run(repo, chapter):
 @pytest.mark.xdist_group("stand-ins")
 @pytest.mark.parametrize("chapter, backward", [("09_backward", True), ("04_fused", False)])
 def test_run_passes_backward_only_for_a_backward_chapter(repo, chapter, backward):
+    """Each row runs its checks and one round of each mask, --backward on a backward chapter alone, and
+    --deterministic on 09's deterministic row alone (its binary the chapter row's)."""
     lines, _, _ = stand_in_run(repo, chapter)
     runs = len(ablation.CHECK_SHAPES) + 2  # the checks, then one round of each mask
+    assert ("deterministic" in lines) == backward, f"{chapter}'s rows: {list(lines)}"
     for variant, got in lines.items():
         assert len(got) == runs, f"{chapter} {variant}: {len(got)} runs, expected {runs}: {got}"
         wrong = [line for line in got if ("--backward" in line.split()) != backward]
@@ -127,27 +139,29 @@ def test_run_passes_backward_only_for_a_backward_chapter(repo, chapter, backward
 @pytest.mark.xdist_group("stand-ins")
 def test_backward_table_counts_backward_flops(repo):
     _, rows, printed = stand_in_run(repo, "09_backward")
-    assert {r["variant"] for r in rows} == set(STAND_IN_MS) and len(rows) == 2 * len(STAND_IN_MS), (
-        f"09's CSV rows: {[r['variant'] for r in rows]}")
+    want = [v for v, _, _ in ablation.variants("09_backward")]
+    assert [r["variant"] for r in rows] == want * 2, f"09's CSV rows: {[r['variant'] for r in rows]}"
+    assert ablation.stale("09_backward", rows) is None, ablation.stale("09_backward", rows)
     assert set(rows[0]) == set(ablation.FIELDS), f"09's CSV columns: {list(rows[0])} (expected FIELDS, no pass column)"
     shape = results.bench_shape(results.HEADLINE_D, results.HEADLINE_N, 0)
     flops = 2.5 * 4 * results.work(shape)  # 2.5x the forward's 4·B·H·N²·D: 1374.4 TFLOP/s in 1 ms
     table = ablation.table_markdown("09_backward", rows)
     assert table.strip() in printed, "the table printed is not the one the CSV makes"
     lines = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
-    chapter = next(v for k, v in lines.items() if k.endswith("**09_backward**"))
+    chapter = next(v for k, v in lines.items() if "**09_backward**" in k)
     assert f"| {flops / 1e-3 / 1e12:.1f} |" in chapter and f"| {flops / 2 / 1e-3 / 1e12:.1f} |" in chapter, (
         f"1 ms at the headline shape is {flops / 1e-3 / 1e12:.1f} TFLOP/s of the backward (causal: half): {chapter}")
     variant = lines[ablation.variant_label("09_backward", "deterministic", "variant")]
     assert variant.count("1.25x slower") == 2, f"1.25 ms against the chapter's 1 ms is 1.25x slower: {variant}"
+    assert "| `--deterministic` |" in variant, f"the deterministic row's switches are its flag: {variant}"
     assert "the backward (dQ, dK, dV), FLOPs 2.5x the forward's" in table, table.splitlines()[0]
     assert "backward" not in ablation.table_caption("04_fused", rows), "04's caption names the backward"
 
 
 # --- The variants compile ------------------------------------------------------------------------------
 
-# 04's and 07's switches stay in their code; 08's steps are `make all`'s builds (BUILD/08_fp8.stepK), and so
-# is 09's deterministic build.
+# 04's and 07's switches stay in their code; 08's steps are `make all`'s builds (BUILD/08_fp8.stepK), and
+# 09's run-time variant is its chapter's binary.
 COMPILED = [(chapter, variant, flags) for chapter in ("04_fused", "07_async_pipeline")
             for variant, kind, flags in ablation.variants(chapter) if kind != "before" and flags]
 
@@ -170,7 +184,10 @@ def test_readme_table_is_its_csvs(repo, chapter):
         assert not re.search(r"^\|", inside, re.M), f"{chapter}/README.md: a table with no CSV to make it"
         pytest.skip(f"{repo.rel(path)} not measured yet (`make ablation CH={chapter[:2]}` on a GPU writes it); "
                     "the markers are there, no table")
-    table = ablation.table_markdown(chapter, ablation.read_rows(path))
+    rows = ablation.read_rows(path)
+    if ablation.stale(chapter, rows):
+        pytest.skip(ablation.stale(chapter, rows))
+    table = ablation.table_markdown(chapter, rows)
     assert inside.strip() == table.strip(), (
         f"{chapter}/README.md: the ablation table differs from {repo.rel(path)}: "
         f"run `python3 common/ablation.py table {chapter[:2]}`")
@@ -198,6 +215,20 @@ def test_table_arithmetic(tmp_path):
     without = next(v for k, v in lines.items() if k.startswith("04_fused with "))
     assert without.count("3.00x slower") == 2, f"3 ms against the chapter's 1 ms is 3.00x slower: {without}"
     assert "median of 3 interleaved rounds" in table, table
+
+
+def test_stale_csv_is_named():
+    """A CSV measured for other rows than the chapter's ablation has now (a row gone, other flags) is stale,
+    saying which rows and what to run; one of exactly its rows is not."""
+    def csv_rows(rows):
+        return [{"variant": v, "kind": k, "flags": f, "causal": c} for c in (0, 1) for v, k, f in rows]
+    now = ablation.variants("09_backward")
+    assert ablation.stale("09_backward", csv_rows(now)) is None
+    older = now + [("dq_kernel", "variant", "-DBWD_DQ_KERNEL=1")]
+    why = ablation.stale("09_backward", csv_rows(older)) or ""
+    assert "dq_kernel" in why and "make ablation CH=09" in why, f"a CSV with a row the ablation lost: {why!r}"
+    built = now[:-1] + [("deterministic", "variant", "-DDETERMINISTIC_DQ=1")]
+    assert ablation.stale("09_backward", csv_rows(built)), "a CSV whose row ran with other flags is not stale"
 
 
 # --- make diff: the chapters as their defaults compile them ------------------------------------------

@@ -1,6 +1,6 @@
 """The build folder that `make all lib` made (make test makes it before pytest runs).
 
-Every build of `make all` (the chapters, 08's steps, 09's deterministic build) is there, compiled
+Every build of `make all` (the chapters, 08's steps) is there, compiled
 without a compiler warning for the archs the build targets (its .flags: the GPU's own, or sm_80,
 sm_89 and sm_90 where there is none; 08 and its steps for sm_90a alone, whatever ARCH): the ptxas
 log of its object, BUILD/<build>.log, holds a report for each of these archs and for no other.
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 import runner
-from helpers import BACKWARD_CHAPTERS, BACKWARD_VARIANTS, CHAPTERS, STEP_BUILDS
+from helpers import CHAPTERS, STEP_BUILDS
 
-# What `make all` makes (the Makefile's BUILDS; test_every_build_of_make_all_is_listed holds it to that).
-BUILDS = [*CHAPTERS, *(build for _, build, _ in STEP_BUILDS),
-          *(f"{c}.{v}" for c in BACKWARD_CHAPTERS for v in BACKWARD_VARIANTS)]
+# What `make all` makes (the Makefile's BUILDS; test_every_build_of_make_all_is_listed holds it to that): one
+# build a chapter or step, whatever modes its binary runs in (09's --deterministic is a flag, not a build).
+BUILDS = [*CHAPTERS, *(build for _, build, _ in STEP_BUILDS)]
 ARCHS_OF = {"08_fp8": ["sm_90a"]}  # by source chapter: the archs it builds for instead of the build's (wgmma)
 HARNESS = ["harness", "npy"]  # common/harness.cu and common/npy.c: BUILD/common/<name>.o
 ENTRY = re.compile(r"Compiling entry function '[^']+' for '(sm_\w+)'")
@@ -145,21 +145,19 @@ def ptxas_registers(log_text):
 TABLE = "Registers from `ptxas`"
 TABLE_CHAPTERS = [c for c in CHAPTERS if TABLE in (Path(runner.ROOT) / c / "README.md").read_text()]
 TABLE_COLUMNS = [("sm_80", 64), ("sm_80", 128), ("sm_90", 64), ("sm_90", 128)]  # the table's value columns
-TABLE_ROW = re.compile(r"^\| (with `-DDETERMINISTIC_DQ=1`: )?[^`|]*`(\w+)`[^|]*\| ([-\d]+) / ([-\d]+) \| ([-\d]+) / "
-                       r"([-\d]+) \|$", re.M)
+TABLE_ROW = re.compile(r"^\| [^`|]*`(\w+)`[^|]*\| ([-\d]+) / ([-\d]+) \| ([-\d]+) / ([-\d]+) \|$", re.M)
 
 
 @pytest.mark.parametrize("chapter", TABLE_CHAPTERS)
 def test_register_table_is_ptxas(repo, chapter):
     """The "Registers from `ptxas`" table of a chapter README (09's) holds what the build's ptxas
-    reported, per kernel, head dim and arch (its sm_80 and sm_90 columns, those the build targets);
-    rows "with `-DDETERMINISTIC_DQ=1`" against the .deterministic build's report."""
+    reported, per kernel, head dim and arch (its sm_80 and sm_90 columns, those the build targets)."""
     text = (repo.root / chapter / "README.md").read_text()
     at = text.find(TABLE)
-    logs = {variant: ptxas_registers(log.read_text(errors="replace")) for variant in ("", ".deterministic")
-            for log in [repo.build / f"{chapter}{variant}.log"] if log.is_file()}
-    if not logs:
-        pytest.skip(f"{repo.rel(repo.build)}/{chapter}.log not built")
+    log = repo.build / f"{chapter}.log"
+    if not log.is_file():
+        pytest.skip(f"{repo.rel(log)} not built")
+    report = ptxas_registers(log.read_text(errors="replace"))
     archs = set(target_archs(build_flags(repo)))
     columns = [(i, column) for i, column in enumerate(TABLE_COLUMNS) if column[0] in archs]
     if not columns:
@@ -167,14 +165,11 @@ def test_register_table_is_ptxas(repo, chapter):
     rows = TABLE_ROW.findall(text[at:text.find("\n\n", text.find("|", at))])
     assert rows, f"{chapter}/README.md: no rows under its 'Registers from `ptxas`' table"
     wrong, checked = [], 0
-    for det, kernel, *values in rows:
-        report = logs.get(".deterministic" if det else "")
-        if report is None:
-            continue
+    for kernel, *values in rows:
         for i, (arch, d) in columns:
             said, got = values[i], report.get((kernel, d, arch))
             if said != "-" and got != int(said) or said == "-" and got is not None:
-                wrong.append(f"{det}{kernel} D={d} {arch}: the table says {said}, ptxas {got}")
+                wrong.append(f"{kernel} D={d} {arch}: the table says {said}, ptxas {got}")
             checked += said != "-"
     assert not wrong, f"{chapter}/README.md's register table against ptxas: " + "; ".join(wrong)
     assert checked, f"{chapter}/README.md's register table: no count checked"

@@ -23,10 +23,11 @@ others reuse it, and no two workers ever make the same folder at once.
                   ragged N, large logits) under each step's precision
   scratch         chapters with B*H*N^2 scratch: a shape whose scratch cannot fit is refused (exit 2)
   backward        chapters with a backward pass (09) x D x causal x N x (B, H), --backward: dQ, dK, dV
-                  each within the rel L2 bound; the same lean matrix on the deterministic build, and a
-                  shape with more blocks than the GPU holds at once; large logits; --output's gradients
-                  against float64 and at most twice PyTorch's fp16 backward's max abs error; dK, dV
-                  (and on the deterministic build, dQ too) bitwise the same in two runs
+                  each within the rel L2 bound; a lean matrix in the deterministic mode (--backward
+                  --deterministic, its row's impl 09_backward.deterministic), and a shape with more blocks
+                  than the GPU holds at once; large logits; --output's gradients against float64 and at
+                  most twice PyTorch's fp16 backward's max abs error; dK, dV (and in the deterministic
+                  mode, dQ too) bitwise the same in two runs
 
 FP8 chapters (08) pass within 1.5x the e4m3 input-quantisation floor (+3e-3), at most 6e-2 on the
 generated N(0, 1) inputs; the harness reads the floor from common/reference.py, and the output test
@@ -39,7 +40,7 @@ import re
 import numpy as np
 import pytest
 
-from helpers import (BACKWARD_CHAPTERS, BACKWARD_OUTPUT_SHAPES, BACKWARD_TOL, BACKWARD_VARIANTS, CHAPTERS, FP8,
+from helpers import (BACKWARD_CHAPTERS, BACKWARD_OUTPUT_SHAPES, BACKWARD_TOL, CHAPTERS, FP8,
                      FP8_FLOOR_FACTOR, LSE_TOL, REL_L2_TOL, STEP_BUILDS, WORKSPACE, attention64, attention64_grads,
                      fp8_floor_attention, shape_args, torch_fp16_error, torch_grad_errors)
 from reference import FP8_Q_ROWS
@@ -85,15 +86,17 @@ def shape_group(b, h, n, d):
 
 # --- running a binary and reading its row ------------------------------------------------------------
 def run_csv(repo, chapter, args, build=None):
-    """Run the chapter's binary (or another build of it) with --csv: (CompletedProcess, row dict or None).
-    Exit 77 skips the test with the binary's line."""
+    """Run the chapter's binary (or another build of it) with --csv: (CompletedProcess, row dict or None; its
+    impl the chapter's, <chapter>.deterministic with --deterministic). Exit 77 skips the test with the
+    binary's line."""
     binary = repo.require_binary(build or chapter)
     proc = repo.run([binary, *args, "--warmup", "0", "--iters", "1", "--csv"], timeout=RUN_TIMEOUT_S)
     if proc.returncode == 77:
         pytest.skip(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else f"{chapter}: exit 77")
+    impl = chapter + (".deterministic" if "--deterministic" in args else "")  # the row names the mode
     row = None
     for line in proc.stdout.splitlines():
-        if line.startswith(chapter + ","):
+        if line.startswith(impl + ","):
             values = next(csv.reader([line]))
             if len(values) == len(HARNESS_FIELDS):
                 row = dict(zip(HARNESS_FIELDS, values))
@@ -397,7 +400,7 @@ def test_step(repo, step, build, dtype, n, d, causal):
 # --- the backward pass (--backward) -------------------------------------------------------------------------
 BACKWARD_SEQLENS = (1, 17, 64, 127, 128, 1000, 2048)
 BACKWARD_LEAN_SEQLENS = (1, 127, 1000)
-# (B, H, N) with more blocks than a GPU holds at once: the deterministic build's blocks of a head
+# (B, H, N) with more blocks than a GPU holds at once: in the deterministic mode a head's blocks may
 # then take several key tiles each, in turn (128 heads of 4 or 8 key tiles).
 BACKWARD_MANY_HEADS = (8, 16, 1000)
 
@@ -417,21 +420,24 @@ def backward_params():
             for b, h in batch_heads(n):
                 for d in DIMS:
                     for causal in MASKS:
-                        yield pytest.param(chapter, None, b, h, n, d, causal, marks=shape_group(b, h, n, d),
+                        yield pytest.param(chapter, False, b, h, n, d, causal, marks=shape_group(b, h, n, d),
                                            id=f"{chapter} D={d}{masked(causal)} N={n} B={b} H={h}")
-        for variant in BACKWARD_VARIANTS:
-            for b, h, n in [(2, 3, n) for n in BACKWARD_LEAN_SEQLENS] + [BACKWARD_MANY_HEADS]:
-                for d in DIMS:
-                    for causal in MASKS:
-                        yield pytest.param(chapter, f"{chapter}.{variant}", b, h, n, d, causal,
-                                           marks=shape_group(b, h, n, d),
-                                           id=f"{chapter}.{variant} D={d}{masked(causal)} N={n} B={b} H={h}")
+        for b, h, n in [(2, 3, n) for n in BACKWARD_LEAN_SEQLENS] + [BACKWARD_MANY_HEADS]:
+            for d in DIMS:
+                for causal in MASKS:
+                    yield pytest.param(chapter, True, b, h, n, d, causal, marks=shape_group(b, h, n, d),
+                                       id=f"{chapter} --deterministic D={d}{masked(causal)} N={n} B={b} H={h}")
 
 
-@pytest.mark.parametrize("chapter,build,b,h,n,d,causal", list(backward_params()))
-def test_backward(repo, chapter, build, b, h, n, d, causal):
-    proc, row = run_csv(repo, chapter, shape_args(b, h, n, d, causal) + ["--backward"], build=build)
-    check_backward_row(proc, row, f"{build or chapter} --backward B={b} H={h} N={n} D={d}{masked(causal)}",
+def backward_flags(deterministic):
+    return ["--backward"] + (["--deterministic"] if deterministic else [])
+
+
+@pytest.mark.parametrize("chapter,deterministic,b,h,n,d,causal", list(backward_params()))
+def test_backward(repo, chapter, deterministic, b, h, n, d, causal):
+    flags = backward_flags(deterministic)
+    proc, row = run_csv(repo, chapter, shape_args(b, h, n, d, causal) + flags)
+    check_backward_row(proc, row, f"{chapter} {' '.join(flags)} B={b} H={h} N={n} D={d}{masked(causal)}",
                        b, h, n, d, causal)
 
 
@@ -445,13 +451,14 @@ def test_backward_large_logits(repo, chapter, d, causal):
                        1, 2, 300, d, causal)
 
 
-def backward_output(repo, chapter, folder, out, causal, build=None):
-    proc, row = run_csv(repo, chapter, ["--input", str(folder), "--output", str(out), "--backward"] +
-                        (["--causal"] if causal else []), build=build)
+def backward_output(repo, chapter, folder, out, causal, deterministic=False):
+    flags = backward_flags(deterministic)
+    proc, row = run_csv(repo, chapter, ["--input", str(folder), "--output", str(out), *flags] +
+                        (["--causal"] if causal else []))
     grads = {}
     if proc.returncode == 0:
         for g in GRADS:
-            assert (out / f"{g}.npy").is_file(), f"{build or chapter} --backward --output: {g}.npy not written"
+            assert (out / f"{g}.npy").is_file(), f"{chapter} {' '.join(flags)} --output: {g}.npy not written"
             grads[g] = np.load(out / f"{g}.npy")
     return proc, row, grads
 
@@ -485,26 +492,26 @@ def test_backward_output_files(repo, chapter, b, h, n, d, causal):
                                         f"backward's {theirs:.3e} on the same inputs")
 
 
-REPEAT_SHAPES = [(None, 1, 4, 1024, 128, True)] + [(v, 1, 4, 1024, 128, True) for v in BACKWARD_VARIANTS] + \
-    [(v, 4, 16, 1024, 128, True) for v in BACKWARD_VARIANTS]  # more heads than the GPU's blocks: tiles in turn
+# (deterministic, B, H, N, D, causal); the last: more heads than the GPU's blocks, key tiles in turn
+REPEAT_SHAPES = [(False, 1, 4, 1024, 128, True), (True, 1, 4, 1024, 128, True), (True, 4, 16, 1024, 128, True)]
 
 
 @pytest.mark.parametrize("chapter", BACKWARD_CHAPTERS)
-@pytest.mark.parametrize("variant,b,h,n,d,causal", [
+@pytest.mark.parametrize("deterministic,b,h,n,d,causal", [
     pytest.param(*s, marks=pytest.mark.xdist_group(f"grad_output_{s[1:]}"),
-                 id=f"{s[0] or 'default'} B={s[1]} H={s[2]} N={s[3]} D={s[4]}{masked(s[5])}") for s in REPEAT_SHAPES])
-def test_backward_repeats_bitwise(repo, chapter, variant, b, h, n, d, causal):
+                 id=f"{'--deterministic' if s[0] else 'default'} B={s[1]} H={s[2]} N={s[3]} D={s[4]}{masked(s[5])}")
+    for s in REPEAT_SHAPES])
+def test_backward_repeats_bitwise(repo, chapter, deterministic, b, h, n, d, causal):
     """Two runs on the same inputs: dK and dV bitwise the same (each key block sums its own); dQ too
-    where it is summed in a fixed order (the deterministic build)."""
-    build = f"{chapter}.{variant}" if variant else None
+    in the deterministic mode (--deterministic: summed in a fixed order)."""
     folder = random_inputs(repo, b, h, n, d, grad=True)
-    shown = f"{build or chapter} --backward twice, B={b} H={h} N={n} D={d}{masked(causal)}"
+    shown = f"{chapter} {' '.join(backward_flags(deterministic))} twice, B={b} H={h} N={n} D={d}{masked(causal)}"
     runs = []
     for _ in range(2):
-        proc, row, grads = backward_output(repo, chapter, folder, repo.tmpdir(), causal, build)
+        proc, row, grads = backward_output(repo, chapter, folder, repo.tmpdir(), causal, deterministic)
         check_backward_row(proc, row, shown, b, h, n, d, causal)
         runs.append(grads)
     same = {g: bool(np.array_equal(runs[0][g].view(np.uint16), runs[1][g].view(np.uint16))) for g in GRADS}
-    must = GRADS if variant == "deterministic" else ("dk", "dv")
+    must = GRADS if deterministic else ("dk", "dv")
     differ = [g for g in must if not same[g]]
     assert not differ, f"{shown}: {', '.join(differ)} differ between the two runs, expected bitwise the same"

@@ -1,5 +1,5 @@
 """compute-sanitizer (`make sanitize`: pytest -m sanitize) on every chapter and 08's step builds at
-small shapes, and on each backward pass (--backward, both of 09's builds).
+small shapes, and on each backward pass (--backward, and in its deterministic mode: --backward --deterministic).
 
 memcheck (with --leak-check full), racecheck, synccheck and initcheck, each on shapes that are not
 tile multiples. A run passes when the sanitizer exits 0 and reports `ERROR SUMMARY: 0 errors`
@@ -11,7 +11,7 @@ without compute-sanitizer.
 import pytest
 
 from cuda_tools import check_summary, find_sanitizer
-from helpers import BACKWARD_CHAPTERS, BACKWARD_VARIANTS, CHAPTERS, STEP_BUILDS, shape_args
+from helpers import BACKWARD_CHAPTERS, CHAPTERS, STEP_BUILDS, shape_args
 
 # (tool, extra sanitizer flags, B, H, N, D, causal)
 RUNS = [
@@ -24,32 +24,32 @@ RUNS = [
     ("initcheck", [], 1, 2, 77, 128, True),
 ]
 TIMEOUT_S = 600
-# What runs: each chapter and 08's steps (BUILD/08_fp8.stepK) forward; each build of a chapter with a
-# backward pass (and its variant builds) with --backward.
-TARGETS = [(c, False) for c in CHAPTERS + [build for _, build, _ in STEP_BUILDS]] + \
-          [(build, True) for c in BACKWARD_CHAPTERS for build in [c] + [f"{c}.{v}" for v in BACKWARD_VARIANTS]]
+# What runs: each chapter and 08's steps (BUILD/08_fp8.stepK) forward; each chapter with a backward pass with
+# --backward, and again in its deterministic mode.
+TARGETS = [(c, ()) for c in CHAPTERS + [build for _, build, _ in STEP_BUILDS]] + \
+          [(c, flags) for c in BACKWARD_CHAPTERS for flags in (("--backward",), ("--backward", "--deterministic"))]
 
 
 def params():
     for tool, extra, b, h, n, d, causal in RUNS:
-        for build, backward in TARGETS:
-            yield pytest.param(tool, extra, build, backward, (b, h, n, d, causal),
-                               marks=pytest.mark.xdist_group(f"sanitize_{b}_{h}_{n}_{d}_{causal}_{backward}"),
-                               id=f"{tool} {build}{' --backward' if backward else ''} B={b} H={h} N={n} D={d}"
+        for build, flags in TARGETS:
+            yield pytest.param(tool, extra, build, flags, (b, h, n, d, causal),
+                               marks=pytest.mark.xdist_group(f"sanitize_{b}_{h}_{n}_{d}_{causal}_{bool(flags)}"),
+                               id=f"{tool} {' '.join((build,) + flags)} B={b} H={h} N={n} D={d}"
                                   f"{' causal' if causal else ''}")
 
 
 @pytest.mark.sanitize
 @pytest.mark.gpu
-@pytest.mark.parametrize("tool,extra,build,backward,shape", list(params()))
-def test_sanitizer_finds_nothing(repo, tool, extra, build, backward, shape):
+@pytest.mark.parametrize("tool,extra,build,flags,shape", list(params()))
+def test_sanitizer_finds_nothing(repo, tool, extra, build, flags, shape):
     sanitizer = repo.once("compute-sanitizer", find_sanitizer)
     if not sanitizer:
         pytest.skip("compute-sanitizer not found (PATH, next to nvcc, /usr/local/cuda)")
     binary = repo.require_binary(build)
-    args = shape_args(*shape) + ["--warmup", "0", "--iters", "1"] + (["--backward"] if backward else [])
-    # One plain run per shape makes the cached inputs and reference for everyone.
-    repo.once(("sanitize-cache", shape, backward), lambda: repo.run([binary, *args, "--csv"], timeout=TIMEOUT_S))
+    args = shape_args(*shape) + ["--warmup", "0", "--iters", "1", *flags]
+    # One plain run per shape (and pass) makes the cached inputs and reference for everyone.
+    repo.once(("sanitize-cache", shape, bool(flags)), lambda: repo.run([binary, *args, "--csv"], timeout=TIMEOUT_S))
     proc = repo.run([sanitizer, "--tool", tool, "--error-exitcode", "99", "--target-processes", "application-only",
                      *extra, binary, *args], timeout=TIMEOUT_S)
     output = proc.stdout + proc.stderr

@@ -471,13 +471,18 @@ ms = 300.0 * (n / 1024) ** 2 if name.endswith("slow") else 1.0 * (n / 1024) ** 2
 status = "FAIL" if name.endswith("bad") else "PASS"
 tflops = 4.0 * b * h * n * n * d / (2 if c else 1) / (ms * 1e-3) / 1e12
 mem = 4 * b * h * n * d * 2 + b * h * n * 4
+deterministic = "--deterministic" in args
+if deterministic and "--backward" not in args:
+    print(f"{{name}}: --deterministic is a mode of the backward pass: add --backward, or drop it", file=sys.stderr)
+    sys.exit(2)
 if "--backward" in args:  # as 09 does: 2.5x the work, Q K V O dO dQ dK dV and LSE held, each gradient's error
     if not name.startswith("09_"):
         print(f"{{name}}: this chapter has no backward pass (--backward): drop it", file=sys.stderr)
         sys.exit(2)
-    ms *= 2.5
+    ms *= 2.5 * (1.25 if deterministic else 1)  # its deterministic mode: slower, its row named for it
     mem = 8 * b * h * n * d * 2 + b * h * n * 4
-    print(f"{{name}},{{b}},{{h}},{{n}},{{d}},{{c}},fp16,{{ms:.4f}},{{tflops:.2f}},3.100e-04,{{status}},1e-3,,2,0,,,,"
+    impl = name + (".deterministic" if deterministic else "")
+    print(f"{{impl}},{{b}},{{h}},{{n}},{{d}},{{c}},fp16,{{ms:.4f}},{{tflops:.2f}},3.100e-04,{{status}},1e-3,,2,0,,,,"
           f"{{mem}},3.100e-04,2.900e-04,2.800e-04")
     sys.exit(1 if status == "FAIL" else 0)
 print(f"{{name}},{{b}},{{h}},{{n}},{{d}},{{c}},fp16,{{ms:.4f}},{{tflops:.2f}},3.000e-04,{{status}},1e-3,1e-5,1,0,,,,"

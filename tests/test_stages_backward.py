@@ -1,8 +1,9 @@
 """The backward's rows in the bench, on the CPU: its results file beside the forward's (its own columns:
-each gradient's error), the builds it times (the chapters with a `Backward`, and the Makefile's
-variant builds), its tables and inline values against tests/fixtures/FAKE_GPU.backward.*, its sweep on
-stand-in binaries (the forward's then the backward's; skips and refusals), the references it makes
-ahead, and its anchors (without PyTorch, and on PyTorch's CPU tensors where PyTorch is installed).
+each gradient's error), the runs it times (the chapters with a `Backward`, each again in its deterministic
+mode: the chapter's binary with --deterministic, impl <chapter>.deterministic; the Makefile knows nothing
+of it), its tables and inline values against tests/fixtures/FAKE_GPU.backward.*, its sweep on stand-in
+binaries (the forward's then the backward's; skips and refusals), the references it makes ahead, and its
+anchors (without PyTorch, and on PyTorch's CPU tensors where PyTorch is installed).
 
 No GPU or matplotlib needed. The fixtures' helpers and the stand-in binaries are tests/test_stages.py's.
 """
@@ -73,19 +74,28 @@ def test_backward_flops_and_tolerances():
     assert results.BACKWARD_ANCHORS == ("torch_flash", "torch_cudnn", "torch_efficient", "torch_eager")
 
 
-def test_backward_builds_from_the_sources_and_the_makefile(tmp_path):
-    """The chapters whose backward the bench times are those that define a `Backward`; their variant
-    builds are the Makefile's VARIANT_BUILDS, which `make all` builds."""
+def test_backward_runs_from_the_sources(tmp_path):
+    """The chapters whose backward the bench times are those that define a `Backward`, each also in its
+    deterministic mode: a row of its own (impl <chapter>.deterministic) run by the chapter's binary with
+    --deterministic. The sources say it, not the Makefile, which builds no binary of its own for it."""
     assert results.variants() == {"09_backward": ("09_backward.deterministic",)}, results.variants()
-    timed = {c: results.backward_builds(c) for c in CHAPTERS if results.backward_builds(c)}
+    timed = {c: results.backward_runs(c) for c in CHAPTERS if results.backward_runs(c)}
     assert timed == {"09_backward": ("09_backward", "09_backward.deterministic")}, timed
-    assert [name for name, _, _ in stages.backward_binaries("b", CHAPTERS)] == \
-        ["09_backward", "09_backward.deterministic"]
+    assert stages.backward_binaries("b", CHAPTERS) == [("09_backward", os.path.join("b", "09_backward"), "fp16"),
+                                                       ("09_backward.deterministic", os.path.join("b", "09_backward"),
+                                                        "fp16")]
     assert stages.backward_binaries("b", ["07_async_pipeline", "08_fp8"]) == []
-    makefile = tmp_path / "Makefile"
-    makefile.write_text("VARIANT_BUILDS := 09_backward.deterministic 10_x.fast 10_x.small\nall: $(VARIANT_BUILDS)\n")
-    assert results.variants(str(makefile)) == {"09_backward": ("09_backward.deterministic",),
-                                               "10_x": ("10_x.fast", "10_x.small")}
+    commands = {impl: results.impl_command(impl) for impl in ("09_backward.deterministic", "09_backward", "08.3",
+                                                                "07_async_pipeline.deterministic")}
+    assert commands == {"09_backward.deterministic": ("09_backward", ["--deterministic"]),
+                        "09_backward": ("09_backward", []), "08.3": ("08.3", []),
+                        "07_async_pipeline.deterministic": ("07_async_pipeline.deterministic", [])}, commands
+    assert not re.search(r"determin|VARIANT", read(ROOT / "Makefile"), re.I), "the Makefile knows of a mode"
+    for chapter, text in (("10_x", "static const Backward backward_pass = {workspace, backward};\n"),
+                          ("11_y", "const Chapter chapter = {NULL};\n")):
+        (tmp_path / chapter).mkdir()
+        (tmp_path / chapter / "attention.cu").write_text(text)
+    assert results.variants(str(tmp_path)) == {"10_x": ("10_x.deterministic",)}, results.variants(str(tmp_path))
     assert results.variants(str(tmp_path / "none")) == {}
     source = tmp_path / "attention.cu"
     for text, has in (("// no Backward here\nconst Chapter chapter = {NULL};\n", False),
@@ -168,11 +178,11 @@ def test_malformed_backward_marker_is_refused(spec, message):
         report.fill_values(value(spec), results.read_results(FIXTURE_CSV), "x", backward_rows())
 
 
-def test_resolve_impl_with_variants():
+def test_resolve_impl_of_modes():
     bwd = backward_rows()
     assert report.resolve_impl(bwd, "09") == "09_backward"
     assert report.resolve_impl(bwd, "09.deterministic") == "09_backward.deterministic"
-    assert report.resolve_impl(bwd, "09.fast") == "09.fast"  # no such build: as it is (n/a)
+    assert report.resolve_impl(bwd, "09.fast") == "09.fast"  # no such mode: as it is (n/a)
     assert report.resolve_impl(bwd, "FA2") == "torch_flash"
     forward = results.read_results(FIXTURE_CSV)
     assert report.resolve_impl(forward, "07") == "07_async_pipeline"
@@ -254,9 +264,10 @@ def result_files(tmp_path):
 
 
 def test_bench_backward_on_fake_binaries(tmp_path, bench):
-    """--pass backward times each build of a chapter with a backward (09_backward and its variant) with
-    --backward, into <gpu>.backward.csv alone; --pass both (make bench) does the forward's first."""
-    make_fake_build(tmp_path / "build", ["05_good", "09_backward", "09_backward.deterministic"])
+    """--pass backward times each chapter with a backward (09_backward) with --backward, and again with
+    --deterministic (its row 09_backward.deterministic: the stand-in is 1.25x slower so), into
+    <gpu>.backward.csv alone; --pass both (make bench) does the forward's first."""
+    make_fake_build(tmp_path / "build", ["05_good", "09_backward"])
     done = bench("--pass", "backward", "05_good", "09_backward")
     assert done.code == 0, done.out
     assert len(done.asked) == 1 and len(done.asked[0]) == 8, done.asked  # --quick: 2 N x 2 D x 2 masks
@@ -266,9 +277,11 @@ def test_bench_backward_on_fake_binaries(tmp_path, bench):
     rows = results.read_results(str(tmp_path / "results" / "FAKE_GPU.backward.csv"))
     assert sorted({r["impl"] for r in rows}) == ["09_backward", "09_backward.deterministic"], rows
     assert len(rows) == 16
-    row = results.find_row(rows, "09_backward.deterministic", 128, 4096, 0)
-    # The stand-in's backward: 2.5 ms at N=4k (2.5x its forward), TFLOP/s with 2.5x the forward's FLOPs.
+    row = results.find_row(rows, "09_backward", 128, 4096, 0)
+    # The stand-in's backward: 40 ms at N=4k (2.5x its forward), TFLOP/s with 2.5x the forward's FLOPs.
     assert row["status"] == "PASS" and row["ms"] == 40.0 and abs(row["tflops"] - 34.36) < 0.01, row
+    row = results.find_row(rows, "09_backward.deterministic", 128, 4096, 0)
+    assert row["status"] == "PASS" and row["ms"] == 50.0, f"run without --deterministic: {row}"
     assert (row["dq_rel_l2"], row["dk_rel_l2"], row["dv_rel_l2"]) == (3.1e-4, 2.9e-4, 2.8e-4), row
     assert row["rel_l2"] == 3.1e-4 and row["device_bytes"] == 8 * 4 * 16 * 4096 * 128 * 2 + 4 * 16 * 4096 * 4
     env = results.read_env(str(tmp_path / "results" / "FAKE_GPU.backward.env"))
@@ -276,7 +289,7 @@ def test_bench_backward_on_fake_binaries(tmp_path, bench):
     assert "The backward at D=128 N=4096" in done.out and "09_backward.deterministic" in done.out, done.out
     page = read(tmp_path / "results" / "FAKE_GPU.backward.md")
     # 8 tensors of 67.1 MB and LSE (1 MB), no workspace: 538 MB, 269 MB beyond Q, K, V, dO; no FA2 row here.
-    assert "| 09_backward.deterministic | 538 MB | 269 MB | 40.0 | 34.4 | - | 40.0 | 17.2 | - |" in page, page
+    assert "| 09_backward.deterministic | 538 MB | 269 MB | 50.0 | 34.4 | - | 50.0 | 17.2 | - |" in page, page
 
     # make bench: the forward's sweep, then the backward's; the backward's rows replaced, the file's others kept.
     done = bench("05_good", "09_backward")
@@ -290,7 +303,7 @@ def test_bench_backward_on_fake_binaries(tmp_path, bench):
 
 
 def test_bench_backward_of_chapters_without_one(tmp_path, bench):
-    make_fake_build(tmp_path / "build", ["05_good", "09_backward", "09_backward.deterministic.old"])
+    make_fake_build(tmp_path / "build", ["05_good", "09_backward"])
     # A chapter without a backward pass: --pass backward has nothing to time.
     done = bench("--pass", "backward", "05_good")
     assert done.code == 2 and result_files(tmp_path) == [], (done.code, done.out)
@@ -303,21 +316,19 @@ def test_bench_backward_of_chapters_without_one(tmp_path, bench):
 
 
 def test_bench_backward_when_every_build_skips(tmp_path, bench):
-    """Both builds skip (no GPU, exit 77): nothing measured, nothing written; a variant build speaks with
-    its chapter's name (09_backward: skipped: ...) and its note is the reason alone."""
+    """The binary skips (no GPU, exit 77), in both modes: nothing measured, nothing written (one binary for
+    two rows: every binary skipped); the deterministic row's note is the reason alone, its binary's line
+    read under the chapter's name (09_backward: skipped: ...)."""
     (tmp_path / "build").mkdir()
-    for name in ("09_backward", "09_backward.deterministic"):
-        path = tmp_path / "build" / name
-        path.write_text(f"#!{sys.executable}\nimport sys\nprint('09_backward: skipped: no CUDA GPU available (x)')\n"
-                        "sys.exit(77)\n")
-        path.chmod(0o755)
+    path = tmp_path / "build" / "09_backward"
+    path.write_text(f"#!{sys.executable}\nimport sys\nprint('09_backward: skipped: no CUDA GPU available (x)')\n"
+                    "sys.exit(77)\n")
+    path.chmod(0o755)
     done = bench("--pass", "backward", "09_backward")
     assert done.code == 77 and result_files(tmp_path) == [], (done.code, done.out)
     assert "nothing measured" in done.out, done.out
-    assert results.build_chapter("09_backward.deterministic") == "09_backward"
-    assert results.build_chapter("08.3") == "08.3" and results.build_chapter("09_backward") == "09_backward"
-    row = stages.bench_one(str(tmp_path / "build" / "09_backward.deterministic"), "09_backward.deterministic",
-                           "fp16", results.bench_shape(128, 1024, 0), None, {}, "backward")
+    row = stages.bench_one(str(path), "09_backward.deterministic", "fp16", results.bench_shape(128, 1024, 0), None, {},
+                           "backward")
     assert (row["status"], row["note"], row["dq_rel_l2"]) == ("SKIP", "no CUDA GPU available (x)", None), row
 
 
