@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import fmt_ms, fmt_speedup, fmt_tflops, markdown_table, replace_between, say  # noqa: E402
-from results import (HEADLINE_D, HEADLINE_N, backward_runs, backward_tflops, bench_shape, forward_tflops, gpu_name,  # noqa: E402
+from results import (HEADLINE_D, HEADLINE_N, backward_tflops, bench_shape, chapter_pass, forward_tflops, gpu_name,  # noqa: E402
                      write_if_changed)
 from runner import build_of, chapters, find_chapter as chapter_named, make_env, run_case, shape_args  # noqa: E402
 from chapters import read_steps  # noqa: E402
@@ -69,11 +69,6 @@ def switch_words(text, name):
     if not found:
         raise ValueError(f"no `#define {name} 1  // what it is` in the chapter's source")
     return re.sub(r"\s*\(0: [^)]*\)$", "", found.group(1).strip())
-
-
-def chapter_pass(chapter, root=ROOT):
-    """The pass a chapter is ablated on: "backward" where it registers one (results.backward_runs)."""
-    return "backward" if backward_runs(chapter, root) else "forward"
 
 
 @functools.cache

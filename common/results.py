@@ -108,6 +108,12 @@ def impl_command(impl):
     return (build, [f"--{mode}"]) if build in variants() and mode in BACKWARD_MODES else (impl, [])
 
 
+def chapter_pass(chapter, root=ROOT):
+    """The pass a chapter adds, its steps' with it: "backward" where it registers a backward pass (09,
+    whose steps are steps of its backward), else "forward" (08)."""
+    return "backward" if chapter in variants(root) else "forward"
+
+
 def backward_runs(chapter, root=ROOT):
     """The impls of a chapter whose backward the bench times: the chapter, then its modes, where it
     registers a backward pass (a `Backward` in its source); () for the others."""

@@ -7,7 +7,8 @@
       (make bench) The benchmark sweep (docs/design.md), then the PyTorch anchors when PyTorch has a
       GPU; writes DIR/<gpu>.csv, .notes.csv, .env, .md (and .png with matplotlib), then `table`.
       Then (--pass both, the default) the backward's sweep: each chapter among CH that has a backward
-      pass, timed with --backward on the same shapes, and again in each of its modes (impl
+      pass (its steps first where it is built in steps: a backward chapter's steps are the backward's,
+      not the forward's), timed with --backward on the same shapes, and again in each of its modes (impl
       09_backward.deterministic: --backward --deterministic), then PyTorch's backward anchors; their
       rows go to DIR/<gpu>.backward.csv (.notes.csv, .env, .md beside it), the forward's files
       untouched. --pass backward: that sweep alone; --pass forward: the forward's alone. Exit 1 if a
@@ -48,9 +49,9 @@ sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import (fmt_ms, fmt_rel, fmt_tflops, print_backward_summary, print_summary, plot_results,  # noqa: E402
                     regenerate_tables, run_stage_table, say)
 from results import (BENCH_ITERS, BENCH_WARMUP, GRAD_FIELDS, HEADLINE_D, HEADLINE_N, PASSES,  # noqa: E402
-                     QUICK_NS, backward_runs, chapter_dtypes, bench_shape, bench_shapes, collect_env, csv_pass, env_path,
-                     gpu_name, gpu_slug, impl_command, is_anchor, make_row, pass_csv, read_env, read_results, row_key,
-                     shape_label, step_binary, steps, work, write_env, write_results)
+                     QUICK_NS, backward_runs, chapter_dtypes, chapter_pass, bench_shape, bench_shapes, collect_env,
+                     csv_pass, env_path, gpu_name, gpu_slug, impl_command, is_anchor, make_row, pass_csv, read_env,
+                     read_results, row_key, shape_label, step_binary, steps, work, write_env, write_results)
 from runner import chapters as chapters_of, classify, run_binary  # noqa: E402
 
 # --- Running the chapters: the sweep and its skip policy -------------------------------------
@@ -154,21 +155,32 @@ def row_progress(row, said=None):
             + (f"  ({row['note']})" if row.get("note") else ""))
 
 
+def step_binaries(build, chapter):
+    """[(impl, binary, dtype)] of a chapter's steps but the last (08.1 ... 08.4: BUILD/08_fp8.step1 ...)."""
+    return [(step, step_binary(build, chapter, step), chapter_dtypes().get(step, "fp16"))
+            for step in steps().get(chapter, ())]
+
+
 def chapter_binaries(build, chapters):
-    """[(impl, binary, dtype)]: each chapter, its steps first where it is built in steps (08.1 ...
-    08.4, BUILD/08_fp8.step1 ..., then 08_fp8, the last step)."""
+    """[(impl, binary, dtype)] of the forward's sweep: each chapter, its steps first where it is built in
+    steps of the forward (08.1 ... 08.4, then 08_fp8, the last step; a backward chapter's steps are the
+    backward's)."""
     out = []
     for name in chapters:
-        out += [(step, step_binary(build, name, step), chapter_dtypes().get(step, "fp16")) for step in steps().get(name, ())]
+        out += step_binaries(build, name) if chapter_pass(name) == "forward" else []
         out.append((name, os.path.join(build, name), chapter_dtypes().get(name, "fp16")))
     return out
 
 
 def backward_binaries(build, chapters):
-    """[(impl, binary, dtype)] of the backward's sweep: each chapter that has a backward pass, then its
-    modes, on the chapter's own binary (09_backward, then 09_backward.deterministic: both BUILD/09_backward)."""
-    return [(name, os.path.join(build, impl_command(name)[0]), "fp16") for chapter in chapters
-            for name in backward_runs(chapter)]
+    """[(impl, binary, dtype)] of the backward's sweep: each chapter that has a backward pass, its steps
+    first where it is built in steps (09.1 ...: BUILD/09_backward.step1 ...), then the chapter and its
+    modes, both on the chapter's own binary (09_backward, 09_backward.deterministic: BUILD/09_backward)."""
+    out = []
+    for chapter in (c for c in chapters if backward_runs(c)):
+        out += step_binaries(build, chapter)
+        out += [(name, os.path.join(build, impl_command(name)[0]), "fp16") for name in backward_runs(chapter)]
+    return out
 
 
 def pass_binaries(build, chapters, pass_):

@@ -421,8 +421,8 @@ def test_harness_columns():
 def test_step_rows(tmp_path):
     """08's steps: their rows carry their own impl (08.1 ... 08.5, read from its step files), sort
     between 07 and the chapter, and 08.6 names the chapter in markers; the binaries are
-    BUILD/08_fp8.stepK."""
-    assert results.steps() == {"08_fp8": ("08.1", "08.2", "08.3", "08.4", "08.5")}, results.steps()
+    BUILD/08_fp8.stepK. (A backward chapter's steps are the backward's: test_stages_backward.)"""
+    assert results.steps()["08_fp8"] == ("08.1", "08.2", "08.3", "08.4", "08.5"), results.steps()
     assert results.chapter_dtypes() == {"08.4": "fp8", "08.5": "fp8", "08_fp8": "fp8"}, results.chapter_dtypes()
     assert results.step_binary("build", "08_fp8", "08.3") == os.path.join("build", "08_fp8.step3")
     assert [name for name, _, _ in stages.chapter_binaries("b", ["07_async_pipeline", "08_fp8"])] == \

@@ -81,9 +81,9 @@ def test_backward_runs_from_the_sources(tmp_path):
     assert results.variants() == {"09_backward": ("09_backward.deterministic",)}, results.variants()
     timed = {c: results.backward_runs(c) for c in CHAPTERS if results.backward_runs(c)}
     assert timed == {"09_backward": ("09_backward", "09_backward.deterministic")}, timed
-    assert stages.backward_binaries("b", CHAPTERS) == [("09_backward", os.path.join("b", "09_backward"), "fp16"),
-                                                       ("09_backward.deterministic", os.path.join("b", "09_backward"),
-                                                        "fp16")]
+    chapter = os.path.join("b", "09_backward")  # after its steps, where it has them (test below)
+    assert stages.backward_binaries("b", CHAPTERS) == stages.step_binaries("b", "09_backward") + [
+        ("09_backward", chapter, "fp16"), ("09_backward.deterministic", chapter, "fp16")]
     assert stages.backward_binaries("b", ["07_async_pipeline", "08_fp8"]) == []
     commands = {impl: results.impl_command(impl) for impl in ("09_backward.deterministic", "09_backward", "08.3",
                                                                 "07_async_pipeline.deterministic")}
@@ -102,6 +102,20 @@ def test_backward_runs_from_the_sources(tmp_path):
                       ("static const Backward backward_pass = {workspace, backward};\n", True)):
         source.write_text(text)
         assert has_backward(str(source)) == has, text
+
+
+def test_a_backward_chapters_steps_are_the_backwards(monkeypatch):
+    """A chapter with a backward built in steps (09.1 ...: its step files) has them in the backward's sweep,
+    before the chapter and its modes, and not in the forward's; 08's stay the forward's."""
+    monkeypatch.setattr(stages, "steps", lambda: {"08_fp8": ("08.1", "08.2"), "09_backward": ("09.1", "09.2")})
+    assert results.chapter_pass("09_backward") == "backward" and results.chapter_pass("08_fp8") == "forward"
+    forward = [name for name, _, _ in stages.chapter_binaries("b", ["08_fp8", "09_backward"])]
+    assert forward == ["08.1", "08.2", "08_fp8", "09_backward"], forward
+    backward = stages.backward_binaries("b", ["08_fp8", "09_backward"])
+    chapter = os.path.join("b", "09_backward")
+    assert backward == [("09.1", os.path.join("b", "09_backward.step1"), "fp16"),
+                        ("09.2", os.path.join("b", "09_backward.step2"), "fp16"), ("09_backward", chapter, "fp16"),
+                        ("09_backward.deterministic", chapter, "fp16")], backward
 
 
 # --- Tables ------------------------------------------------------------------------------------
@@ -267,7 +281,8 @@ def test_bench_backward_on_fake_binaries(tmp_path, bench):
     """--pass backward times each chapter with a backward (09_backward) with --backward, and again with
     --deterministic (its row 09_backward.deterministic: the stand-in is 1.25x slower so), into
     <gpu>.backward.csv alone; --pass both (make bench) does the forward's first."""
-    make_fake_build(tmp_path / "build", ["05_good", "09_backward"])
+    timed = stages.backward_binaries(str(tmp_path / "build"), ["09_backward"])  # its steps too, where it has them
+    make_fake_build(tmp_path / "build", ["05_good"] + sorted({os.path.basename(b) for _, b, _ in timed}))
     done = bench("--pass", "backward", "05_good", "09_backward")
     assert done.code == 0, done.out
     assert len(done.asked) == 1 and len(done.asked[0]) == 8, done.asked  # --quick: 2 N x 2 D x 2 masks
@@ -275,8 +290,10 @@ def test_bench_backward_on_fake_binaries(tmp_path, bench):
     assert files == ["FAKE_GPU.backward.csv", "FAKE_GPU.backward.env", "FAKE_GPU.backward.md",
                      "FAKE_GPU.backward.notes.csv"], files
     rows = results.read_results(str(tmp_path / "results" / "FAKE_GPU.backward.csv"))
-    assert sorted({r["impl"] for r in rows}) == ["09_backward", "09_backward.deterministic"], rows
-    assert len(rows) == 16
+    assert [r["impl"] for r in rows[:len(timed)]] == [name for name, _, _ in timed], rows
+    assert timed[-2:] == [("09_backward", str(tmp_path / "build" / "09_backward"), "fp16"),
+                          ("09_backward.deterministic", str(tmp_path / "build" / "09_backward"), "fp16")], timed
+    assert len(rows) == 8 * len(timed)
     row = results.find_row(rows, "09_backward", 128, 4096, 0)
     # The stand-in's backward: 40 ms at N=4k (2.5x its forward), TFLOP/s with 2.5x the forward's FLOPs.
     assert row["status"] == "PASS" and row["ms"] == 40.0 and abs(row["tflops"] - 34.36) < 0.01, row
@@ -299,7 +316,7 @@ def test_bench_backward_on_fake_binaries(tmp_path, bench):
     assert "dq_rel_l2" not in forward[0] and results.find_row(forward, "09_backward", 128, 4096, 0)["ms"] == 16.0
     again = results.read_results(str(tmp_path / "results" / "FAKE_GPU.backward.csv"))
     assert again == rows, "the backward's rows changed"
-    assert done.out.index("bench: 2 builds") < done.out.index("bench --backward: 2 builds"), done.out
+    assert done.out.index("bench: 2 builds") < done.out.index(f"bench --backward: {len(timed)} builds"), done.out
 
 
 def test_bench_backward_of_chapters_without_one(tmp_path, bench):
@@ -316,14 +333,16 @@ def test_bench_backward_of_chapters_without_one(tmp_path, bench):
 
 
 def test_bench_backward_when_every_build_skips(tmp_path, bench):
-    """The binary skips (no GPU, exit 77), in both modes: nothing measured, nothing written (one binary for
-    two rows: every binary skipped); the deterministic row's note is the reason alone, its binary's line
-    read under the chapter's name (09_backward: skipped: ...)."""
+    """Every binary skips (no GPU, exit 77), the chapter's in both modes: nothing measured, nothing written
+    (one binary for two rows); the deterministic row's note is the reason alone, its binary's line read
+    under the chapter's name (09_backward: skipped: ...)."""
     (tmp_path / "build").mkdir()
-    path = tmp_path / "build" / "09_backward"
-    path.write_text(f"#!{sys.executable}\nimport sys\nprint('09_backward: skipped: no CUDA GPU available (x)')\n"
+    for _, binary, _ in stages.backward_binaries(str(tmp_path / "build"), ["09_backward"]):
+        with open(binary, "w") as f:
+            f.write(f"#!{sys.executable}\nimport sys\nprint('09_backward: skipped: no CUDA GPU available (x)')\n"
                     "sys.exit(77)\n")
-    path.chmod(0o755)
+        os.chmod(binary, 0o755)
+    path = tmp_path / "build" / "09_backward"
     done = bench("--pass", "backward", "09_backward")
     assert done.code == 77 and result_files(tmp_path) == [], (done.code, done.out)
     assert "nothing measured" in done.out, done.out
