@@ -45,7 +45,7 @@ endif
 # Chapters built on Hopper's arch-specific features (wgmma) target sm_90a alone, whatever ARCH says:
 # sm_90a code runs on sm_90 only, and the chapter says so (exit 77) on any other GPU.
 SM90A_CHAPTERS := 08_fp8
-# A chapter of ordered steps (08) holds one file per step, NN_name/stepK_<idea>.cu, a program of its
+# A chapter of ordered steps (08, 09) holds one file per step, NN_name/stepK_<idea>.cu, a program of its
 # own: BUILD/NN_name.stepK (its attention.cu is the last step, BUILD/NN_name). Each is a bench row.
 STEP_SOURCES := $(sort $(wildcard [0-9][0-9]_*/step[0-9]_*.cu))
 step_build = $(patsubst %/,%,$(dir $(1))).step$(patsubst step%,%,$(firstword $(subst _, ,$(notdir $(1)))))
@@ -284,7 +284,7 @@ help:
 	@echo "                BENCH_PASS=backward (or forward): that sweep alone; QUICK=1: only N = 1k and 4k"
 	@echo "make compare    PyTorch SDPA anchors on the bench shapes, forward and backward (GPU, PyTorch; BENCH_PASS, QUICK too)"
 	@echo "make sanitize   compute-sanitizer memcheck/racecheck/synccheck/initcheck, every chapter (GPU)"
-	@echo "make diff A=04 B=05   the one idea chapter B adds over chapter A (A=07 B=08.1, A=08.1 B=08.2 ...: 08's steps)"
+	@echo "make diff A=04 B=05   the one idea chapter B adds over chapter A (A=08.1 B=08.2, A=09.1 B=09.2 ...: steps)"
 	@echo "make profile CH=04    Nsight Compute on one chapter (GPU);  make sass CH=04 [KERNEL=name]   its SASS (one arch)"
 	@echo "make exercise CH=04 [EX=name] [FORCE=1]   a student copy of the chapter's exercises -> exercises/"
 	@echo "make grade CH=04      build and grade exercises/NN_name/attention.cu: PASS, FAIL, or UNGRADED (exit 77) where no GPU runs it"

@@ -47,7 +47,7 @@ from source import without_switches  # noqa: E402
 
 # The chapters with an ablation table and their switches, in the order the table switches them on.
 # What each switch is comes from the chapter itself (switch_words), the chapter before it is the
-# previous folder, and a chapter built in steps (08) has its steps as the table's rows, then the
+# previous folder, and a chapter built in steps (08, 09) has its steps as the table's rows, then the
 # finished kernel with each of these switches off alone.
 ABLATION_SWITCHES = {
     "04_fused": ("LOOP_ORDER", "REGISTER_TILING", "LOG2_DOMAIN"),

@@ -9,7 +9,7 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INITIALIZER = re.compile(r'const\s+Chapter\s+chapter\s*=\s*\{\s*"([^"]+)",\s*"((?:[^"\\]|\\.)*)",\s*'
                          r'(PRECISION_\w+),\s*(\d+),\s*(\d+),')
-# A chapter of ordered steps (08) holds one file per step, NN_name/stepK_<idea>.cu, each a program
+# A chapter of ordered steps (08, 09) holds one file per step, NN_name/stepK_<idea>.cu, each a program
 # with a Chapter of its own; its attention.cu is the last step.
 STEP_FILE = re.compile(r"^step(\d+)_\w+\.cu$")
 # A chapter with a backward pass registers a `Backward` beside its forward (common/harness.h).

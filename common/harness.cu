@@ -1150,6 +1150,9 @@ int main(int argc, char **argv) {
             chapter.backward ? "--deterministic is a mode of the backward pass: add --backward, or drop it"
                              : "--deterministic is a mode of the backward pass (--backward), which this chapter "
                                "has not: drop it, or run it on a chapter that registers one");
+    if (o.deterministic && !chapter.backward->deterministic)
+        die(EXIT_USAGE, "%s's backward has no deterministic mode (--deterministic): drop it, or run the chapter's",
+            chapter.name);
     if (o.output_dir) check_output_dir(o.output_dir, output_count(&o));
     if (o.input_dir) shape_from_input(&o);
     validate_shape(&o.shape);

@@ -76,7 +76,8 @@ struct Fp8Scaling {
 // compute dQ, dK and dV from nothing: it writes every element of them, and zeroes on `stream`, as part
 // of the call, anything it accumulates into (dQ partial sums in the workspace, say), since the harness
 // clears neither the workspace nor dQ, dK, dV between calls (before the checked call they are NaN).
-// `--backward --deterministic` runs it with BackwardArgs.deterministic = 1: a run-time mode, not a build.
+// `--backward --deterministic` runs it with BackwardArgs.deterministic = 1: a run-time mode, not a build,
+// of a backward that has it (`deterministic` below; a chapter's does, a step before it may not).
 struct Backward {
     // Device scratch the backward needs in that mode (BackwardArgs.deterministic, which may need more;
     // the harness allocates it; chapters never allocate). NULL: none.
@@ -84,6 +85,8 @@ struct Backward {
     // Enqueue one backward pass on `stream` alone (no other stream, no synchronisation: it is captured
     // into a graph to count its kernels); return the first CUDA error met.
     cudaError_t (*backward)(const BackwardArgs *args, cudaStream_t stream);
+    // 1: it honours BackwardArgs.deterministic; 0: it has no such mode, and --deterministic is refused.
+    int deterministic;
 };
 
 extern const Chapter chapter;

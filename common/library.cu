@@ -145,10 +145,13 @@ static int check_backward(const char *function) {
     return FA_OK;
 }
 
-// The backward's mode: 0 or 1, as the shape's causal is.
+// The backward's mode: 0 or 1, as the shape's causal is; 1 only where the backward has that mode.
 static int check_deterministic(const char *function, int deterministic) {
     if (deterministic != 0 && deterministic != 1)
         return fail(FA_ERR_INVALID_ARGUMENT, function, "deterministic = %d: expected 0 or 1", deterministic);
+    if (deterministic && !chapter.backward->deterministic)
+        return fail(FA_ERR_INVALID_ARGUMENT, function,
+                    "%s's backward has no deterministic mode: pass 0, or call the chapter's library", chapter.name);
     return FA_OK;
 }
 

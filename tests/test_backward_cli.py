@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import cuda_tools
-from helpers import BACKWARD_CHAPTERS, CHAPTERS
+from helpers import BACKWARD_CHAPTERS, CHAPTERS, STEP_BUILDS
 from test_cli import (AT_LEAST_1, CAST_TO_FP16, assert_refused, human_bytes, output_with, path_in_tmp, refusal,
                       run_binary, write_qkv)
 
@@ -173,6 +173,25 @@ def test_no_backward_message_names_the_chapter(repo, tmp_path, chapter):
     """The refusal of --backward starts with the chapter's own name."""
     message = run_binary(repo, repo.require_binary(chapter), ["--backward"], tmp_path / "cache").stderr.strip()
     assert message.startswith(f"{chapter}: "), f"{chapter} --backward: {message!r} does not name the chapter"
+
+
+# --- 09's steps before the chapter: a backward without the deterministic mode ------------------------
+# Steps 09.1-09.7 register a Backward whose `deterministic` is 0: the mode is 09.8's (the chapter's).
+STEPS_WITHOUT_MODE = [build for _, build, _ in STEP_BUILDS if build.startswith("09_backward.")]
+NO_MODE = [r"no deterministic mode", r"--deterministic", r"drop it", r"the chapter's"]
+
+
+@pytest.mark.parametrize("args", [["--backward", "--deterministic"],
+                                  ["--backward", "--deterministic", "--headdim", "96", "--dry-run"]],
+                         ids=["--backward --deterministic", "head dim 96, --dry-run"])
+@pytest.mark.parametrize("build", STEPS_WITHOUT_MODE)
+def test_step_without_the_mode_refuses_deterministic(repo, tmp_path, build, args):
+    """--deterministic on a step whose backward has no such mode: refused, before the shape and any GPU work,
+    the step named (09.3: ...); its plain --backward is not (the dry run's plan)."""
+    binary = repo.require_binary(build)
+    assert_refused(repo, binary, build, args, NO_MODE, r"\b96\b", tmp_path)
+    plain = run_binary(repo, binary, ["--dry-run", "--backward"], tmp_path / "plain")
+    assert plain.returncode == 0, f"{build} --dry-run --backward: exit {plain.returncode}: {plain.stderr.strip()}"
 
 
 # --- a binary with a backward: what it checks before any GPU work -----------------------------------

@@ -1,14 +1,14 @@
 """09_backward's tile loops emulated in NumPy, lane by lane, in float64, against the float64
 backward of common/reference.py: the index arithmetic of the kernels checked without a GPU.
 
-The emulation is of the build that ships, as its defaults (read from the source) make it, on each
-kind of GPU it runs on: eight warps; the first kernel at D=64, two m16 tiles of keys per warp (a
+The emulation is of the chapter's kernel (09_backward/attention.cu, its constants read from the
+source), on each kind of GPU it runs on: eight warps; the first kernel at D=64, two m16 tiles of keys per warp (a
 query tile in two parts); at D=128 on sm_90 the split kernel (FlashAttention-2's 4 x 2 warps, P^T
 and dS^T through shared memory) with its dQ tile staged and added a whole row per 16-byte RED, and
 on sm_80 and sm_89, whose blocks cannot have the split kernel's shared memory, the first kernel
 with one m16 tile of keys per warp. The first kernel's dQ atomics as each GPU does them: sm_90's
 16-byte REDs (add_dq_partial's two lanes of a quad pair swapping halves), one float at a time before.
-Both dQ builds: atomics into one fp32 accumulator (the default), and -DDETERMINISTIC_DQ=1's
+Both dQ modes: atomics into one fp32 accumulator (the default), and the deterministic mode's
 workspace copies (each block of a head takes its key tiles in rounds, back and forth, into a copy
 of its own; the convert kernel sums the copies in order), with dq_copies' choice of copies.
 
@@ -36,10 +36,10 @@ import numpy as np
 import pytest
 
 import reference
-import source
 from claims import strip_comments
 
-SOURCE = Path(__file__).resolve().parent.parent / "09_backward" / "attention.cu"
+CHAPTER = Path(__file__).resolve().parent.parent / "09_backward"
+SOURCE = CHAPTER / "attention.cu"  # which includes forward.h, 07's vocabulary (MMA_M, PAD, ...)
 LANES = np.arange(32)
 GROUP, QUAD = LANES // 4, LANES % 4  # accumulator row (l / 4) and column pair (l % 4)
 R_OF, E_OF = np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1])  # accumulator element 2r + e: row + 8r, column + e
@@ -51,9 +51,9 @@ pytestmark = pytest.mark.xdist_group("backward_tiling")
 
 
 def constants():
-    """The integer #defines of attention.cu that the emulation uses, evaluated (those that are
-    arithmetic on others too), and the switches' defaults (source.switches_of)."""
-    text = SOURCE.read_text()
+    """The integer #defines of attention.cu and forward.h that the emulation uses, evaluated (those
+    that are arithmetic on others too)."""
+    text = (CHAPTER / "forward.h").read_text() + SOURCE.read_text()
     raw = dict(re.findall(r"^#define (\w+) (.+?)\s*(?://.*)?$", text, re.M))
     out = {}
 
@@ -64,19 +64,16 @@ def constants():
             out[name] = int(eval(expr, {"__builtins__": {}}))  # integer arithmetic on literals only
         return out[name]
 
-    for name in ("MMA_M", "MMA_N", "MMA_K", "PAD", "CHUNK_HALVES", "BWD_WARP_ROWS", "BWD_WARPS_D64", "BWD_WARPS_D128",
-                 "BWD_KEY_TILES_D64", "BWD_BLOCK_Q", "BWD_STAGES", "SPLIT_KEY_WARPS", "SPLIT_WARP_KEYS",
-                 "SPLIT_WARP_QUERIES", "SPLIT_WARP_DIMS", "DQ_STAGE_STRIDE"):
+    for name in ("MMA_M", "MMA_N", "MMA_K", "PAD", "CHUNK_HALVES", "BWD_WARP_ROWS", "BWD_WARPS", "BWD_KEY_TILES_D64",
+                 "BWD_BLOCK_Q", "BWD_STAGES", "SPLIT_KEY_WARPS", "SPLIT_WARP_KEYS", "SPLIT_WARP_QUERIES",
+                 "SPLIT_WARP_DIMS", "DQ_STAGE_STRIDE"):
         value(name)
-    return out, source.switches_of(text)
+    return out
 
 
-C, SWITCHES = constants()
+C = constants()
 BQ, STAGES, PAD = C["BWD_BLOCK_Q"], C["BWD_STAGES"], C["PAD"]
 DQ_ROW_TILES = BQ // 16  # m16 tiles of queries per step (BwdConfig::DQ_ROW_TILES)
-# The switches' values the emulation follows: the default build; DETERMINISTIC_DQ=1 is emulated as a build too.
-EMULATED_SWITCHES = {"BWD_WIDE_BLOCK": 1, "BWD_SPLIT": 1, "BWD_STAGGER": 1, "BWD_DQ_STAGE": 1, "BWD_DQ_KERNEL": 0,
-                     "DETERMINISTIC_DQ": 0}
 
 
 def ceil_div(a, b):
@@ -84,11 +81,11 @@ def ceil_div(a, b):
 
 
 class Geometry:
-    """BwdConfig<d> as the default build makes it, and which main kernel runs on `arch`."""
+    """BwdConfig<d>, and which main kernel runs on `arch`."""
 
     def __init__(self, d, arch):
         self.d, self.arch = d, arch
-        self.warps = C[f"BWD_WARPS_D{d}"]
+        self.warps = C["BWD_WARPS"]
         self.key_tiles = C["BWD_KEY_TILES_D64"] if d == 64 else 1  # KEY_TILES, and QUERY_PARTS
         self.block_kv = self.warps * C["BWD_WARP_ROWS"] * self.key_tiles
         self.split = d == 128 and self.warps == 8 and split_smem_bytes() <= OPTIN_SMEM[arch]  # main_kernel_of
@@ -106,8 +103,7 @@ def split_smem_bytes():
     """BwdConfig<128>::SPLIT_SMEM_BYTES with eight warps: the rings, K, V, P^T, dS^T, the staged dQ tile."""
     stride, block_kv = 128 + PAD, 8 * C["BWD_WARP_ROWS"]
     ring = 2 * STAGES * BQ * 4 + (2 * block_kv * stride + 2 * STAGES * BQ * stride) * 2
-    stage = BQ * C["DQ_STAGE_STRIDE"] * 4 if SWITCHES.get("BWD_DQ_STAGE", 1) else 0
-    return ring + 2 * block_kv * (BQ + PAD) * 2 + stage
+    return ring + 2 * block_kv * (BQ + PAD) * 2 + BQ * C["DQ_STAGE_STRIDE"] * 4
 
 
 # --- ldmatrix and mma.sync as the PTX ISA documents them ----------------------------------------
@@ -273,7 +269,7 @@ class Block:
         g = self.g
         key0 = key_tile * g.block_kv
         query_tiles = ceil_div(self.seqlen, BQ)
-        first_tile = key0 // BQ  # causal or BWD_STAGGER: the diagonal
+        first_tile = key0 // BQ  # the diagonal, causal or not
         n_tiles = query_tiles - first_tile if self.causal else query_tiles
         assert n_tiles >= 1
         if self.causal and first_tile > 0:  # the skipped query tiles: every key of the block after every query
@@ -501,7 +497,7 @@ class Block:
 # --- the grid ------------------------------------------------------------------------------------
 def round_key_tile(rnd, key_tiles, causal, grid, bx, by, copies):
     """The kernel's round_key_tile: the key tile of block (bx, by)'s round `rnd`, -1 past its last.
-    With DETERMINISTIC_DQ's copies (grid (copies, b*h)) one of every `copies` tiles, back and forth."""
+    With the deterministic mode's copies (grid (copies, b*h)) one of every `copies` tiles, back and forth."""
     if copies:
         key_tile = rnd * grid[0] + (grid[0] - 1 - bx if rnd % 2 else bx)
         return key_tile if key_tile < key_tiles else -1
@@ -510,7 +506,7 @@ def round_key_tile(rnd, key_tiles, causal, grid, bx, by, copies):
 
 def main_kernel_blocks(heads, key_tiles, causal, copies):
     """(head, copy, [key tiles of its rounds]) of each block of the main kernel, in its grid's order:
-    grid (copies, b*h) with DETERMINISTIC_DQ (copies > 0), else (key tiles, b*h), causal (b*h, key
+    grid (copies, b*h) in the deterministic mode (copies > 0), else (key tiles, b*h), causal (b*h, key
     tiles), and copy 0 (block_head, block_dq_copy)."""
     grid = (copies, heads) if copies else ((heads, key_tiles) if causal else (key_tiles, heads))
     for by in range(grid[1]):
@@ -529,7 +525,7 @@ def main_kernel_key_tiles(heads, key_tiles, causal, copies):
 
 
 def dq_copies(heads, key_tiles, resident):
-    """The launcher's dq_copies under DETERMINISTIC_DQ: the fewest blocks per head that take the heads'
+    """The launcher's dq_copies in the deterministic mode: the fewest blocks per head that take the heads'
     key tiles in the least (rounds of `resident` blocks) x (key tiles per block)."""
     best, best_time = 1, -1
     for copies in range(1, key_tiles + 1):
@@ -554,7 +550,7 @@ class Run:
 
 def emulate_backward(inputs, o, lse, causal, scale, arch, copies=0):
     """dQ, dK, dV [heads, N, D] and D [heads, N] as 09's kernels compute them on `arch` (float64);
-    copies > 0: DETERMINISTIC_DQ's main kernel, `copies` blocks per head, each into its own copy."""
+    copies > 0: the deterministic mode's main kernel, `copies` blocks per head, each into its own copy."""
     run = Run(inputs, o, lse, causal, scale)
     heads, seqlen, d = run.q.shape
     g = Geometry(d, arch)
@@ -610,14 +606,11 @@ def case_id(heads, n, d, causal, *rest):
 
 
 def test_tile_constants_read_from_the_source():
-    """The source's defaults are the build the emulation follows."""
+    """The source's constants are within what the emulation follows."""
     assert (C["MMA_M"], C["MMA_N"], C["MMA_K"], C["CHUNK_HALVES"], C["BWD_WARP_ROWS"]) == (16, 8, 16, 8, 16), C
-    assert C["BWD_WARPS_D64"] in (4, 8) and C["BWD_WARPS_D128"] == 8 and C["BWD_KEY_TILES_D64"] in (1, 2), C
+    assert C["BWD_WARPS"] == 8 and C["BWD_KEY_TILES_D64"] in (1, 2), C
     assert BQ % 16 == 0 and STAGES >= 2, C
     assert C["SPLIT_KEY_WARPS"] * C["SPLIT_WARP_KEYS"] == 128 and C["SPLIT_WARP_DIMS"] * 2 == 128, C
-    differ = {name: (SWITCHES.get(name), value) for name, value in EMULATED_SWITCHES.items()
-              if SWITCHES.get(name, value) != value}
-    assert not differ, f"switches whose defaults are not what the emulation follows (source, emulated): {differ}"
 
 
 def test_split_kernel_runs_where_its_shared_memory_fits():
@@ -636,7 +629,7 @@ def test_default_build_matches_reference(heads, n, d, causal, arch):
     emulated(heads, n, d, causal, arch)
 
 
-# DETERMINISTIC_DQ's copies: (heads, N, D, causal, copies): one block taking two key tiles in turn
+# The deterministic mode's copies: (heads, N, D, causal, copies): one block taking two key tiles in turn
 # (D=64), two copies of three key tiles (D=128: the second takes two, back and forth) not causal
 # and causal with two heads.
 COPIES_CASES = [(1, 300, 64, True, 1, "sm_90"), (1, 300, 128, False, 2, "sm_90"), (2, 300, 128, True, 2, "sm_90"),
@@ -707,19 +700,20 @@ KERNEL_EXPRESSIONS = [
     "query0 + part0 + 2 * quad_lane, seqlen, causal",
     "key >= seqlen || query >= seqlen || (causal && key > query)",  # mask_tile
     "query0 + BWD_BLOCK_Q > seqlen || key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0)",
-    "BLOCK_WARPS = HEAD_DIM == 128 ? BWD_WARPS_D128 : BWD_WARPS_D64",  # Geometry
-    "first_tile = causal || BWD_STAGGER ? key0 / BWD_BLOCK_Q : 0",
+    "BLOCK_WARPS = BWD_WARPS",  # Geometry
+    "first_tile = key0 / BWD_BLOCK_Q",
     "q_tiles = causal ? query_tiles - first_tile : query_tiles",
     "return (tile < query_tiles ? tile : tile - query_tiles) * BWD_BLOCK_Q",  # step_query0
     "if (tile > 0) add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile,"
     " step_query0(first_tile, tile - 1, query_tiles)",
     "add_dq_of_tile<HEAD_DIM, 1>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1, query_tiles), seqlen)",
-    "return round > 0 ? -1 : (int)(causal ? blockIdx.y : blockIdx.x);",  # round_key_tile
+    "if constexpr (!DETERMINISTIC) return round > 0 ? -1 : (int)(causal ? blockIdx.y : blockIdx.x);",
     "const int key_tile = round * copies + (round % 2 ? copies - 1 - copy : copy);",
     "return key_tile < key_tiles ? key_tile : -1;",
-    "return DQ_COPIES || !causal ? blockIdx.y : blockIdx.x;",  # block_head
-    "return dq_acc + (size_t)blockIdx.x * gridDim.y * seqlen * HEAD_DIM;",  # block_dq_copy
+    "return DETERMINISTIC || !causal ? blockIdx.y : blockIdx.x;",  # block_head
+    "return DETERMINISTIC ? dq_acc + (size_t)blockIdx.x * gridDim.y * seqlen * HEAD_DIM : dq_acc;",  # block_dq_copy
     "dim3(copies, heads) : s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads)",  # the grid
+    "*copies = DETERMINISTIC ? dq_copies(s->batch * s->heads, key_tiles, resident) : 1;",
     "(blocks + resident - 1) / resident * per_block",  # dq_copies
     "if (best_time < 0 || time < best_time) best = copies, best_time = time;",
     "for (int copy = 1; copy < copies; copy++)",  # convert_dq_kernel: the copies summed in order
@@ -742,15 +736,15 @@ KERNEL_EXPRESSIONS = [
     "atomicAdd(dq_row + nt * MMA_N, part[nt][2 * r]);",
     "atomicAdd(dq_row + nt * MMA_N + 1, part[nt][2 * r + 1]);",
     # which main kernel runs: the split one where its shared memory fits (main_kernel_of)
-    "SPLIT = BWD_SPLIT && HEAD_DIM == 128 && BLOCK_WARPS == 8",
+    "SPLIT = HEAD_DIM == 128",
     "if (smem_optin >= BwdConfig<HEAD_DIM>::SPLIT_SMEM_BYTES)",
     "SPLIT_SMEM_BYTES = RING_BYTES + 2 * KEY_QUERY_HALVES * (int)sizeof(__half) + DQ_STAGE_BYTES",
     "RING_BYTES = 2 * BWD_STAGES * BWD_BLOCK_Q * (int)sizeof(float) +"
     " (2 * KV_HALVES + 2 * BWD_STAGES * Q_HALVES) * (int)sizeof(__half)",
-    "DQ_STAGE_BYTES = BWD_DQ_STAGE && !DQ_BY_KERNEL ? BWD_BLOCK_Q * DQ_STAGE_STRIDE * 4 : 0",
+    "DQ_STAGE_BYTES = BWD_BLOCK_Q * DQ_STAGE_STRIDE * 4",
     "KV_HALVES = BLOCK_KV * STRIDE, Q_HALVES = BWD_BLOCK_Q * STRIDE",
     "DS_STRIDE = BWD_BLOCK_Q + PAD, KEY_QUERY_HALVES = BLOCK_KV * DS_STRIDE",
-    "#if __CUDA_ARCH__ >= 900 && BWD_DQ_STAGE && !DQ_BY_KERNEL",
+    "#if __CUDA_ARCH__ >= 900",
     # the split kernel (split_key_block)
     "warp_key0 = warp % SPLIT_KEY_WARPS * SPLIT_WARP_KEYS",
     "warp_query0 = warp / SPLIT_KEY_WARPS * SPLIT_WARP_QUERIES",
@@ -793,8 +787,9 @@ KERNEL_EXPRESSIONS = [
 
 
 def test_emulated_expressions_are_the_kernels():
-    """Each transcribed expression is in the kernel's code (comments, such as an exercise's stub, left out)."""
+    """Each transcribed expression is in the kernel's code, attention.cu and the forward.h it includes
+    (comments, such as an exercise's stub, left out)."""
     squeeze = lambda s: re.sub(r"\s+", "", s)
-    code = squeeze(strip_comments(SOURCE.read_text()))
+    code = squeeze(strip_comments((CHAPTER / "forward.h").read_text() + SOURCE.read_text()))
     missing = [e for e in KERNEL_EXPRESSIONS if squeeze(e) not in code]
-    assert not missing, f"attention.cu no longer has what the emulation transcribes: {missing}"
+    assert not missing, f"attention.cu (or forward.h) no longer has what the emulation transcribes: {missing}"

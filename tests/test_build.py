@@ -70,8 +70,19 @@ def test_build_is_there_without_warnings(repo, build):
             f"{repo.rel(log)}: no ptxas report for {arch}: the build should target {', '.join(archs)}")
     built = set(ENTRY.findall(text))
     assert built <= set(archs), f"{repo.rel(log)}: ptxas compiled for {sorted(built)}, expected only {archs}"
-    assert binary.stat().st_mtime >= (repo.root / chapter / "attention.cu").stat().st_mtime, (
-        f"{repo.rel(binary)} is older than {chapter}/attention.cu: stale build")
+    source = build_source(repo, build)
+    assert binary.stat().st_mtime >= source.stat().st_mtime, (
+        f"{repo.rel(binary)} is older than {repo.rel(source)}: stale build")
+
+
+def build_source(repo, build):
+    """The file a build compiles: a step's stepK_<idea>.cu (08_fp8.step3), else its attention.cu."""
+    chapter, _, step = build.partition(".step")
+    if not step:
+        return repo.root / chapter / "attention.cu"
+    found = sorted((repo.root / chapter).glob(f"step{step}_*.cu"))
+    assert len(found) == 1, f"{build}: expected one {chapter}/step{step}_*.cu, found {[repo.rel(p) for p in found]}"
+    return found[0]
 
 
 def dry_run(repo, folder):
@@ -129,15 +140,17 @@ def test_make_has_nothing_left_to_do(repo, tmp_path):
 
 
 def ptxas_registers(log_text):
-    """{(kernel base name, head dim, arch): registers} from a ptxas -v report."""
+    """{(kernel base name, head dim, arch, deterministic): registers} from a ptxas -v report; deterministic:
+    the kernel's instance with its last template argument, `bool DETERMINISTIC`, true (09's: ...ELb1EEv...)."""
     out, current = {}, None
     for line in log_text.splitlines():
-        entry = re.search(r"Compiling entry function '_Z\d+(\w+?)ILi(\d+)E\w*' for '(sm_\w+)'", line)
+        entry = re.search(r"Compiling entry function '_Z\d+(\w+?)ILi(\d+)E(\w*)' for '(sm_\w+)'", line)
         if entry:
-            current = entry.groups()
+            kernel, d, rest, arch = entry.groups()
+            current = (kernel, int(d), arch, rest.startswith("Lb1E"))
         used = re.search(r"Used (\d+) registers", line)
         if used and current:
-            out[(current[0], int(current[1]), current[2])] = int(used.group(1))
+            out[current] = int(used.group(1))
             current = None
     return out
 
@@ -145,13 +158,15 @@ def ptxas_registers(log_text):
 TABLE = "Registers from `ptxas`"
 TABLE_CHAPTERS = [c for c in CHAPTERS if TABLE in (Path(runner.ROOT) / c / "README.md").read_text()]
 TABLE_COLUMNS = [("sm_80", 64), ("sm_80", 128), ("sm_90", 64), ("sm_90", 128)]  # the table's value columns
-TABLE_ROW = re.compile(r"^\| [^`|]*`(\w+)`[^|]*\| ([-\d]+) / ([-\d]+) \| ([-\d]+) / ([-\d]+) \|$", re.M)
+TABLE_ROW = re.compile(r"^\| (deterministic: )?[^`|]*`(\w+)`[^|]*\| ([-\d]+) / ([-\d]+) \| ([-\d]+) / ([-\d]+) \|$",
+                       re.M)
 
 
 @pytest.mark.parametrize("chapter", TABLE_CHAPTERS)
 def test_register_table_is_ptxas(repo, chapter):
     """The "Registers from `ptxas`" table of a chapter README (09's) holds what the build's ptxas
-    reported, per kernel, head dim and arch (its sm_80 and sm_90 columns, those the build targets)."""
+    reported, per kernel, head dim and arch (its sm_80 and sm_90 columns, those the build targets); a row
+    that starts "deterministic:" is the kernel's deterministic instance."""
     text = (repo.root / chapter / "README.md").read_text()
     at = text.find(TABLE)
     log = repo.build / f"{chapter}.log"
@@ -165,11 +180,11 @@ def test_register_table_is_ptxas(repo, chapter):
     rows = TABLE_ROW.findall(text[at:text.find("\n\n", text.find("|", at))])
     assert rows, f"{chapter}/README.md: no rows under its 'Registers from `ptxas`' table"
     wrong, checked = [], 0
-    for kernel, *values in rows:
+    for mode, kernel, *values in rows:
         for i, (arch, d) in columns:
-            said, got = values[i], report.get((kernel, d, arch))
+            said, got = values[i], report.get((kernel, d, arch, bool(mode)))
             if said != "-" and got != int(said) or said == "-" and got is not None:
-                wrong.append(f"{kernel} D={d} {arch}: the table says {said}, ptxas {got}")
+                wrong.append(f"{mode}{kernel} D={d} {arch}: the table says {said}, ptxas {got}")
             checked += said != "-"
     assert not wrong, f"{chapter}/README.md's register table against ptxas: " + "; ".join(wrong)
     assert checked, f"{chapter}/README.md's register table: no count checked"

@@ -18,6 +18,7 @@ import shutil
 import pytest
 
 import runner
+import torch_op
 from chapters import read_chapter
 from helpers import CHAPTERS, STEP_BUILDS, WORKSPACE, has_backward
 
@@ -48,7 +49,7 @@ def exported_names(repo):
 
 def backward_workspace(b, h, n, d, deterministic=False):
     """09's backward scratch: D (a float per query row, to 256 bytes), then the fp32 dQ accumulator; the same in
-    its deterministic mode."""
+    its deterministic mode where no GPU is visible (the copies of dQ are the GPU's to decide: one without it)."""
     return -(-b * h * n * 4 // 256) * 256 + b * h * n * d * 4
 
 
@@ -136,6 +137,25 @@ def test_library_exports_library_h(repo, build):
     assert len(wanted) >= 10, f"common/library.h: only {sorted(wanted)} found declared FA_API"
     assert names == wanted, (f"{path.name} exports {sorted(names - wanted)[:20]} beyond library.h's functions"
                              if names - wanted else f"{path.name} lacks {sorted(wanted - names)}")
+
+
+# 09's steps before the chapter: their Backward has no deterministic mode (09.8's), and says so.
+STEPS_WITHOUT_MODE = [build for _, build, _ in STEP_BUILDS if build.startswith("09_backward.")]
+
+
+@pytest.mark.parametrize("build", STEPS_WITHOUT_MODE)
+def test_step_library_refuses_the_deterministic_mode(repo, build):
+    """fa_backward_workspace_bytes with deterministic 1 on a step's library: FA_ERR_INVALID_ARGUMENT, the
+    step named and the chapter's pointed to; with 0, its workspace (no GPU needed for either)."""
+    lib = torch_op.Library(str(library(repo, build)))
+    shape = torch_op.make_shape(*BASE, False, 0.125)
+    assert lib.backward_workspace_bytes(shape, deterministic=False) == backward_workspace(*BASE)
+    with pytest.raises(torch_op.LibraryError) as refused:
+        lib.backward_workspace_bytes(shape, deterministic=True)
+    message = str(refused.value)
+    assert refused.value.code == codes(repo)["ERR_INVALID_ARGUMENT"], message
+    assert re.search(rf"^{re.escape(lib.name)}: fa_backward_workspace_bytes: .*no deterministic mode.*the chapter's",
+                     message), message
 
 
 def read_probe(proc, shown):

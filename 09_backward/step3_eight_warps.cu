@@ -1,0 +1,536 @@
+// 09_backward, step 3 of 8: eight warps per block instead of four, 128 keys instead of 64, so that
+// each Q and dO tile is read, and each dQ row summed, once per 128 keys. The rest is step 2's.
+//
+// The backward pass, FlashAttention-2's, on 07's datapath (mma.sync m16n8k16, ldmatrix, a cp.async
+// ring, operands repacked in registers); the forward is 07's (forward.h).
+//
+// Three kernels: (1) D = rowsum(dO * O) per query row into the workspace, and the fp32 dQ
+// accumulator zeroed; (2) one block per (key tile, b*h), eight warps of 16 keys, K and V in shared
+// memory for the whole loop, Q, dO, LSE and D streamed through a cp.async ring, 64 queries at a
+// time; each warp owns its keys' dK and dV accumulators. It recomputes S^T = K Q^T and P^T = exp(S^T
+// * scale - LSE), then dV += P^T dO, dP^T = V dO^T, dS^T = P^T * (dP^T - D), dK += dS^T Q, and adds
+// dQ += dS K into the fp32 accumulator (atomics); (3) dQ to fp16.
+#include "../common/harness.h"
+#include "forward.h"
+
+// --- Configuration -------------------------------------------------------------------------
+// Eight warps per block: with 16 keys per warp (D=128) they hold 128 keys, FlashAttention-2's
+// block, so each Q and dO tile is read, and each dQ row summed before its atomics, once per 128 keys.
+#define BWD_WARPS 8
+// A warp's keys are one m16 tile: two, as 07's forward has queries, would need at D=128
+// 2 x 16 x D fp32 accumulators for each of dK and dV, 256 registers per lane before any score.
+#define BWD_WARP_ROWS MMA_M
+#define BWD_BLOCK_Q 64       // queries per step of the main kernel's loop
+#define BWD_STAGES 2         // (Q, dO, LSE, D) tiles in the main kernel's ring
+#define WORKSPACE_ALIGN 256  // bytes: the dQ accumulator starts aligned for 16-byte accesses
+
+static_assert(BWD_BLOCK_Q % MMA_K == 0, "whole k16 steps of queries");
+
+template <int HEAD_DIM>
+struct BwdConfig {
+    static constexpr int BLOCK_WARPS = BWD_WARPS;
+    static constexpr int BLOCK_THREADS = BLOCK_WARPS * WARP_SIZE;
+    static constexpr int BLOCK_KV = BLOCK_WARPS * BWD_WARP_ROWS;  // keys per block: 128
+    // Eight warps per SM at up to 255 registers each fill its 64 K registers: one block of eight.
+    static constexpr int MIN_BLOCKS = 8 / BLOCK_WARPS;
+    // dQ += dS K of a query tile: warp w takes the 16 queries of m16 tile w % DQ_ROW_TILES, against
+    // every key of the block, for DQ_WARP_DIMS of the dims (half of them with eight warps).
+    static constexpr int DQ_ROW_TILES = BWD_BLOCK_Q / MMA_M;  // 4
+    static constexpr int DQ_WARP_DIMS = HEAD_DIM * DQ_ROW_TILES / BLOCK_WARPS;
+    static constexpr int STRIDE = HEAD_DIM + PAD;  // halves per row, as the forward's tiles
+    static constexpr int KV_HALVES = BLOCK_KV * STRIDE, Q_HALVES = BWD_BLOCK_Q * STRIDE;
+    // A [key][query] tile of the block (dS^T, P^T).
+    static constexpr int DS_STRIDE = BWD_BLOCK_Q + PAD, KEY_QUERY_HALVES = BLOCK_KV * DS_STRIDE;
+    // Main kernel: the LSE and D ring (floats), K and V, the Q and dO ring, dS^T.
+    static constexpr int RING_BYTES = 2 * BWD_STAGES * BWD_BLOCK_Q * (int)sizeof(float) +
+                                      (2 * KV_HALVES + 2 * BWD_STAGES * Q_HALVES) * (int)sizeof(__half);
+    static constexpr int SMEM_BYTES = RING_BYTES + KEY_QUERY_HALVES * (int)sizeof(__half);
+    // A warp's K and V rows, the A operands that are the same at every step, take HEAD_DIM / 2
+    // registers per lane for the two. At D=64 they stay in registers for the whole loop; at D=128,
+    // where the fp32 accumulators of dK and dV hold 128 registers already, they are re-read from
+    // shared memory at every step.
+    static constexpr bool A_IN_REGISTERS = HEAD_DIM == 64;
+    static_assert(DQ_WARP_DIMS % (2 * MMA_N) == 0, "a warp's dims of dQ are whole pairs of n8 tiles");
+};
+
+// --- Fragments of the backward's products ---------------------------------------------------
+// The A fragments of k16 step `ks` of a warp's 16 rows of a [row][dim] tile (07's load_q_step
+// for one m16 tile). Lane l gives row l % 16, in chunk l / 16 of the step.
+template <int HEAD_DIM>
+__device__ void load_a_step(unsigned frag[A_REGS], const __half *tile, int row0, int ks) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    ldmatrix_x4(frag, tile + tile_offset<HEAD_DIM>(row0 + lane % MMA_M, ks * STEP_CHUNKS + lane / MMA_M));
+}
+
+// The B fragments of two n8 tiles of columns (16 dims, dims 16dp..) at k16 step kk of a
+// [row][dim] tile whose rows are the k dimension (07's V in O += P V): ldmatrix.trans.
+// Lane l gives row 16kk + l % 8 + 8 * (l / 8 % 2), in chunk 2dp + l / 16.
+template <int HEAD_DIM>
+__device__ void load_trans_pair(unsigned frag[2 * B_REGS], const __half *tile, int kk, int dp) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int row = kk * MMA_K + lane % LDM_ROWS + lane / LDM_ROWS % 2 * LDM_ROWS;
+    ldmatrix_x4_trans(frag, tile + tile_offset<HEAD_DIM>(row, dp * 2 + lane / (2 * LDM_ROWS)));
+}
+
+// A tile's LSE and D, one float per query: threads 0..63 copy LSE, 64..127 D, the others (eight
+// warps) none (4-byte copies: a head's rows start at any float). Rows past seqlen are zero-filled
+// (their scores are masked).
+__device__ void load_rows_async(float *lse_tile, float *delta_tile, const float *lse, const float *delta, int row0,
+                                int seqlen) {
+    if (threadIdx.x >= 2 * BWD_BLOCK_Q) return;
+    const int row = threadIdx.x % BWD_BLOCK_Q;
+    const bool is_lse = threadIdx.x < BWD_BLOCK_Q, valid = row0 + row < seqlen;  // is_lse: the same per warp
+    const float *from = is_lse ? lse : delta;
+    __pipeline_memcpy_async((is_lse ? lse_tile : delta_tile) + row, valid ? from + row0 + row : from, sizeof(float),
+                            valid ? 0 : sizeof(float));
+}
+
+// The main kernel's ring slot of query tile `tile`: Q, dO, LSE and D (one commit group).
+template <int HEAD_DIM>
+__device__ void load_query_tile_async(__half *q_ring, __half *do_ring, float *lse_ring, float *delta_ring,
+                                      const __half *q_head, const __half *do_head, const float *lse_head,
+                                      const float *delta_head, int slot, int query0, int seqlen) {
+    constexpr int Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES, BLOCK_THREADS = BwdConfig<HEAD_DIM>::BLOCK_THREADS;
+    load_tile_async<HEAD_DIM, BWD_BLOCK_Q, BLOCK_THREADS>(q_ring + slot * Q_HALVES, q_head, query0, seqlen);
+    load_tile_async<HEAD_DIM, BWD_BLOCK_Q, BLOCK_THREADS>(do_ring + slot * Q_HALVES, do_head, query0, seqlen);
+    load_rows_async(lse_ring + slot * BWD_BLOCK_Q, delta_ring + slot * BWD_BLOCK_Q, lse_head, delta_head, query0,
+                    seqlen);
+}
+
+// -inf wherever the key is past the end, the query is past the end, or (causal) the key comes
+// after the query, in S^T: element [nt][2r+e] is key key0 + 8r, query query0 + 8nt + e (the
+// lane's first: key0 = first key + l / 4, query0 = first query + 2 (l % 4)). Only on the tiles
+// that need it.
+template <int COL_TILES>
+__device__ void mask_tile(float score[COL_TILES][ACC_REGS], int key0, int query0, int seqlen, int causal) {
+#pragma unroll
+    for (int r = 0; r < ACC_ROWS; r++) {
+        const int key = key0 + r * ACC_ROW_STEP;
+#pragma unroll
+        for (int nt = 0; nt < COL_TILES; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int query = query0 + nt * MMA_N + e;
+                if (key >= seqlen || query >= seqlen || (causal && key > query)) score[nt][2 * r + e] = -INFINITY;
+            }
+    }
+}
+
+// P^T = exp(S^T * scale - LSE) in place of S^T, for one m16 tile of keys against COL_TILES n8
+// tiles of queries from col0 on. LSE is the forward's: no running max, no sum. The columns are
+// queries, so each of a lane's columns has its own LSE (shared memory, broadcast).
+template <int COL_TILES>
+__device__ void p_from_scores(float score[COL_TILES][ACC_REGS], const float *lse_tile, int col0, float scale_log2) {
+    const int quad_lane = threadIdx.x % QUAD_LANES;
+#pragma unroll
+    for (int nt = 0; nt < COL_TILES; nt++) {
+        const float2 col_lse = *(const float2 *)&lse_tile[col0 + nt * MMA_N + 2 * quad_lane];
+#pragma unroll
+        for (int r = 0; r < ACC_ROWS; r++) {
+            score[nt][2 * r] = exp2_approx(fmaf(score[nt][2 * r], scale_log2, -col_lse.x * LOG2E));
+            score[nt][2 * r + 1] = exp2_approx(fmaf(score[nt][2 * r + 1], scale_log2, -col_lse.y * LOG2E));
+        }
+    }
+}
+
+// dS^T = P^T * (dP^T - D) in place of dP^T, for one m16 tile of keys against COL_TILES n8 tiles of
+// the query tile's queries from col0 on; D per column (query), as LSE is in P^T. Masked entries
+// have P = 0, so dS = 0 there whatever dP is.
+template <int COL_TILES>
+__device__ void ds_from_dp(float ds[COL_TILES][ACC_REGS], const float score[COL_TILES][ACC_REGS],
+                           const float *delta_tile, int col0) {
+    const int quad_lane = threadIdx.x % QUAD_LANES;
+#pragma unroll
+    for (int nt = 0; nt < COL_TILES; nt++) {
+        const float2 row_delta = *(const float2 *)&delta_tile[col0 + nt * MMA_N + 2 * quad_lane];
+#pragma unroll
+        for (int r = 0; r < ACC_ROWS; r++) {
+            ds[nt][2 * r] = score[nt][2 * r] * (ds[nt][2 * r] - row_delta.x);
+            ds[nt][2 * r + 1] = score[nt][2 * r + 1] * (ds[nt][2 * r + 1] - row_delta.y);
+        }
+    }
+}
+
+// Two n8 accumulator tiles (16 columns) of one m16 tile, as the A operand of a k16 step over
+// those columns (07's repacking of P), rounded to fp16.
+__device__ void pack_a(unsigned frag[A_REGS], const float lo[ACC_REGS], const float hi[ACC_REGS]) {
+    frag[0] = pack_half2(lo[0], lo[1]);
+    frag[1] = pack_half2(lo[2], lo[3]);
+    frag[2] = pack_half2(hi[0], hi[1]);
+    frag[3] = pack_half2(hi[2], hi[3]);
+}
+
+// dK = scale * dS^T Q and dV of one m16 tile of keys from key_row0 on, DIM_TILES n8 tiles of
+// dims from dim0 on: each row written once, as fp16.
+template <int HEAD_DIM, int DIM_TILES>
+__device__ void store_dk_dv(__half *dk_head, __half *dv_head, const float dk_acc[DIM_TILES][ACC_REGS],
+                            const float dv_acc[DIM_TILES][ACC_REGS], int key_row0, int dim0, int seqlen, float scale) {
+    const int group = threadIdx.x % WARP_SIZE / QUAD_LANES, quad_lane = threadIdx.x % QUAD_LANES;
+#pragma unroll
+    for (int r = 0; r < ACC_ROWS; r++) {
+        const int key = key_row0 + group + r * ACC_ROW_STEP;
+        if (key >= seqlen) continue;
+        __half *dk_row = dk_head + key * HEAD_DIM + dim0 + 2 * quad_lane;
+        __half *dv_row = dv_head + key * HEAD_DIM + dim0 + 2 * quad_lane;
+#pragma unroll
+        for (int nt = 0; nt < DIM_TILES; nt++) {
+            *(unsigned *)&dk_row[nt * MMA_N] = pack_half2(dk_acc[nt][2 * r] * scale, dk_acc[nt][2 * r + 1] * scale);
+            *(unsigned *)&dv_row[nt * MMA_N] = pack_half2(dv_acc[nt][2 * r], dv_acc[nt][2 * r + 1]);
+        }
+    }
+}
+
+// A warp's dQ partial (n8 tiles of dims from dim0, rows row0 and row0 + 8 of the lane's group)
+// added into the fp32 accumulator. sm_90 has vector reductions (red.global.add.v4.f32): the two
+// lanes of a quad pair swap half their values so that the even lane holds four adjacent dims of
+// the first row and the odd lane four of the second, one 16-byte RED each instead of four 4-byte
+// ones. Older GPUs add each float alone.
+template <int HEAD_DIM, int DIM_TILES>
+__device__ void add_dq_partial(float *dq_head, const float part[DIM_TILES][ACC_REGS], int row0, int dim0, int seqlen) {
+    const int quad_lane = threadIdx.x % QUAD_LANES;
+#if __CUDA_ARCH__ >= 900
+    const bool odd = quad_lane % 2;
+    const int row = row0 + (odd ? ACC_ROW_STEP : 0), col = dim0 + 2 * (quad_lane - quad_lane % 2);
+    float4 four[DIM_TILES];  // every swap first, then the REDs from one address, under one branch
+#pragma unroll
+    for (int nt = 0; nt < DIM_TILES; nt++) {
+        const float give_x = odd ? part[nt][0] : part[nt][2], give_y = odd ? part[nt][1] : part[nt][3];
+        const float got_x = __shfl_xor_sync(0xffffffff, give_x, 1), got_y = __shfl_xor_sync(0xffffffff, give_y, 1);
+        four[nt] = odd ? make_float4(got_x, got_y, part[nt][2], part[nt][3])
+                       : make_float4(part[nt][0], part[nt][1], got_x, got_y);
+    }
+    if (row < seqlen) {
+        float *dq_row = dq_head + (size_t)row * HEAD_DIM + col;
+#pragma unroll
+        for (int nt = 0; nt < DIM_TILES; nt++) atomicAdd((float4 *)(dq_row + nt * MMA_N), four[nt]);
+    }
+#else
+#pragma unroll
+    for (int r = 0; r < ACC_ROWS; r++) {
+        const int row = row0 + r * ACC_ROW_STEP;
+        if (row >= seqlen) continue;
+        float *dq_row = dq_head + (size_t)row * HEAD_DIM + dim0 + 2 * quad_lane;
+#pragma unroll
+        for (int nt = 0; nt < DIM_TILES; nt++) {
+            atomicAdd(dq_row + nt * MMA_N, part[nt][2 * r]);
+            atomicAdd(dq_row + nt * MMA_N + 1, part[nt][2 * r + 1]);
+        }
+    }
+#endif
+}
+
+// dQ += dS K for the query tile at query0, dS^T from shared memory ([key][query]): warp w takes
+// the 16 queries of m16 tile w % DQ_ROW_TILES against every key of the block, for its
+// DQ_WARP_DIMS dims, and adds that partial into the fp32 accumulator in device memory. In passes
+// of at most 8 n8 tiles (64 dims): with four warps at D=128, the whole 16 x 128 partial beside
+// dK and dV made sm_80's ptxas spill.
+template <int HEAD_DIM>
+__device__ void add_dq_of_tile(float *dq_head, const __half *ds_tile, const __half *k_tile, int query0, int seqlen) {
+    constexpr int BLOCK_KV = BwdConfig<HEAD_DIM>::BLOCK_KV, DS_STRIDE = BwdConfig<HEAD_DIM>::DS_STRIDE;
+    constexpr int DQ_ROW_TILES = BwdConfig<HEAD_DIM>::DQ_ROW_TILES, DQ_WARP_DIMS = BwdConfig<HEAD_DIM>::DQ_WARP_DIMS;
+    constexpr int KEY_STEPS = BLOCK_KV / MMA_K;                                        // k16 steps of dS K
+    constexpr int DQ_DIM_TILES = DQ_WARP_DIMS / MMA_N > 8 ? 8 : DQ_WARP_DIMS / MMA_N;  // n8 tiles per pass
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, group = lane / QUAD_LANES;
+    const int warp_row0 = warp % DQ_ROW_TILES * MMA_M, dim0 = warp / DQ_ROW_TILES * DQ_WARP_DIMS;
+#pragma unroll
+    for (int pass = 0; pass < DQ_WARP_DIMS / MMA_N / DQ_DIM_TILES; pass++) {
+        float dq_part[DQ_DIM_TILES][ACC_REGS] = {};
+#pragma unroll
+        for (int kk = 0; kk < KEY_STEPS; kk++) {
+            // dS as the A operand from dS^T: ldmatrix.trans; matrix l / 8 holds queries
+            // + 8 (l / 8 % 2) and keys + 8 (l / 16): lane l gives key row 16kk + 8 (l / 16) + l % 8.
+            unsigned ds_a[A_REGS];
+            const int key = kk * MMA_K + lane / (2 * LDM_ROWS) * LDM_ROWS + lane % LDM_ROWS;
+            ldmatrix_x4_trans(ds_a, ds_tile + key * DS_STRIDE + warp_row0 + lane / LDM_ROWS % 2 * LDM_ROWS);
+#pragma unroll
+            for (int dp = 0; dp < DQ_DIM_TILES / 2; dp++) {
+                unsigned k_frag[2 * B_REGS];
+                load_trans_pair<HEAD_DIM>(k_frag, k_tile, kk, dim0 / (2 * MMA_N) + pass * DQ_DIM_TILES / 2 + dp);
+                mma_16x8x16(dq_part[2 * dp], ds_a, k_frag[0], k_frag[1]);
+                mma_16x8x16(dq_part[2 * dp + 1], ds_a, k_frag[2], k_frag[3]);
+            }
+        }
+        add_dq_partial<HEAD_DIM, DQ_DIM_TILES>(dq_head, dq_part, query0 + warp_row0 + group,
+                                               dim0 + pass * DQ_DIM_TILES * MMA_N, seqlen);
+    }
+}
+
+// (1) D_i = sum_d dO[i, d] * O[i, d] in fp32, and row i of the dQ accumulator zeroed. Grid:
+// (row tiles, b*h); CHUNKS lanes per row, each with 8 of its D elements.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(THREADS)
+    backward_preprocess_kernel(const __half *o, const __half *d_o, float *delta, float *dq_acc, int seqlen) {
+    constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS = THREADS / CHUNKS;
+    static_assert(WARP_SIZE % CHUNKS == 0, "a row's lanes are in one warp");
+    const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    const bool valid = row < seqlen;
+    const size_t at = ((size_t)blockIdx.y * seqlen + (valid ? row : 0)) * HEAD_DIM + chunk * CHUNK_HALVES;
+    float sum = 0.0f;
+    if (valid) {
+        const uint4 o_raw = *(const uint4 *)(o + at), do_raw = *(const uint4 *)(d_o + at);
+        const __half2 *o2 = (const __half2 *)&o_raw, *do2 = (const __half2 *)&do_raw;
+#pragma unroll
+        for (int i = 0; i < CHUNK_HALVES / 2; i++) {
+            const float2 a = __half22float2(o2[i]), b = __half22float2(do2[i]);
+            sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
+        }
+    }
+#pragma unroll
+    for (int offset = CHUNKS / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+    if (!valid) return;
+    if (chunk == 0) delta[(size_t)blockIdx.y * seqlen + row] = sum;
+    float4 *to = (float4 *)(dq_acc + at);
+    to[0] = to[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+// The first query of step `step` of the main kernel's loop, which starts at query tile first_tile.
+__device__ int step_query0(int first_tile, int step) { return (first_tile + step) * BWD_BLOCK_Q; }
+
+// (2) dK and dV of one tile of BLOCK_KV keys (and its share of dQ).
+template <int HEAD_DIM>
+__device__ void backward_key_block(const __half *q, const __half *k, const __half *v, const __half *d_o,
+                                   const float *lse, const float *delta, float *dq_acc, __half *dk, __half *dv,
+                                   int seqlen, float scale, float scale_log2, int causal, int key_tile, size_t head) {
+    constexpr int KV_HALVES = BwdConfig<HEAD_DIM>::KV_HALVES, Q_HALVES = BwdConfig<HEAD_DIM>::Q_HALVES;
+    constexpr int BLOCK_KV = BwdConfig<HEAD_DIM>::BLOCK_KV, BLOCK_THREADS = BwdConfig<HEAD_DIM>::BLOCK_THREADS;
+    constexpr bool A_IN_REGISTERS = BwdConfig<HEAD_DIM>::A_IN_REGISTERS;
+    constexpr int QUERY_TILES = BWD_BLOCK_Q / MMA_N;  // n8 tiles of S^T: 8
+    constexpr int DIM_TILES = HEAD_DIM / MMA_N;       // n8 tiles of dK, dV
+    constexpr int K_STEPS = HEAD_DIM / MMA_K;         // k16 steps of S^T = K Q^T and dP^T = V dO^T
+    constexpr int Q_STEPS = BWD_BLOCK_Q / MMA_K;      // k16 steps of dV += P^T dO and dK += dS^T Q
+    extern __shared__ __align__(128) unsigned char smem[];
+    float *lse_ring = (float *)smem;                                     // [BWD_STAGES][BWD_BLOCK_Q]
+    float *delta_ring = lse_ring + BWD_STAGES * BWD_BLOCK_Q;             // [BWD_STAGES][BWD_BLOCK_Q]
+    __half *k_tile = (__half *)(delta_ring + BWD_STAGES * BWD_BLOCK_Q);  // [BLOCK_KV][STRIDE]
+    __half *v_tile = k_tile + KV_HALVES;                                 // [BLOCK_KV][STRIDE]
+    __half *q_ring = v_tile + KV_HALVES;                                 // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
+    __half *do_ring = q_ring + BWD_STAGES * Q_HALVES;                    // [BWD_STAGES][BWD_BLOCK_Q][STRIDE]
+
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int group = lane / QUAD_LANES, quad_lane = lane % QUAD_LANES;      // accumulator row and column pair
+    const int key0 = key_tile * BLOCK_KV, warp_row0 = warp * BWD_WARP_ROWS;  // in the key tile
+    const __half *q_head = q + head * seqlen * HEAD_DIM, *do_head = d_o + head * seqlen * HEAD_DIM;
+    const float *lse_head = lse + head * seqlen, *delta_head = delta + head * seqlen;
+
+    // The loop runs over every query tile. Causal: from the one that holds query key0 (the
+    // diagonal), since the queries before it see none of this block's keys.
+    const int query_tiles = ceil_div(seqlen, BWD_BLOCK_Q);
+    const int first_tile = causal ? key0 / BWD_BLOCK_Q : 0;
+    const int q_tiles = query_tiles - first_tile;  // >= 1: key0 < seqlen
+
+    // K and V of the block join the first commit group; then the first BWD_STAGES - 1 query tiles.
+    load_tile_async<HEAD_DIM, BLOCK_KV, BLOCK_THREADS>(k_tile, k + head * seqlen * HEAD_DIM, key0, seqlen);
+    load_tile_async<HEAD_DIM, BLOCK_KV, BLOCK_THREADS>(v_tile, v + head * seqlen * HEAD_DIM, key0, seqlen);
+    for (int t = 0; t < BWD_STAGES - 1; t++) {
+        if (t < q_tiles)
+            load_query_tile_async<HEAD_DIM>(q_ring, do_ring, lse_ring, delta_ring, q_head, do_head, lse_head,
+                                            delta_head, t, step_query0(first_tile, t), seqlen);
+        __pipeline_commit();
+    }
+
+    // On chip for the whole loop: the warp's 16 x HEAD_DIM dK and dV accumulators.
+    float dk_acc[DIM_TILES][ACC_REGS] = {}, dv_acc[DIM_TILES][ACC_REGS] = {};
+    unsigned k_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS], v_regs[A_IN_REGISTERS ? K_STEPS : 1][A_REGS];
+    __half *ds_tile = do_ring + BWD_STAGES * Q_HALVES;  // [BLOCK_KV][DS_STRIDE]: dS^T of the last tile
+    float *dq_head = dq_acc + head * seqlen * HEAD_DIM;
+
+    for (int tile = 0; tile < q_tiles; tile++) {
+        // 07's ring: tile `tile` has landed once at most BWD_STAGES-2 younger groups are in flight.
+        __pipeline_wait_prior(BWD_STAGES - 2);
+        __syncthreads();  // ...for every thread's copies; the slot refilled next is consumed; dS^T is in
+        const int next = tile + BWD_STAGES - 1;
+        if (next < q_tiles)
+            load_query_tile_async<HEAD_DIM>(q_ring, do_ring, lse_ring, delta_ring, q_head, do_head, lse_head,
+                                            delta_head, next % BWD_STAGES, step_query0(first_tile, next), seqlen);
+        __pipeline_commit();  // possibly empty: keeps one group per tile
+        // The last tile's dQ, now that the barrier above has made its dS^T every warp's.
+        if (tile > 0) add_dq_of_tile<HEAD_DIM>(dq_head, ds_tile, k_tile, step_query0(first_tile, tile - 1), seqlen);
+        const int slot = tile % BWD_STAGES, query0 = step_query0(first_tile, tile);
+        const __half *q_tile = q_ring + slot * Q_HALVES, *do_tile = do_ring + slot * Q_HALVES;
+        const float *lse_tile = lse_ring + slot * BWD_BLOCK_Q, *delta_tile = delta_ring + slot * BWD_BLOCK_Q;
+
+        if constexpr (A_IN_REGISTERS) {  // K and V landed with the first tile
+            if (tile == 0)
+                for (int ks = 0; ks < K_STEPS; ks++) {
+                    load_a_step<HEAD_DIM>(k_regs[ks], k_tile, warp_row0, ks);
+                    load_a_step<HEAD_DIM>(v_regs[ks], v_tile, warp_row0, ks);
+                }
+        }
+
+        // S^T = K Q^T: the warp's 16 keys x the tile's 64 queries. Q [query][dim] is the "col" B
+        // operand as K is in the forward, so 07's load_k_step loads it.
+        float score[QUERY_TILES][ACC_REGS] = {};
+#pragma unroll
+        for (int ks = 0; ks < K_STEPS; ks++) {
+            unsigned a_frag[A_REGS], q_frag[QUERY_TILES / 2][2 * B_REGS];
+            if constexpr (!A_IN_REGISTERS) load_a_step<HEAD_DIM>(a_frag, k_tile, warp_row0, ks);
+            load_k_step<HEAD_DIM, QUERY_TILES>(q_frag, q_tile, ks);
+            const unsigned *k_frag = A_IN_REGISTERS ? k_regs[ks] : a_frag;
+#pragma unroll
+            for (int np = 0; np < QUERY_TILES / 2; np++) {
+                mma_16x8x16(score[2 * np], k_frag, q_frag[np][0], q_frag[np][1]);
+                mma_16x8x16(score[2 * np + 1], k_frag, q_frag[np][2], q_frag[np][3]);
+            }
+        }
+
+        // The mask: only on a diagonal tile (causal), a ragged last query tile, the last key tile.
+        if (query0 + BWD_BLOCK_Q > seqlen || key0 + BLOCK_KV > seqlen || (causal && key0 + BLOCK_KV - 1 > query0))
+            mask_tile<QUERY_TILES>(score, key0 + warp_row0 + group, query0 + 2 * quad_lane, seqlen, causal);
+        p_from_scores<QUERY_TILES>(score, lse_tile, 0, scale_log2);  // P^T, from the forward's LSE
+
+        // dV += P^T dO: P^T repacked as the A operand (07's P), dO through ldmatrix.trans (07's V).
+#pragma unroll
+        for (int kk = 0; kk < Q_STEPS; kk++) {
+            unsigned p_frag[A_REGS];
+            pack_a(p_frag, score[2 * kk], score[2 * kk + 1]);
+#pragma unroll
+            for (int dp = 0; dp < DIM_TILES / 2; dp++) {
+                unsigned do_frag[2 * B_REGS];
+                load_trans_pair<HEAD_DIM>(do_frag, do_tile, kk, dp);
+                mma_16x8x16(dv_acc[2 * dp], p_frag, do_frag[0], do_frag[1]);
+                mma_16x8x16(dv_acc[2 * dp + 1], p_frag, do_frag[2], do_frag[3]);
+            }
+        }
+
+        // dP^T = V dO^T, the same shape as S^T: V's rows as A, dO as the "col" B operand.
+        float ds[QUERY_TILES][ACC_REGS] = {};
+#pragma unroll
+        for (int ks = 0; ks < K_STEPS; ks++) {
+            unsigned a_frag[A_REGS], do_frag[QUERY_TILES / 2][2 * B_REGS];
+            if constexpr (!A_IN_REGISTERS) load_a_step<HEAD_DIM>(a_frag, v_tile, warp_row0, ks);
+            load_k_step<HEAD_DIM, QUERY_TILES>(do_frag, do_tile, ks);
+            const unsigned *v_frag = A_IN_REGISTERS ? v_regs[ks] : a_frag;
+#pragma unroll
+            for (int np = 0; np < QUERY_TILES / 2; np++) {
+                mma_16x8x16(ds[2 * np], v_frag, do_frag[np][0], do_frag[np][1]);
+                mma_16x8x16(ds[2 * np + 1], v_frag, do_frag[np][2], do_frag[np][3]);
+            }
+        }
+
+        // dS^T = P^T * (dP^T - D), in place of dP^T.
+        ds_from_dp<QUERY_TILES>(ds, score, delta_tile, 0);
+        unsigned ds_frag[Q_STEPS][A_REGS];  // dS^T as the A operand of dK += dS^T Q
+#pragma unroll
+        for (int kk = 0; kk < Q_STEPS; kk++) pack_a(ds_frag[kk], ds[2 * kk], ds[2 * kk + 1]);
+
+            // dK += dS^T Q (the scale is applied once, at the end): Q through ldmatrix.trans.
+#pragma unroll
+        for (int kk = 0; kk < Q_STEPS; kk++)
+#pragma unroll
+            for (int dp = 0; dp < DIM_TILES / 2; dp++) {
+                unsigned q_frag[2 * B_REGS];
+                load_trans_pair<HEAD_DIM>(q_frag, q_tile, kk, dp);
+                mma_16x8x16(dk_acc[2 * dp], ds_frag[kk], q_frag[0], q_frag[1]);
+                mma_16x8x16(dk_acc[2 * dp + 1], ds_frag[kk], q_frag[2], q_frag[3]);
+            }
+
+        // dQ_i += dS K. A warp holds dS^T for its own keys, but dQ of a query sums over all the
+        // keys of the block: dS^T goes to shared memory ([key][query], 4-byte stores of adjacent
+        // queries, conflict-free with the padded rows), and the next tile's barrier makes it every
+        // warp's: add_dq_of_tile runs there (or after the loop, for the last tile), so that one
+        // barrier serves the ring and dS^T. Every key tile adds to the same rows: atomics (RED).
+        constexpr int DS_STRIDE = BwdConfig<HEAD_DIM>::DS_STRIDE;
+        __syncthreads();  // every warp has read the last tile's dS^T
+#pragma unroll
+        for (int kk = 0; kk < Q_STEPS; kk++)
+#pragma unroll
+            for (int i = 0; i < A_REGS; i++) {  // A register i: row + 8 (i % 2), columns + 8 (i / 2)
+                const int key = warp_row0 + group + i % 2 * ACC_ROW_STEP;
+                const int query = kk * MMA_K + i / 2 * MMA_N + 2 * quad_lane;
+                *(unsigned *)&ds_tile[key * DS_STRIDE + query] = ds_frag[kk][i];
+            }
+    }
+    __syncthreads();  // every warp's dS^T rows of the last tile are in
+    add_dq_of_tile<HEAD_DIM>(dq_head, ds_tile, k_tile, step_query0(first_tile, q_tiles - 1), seqlen);
+    __pipeline_wait_prior(0);  // no copy may outlive the block (the trailing groups are empty)
+
+    __half *dk_head = dk + head * seqlen * HEAD_DIM, *dv_head = dv + head * seqlen * HEAD_DIM;
+    store_dk_dv<HEAD_DIM, DIM_TILES>(dk_head, dv_head, dk_acc, dv_acc, key0 + warp_row0, 0, seqlen, scale);
+}
+
+// (2) The main kernel: one key tile per block, grid (key tiles, b*h); causal (b*h, key tiles), the
+// first (heaviest: most query tiles see them) key tiles first.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(BwdConfig<HEAD_DIM>::BLOCK_THREADS, BwdConfig<HEAD_DIM>::MIN_BLOCKS)
+    flash_attention_backward_kernel(const __half *q, const __half *k, const __half *v, const __half *d_o,
+                                    const float *lse, const float *delta, float *dq_acc, __half *dk, __half *dv,
+                                    int seqlen, float scale, float scale_log2, int causal) {
+    const int key_tile = causal ? blockIdx.y : blockIdx.x;
+    const size_t head = causal ? blockIdx.x : blockIdx.y;
+    backward_key_block<HEAD_DIM>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, seqlen, scale, scale_log2, causal, key_tile,
+                                 head);
+}
+
+// (3) dQ = scale * the fp32 accumulator, as fp16. Grid as (1):
+// CHUNKS lanes per row.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(THREADS) convert_dq_kernel(const float *dq_acc, __half *dq, int seqlen, float scale) {
+    constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS = THREADS / CHUNKS;
+    const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    if (row >= seqlen) return;
+    const size_t at = ((size_t)blockIdx.y * seqlen + row) * HEAD_DIM + chunk * CHUNK_HALVES;
+    const float4 lo = *(const float4 *)(dq_acc + at), hi = *(const float4 *)(dq_acc + at + 4);
+    uint4 out;
+    out.x = pack_half2(lo.x * scale, lo.y * scale);
+    out.y = pack_half2(lo.z * scale, lo.w * scale);
+    out.z = pack_half2(hi.x * scale, hi.y * scale);
+    out.w = pack_half2(hi.z * scale, hi.w * scale);
+    *(uint4 *)(dq + at) = out;
+}
+
+// --- The backward's launcher -----------------------------------------------------------------
+// The workspace: D, one float per query row, then the fp32 dQ accumulator, B*H*N*D floats, from a
+// WORKSPACE_ALIGN boundary.
+static size_t delta_bytes(const AttnShape *s) {
+    size_t bytes = (size_t)s->batch * s->heads * s->seqlen * sizeof(float);
+    return (bytes + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN;
+}
+
+static size_t backward_workspace_bytes(const AttnShape *s, int /* deterministic: not offered */) {
+    return delta_bytes(s) + (size_t)s->batch * s->heads * s->seqlen * s->headdim * sizeof(float);
+}
+
+template <int HEAD_DIM>
+static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream) {
+    const AttnShape *s = &args->shape;
+    const int heads = s->batch * s->heads, key_tiles = ceil_div(s->seqlen, BwdConfig<HEAD_DIM>::BLOCK_KV);
+    const float scale = s->scale, scale_log2 = s->scale * LOG2E;
+    const int smem = BwdConfig<HEAD_DIM>::SMEM_BYTES;
+    RETURN_IF_ERROR(cudaFuncSetAttribute(flash_attention_backward_kernel<HEAD_DIM>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    float *delta = (float *)args->workspace;
+    float *dq_acc = (float *)((char *)args->workspace + delta_bytes(s));
+    const dim3 row_grid(ceil_div(s->seqlen, THREADS / (HEAD_DIM / CHUNK_HALVES)), heads);
+
+    backward_preprocess_kernel<HEAD_DIM>
+        <<<row_grid, THREADS, 0, stream>>>(args->o, args->d_o, delta, dq_acc, s->seqlen);
+    RETURN_IF_ERROR(cudaGetLastError());
+
+    dim3 grid = s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
+    flash_attention_backward_kernel<HEAD_DIM><<<grid, BwdConfig<HEAD_DIM>::BLOCK_THREADS, smem, stream>>>(
+        args->q, args->k, args->v, args->d_o, args->lse, delta, dq_acc, args->dk, args->dv, s->seqlen, scale,
+        scale_log2, s->causal);
+    RETURN_IF_ERROR(cudaGetLastError());
+
+    convert_dq_kernel<HEAD_DIM><<<row_grid, THREADS, 0, stream>>>(dq_acc, args->dq, s->seqlen, scale);
+    return cudaGetLastError();
+}
+
+static cudaError_t backward(const BackwardArgs *args, cudaStream_t stream) {
+    return backward_for_head_dim(args, stream, launch_backward<64>, launch_backward<128>);
+}
+
+static const Backward backward_pass = {backward_workspace_bytes, backward, 0};  // no deterministic mode: 09.8's
+
+const Chapter chapter = {
+    "09.3",
+    "eight warps per block, 128 keys: Q and dO read once per 128 keys",
+    PRECISION_FP16_TC,
+    80,
+    0,     // oldest and newest GPU it runs on (0: no newest)
+    NULL,  // the forward needs no workspace (the backward's is its own, below)
+    NULL,  // nothing to prepare before the forward
+    forward,
+    NULL,  // not an FP8 chapter
+    &backward_pass,
+};
