@@ -1151,8 +1151,7 @@ int main(int argc, char **argv) {
                              : "--deterministic is a mode of the backward pass (--backward), which this chapter "
                                "has not: drop it, or run it on a chapter that registers one");
     if (o.deterministic && !chapter.backward->deterministic)
-        die(EXIT_USAGE, "%s's backward has no deterministic mode (--deterministic): drop it, or run the chapter's",
-            chapter.name);
+        die(EXIT_USAGE, "this backward has no deterministic mode (--deterministic): drop it, or run the chapter's");
     if (o.output_dir) check_output_dir(o.output_dir, output_count(&o));
     if (o.input_dir) shape_from_input(&o);
     validate_shape(&o.shape);

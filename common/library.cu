@@ -151,7 +151,7 @@ static int check_deterministic(const char *function, int deterministic) {
         return fail(FA_ERR_INVALID_ARGUMENT, function, "deterministic = %d: expected 0 or 1", deterministic);
     if (deterministic && !chapter.backward->deterministic)
         return fail(FA_ERR_INVALID_ARGUMENT, function,
-                    "%s's backward has no deterministic mode: pass 0, or call the chapter's library", chapter.name);
+                    "this backward has no deterministic mode: pass 0, or call the chapter's library");
     return FA_OK;
 }
 
