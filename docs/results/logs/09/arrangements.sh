@@ -5,6 +5,8 @@
 # dQ?), the chapter's build through compute-sanitizer racecheck and synccheck, then every build
 # timed beside FlashAttention-2's backward (backward_vs_fa2.py), with the 09.dq_red exercise's
 # stub (scalar atomics) as one more row.
+# It builds the switches of the one-file chapter: run it at commit 70bddea or before (the logs it
+# made name their commits); the step files replaced the switches (09_backward/NOTES.md).
 #
 #   bash docs/results/logs/09/arrangements.sh [K] [SET]   (K: the first K shapes of backward_vs_fa2.py,
 #                                         default 2: B4 H16 N4096, D 128 and 64; SET: warps or split)

@@ -1,13 +1,14 @@
-"""Time 09's backward (both builds) beside PyTorch's flash-attention backward (FlashAttention-2's
+"""Time 09's backward (both modes) beside PyTorch's flash-attention backward (FlashAttention-2's
 kernels) on the same shapes, in one run: medians of 30 after 5 warm-up runs, CUDA events.
 
-  python3 docs/results/logs/09/backward_vs_fa2.py [K] [--build LABEL=BINARY ...]
+  python3 docs/results/logs/09/backward_vs_fa2.py [K] [--build LABEL=BINARY[@deterministic] ...]
 
-K: only the first K shapes. --build (repeatable): time these binaries instead of the two builds,
-each under its label, in the order given (a variant made with `make BUILD=... EXTRA_NVFLAGS=...`).
-Prints one CSV line per shape and mask (ms; speedup = FA2's time / ours): the columns torch_ms,
-then LABEL_ms and LABEL_speedup of each build, then the status and gradient errors of the first.
-Needs PyTorch and a GPU, and `make` first (build/09_backward, build/09_backward.deterministic).
+K: only the first K shapes. --build (repeatable): time these binaries instead of the chapter in its
+two modes, each under its label, in the order given (a step, build/09_backward.step1; @deterministic
+runs it with --deterministic). Prints one CSV line per shape and mask (ms; speedup = FA2's time /
+ours): the columns torch_ms, then LABEL_ms and LABEL_speedup of each build, then the status and
+gradient errors of the first. Needs PyTorch and a GPU, and `make` first (build/09_backward).
+(Until 2026-12-06 the deterministic mode was a build of its own, build/09_backward.deterministic.)
 """
 import os
 import statistics
@@ -21,8 +22,8 @@ sys.path.insert(0, os.path.join(ROOT, "common"))
 from runner import run_case, shape_args  # noqa: E402
 
 SHAPES = [(4, 16, 4096, 128), (4, 16, 4096, 64), (8, 16, 2048, 128), (8, 16, 2048, 64), (2, 16, 8192, 128)]
-BUILDS = (("ours", os.path.join(ROOT, "build", "09_backward")),
-          ("det", os.path.join(ROOT, "build", "09_backward.deterministic")))
+BUILDS = (("ours", os.path.join(ROOT, "build", "09_backward"), ()),
+          ("det", os.path.join(ROOT, "build", "09_backward"), ("--deterministic",)))
 WARMUP, ITERS = 5, 30
 
 
@@ -46,9 +47,10 @@ def torch_backward_ms(b, h, n, d, causal):
     return statistics.median(times)
 
 
-def ours(binary, b, h, n, d, causal):
+def ours(binary, flags, b, h, n, d, causal):
     """(ms or nan, the row's status and gradient errors, or what went wrong) of one binary, unchecked."""
-    args = shape_args((b, h, n, d, causal)) + ["--backward", "--no-check", "--warmup", str(WARMUP), "--iters", str(ITERS)]
+    args = shape_args((b, h, n, d, causal)) + ["--backward", "--no-check", "--warmup", str(WARMUP), "--iters",
+                                               str(ITERS), *flags]
     status, row, note = run_case(binary, "09_backward", args)
     if row is None or row["ms"] is None:
         return float("nan"), f"{status} {note}"
@@ -57,29 +59,30 @@ def ours(binary, b, h, n, d, causal):
 
 
 def arguments(argv):
-    """(shapes, [(label, binary)]) from [K] [--build LABEL=BINARY ...]."""
+    """(shapes, [(label, binary, flags)]) from [K] [--build LABEL=BINARY[@deterministic] ...]."""
     count, builds, rest = None, [], list(argv)
     while rest:
         arg = rest.pop(0)
         if arg == "--build" and rest and "=" in rest[0]:
             label, binary = rest.pop(0).split("=", 1)
-            builds.append((label, os.path.abspath(binary)))
+            binary, mode = binary.split("@", 1) if "@" in binary else (binary, "")
+            builds.append((label, os.path.abspath(binary), ("--deterministic",) if mode == "deterministic" else ()))
         elif arg.isdigit() and count is None:
             count = int(arg)
         else:
-            sys.exit(f"usage: backward_vs_fa2.py [K] [--build LABEL=BINARY ...] (got {arg!r})")
+            sys.exit(f"usage: backward_vs_fa2.py [K] [--build LABEL=BINARY[@deterministic] ...] (got {arg!r})")
     return SHAPES[:count] if count else SHAPES, builds or list(BUILDS)
 
 
 def main():
     shapes, builds = arguments(sys.argv[1:])
-    labels = [label for label, _ in builds]
+    labels = [label for label, _, _ in builds]
     print(",".join(["shape", "causal", "torch_ms"] + [f"{x}_ms" for x in labels] + [f"{x}_speedup" for x in labels] +
                    ["status", "rel"]))
     for b, h, n, d in shapes:
         for causal in (False, True):
             fa2 = torch_backward_ms(b, h, n, d, causal)
-            runs = [ours(binary, b, h, n, d, causal) for _, binary in builds]
+            runs = [ours(binary, flags, b, h, n, d, causal) for _, binary, flags in builds]
             said = runs[0][1]
             print(",".join([f"B{b}H{h}N{n}D{d}", str(int(causal)), f"{fa2:.3f}"] + [f"{ms:.3f}" for ms, _ in runs] +
                            [f"{fa2 / ms:.2f}" for ms, _ in runs] + [said]), flush=True)
