@@ -169,7 +169,12 @@ def split_top_level(text):
 def chapter_constants(chapter):
     """NAME -> expression text of the #defines and `static constexpr int`s (and bools) of the chapter's default
     build (its #if switches as the preprocessor takes them; first wins)."""
-    text, consts = source_text(chapter), {}
+    return text_constants(source_text(chapter))
+
+
+def text_constants(text):
+    """NAME -> expression text of the #defines and `static constexpr int`s (and bools) of a source's text."""
+    consts = {}
     for name, value in re.findall(r"^\s*#define\s+([A-Z_][A-Z0-9_]*)[ \t]+([^\n]*?)\s*(?://[^\n]*)?$", text, re.M):
         consts.setdefault(name, value)
     for decl in re.findall(r"static\s+constexpr\s+(?:int|bool)\s+([^;]+);", text):
@@ -2180,13 +2185,105 @@ def mbarrier_ring_08(ctx):
     return fig
 
 
+# --- 15. 09's plain backward: one block's data flow ---------------------------------------------------
+
+def backward_constants():
+    """09.1's block (09_backward/step1_plain.cu, with forward.h's MMA_M): keys per block and per warp,
+    queries per tile, ring slots."""
+    folder = os.path.join(ROOT, "09_backward")
+    files = sorted(glob.glob(os.path.join(folder, "step1_*.cu")))
+    if len(files) != 1:
+        raise ValueError(f"09_backward: expected one step1_*.cu, found {files}")
+    text = "".join(open(path).read() for path in (os.path.join(folder, "forward.h"), files[0]))
+    c = text_constants(preprocess(text)[0])
+    warps, warp_keys = const(c, "BWD_WARPS"), const(c, "BWD_WARP_ROWS")
+    return {"warps": warps, "warp_keys": warp_keys, "block_kv": warps * warp_keys,
+            "block_q": const(c, "BWD_BLOCK_Q"), "stages": const(c, "BWD_STAGES")}
+
+
+def backward_09(ctx):
+    """09.1, one block of the backward (key tile j of one head) over its loop of query tiles: what stays
+    in shared memory and registers for the whole loop, what arrives per tile, what is recomputed, and
+    where dQ is reduced. Sizes from step1_plain.cu."""
+    b = backward_constants()
+    kv, bq, wk = b["block_kv"], b["block_q"], b["warp_keys"]
+    fig, ax = plt.subplots(figsize=(13.2, 6.9))
+    blank_axes(ax, (-0.2, 15.6), (-1.0, 8.2))
+    ax.set_aspect("auto")
+    cols = ((0.0, 3.7, "device memory (one head)", COLORS["hbm"]),
+            (5.0, 4.3, f"shared memory of the block ({kv} keys)", COLORS["smem"]),
+            (10.6, 5.0, f"registers of warp w ({wk} keys of the {kv})", COLORS["reg"]))
+    for x, w, title, color in cols:
+        rect(ax, x - 0.1, -0.55, w + 0.2, 8.55, color, edge="none", alpha=0.45)
+        ax.text(x + w / 2, -0.3, title, ha="center", va="center", size=10.5, style="italic")
+    g = {  # device memory
+        "qdo": (0.0, 0.4, 3.7, 0.75, "Q, dO  [N × D] fp16"),
+        "lsed": (0.0, 1.45, 3.7, 0.75, "LSE (the forward's), D  [N] fp32"),
+        "kv": (0.0, 2.9, 3.7, 0.75, "K, V  [N × D] fp16"),
+        "dkdv": (0.0, 4.2, 3.7, 0.75, "dK, dV  [N × D] fp16"),
+        "acc": (0.0, 5.6, 3.7, 0.95, "dQ accumulator  [N × D] fp32\n(workspace, zeroed by kernel 1)"),
+        "dq": (0.0, 7.15, 3.7, 0.65, "dQ  [N × D] fp16"),
+    }
+    s = {  # shared memory
+        "ring": (5.0, 0.4, 4.3, 1.8, f"ring of {b['stages']} slots, one per query tile i:\n"
+                                      f"Q_i, dO_i  [{bq} × D]\nLSE_i, D_i  [{bq}]"),
+        "kvj": (5.0, 2.9, 4.3, 0.75, f"K_j, V_j  [{kv} × D]: the whole loop"),
+        "ds": (5.0, 5.6, 4.3, 0.95, f"dSᵀ of tile i  [{kv} keys × {bq} queries]\n(every warp's rows)"),
+    }
+    r = {  # registers
+        "sp": (10.6, 0.4, 5.0, 0.8, f"Sᵀ = K_j Q_iᵀ  → Pᵀ = exp(Sᵀ·scale − LSE_i)\nrecomputed, {wk} × {bq}"),
+        "dp": (10.6, 1.4, 5.0, 0.8, f"dPᵀ = V_j dO_iᵀ  → dSᵀ = Pᵀ ∘ (dPᵀ − D_i)\n{wk} × {bq}"),
+        "dkv": (10.6, 2.9, 5.0, 0.75, f"dV += Pᵀ dO_i,  dK += dSᵀ Q_i\n{wk} × D each, fp32: the whole loop"),
+        "dqp": (10.6, 5.6, 5.0, 0.95, f"dQ_i's partial = dS K_j\n{wk} queries × D, this warp's share"),
+    }
+    colors = {"qdo": COLORS["q"], "lsed": COLORS["q"], "kv": COLORS["k"], "acc": COLORS["s"], "dkdv": COLORS["k"],
+              "dq": COLORS["q"], "ring": COLORS["q"], "kvj": COLORS["k"], "ds": COLORS["s"], "sp": COLORS["s"],
+              "dp": COLORS["s"], "dkv": COLORS["k"], "dqp": COLORS["q"]}
+    boxes = {**g, **s, **r}
+    for name, (x, y, w, h, text) in boxes.items():
+        box(ax, x, y, w, h, text, colors[name], size=9)
+
+    def side(name, where, frac=0.5):
+        x, y, w, h, _ = boxes[name]
+        return {"r": (x + w, y + h * frac), "l": (x, y + h * frac), "t": (x + w * frac, y),
+                "b": (x + w * frac, y + h)}[where]
+
+    def path(points, color, text=None, at=None):
+        """A polyline ending in an arrow head, with optional text at `at`."""
+        ax.plot([p[0] for p in points[:-1]], [p[1] for p in points[:-1]], color=color, lw=1.2)
+        arrow(ax, points[-2], points[-1], color=color)
+        if text:
+            ax.text(*at, text, ha="center", va="top", size=8.5, color=color)
+
+    arrow(ax, side("qdo", "r"), side("ring", "l", 0.3), text="cp.async,\nevery tile", size=8)
+    arrow(ax, side("lsed", "r"), side("ring", "l", 0.8), size=8)
+    arrow(ax, side("kv", "r"), side("kvj", "l"), text="cp.async, once", size=8)
+    arrow(ax, side("ring", "r", 0.25), side("sp", "l"), text="ldmatrix", size=8)
+    arrow(ax, side("kvj", "r", 0.3), side("dp", "l", 0.7), size=8)
+    arrow(ax, side("dp", "b", 0.08), side("ds", "t", 0.85), text="4-byte stores", size=8, offset=(0.2, 0.3))
+    arrow(ax, side("ds", "r"), side("dqp", "l"), text="ldmatrix.trans, after\nthe next barrier", size=8,
+          offset=(0.0, -0.55))
+    bend = side("dqp", "b")[1] + 0.3
+    path([side("dqp", "b"), (side("dqp", "b")[0], bend), (3.35, bend), (3.35, side("acc", "b")[1])], COLORS["hi"],
+         "atomicAdd (RED): every key block adds into every query row it sees", (8.6, bend + 0.08))
+    path([side("dkv", "b", 0.3), (side("dkv", "b", 0.3)[0], 4.575), side("dkdv", "r")], "#606060",
+         "once, after the loop (dK × scale)", (7.2, 4.66))
+    arrow(ax, side("acc", "b", 0.15), side("dq", "t", 0.15), text="kernel 3: × scale, fp16", size=8,
+          offset=(1.05, 0.0))
+    ax.text(1.85, 2.42, "kernel 1: D = rowsum(dO ∘ O)", ha="center", va="center", size=8, style="italic")
+    ax.set_title(f"09.1, kernel 2: one block = key tile j ({kv} keys, {b['warps']} warps of {wk}), looping over "
+                 f"query tiles i of {bq}", size=11.5)
+    return fig
+
+
 # --- Main -------------------------------------------------------------------------------------------
 
 FIGURES = [("memory_hierarchy", memory_hierarchy), ("tiling_02", tiling_02), ("online_softmax", online_softmax),
            ("loop_order", loop_order), ("causal_tiles", causal_tiles), ("wmma_roundtrip_06", wmma_roundtrip_06),
            ("mma_fragments", mma_fragments), ("cp_async_ring", cp_async_ring), ("bank_maps", bank_maps),
            ("staircase", staircase), ("pingpong_08", pingpong_08), ("wgmma_fragments_08", wgmma_fragments_08),
-           ("swizzle_128b_08", swizzle_128b_08), ("mbarrier_ring_08", mbarrier_ring_08)]
+           ("swizzle_128b_08", swizzle_128b_08), ("mbarrier_ring_08", mbarrier_ring_08),
+           ("backward_09", backward_09)]
 
 
 def main():
