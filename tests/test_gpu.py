@@ -19,8 +19,9 @@ others reuse it, and no two workers ever make the same folder at once.
   twice_torch     fp16 tensor-core chapters (06, 07, 09, and 08's fp16 steps): max abs error of O at
                   most twice that of PyTorch's fp16 flash attention on the same inputs (FlashAttention's
                   own rule; skipped without PyTorch)
-  step            08's step builds (BUILD/08_fp8.step1 ... step5): a lean matrix (both D, masks,
-                  ragged N, large logits) under each step's precision
+  step            the step builds (BUILD/08_fp8.step1 ... step5, BUILD/09_backward.step1 ... step7):
+                  a lean matrix (both D, masks, ragged N, large logits), 08's under each step's
+                  precision, 09's with --backward (the forward they share is the chapter's)
   scratch         chapters with B*H*N^2 scratch: a shape whose scratch cannot fit is refused (exit 2)
   backward        chapters with a backward pass (09) x D x causal x N x (B, H), --backward: dQ, dK, dV
                   each within the rel L2 bound; a lean matrix in the deterministic mode (--backward
@@ -350,7 +351,8 @@ def test_scratch_that_cannot_fit_is_refused(repo, chapter):
         f"{shown}: the message should say the memory does not fit and what to lower: {message!r}")
 
 
-# --- 08's steps (BUILD/08_fp8.step1 ... step5; step 6 is the chapter, in the matrix above) -------------
+# --- the steps (BUILD/08_fp8.step1 ... step5, BUILD/09_backward.step1 ... step7; the last step is the ----
+# chapter, in the matrix above); 09's steps differ in their backward alone, so they run with --backward
 STEP_KEY_TILE = {"08.4": {64: 128, 128: 128}, "08.5": {64: 128, 128: 192}}  # the FP8 steps' key tiles
 STEP_SEQLENS = (1, 127, 385, 1000)  # one key, ragged tiles, past 2 x 192 keys, many tiles
 
@@ -384,17 +386,22 @@ def step_params():
 
 @pytest.mark.parametrize("step,build,dtype,n,d,causal", list(step_params()))
 def test_step(repo, step, build, dtype, n, d, causal):
-    """One step of 08 at a shape (or, n None, on the large-logit inputs): PASS under its precision's rule."""
+    """One step at a shape (or, n None, on the large-logit inputs): PASS under its precision's rule (08), or
+    its backward's gradients within the bound (09)."""
+    backward = build.split(".")[0] in BACKWARD_CHAPTERS
     if n is None:
         b, h, n = 1, 2, 300
-        args = ["--input", str(reference_inputs(repo, d))] + (["--causal"] if causal else [])
+        args = ["--input", str(reference_inputs(repo, d, grad=backward))] + (["--causal"] if causal else [])
     else:
         b, h = 2, 3
         args = shape_args(b, h, n, d, causal)
-    proc, row = run_csv(repo, step, args, build=build)
-    shown = f"{step} ({build}) B={b} H={h} N={n} D={d}{masked(causal)}"
-    check_passed(proc, row, shown, b, h, n, d, causal)
-    check_step_row(step, dtype, row, shown, b, h, n, d)
+    proc, row = run_csv(repo, step, args + (["--backward"] if backward else []), build=build)
+    shown = f"{step} ({build}){' --backward' if backward else ''} B={b} H={h} N={n} D={d}{masked(causal)}"
+    if backward:
+        check_backward_row(proc, row, shown, b, h, n, d, causal)
+    else:
+        check_passed(proc, row, shown, b, h, n, d, causal)
+        check_step_row(step, dtype, row, shown, b, h, n, d)
 
 
 # --- the backward pass (--backward) -------------------------------------------------------------------------

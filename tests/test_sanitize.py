@@ -1,5 +1,6 @@
 """compute-sanitizer (`make sanitize`: pytest -m sanitize) on every chapter and 08's step builds at
-small shapes, and on each backward pass (--backward, and in its deterministic mode: --backward --deterministic).
+small shapes, and on each backward pass (--backward, and in its deterministic mode: --backward
+--deterministic), 09's step builds included.
 
 memcheck (with --leak-check full), racecheck, synccheck and initcheck, each on shapes that are not
 tile multiples. A run passes when the sanitizer exits 0 and reports `ERROR SUMMARY: 0 errors`
@@ -25,9 +26,12 @@ RUNS = [
 ]
 TIMEOUT_S = 600
 # What runs: each chapter and 08's steps (BUILD/08_fp8.stepK) forward; each chapter with a backward pass with
-# --backward, and again in its deterministic mode.
-TARGETS = [(c, ()) for c in CHAPTERS + [build for _, build, _ in STEP_BUILDS]] + \
-          [(c, flags) for c in BACKWARD_CHAPTERS for flags in (("--backward",), ("--backward", "--deterministic"))]
+# --backward, and again in its deterministic mode; 09's steps (BUILD/09_backward.stepK), whose forward is
+# the chapter's, with --backward.
+BACKWARD_STEPS = [build for _, build, _ in STEP_BUILDS if build.split(".")[0] in BACKWARD_CHAPTERS]
+TARGETS = [(c, ()) for c in CHAPTERS + [build for _, build, _ in STEP_BUILDS if build not in BACKWARD_STEPS]] + \
+          [(c, flags) for c in BACKWARD_CHAPTERS for flags in (("--backward",), ("--backward", "--deterministic"))] + \
+          [(build, ("--backward",)) for build in BACKWARD_STEPS]
 
 
 def params():
