@@ -248,17 +248,20 @@ ablation: $(PY_DEPS)
 	@$(call need_gpu,ablation CH=$(CH),$(BUILD)/$(CH_DIR))
 	@$(PYTHON) common/ablation.py run $(CH_DIR) --build $(BUILD) --make '$(MAKE)'
 
-# A chapter as a PyTorch op (common/torch_op.py) in a small GPT (common/train.py): trained twice from
-# one seed, with PyTorch's SDPA and with CH's forward (default here: 07; a step such as CH=08.3 too)
-# and 09's backward, on the Python standard library's source; both loss curves, each run's tokens/s
-# and a CSV -> docs/results/train/. It builds the two libraries it loads. TRAIN_ARGS: train.py's
-# options, e.g. --quick (200 steps, output under BUILD/train/) or --steps 2000 --batch 16.
-# CH=07,08: one SDPA run, then one run per chapter. Without PyTorch or a GPU: one line, exit 77.
+# A chapter as a PyTorch op (common/torch_op.py) in a small GPT (common/train.py): trained with PyTorch's
+# SDPA and with CH's forward (default here: 07; a step such as CH=08.3 too) and 09's backward, on the
+# Python standard library's source; the loss curves, each run's tokens/s and a CSV ->
+# docs/results/train/. It builds the libraries it loads. TRAIN_ARGS: train.py's options, e.g. --quick
+# (200 steps, output under BUILD/train/) or --steps 2000 --batch 16.
+# CH=07,08: one SDPA run, then one run per chapter; CH=07@deterministic: 09's backward in its
+# deterministic mode. SEEDS=0,1,2: every run once per initialisation seed, all on the same batches.
+# Without PyTorch or a GPU: one line, exit 77.
 TRAIN_CH = $(if $(filter file,$(origin CH)),07,$(CH))
 TRAIN_ARGS ?=
+SEEDS ?=
 train: $(PY_DEPS)
-	@$(foreach c,$(subst $(comma), ,$(TRAIN_CH)),test -n "$(call chapter_dir,$(c))" || $(call no_chapter,$(c),CH);) true
-	@$(PYTHON) common/train.py --chapter $(TRAIN_CH) --build $(BUILD) $(TRAIN_ARGS)
+	@$(foreach c,$(subst $(comma), ,$(TRAIN_CH)),test -n "$(call chapter_dir,$(firstword $(subst @, ,$(c))))" || $(call no_chapter,$(c),CH);) true
+	@$(PYTHON) common/train.py --chapter $(TRAIN_CH) --build $(BUILD)$(if $(SEEDS), --seeds $(SEEDS)) $(TRAIN_ARGS)
 
 # The ceilings docs/design.md quotes, measured on this GPU by tools/peaks.cu: fp32 FFMA, fp16
 # mma.sync, wgmma fp16 and e4m3 (sm_90a: built so when ARCH is sm_90; skipped in one line on other

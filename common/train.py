@@ -1,34 +1,40 @@
 #!/usr/bin/env python3
-"""`make train CH=07`: a small GPT trained from one seed, once with PyTorch's SDPA and once with a
-chapter's attention (common/torch_op.py: the forward from CH, the backward from 09), on the bytes of
-the Python standard library's own source; the loss curves, side by side. CH=07,08: one SDPA run,
-then one run per chapter, from the same seed.
+"""`make train CH=07`: a small GPT trained with PyTorch's SDPA and with a chapter's attention
+(common/torch_op.py: the forward from CH, the backward from 09), on the bytes of the Python standard
+library's own source; the loss curves, side by side. CH=07,08: one SDPA run, then one run per
+chapter; CH=07@deterministic: 07 with 09's backward in its deterministic mode. With several
+initialisation seeds (--seeds 0,1,2) every run is made once per seed, all on the same batches.
 
-  train.py [--chapter 07[,08...]] [--backward 09] [--steps N] [--batch B] [--eval-every K] [--eval-batches E]
-           [--seed S] [--lr LR] [--quick] [--out CSV] [--build DIR] [--make CMD] [--no-build]
+  train.py [--chapter 07[,08,07@deterministic...]] [--backward 09] [--steps N] [--batch B] [--eval-every K]
+           [--eval-batches E] [--seeds S[,S...]] [--data-seed S] [--lr LR] [--quick] [--out CSV]
+           [--build DIR] [--make CMD] [--no-build]
 
 The model: 6 layers, 6 heads of D = 64 (width 384), context 512, bytes as tokens (256), learned
 positions, pre-norm blocks, an MLP of 4x the width with GELU, tied embeddings (10.9M parameters).
 The weights and everything but the attention are fp32 (matrix products on TF32); the attention is
 fp16 in both runs: q, k, v cast to fp16 and made contiguous, the attention (SDPA, or the chapter),
-O cast back. So the two runs differ in the attention kernels and in nothing else. fp16 gradients
+O cast back. So runs of one seed differ in the attention kernels and in nothing else. fp16 gradients
 are kept from underflowing by loss scaling (torch.amp.GradScaler). AdamW (0.9, 0.95, weight decay
 0.1 on the matrices), the learning rate warmed up over the first 4% of steps, then a cosine to 10%.
 
 The data: every .py file under sysconfig.get_paths()["stdlib"] (site-packages and __pycache__
 left out), sorted by path; every VALIDATION_EVERY-th file of that order is validation, the rest
 training; each split is its files' bytes joined by a NUL byte. Training batches are windows at
-random offsets drawn from a generator seeded with --seed (the same windows for both runs); the
-validation loss is the mean over --eval-batches batches of windows evenly spaced over the
-validation bytes. The files are those of the Python that runs this: another Python version is
+random offsets drawn from a generator seeded with --data-seed (the same windows for every run and
+seed); the initial weights come from --seeds, one per run of each attention. The validation loss is
+the mean over --eval-batches batches of windows evenly spaced over the validation bytes. The files are those of the Python that runs this: another Python version is
 another corpus (the summary names it).
 
-Out: a progress bar (plain text, on stderr), a CSV of (step, run, train_loss, val_loss,
+Out: a progress bar (plain text, on stderr), a CSV of (step, run, seed, train_loss, val_loss,
 tokens_per_s) at every evaluation (train_loss: the mean since the previous one; tokens_per_s: the
-training tokens of that interval over its time, evaluation excluded), a figure of both runs' curves
-beside it (skipped with a note without matplotlib), each run's tokens per second (every interval
-but the first, which holds the warm-up) and the difference of the final validation losses. The
-default output is docs/results/train/train_<build>.csv (.png); with --quick, BUILD/train/.
+training tokens of that interval over its time, evaluation excluded), a figure of the runs' curves
+beside it (over seeds: the mean, and the band from the lowest to the highest; skipped with a note
+without matplotlib), and a summary table (`summary_table`, from the CSV alone): each run's final
+validation loss over the seeds (mean, sample standard deviation, range), its difference from SDPA's
+run of the same seed (mean and range), and its tokens per second (every interval but the first,
+which holds the warm-up). The default output is docs/results/train/train_<runs>[_<K>seeds].csv
+(.png), e.g. train_07_08_07det_3seeds.csv; with --quick, BUILD/train/. --table FILE writes the
+summary into FILE between TABLE_BEGIN and TABLE_END.
 
 Without PyTorch or a CUDA GPU it says so in one line and exits 77 (the skip code), as `make compare` does.
 """
@@ -59,8 +65,11 @@ SEPARATOR = b"\0"      # between files: a byte no source file holds
 WARMUP_FRACTION, FINAL_LR_FRACTION = 0.04, 0.1
 CLIP_NORM = 1.0
 PROGRESS_EVERY = 25    # steps between progress-bar updates on a terminal (each reads the loss: a sync)
-FIELDS = ("step", "run", "train_loss", "val_loss", "tokens_per_s")
+FIELDS = ("step", "run", "seed", "train_loss", "val_loss", "tokens_per_s")
 SDPA_RUN = "sdpa"
+DETERMINISTIC = "@deterministic"  # a run's suffix: 09's backward in its deterministic mode
+TABLE_BEGIN = "<!-- training table: generated by common/train.py from {csv} -->"
+TABLE_END = "<!-- training table:end -->"
 # An H200 ran a step of batch 32 in 17 ms with SDPA, 22 ms with 07 + 09 (--quick's tokens/s): 3000
 # steps are about a minute a run.
 DEFAULTS = {"steps": 3000, "batch": 32, "eval_every": 150, "eval_batches": 16}
@@ -128,9 +137,10 @@ def sdpa_attention(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def chapter_attention(chapter, backward):
+def chapter_attention(chapter, backward, deterministic=False):
     def attend(q, k, v):
-        return torch_op.attention(q, k, v, causal=True, chapter=chapter, backward=backward)
+        return torch_op.attention(q, k, v, causal=True, chapter=chapter, backward=backward,
+                                  deterministic=deterministic)
     return attend
 
 
@@ -233,7 +243,7 @@ class Progress:
 
     def line(self, step, loss, rate, val_loss):
         filled = int(30 * step / self.steps)
-        return (f"{self.run:<26} [{'#' * filled}{'.' * (30 - filled)}] {step:>6}/{self.steps}  "
+        return (f"{self.run:<40} [{'#' * filled}{'.' * (30 - filled)}] {step:>6}/{self.steps}  "
                 f"loss {loss:6.3f}" + (f"  validation {val_loss:6.3f}" if val_loss is not None else " " * 19)
                 + f"  {rate / 1e6:5.2f}M tokens/s")
 
@@ -253,17 +263,19 @@ def evaluate(model, batches):
     return total / len(batches)
 
 
-def train_run(run, attend, corpus, steps, batch, eval_every, eval_batches, seed=0, lr=1e-3, progress=True):
-    """Train one model on the corpus's device; (rows of FIELDS, tokens per second over every interval
-    but the first)."""
+def train_run(run, attend, corpus, steps, batch, eval_every, eval_batches, seed=0, lr=1e-3, progress=True,
+              data_seed=0):
+    """Train one model on the corpus's device, its weights from seed, its batches from data_seed;
+    (rows of FIELDS, tokens per second over every interval but the first)."""
     device = corpus["train"].device.type
     torch.manual_seed(seed)
     model = build_model(attend).to(device)
     opt, scaler = optimizer(model, lr), grad_scaler(device)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(data_seed)
     val = validation_batches(corpus["val"], batch, eval_batches)
-    bar = Progress(run, steps) if progress else None
-    rows = [{"step": 0, "run": run, "train_loss": None, "val_loss": evaluate(model, val), "tokens_per_s": None}]
+    bar = Progress(f"{run} seed {seed}", steps) if progress else None
+    rows = [{"step": 0, "run": run, "seed": seed, "train_loss": None, "val_loss": evaluate(model, val),
+             "tokens_per_s": None}]
     loss_sum, count, timed = torch.zeros((), device=device), 0, []
     synchronize(device)
     start = time.perf_counter()
@@ -284,7 +296,7 @@ def train_run(run, attend, corpus, steps, batch, eval_every, eval_batches, seed=
             synchronize(device)
             seconds = time.perf_counter() - start
             timed.append((count * batch * CONTEXT, seconds))
-            rows.append({"step": step, "run": run, "train_loss": float(loss_sum) / count,
+            rows.append({"step": step, "run": run, "seed": seed, "train_loss": float(loss_sum) / count,
                          "val_loss": evaluate(model, val), "tokens_per_s": count * batch * CONTEXT / seconds})
             loss_sum.zero_()
             count = 0
@@ -310,38 +322,137 @@ def write_csv(path, rows):
                              for k in FIELDS])
 
 
+def read_csv(path):
+    """The rows write_csv wrote, numbers as numbers (None where empty)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for key in ("step", "seed"):
+            row[key] = int(row[key])
+        for key in ("train_loss", "val_loss", "tokens_per_s"):
+            row[key] = float(row[key]) if row[key] else None
+    return rows
+
+
+def curves(rows):
+    """{run: {seed: [rows by step]}}, runs and seeds in their order in rows."""
+    out = {}
+    for row in rows:
+        out.setdefault(row["run"], {}).setdefault(row["seed"], []).append(row)
+    return out
+
+
+def steady_rate(run_rows):
+    """Training tokens per second of one run over every interval but the first (the warm-up): the
+    intervals' steps over their seconds, from the rates in the rows (the batch cancels out)."""
+    timed = [(row["step"] - before["step"], row["tokens_per_s"]) for before, row in zip(run_rows, run_rows[1:])]
+    steady = timed[1:] or timed
+    return sum(steps for steps, _ in steady) / sum(steps / rate for steps, rate in steady)
+
+
+def mean_std(values):
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else float("nan")
+    return mean, std
+
+
+def summarize(rows):
+    """Per run: seeds, final validation loss (mean, std, min, max over seeds), its difference from
+    SDPA's run of the same seed (mean, min, max over the seeds both have), mean tokens per second."""
+    runs = curves(rows)
+    final = {run: {seed: mine[-1]["val_loss"] for seed, mine in seeds.items()} for run, seeds in runs.items()}
+    out = []
+    for run, seeds in runs.items():
+        losses = list(final[run].values())
+        mean, std = mean_std(losses)
+        paired = [final[run][s] - final[SDPA_RUN][s] for s in final[run] if s in final.get(SDPA_RUN, {})]
+        out.append({"run": run, "seeds": len(seeds), "steps": max(r["step"] for r in rows if r["run"] == run),
+                    "mean": mean, "std": std, "min": min(losses), "max": max(losses),
+                    "diff": (sum(paired) / len(paired), min(paired), max(paired)) if paired and run != SDPA_RUN else None,
+                    "tokens_per_s": sum(steady_rate(mine) for mine in seeds.values()) / len(seeds)})
+    return out
+
+
+def run_label(run):
+    """What a run is, for a table: SDPA, or CH forward + 09 backward (deterministic)."""
+    if run == SDPA_RUN:
+        return "SDPA (the backend PyTorch picks)"
+    forward, _, mode = run.partition("@")
+    return f"{forward[:2]} forward, 09 backward" + (f" ({mode})" if mode else "")
+
+
+def summary_table(rows):
+    """The summary as a Markdown table (nats per byte; tokens/s in millions)."""
+    lines = ["| run | seeds | final validation loss: mean | std | min | max | minus SDPA's, same seed: mean "
+             "| min | max | tokens/s |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in summarize(rows):
+        diff = [f"{x:+.4f}" for x in r["diff"]] if r["diff"] else ["", "", ""]
+        lines.append(f"| {run_label(r['run'])} | {r['seeds']} | {r['mean']:.4f} | {r['std']:.4f} | {r['min']:.4f} | "
+                     f"{r['max']:.4f} | {' | '.join(diff)} | {r['tokens_per_s'] / 1e6:.2f}M |")
+    return "\n".join(lines)
+
+
 def plot(path, rows, title):
-    """Every run's validation (solid) and training (dashed) losses against the step, and below them the
-    difference of the validation losses (each later run minus the first), to path; None, or the
-    one-line reason it was not drawn."""
+    """Every run's validation (solid) and training (dashed) loss against the step (the mean over its
+    seeds, the validation loss's range shaded), and below them each run's validation loss minus SDPA's
+    run of the same seed (mean and range over the seeds), SDPA's own range about its mean shaded grey,
+    to path; None, or the one-line reason it was not drawn."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib not installed: no figure (pip install matplotlib)"
-    runs = list(dict.fromkeys(r["run"] for r in rows))
-    fig, (ax, below) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    for i, run in enumerate(runs):
-        mine = [r for r in rows if r["run"] == run]
-        width = 4 if i == 0 else 1.5  # the first run drawn wide, so that the second shows on top of it
-        line, = ax.plot([r["step"] for r in mine], [r["val_loss"] for r in mine], linewidth=width, alpha=0.7,
-                        label=f"{run}: validation")
-        trained = [r for r in mine if r["train_loss"] is not None]
-        ax.plot([r["step"] for r in trained], [r["train_loss"] for r in trained], "--", linewidth=width,
-                color=line.get_color(), alpha=0.5, label=f"{run}: training")
+    runs = curves(rows)
+    fig, (ax, below) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+
+    def by_step(seeds, key):
+        """steps, and at each the values of every seed."""
+        steps = [r["step"] for r in next(iter(seeds.values())) if r[key] is not None]
+        table = {s: [] for s in steps}
+        for mine in seeds.values():
+            for r in mine:
+                if r["step"] in table and r[key] is not None:
+                    table[r["step"]].append(r[key])
+        return steps, [table[s] for s in steps]
+
+    colours = {}
+    for run, seeds in runs.items():
+        steps, values = by_step(seeds, "val_loss")
+        line, = ax.plot(steps, [sum(v) / len(v) for v in values], linewidth=1.5,
+                        label=f"{run_label(run)}: validation ({len(seeds)} seeds)")
+        colours[run] = line.get_color()
+        ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=colours[run], alpha=0.2)
+        steps, values = by_step(seeds, "train_loss")
+        ax.plot(steps, [sum(v) / len(v) for v in values], "--", linewidth=1, color=colours[run], alpha=0.6)
     ax.set_ylabel("cross-entropy (nats per byte)")
     ax.set_title(textwrap.fill(title, 100), fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
-    first = {r["step"]: r["val_loss"] for r in rows if r["run"] == runs[0]}
-    for run, line in zip(runs[1:], ax.get_lines()[2::2]):  # each run after the first, in its colour
-        other = {r["step"]: r["val_loss"] for r in rows if r["run"] == run}
-        steps = sorted(set(first) & set(other))
-        below.plot(steps, [other[s] - first[s] for s in steps], marker=".", color=line.get_color(), label=run)
+    ax.legend(title="solid: validation; dashed: training (means over seeds)", fontsize=8, title_fontsize=8)
+    if SDPA_RUN in runs:
+        steps, values = by_step(runs[SDPA_RUN], "val_loss")
+        means = [sum(v) / len(v) for v in values]
+        below.fill_between(steps, [min(v) - m for v, m in zip(values, means)],
+                           [max(v) - m for v, m in zip(values, means)], color="grey", alpha=0.25,
+                           label="SDPA's own range over seeds, about its mean")
+        sdpa = {(r["seed"], r["step"]): r["val_loss"] for mine in runs[SDPA_RUN].values() for r in mine}
+        for run, seeds in runs.items():
+            if run == SDPA_RUN:
+                continue
+            diffs = {}
+            for seed, mine in seeds.items():
+                for r in mine:
+                    if (seed, r["step"]) in sdpa:
+                        diffs.setdefault(r["step"], []).append(r["val_loss"] - sdpa[(seed, r["step"])])
+            steps = sorted(diffs)
+            below.plot(steps, [sum(diffs[s]) / len(diffs[s]) for s in steps], marker=".", color=colours[run],
+                       label=run_label(run))
+            below.fill_between(steps, [min(diffs[s]) for s in steps], [max(diffs[s]) for s in steps],
+                               color=colours[run], alpha=0.15)
+        below.legend(fontsize=7)
     below.axhline(0, color="grey", linewidth=0.8)
     below.set_xlabel("step")
-    below.set_ylabel(f"validation loss,\nminus {runs[0]}'s", fontsize=8)
+    below.set_ylabel("validation loss minus\nSDPA's (same seed)", fontsize=8)
     below.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -349,38 +460,50 @@ def plot(path, rows, title):
     return None
 
 
-def summary_lines(results, chapter_runs):
-    """Each run's final validation loss and tokens per second, and the difference of the final
-    validation losses (each chapter minus SDPA)."""
-    lines = [f"{run:<26} final validation loss {rows[-1]['val_loss']:.4f}, {rate / 1e6:.2f}M tokens/s"
-             for run, (rows, rate) in results.items()]
-    sdpa = results[SDPA_RUN][0][-1]["val_loss"]
-    for run in chapter_runs:
-        difference = results[run][0][-1]["val_loss"] - sdpa
-        lines.append(f"difference of the final validation losses ({run} - {SDPA_RUN}): {difference:+.4f} "
-                     f"({difference / sdpa:+.2%})")
-    return lines
+def write_table(path, csv_path, rows):
+    """The summary table into the file at path between its markers; False where they are missing."""
+    sys.path.insert(0, HERE)
+    from report import replace_between
+    with open(path) as f:
+        text = f.read()
+    begin = TABLE_BEGIN.format(csv=os.path.relpath(csv_path, ROOT))
+    if begin not in text:
+        return False
+    new = replace_between(text, begin, TABLE_END, summary_table(rows))
+    if new != text:
+        with open(path, "w") as f:
+            f.write(new)
+    return True
 
 
 # --- Main -------------------------------------------------------------------------------------------
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--chapter", default="07",
-                        help="the forward's chapter: 07, 08, 08.3, ..., or several, 07,08 (default 07)")
+                        help="the forward's chapter: 07, 08, 08.3, ..., or several, 07,08; CH@deterministic: "
+                             "with the backward's deterministic mode (default 07)")
     parser.add_argument("--backward", default="09", help="the backward's chapter (default 09)")
     parser.add_argument("--steps", type=int, help=f"training steps per run (default {DEFAULTS['steps']})")
     parser.add_argument("--batch", type=int, help=f"sequences of {CONTEXT} bytes per step (default {DEFAULTS['batch']})")
     parser.add_argument("--eval-every", type=int, help=f"steps between evaluations (default {DEFAULTS['eval_every']})")
     parser.add_argument("--eval-batches", type=int, help=f"validation batches (default {DEFAULTS['eval_batches']})")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="initialisation seeds, one run of each attention per seed "
+                        "(default 0; e.g. 0,1,2)")
+    parser.add_argument("--data-seed", type=int, default=0, help="the seed of the training batches, the same "
+                        "for every run (default 0)")
+    parser.add_argument("--table", help="a Markdown file whose training-table markers get the summary table")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK['steps']} steps, evaluated every {QUICK['eval_every']}; output under BUILD/train/")
-    parser.add_argument("--out", help="the CSV (the figure beside it, .png); default docs/results/train/train_<build>.csv")
+    parser.add_argument("--out", help="the CSV (the figure beside it, .png); default docs/results/train/train_<runs>.csv")
     parser.add_argument("--build", default="build", help="the build folder of the libraries (make's BUILD)")
     parser.add_argument("--make", default="make", help="the make command that builds the two libraries")
     parser.add_argument("--no-build", action="store_true", help="use the libraries already built")
     args = parser.parse_args(argv)
+    try:
+        args.seeds = list(dict.fromkeys(int(x) for x in args.seeds.split(",")))
+    except ValueError:
+        parser.error(f"--seeds {args.seeds}: expected integers separated by commas, e.g. 0,1,2")
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -407,12 +530,35 @@ def build_libraries(args, names):
     return subprocess.run(cmd, cwd=ROOT, env=make_env()).returncode
 
 
-def output_path(args, forwards):
+def output_path(args, runs):
     if args.out:
         return args.out
     folder = os.path.join(torch_op.build_dir(args.build), "train") if args.quick else \
         os.path.join(ROOT, "docs", "results", "train")
-    return os.path.join(folder, f"train_{'_'.join(forwards)}{'_quick' if args.quick else ''}.csv")
+    name = "_".join(short_name(run) for run in runs) + (f"_{len(args.seeds)}seeds" if len(args.seeds) > 1 else "")
+    return os.path.join(folder, f"train_{name}{'_quick' if args.quick else ''}.csv")
+
+
+def short_name(run):
+    """A run as a file name has it: '07_async_pipeline' -> '07', '08_fp8.step3' -> '08.3',
+    '07_async_pipeline@deterministic' -> '07det'."""
+    forward, _, mode = run.partition("@")
+    step = forward.partition(".step")[2]
+    return forward[:2] + (f".{step}" if step else "") + ("det" if mode else "")
+
+
+def chapter_runs(spec):
+    """{run: (forward build, deterministic)} of --chapter: '07,08,07@deterministic' ->
+    {'07_async_pipeline': ('07_async_pipeline', False), ..., '07_async_pipeline@deterministic': (.., True)};
+    ValueError for a name that is not a chapter or a mode that is not deterministic."""
+    runs = {}
+    for part in spec.split(","):
+        chapter, _, mode = part.strip().partition("@")
+        if mode not in ("", DETERMINISTIC[1:]):
+            raise ValueError(f"--chapter {part!r}: the one mode is {DETERMINISTIC[1:]} (CH{DETERMINISTIC})")
+        forward = torch_op.build_name(chapter)
+        runs[forward + (DETERMINISTIC if mode else "")] = (forward, bool(mode))
+    return runs
 
 
 def load_refusal(names):
@@ -438,7 +584,7 @@ def gpu_refusal(names):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        forwards = list(dict.fromkeys(torch_op.build_name(c) for c in args.chapter.split(",")))  # each once
+        runs = chapter_runs(args.chapter)
         backward = torch_op.build_name(args.backward)
     except ValueError as exc:
         print(f"train.py: {exc}", file=sys.stderr)
@@ -447,7 +593,7 @@ def main(argv=None):
     if reason:
         print(f"make train: skipped: {reason}")
         return 77
-    names = list(dict.fromkeys(forwards + [backward]))
+    names = list(dict.fromkeys([forward for forward, _ in runs.values()] + [backward]))
     if not args.no_build and build_libraries(args, names) != 0:
         print(f"train.py: building the libraries of {', '.join(names)} failed (output above)", file=sys.stderr)
         return 1
@@ -463,26 +609,34 @@ def main(argv=None):
     if reason:
         print(f"make train: skipped: {reason}")
         return 77
-    torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matrix products, in both runs
+    torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matrix products, in every run
     corpus = load_corpus("cuda")
     print(corpus["about"])
+    seeds = ",".join(map(str, args.seeds))
     print(f"model: {LAYERS} layers, {HEADS} heads of D = {HEAD_DIM}, context {CONTEXT}, "
           f"{parameter_count(build_model(sdpa_attention)) / 1e6:.1f}M parameters; {args.steps} steps of "
-          f"{args.batch} x {CONTEXT} bytes, seed {args.seed}; GPU {torch.cuda.get_device_name()}")
-    attends = {SDPA_RUN: sdpa_attention, **{forward: chapter_attention(forward, backward) for forward in forwards}}
-    results = {run: train_run(run, attend, corpus, args.steps, args.batch, args.eval_every, args.eval_batches,
-                              args.seed, args.lr) for run, attend in attends.items()}
-    rows = [row for run_rows, _ in results.values() for row in run_rows]
-    path = output_path(args, forwards)
+          f"{args.batch} x {CONTEXT} bytes, initialisation seeds {seeds}, data seed {args.data_seed}; "
+          f"GPU {torch.cuda.get_device_name()}")
+    attends = {SDPA_RUN: sdpa_attention, **{run: chapter_attention(forward, backward, deterministic)
+                                            for run, (forward, deterministic) in runs.items()}}
+    rows = []
+    for seed in args.seeds:  # each seed's runs one after the other, so that any drift of the GPU meets all
+        for run, attend in attends.items():
+            run_rows, _ = train_run(run, attend, corpus, args.steps, args.batch, args.eval_every, args.eval_batches,
+                                    seed, args.lr, data_seed=args.data_seed)
+            rows += run_rows
+    path = output_path(args, list(runs))
     write_csv(path, rows)
     title = (f"{LAYERS}-layer GPT on the Python standard library's source, {args.steps} steps x {args.batch} x "
-             f"{CONTEXT} bytes, seed {args.seed}: SDPA against {', '.join(forwards)} (backward {backward}), "
-             f"{torch.cuda.get_device_name()}")
+             f"{CONTEXT} bytes, initialisation seeds {seeds}, data seed {args.data_seed}: SDPA against "
+             f"{', '.join(runs)} (backward {backward}), {torch.cuda.get_device_name()}")
     figure = os.path.splitext(path)[0] + ".png"
     note = plot(figure, rows, title)
-    for line in summary_lines(results, forwards):
-        print(line)
+    print(summary_table(rows))
     print(f"wrote {os.path.relpath(path)}" + (f" ({note})" if note else f" and its figure, {os.path.basename(figure)}"))
+    if args.table and not write_table(args.table, path, rows):
+        print(f"train.py: {args.table} has no marker {TABLE_BEGIN.format(csv=os.path.relpath(path, ROOT))!r}: "
+              f"no table written", file=sys.stderr)
     finite = all(math.isfinite(r["val_loss"]) for r in rows)
     if not finite:
         print("train.py: a validation loss is not finite", file=sys.stderr)

@@ -90,7 +90,8 @@ def test_backward_runs_from_the_sources(tmp_path):
     assert commands == {"09_backward.deterministic": ("09_backward", ["--deterministic"]),
                         "09_backward": ("09_backward", []), "08.3": ("08.3", []),
                         "07_async_pipeline.deterministic": ("07_async_pipeline.deterministic", [])}, commands
-    assert not re.search(r"determin|VARIANT", read(ROOT / "Makefile"), re.I), "the Makefile knows of a mode"
+    recipes = "\n".join(line for line in read(ROOT / "Makefile").splitlines() if not line.lstrip().startswith("#"))
+    assert not re.search(r"determin|VARIANT", recipes, re.I), "the Makefile knows of a mode"
     for chapter, text in (("10_x", "static const Backward backward_pass = {workspace, backward};\n"),
                           ("11_y", "const Chapter chapter = {NULL};\n")):
         (tmp_path / chapter).mkdir()

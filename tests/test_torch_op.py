@@ -92,7 +92,7 @@ def test_train_without_libraries(repo, tmp_path):
 def make_train(repo, *args):
     """make train ARGS with this Python (PyTorch as it is here) on the build folder."""
     if importlib.util.find_spec("torch") is not None:
-        pytest.skip("PyTorch is installed here: `make train` would train (test_gpu_torch_op runs it)")
+        pytest.skip("PyTorch is installed here: `make train` would train (test_torch_op_gpu runs it)")
     return repo.run(shlex.split(repo.make) + ["--no-print-directory", f"BUILD={repo.build}",
                                               f"PYTHON_SYS={repo.python}", "train", *args],
                     env=runner.make_env(), timeout=300)
@@ -111,6 +111,72 @@ def test_make_train_refuses_a_wrong_chapter(repo):
     wrong = make_train(repo, "CH=42")
     assert wrong.returncode != 0 and "no chapter '42'" in wrong.stderr, (
         f"make train CH=42: exit {wrong.returncode}, stderr {wrong.stderr.strip()!r}")
+
+
+def test_train_chapter_runs_and_modes(repo):
+    """--chapter's runs: a chapter, a step, and CH@deterministic (09's backward in its deterministic mode);
+    any other mode is refused; the file names they give."""
+    body = ("import train\n"
+            "runs = train.chapter_runs('07,08.3,07@deterministic')\n"
+            "print(runs)\n"
+            "print([train.short_name(r) for r in runs])\n"
+            "try:\n"
+            "    train.chapter_runs('07@fast')\n"
+            "except ValueError as exc:\n"
+            "    print('refused', exc)\n")
+    proc = run_hidden(repo, body)
+    assert proc.returncode == 0, proc.stderr.strip()[-1500:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == ("{'07_async_pipeline': ('07_async_pipeline', False), '08_fp8.step3': ('08_fp8.step3', False), "
+                        "'07_async_pipeline@deterministic': ('07_async_pipeline', True)}"), lines[0]
+    assert lines[1] == "['07', '08.3', '07det']", lines[1]
+    assert lines[2].startswith("refused --chapter '07@fast': the one mode is deterministic"), lines[2]
+
+
+def training_rows():
+    """Rows as train.py writes them: SDPA and one chapter, seeds 0 and 1, evaluations at steps 0, 10, 20,
+    with final validation losses 1.0 / 1.2 (SDPA) and 1.1 / 1.25 (the chapter)."""
+    final = {("sdpa", 0): 1.0, ("sdpa", 1): 1.2, ("07_async_pipeline", 0): 1.1, ("07_async_pipeline", 1): 1.25}
+    rows = []
+    for seed in (0, 1):
+        for run in ("sdpa", "07_async_pipeline"):
+            rows += [{"step": 0, "run": run, "seed": seed, "train_loss": None, "val_loss": 5.0, "tokens_per_s": None},
+                     {"step": 10, "run": run, "seed": seed, "train_loss": 3.0, "val_loss": 2.0, "tokens_per_s": 9e5},
+                     {"step": 20, "run": run, "seed": seed, "train_loss": 1.5, "val_loss": final[(run, seed)],
+                      "tokens_per_s": 1e6 if run == "sdpa" else 5e5}]
+    return rows
+
+
+def test_training_summary_arithmetic(tmp_path):
+    """summarize() on known rows, through the CSV: means, sample std, ranges, differences from SDPA's run of the
+    same seed, and tokens/s over every interval but the first."""
+    import train
+    path = tmp_path / "train.csv"
+    train.write_csv(str(path), training_rows())
+    got = {r["run"]: r for r in train.summarize(train.read_csv(str(path)))}
+    sdpa, chapter = got["sdpa"], got["07_async_pipeline"]
+    assert (sdpa["seeds"], sdpa["steps"], sdpa["diff"]) == (2, 20, None)
+    assert sdpa["mean"] == pytest.approx(1.1) and sdpa["std"] == pytest.approx(0.2 / 2 ** 0.5)
+    assert (sdpa["min"], sdpa["max"]) == (1.0, 1.2)
+    assert chapter["mean"] == pytest.approx(1.175) and chapter["diff"] == pytest.approx((0.075, 0.05, 0.1))
+    assert sdpa["tokens_per_s"] == pytest.approx(1e6) and chapter["tokens_per_s"] == pytest.approx(5e5)
+    table = train.summary_table(train.read_csv(str(path)))
+    assert "| 07 forward, 09 backward | 2 | 1.1750 | 0.1061 | 1.1000 | 1.2500 | +0.0750 | +0.0500 | +0.1000 | 0.50M |" \
+        in table.splitlines(), table
+
+
+def test_training_table_is_its_csv(repo):
+    """docs/pytorch.md's training table is summary_table() of the CSV its marker names."""
+    import train
+    text = (repo.root / "docs" / "pytorch.md").read_text()
+    pattern = re.escape(train.TABLE_BEGIN).replace(re.escape("{csv}"), r"(\S+)")
+    found = re.search(pattern + r"\n(.*?)" + re.escape(train.TABLE_END), text, re.S)
+    assert found, f"docs/pytorch.md: no training table between {train.TABLE_BEGIN!r} and {train.TABLE_END!r}"
+    path = repo.root / found.group(1)
+    if not path.is_file():
+        pytest.skip(f"{found.group(1)} not measured yet (`make train` with --table docs/pytorch.md writes it)")
+    want = train.summary_table(train.read_csv(str(path)))
+    assert found.group(2).strip() == want, f"docs/pytorch.md's training table is not {found.group(1)}'s:\n{want}"
 
 
 BUILD_NAMES = {

@@ -18,7 +18,6 @@ a CUDA device it sees. The libraries it loads are `make lib`'s (make test builds
              same run with SDPA starts, as far as it within a tenth of its fall; common/train.py end to
              end (its CSV, its summary)
 """
-import csv
 import math
 import os
 import re
@@ -296,17 +295,22 @@ def test_training_run_learns(op):
 
 
 def test_train_script(op, repo, tmp_path):
-    """common/train.py end to end, briefly: both runs, the CSV and the summary."""
+    """common/train.py end to end, briefly: SDPA, 07 and 07 with the deterministic backward, from two
+    initialisation seeds; the CSV, every run of every seed on the same batches, and the summary table."""
     runs_here(op, "07", "09")
     out = tmp_path / "train.csv"
-    proc = repo.run([repo.python, repo.root / "common" / "train.py", "--chapter", "07", "--steps", "20", "--eval-every",
-                    "10", "--eval-batches", "1", "--batch", "4", "--out", out, "--build", repo.build, "--no-build"],
-                   timeout=600)
+    proc = repo.run([repo.python, repo.root / "common" / "train.py", "--chapter", "07,07@deterministic", "--seeds", "0,1",
+                     "--steps", "20", "--eval-every", "10", "--eval-batches", "1", "--batch", "4", "--out", out,
+                     "--build", repo.build, "--no-build"], timeout=600)
     assert proc.returncode == 0, f"train.py: exit {proc.returncode}:\n{(proc.stdout + proc.stderr).strip()[-2000:]}"
-    with open(out) as f:
-        rows = list(csv.DictReader(f))
-    assert [(r["run"], r["step"]) for r in rows] == [(run, s) for run in ("sdpa", "07_async_pipeline")
-                                                     for s in ("0", "10", "20")], f"{out.name}: rows {rows}"
-    assert re.search(r"difference of the final validation losses \(07_async_pipeline - sdpa\): [+-]\d", proc.stdout), (
-        f"train.py's summary lacks the difference of the final losses:\n{proc.stdout}")
-    assert len(re.findall(r"tokens/s", proc.stdout)) >= 2, f"train.py's summary lacks each run's tokens/s:\n{proc.stdout}"
+    train = training_module()
+    rows = train.read_csv(out)
+    runs = ("sdpa", "07_async_pipeline", "07_async_pipeline@deterministic")
+    assert [(r["seed"], r["run"], r["step"]) for r in rows] == [(seed, run, s) for seed in (0, 1) for run in runs
+                                                                for s in (0, 10, 20)], f"{out.name}: rows {rows}"
+    # Step 0 is the initial weights: one seed, one loss up to the forwards' rounding; two seeds, two losses.
+    first = {(r["seed"], r["run"]): r["val_loss"] for r in rows if r["step"] == 0}
+    assert all(abs(first[(seed, run)] - first[(seed, "sdpa")]) < 1e-2 for seed in (0, 1) for run in runs), first
+    assert first[(0, "sdpa")] != first[(1, "sdpa")], f"seeds 0 and 1 start from the same weights: {first}"
+    table = train.summary_table(rows)
+    assert table in proc.stdout, f"train.py's summary is not the table of its CSV:\n{proc.stdout}\n---\n{table}"
