@@ -35,7 +35,9 @@ else
   PY_DEPS := .venv/.ready
 endif
 TEST_SITE := .cache/python
-TEST_ENV  := PYTHONPATH=$(CURDIR)/$(TEST_SITE)$${PYTHONPATH:+:$$PYTHONPATH}
+# pytest with xdist and no plugin else: a Python with other pytest plugins installed (benchmark, timeout, ...)
+# runs the suite as one without them would.
+TEST_ENV  := PYTHONPATH=$(CURDIR)/$(TEST_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTEST_PLUGINS=xdist.plugin
 ifeq ($(shell $(TEST_ENV) $(PYTHON) -c 'import xdist, pytest; assert pytest.version_tuple < (9, 1)' >/dev/null 2>&1 && echo yes),yes)
   TEST_DEPS := $(PY_DEPS)
 else

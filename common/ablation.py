@@ -289,15 +289,23 @@ def table_markdown(chapter, rows):
     by = {(r["variant"], int(r["causal"])): r for r in rows}
     order = [r["variant"] for r in rows if int(r["causal"]) == 0]
     alone = any(r["attend_ms"] for r in rows)
-    header = ["version", "switches"]
+    stepped = bool(ablations()[chapter]["steps"])
+    steps = read_steps(os.path.join(ROOT, chapter, "attention.cu")) if stepped else []
+    header = ["version", "file or flags" if stepped else "switches"]
     for mask in ("non-causal", "causal"):
         header += [f"{mask} ms", "TFLOP/s"] + (["attention ms"] if alone else []) + ["change"]
     body, prev = [], {}
     for variant in order:
         first = by[(variant, 0)]
         kind = first["kind"]
-        cells = [variant_label(chapter, variant, kind), f"`{first['flags']}`" if first["flags"] else
-                 ("defaults" if kind != "before" else "")]
+        if first["flags"]:
+            how = f"`{first['flags']}`"
+        elif stepped and (variant == "chapter" or variant.startswith("step")):
+            step = steps[-1] if variant == "chapter" else steps[int(variant[len("step"):]) - 1]
+            how = f"`{os.path.basename(step['source'])}`"
+        else:
+            how = "defaults" if kind != "before" else ""
+        cells = [variant_label(chapter, variant, kind), how]
         for causal in (0, 1):
             row = by[(variant, causal)]
             ms = float(row["ms"])

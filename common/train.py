@@ -627,6 +627,7 @@ def main(argv=None):
             rows += run_rows
     path = output_path(args, list(runs))
     write_csv(path, rows)
+    rows = read_csv(path)  # what follows is the CSV's: its numbers as written
     title = (f"{LAYERS}-layer GPT on the Python standard library's source, {args.steps} steps x {args.batch} x "
              f"{CONTEXT} bytes, initialisation seeds {seeds}, data seed {args.data_seed}: SDPA against "
              f"{', '.join(runs)} (backward {backward}), {torch.cuda.get_device_name()}")

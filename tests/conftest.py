@@ -75,6 +75,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def torch():
+    # inductor compiles in a pool of worker processes that can keep a pytest worker from exiting: compile in-process
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     try:
         import torch
     except ImportError:
