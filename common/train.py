@@ -8,6 +8,7 @@ initialisation seeds (--seeds 0,1,2) every run is made once per seed, all on the
   train.py [--chapter 07[,08,07@deterministic...]] [--backward 09] [--steps N] [--batch B] [--eval-every K]
            [--eval-batches E] [--seeds S[,S...]] [--data-seed S] [--lr LR] [--quick] [--out CSV]
            [--build DIR] [--make CMD] [--no-build]
+  train.py --from CSV [CSV...] [--out CSV] [--table FILE]     (no training: runs of several calls joined)
 
 The model: 6 layers, 6 heads of D = 64 (width 384), context 512, bytes as tokens (256), learned
 positions, pre-norm blocks, an MLP of 4x the width with GELU, tied embeddings (10.9M parameters).
@@ -492,6 +493,9 @@ def parse_args(argv):
     parser.add_argument("--data-seed", type=int, default=0, help="the seed of the training batches, the same "
                         "for every run (default 0)")
     parser.add_argument("--table", help="a Markdown file whose training-table markers get the summary table")
+    parser.add_argument("--from", dest="merge", nargs="+", metavar="CSV",
+                        help="train nothing: the CSV files of earlier runs (of other seeds, say) joined into --out, "
+                             "with its figure, summary and --table")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK['steps']} steps, evaluated every {QUICK['eval_every']}; output under BUILD/train/")
@@ -581,8 +585,45 @@ def gpu_refusal(names):
     return None
 
 
+def merge_runs(args):
+    """--from: the rows of the given CSVs, in order, into --out (or the first's path), its figure, the
+    summary; 0, or 2 where a (run, seed) appears twice or --out is missing for several files."""
+    rows = [row for path in args.merge for row in read_csv(path)]
+    seen = {}
+    for row in rows:
+        if row["step"] == 0 and seen.setdefault((row["run"], row["seed"]), row) is not row:
+            print(f"train.py --from: run {row['run']} seed {row['seed']} is in more than one file", file=sys.stderr)
+            return 2
+    if not args.out and len(args.merge) > 1:
+        print("train.py --from with several files: name the joined CSV with --out", file=sys.stderr)
+        return 2
+    path = args.out or args.merge[0]
+    write_csv(path, rows)
+    runs = list(curves(rows))
+    seeds = sorted({row["seed"] for row in rows})
+    report(args, path, f"{LAYERS}-layer GPT on the Python standard library's source, {max(r['step'] for r in rows)} "
+                       f"steps, initialisation seeds {','.join(map(str, seeds))}: {', '.join(runs)} (joined from "
+                       f"{', '.join(os.path.basename(p) for p in args.merge)})")
+    return 0
+
+
+def report(args, path, title):
+    """The figure beside the CSV at path, the summary table on the terminal, and with --table in that file."""
+    rows = read_csv(path)  # what follows is the CSV's: its numbers as written
+    figure = os.path.splitext(path)[0] + ".png"
+    note = plot(figure, rows, title)
+    print(summary_table(rows))
+    print(f"wrote {os.path.relpath(path)}" + (f" ({note})" if note else f" and its figure, {os.path.basename(figure)}"))
+    if args.table and not write_table(args.table, path, rows):
+        print(f"train.py: {args.table} has no marker {TABLE_BEGIN.format(csv=os.path.relpath(path, ROOT))!r}: "
+              f"no table written", file=sys.stderr)
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.merge:
+        return merge_runs(args)
     try:
         runs = chapter_runs(args.chapter)
         backward = torch_op.build_name(args.backward)
@@ -627,17 +668,9 @@ def main(argv=None):
             rows += run_rows
     path = output_path(args, list(runs))
     write_csv(path, rows)
-    rows = read_csv(path)  # what follows is the CSV's: its numbers as written
-    title = (f"{LAYERS}-layer GPT on the Python standard library's source, {args.steps} steps x {args.batch} x "
-             f"{CONTEXT} bytes, initialisation seeds {seeds}, data seed {args.data_seed}: SDPA against "
-             f"{', '.join(runs)} (backward {backward}), {torch.cuda.get_device_name()}")
-    figure = os.path.splitext(path)[0] + ".png"
-    note = plot(figure, rows, title)
-    print(summary_table(rows))
-    print(f"wrote {os.path.relpath(path)}" + (f" ({note})" if note else f" and its figure, {os.path.basename(figure)}"))
-    if args.table and not write_table(args.table, path, rows):
-        print(f"train.py: {args.table} has no marker {TABLE_BEGIN.format(csv=os.path.relpath(path, ROOT))!r}: "
-              f"no table written", file=sys.stderr)
+    rows = report(args, path, f"{LAYERS}-layer GPT on the Python standard library's source, {args.steps} steps x "
+                              f"{args.batch} x {CONTEXT} bytes, initialisation seeds {seeds}, data seed {args.data_seed}: "
+                              f"SDPA against {', '.join(runs)} (backward {backward}), {torch.cuda.get_device_name()}")
     finite = all(math.isfinite(r["val_loss"]) for r in rows)
     if not finite:
         print("train.py: a validation loss is not finite", file=sys.stderr)

@@ -165,6 +165,25 @@ def test_training_summary_arithmetic(tmp_path):
         in table.splitlines(), table
 
 
+def test_train_from_csvs_joins_seeds_without_torch(repo, tmp_path):
+    """train.py --from: the CSVs of two calls (seed 0, seed 1) joined into --out with the summary of both
+    seeds, PyTorch hidden; the same (run, seed) in two files is refused (exit 2)."""
+    import train
+    rows = training_rows()
+    for seed in (0, 1):
+        train.write_csv(str(tmp_path / f"seed{seed}.csv"), [r for r in rows if r["seed"] == seed])
+    out = tmp_path / "joined.csv"
+    body = "import train\nsys.exit(train.main(sys.argv[1:]))\n"
+    proc = run_hidden(repo, body, args=["--from", str(tmp_path / "seed0.csv"), str(tmp_path / "seed1.csv"),
+                                        "--out", str(out)])
+    assert proc.returncode == 0, f"train.py --from: exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"
+    assert train.read_csv(str(out)) == train.read_csv(str(tmp_path / "seed0.csv")) + train.read_csv(str(tmp_path / "seed1.csv"))
+    assert train.summary_table(train.read_csv(str(out))) in proc.stdout, proc.stdout
+    twice = run_hidden(repo, body, args=["--from", str(tmp_path / "seed0.csv"), str(tmp_path / "seed0.csv"),
+                                         "--out", str(tmp_path / "twice.csv")])
+    assert twice.returncode == 2 and "seed 0 is in more than one file" in twice.stderr, (twice.returncode, twice.stderr)
+
+
 def test_training_table_is_its_csv(repo):
     """docs/pytorch.md's training table is summary_table() of the CSV its marker names."""
     import train
