@@ -1,0 +1,116 @@
+"""Tables in a lesson that quote a log (not the bench's CSV, whose tables and inline values are
+regenerated): each row is what its log holds, formatted as the table shows it. A table that lists
+a measurement by hand is checked here, so that prose and log cannot drift apart."""
+import csv
+import statistics
+
+import pytest
+
+README_09 = "09_backward/README.md"
+LOGS_09 = "docs/results/logs/09"
+
+
+def markdown_rows(text, header):
+    """The body rows (lists of cells) of the Markdown table whose header line starts with header."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(header)]
+    assert len(starts) == 1, f"{len(starts)} tables with the header {header!r}, expected 1"
+    rows = []
+    for line in lines[starts[0] + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def csv_rows(path, fieldnames=None, comment="#"):
+    with open(path) as f:
+        return list(csv.DictReader((line for line in f if not line.startswith(comment)), fieldnames=fieldnames))
+
+
+def test_step1_beside_fa2_is_its_log(repo):
+    """09's README: 09.1, the chapter and its deterministic mode beside FlashAttention-2 on an H100."""
+    log = {(r["shape"], r["causal"]): r for r in csv_rows(repo.root / LOGS_09 / "step1_vs_fa2_h100.csv")}
+    table = markdown_rows((repo.root / README_09).read_text(), "| D | mask | FlashAttention-2 | 09.1 |")
+    assert len(table) == len(log), f"{len(table)} rows in the table, {len(log)} in the log"
+    for d, mask, fa2, *builds in table:
+        row = log[(f"B4H16N4096D{d}", "1" if mask == "causal" else "0")]
+        want = [f"{float(row['torch_ms']):.2f}"] + [
+            f"{float(row[f'{b}_ms']):.2f} ({float(row[f'{b}_speedup']):.2f}x)" for b in ("step1", "chapter", "det")]
+        assert [fa2, *builds] == want, f"D={d} {mask}: the table has {[fa2, *builds]}, the log {want}"
+
+
+def test_final_beside_fa2_is_its_log(repo):
+    """09's README, "Measured": the chapter in both modes beside FlashAttention-2 on the H200."""
+    log = {(r["shape"], r["causal"]): r for r in csv_rows(repo.root / LOGS_09 / "final_vs_fa2_h200.csv")}
+    table = markdown_rows((repo.root / README_09).read_text(), "| B, H, N, D | mask | FlashAttention-2 | 09 |")
+    assert len(table) == len(log), f"{len(table)} rows in the table, {len(log)} in the log"
+    for shape, mask, *cells in table:
+        b, h, n, d = (x.strip() for x in shape.split(","))
+        row = log[(f"B{b}H{h}N{n}D{d}", "1" if mask == "causal" else "0")]
+        want = [f"{float(row[k]):.2f}" for k in ("torch_ms", "ours_ms", "det_ms")] + [
+            f"{float(row[k]):.2f}x" for k in ("ours_speedup", "det_speedup")]
+        assert cells == want, f"{shape} {mask}: the table has {cells}, the log {want}"
+
+
+STEP_NAMES = {"09.8": "09_backward"}
+
+
+@pytest.mark.parametrize("path", ["steps_h100.txt"])
+def test_steps_one_run_is_its_log(repo, path):
+    """09's README, "The steps, one run": each step's ms and TFLOP/s at both D, causal and not."""
+    timed = {}
+    with open(repo.root / LOGS_09 / path) as f:
+        for line in f:
+            fields = line.strip().split(",")
+            if len(fields) == 5 and fields[0].startswith("09_backward"):
+                timed[tuple(fields[:3])] = fields[3:]
+    table = markdown_rows((repo.root / README_09).read_text(), "| step | D=128 | TFLOP/s | causal |")
+    assert len(table) == 8, f"{len(table)} steps in the table, expected 8"
+    for label, *cells in table:
+        step = label.split()[0]
+        build = STEP_NAMES.get(step, f"09_backward.step{step.split('.')[1]}")
+        want = []
+        for d in ("128", "64"):
+            ms, tflops = timed[(build, d, "0")]
+            want += [f"{float(ms):.2f}", f"{float(tflops):.1f}", f"{float(timed[(build, d, '1')][0]):.2f}"]
+        assert cells == want, f"{step}: the table has {cells}, {path} {want}"
+
+
+def kernel_vs_cudnn_fp8(repo):
+    """{(D, causal, N): (08's kernel alone ms, cuDNN FP8 ms)}: the medians over the log's rounds."""
+    rows = csv_rows(repo.root / "docs/results/logs/08/kernel_vs_cudnn_fp8_08.csv")
+    out = {}
+    for r in rows:
+        out.setdefault((int(r["headdim"]), int(r["causal"]), int(r["seqlen"])), {}).setdefault(r["impl"], []).append(
+            float(r["attend_ms"]))
+    return {shape: tuple(statistics.median(times[impl]) for impl in ("08_fp8", "cudnn_fp8")) for shape, times in out.items()}
+
+
+def test_fp8_kernel_beside_cudnn_is_its_log(repo):
+    """08's kernel alone against cuDNN's FP8 attention, as 08's README and the top README quote it."""
+    timed = kernel_vs_cudnn_fp8(repo)
+
+    def x(d, causal, n):
+        kernel, cudnn = timed[(d, causal, n)]
+        return f"{cudnn / kernel:.2f}x"
+    kernel, cudnn = timed[(128, 0, 4096)]
+    rows = csv_rows(repo.root / "docs/results/logs/08/kernel_vs_cudnn_fp8_08.csv")
+    whole_16k = statistics.median(float(r["ms"]) for r in rows if r["impl"] == "08_fp8" and
+                                  (r["headdim"], r["causal"], r["seqlen"]) == ("128", "0", "16384"))
+    quotes = {
+        "08_fp8/README.md": [
+            f"128): {x(128, 0, 4096)} at N = 4096 ({kernel:.3f} against {cudnn:.3f} ms), {x(128, 0, 8192)} at 8192, "
+            f"{x(128, 0, 16384)} at 16384, causal {x(128, 1, 4096)} at 4096",
+            f"{x(128, 0, 512)} at N = 512 without the mask, and causal {x(128, 1, 512)} at 512 and {x(128, 1, 1024)} at 1024",
+            f"alone ({timed[(128, 0, 16384)][0]:.2f} ms) timed slower than the whole forward, quantisation included "
+            f"({whole_16k:.2f} ms)"],
+        "README.md": [
+            f"{x(128, 0, 4096)} cuDNN's FP8 attention ({x(128, 1, 4096)} causal; {x(128, 0, 8192)} at N=8k, "
+            f"{x(128, 0, 16384)} at 16k",
+            f"{x(64, 0, 4096)} cuDNN's FP8 attention at N=4096 ({x(64, 1, 4096)} causal) and {x(64, 0, 16384)} at N=16384"],
+    }
+    for path, fragments in quotes.items():
+        text = " ".join((repo.root / path).read_text().split())
+        missing = [f for f in fragments if f not in text]
+        assert not missing, f"{path} does not quote kernel_vs_cudnn_fp8_08.csv as it is: expected {missing}"
