@@ -225,6 +225,15 @@ sass:
 # PASS, FAIL, or UNGRADED (the grader's exit 77) when a check that decides it could not run here
 # (no GPU, say). The copy builds with the rule above, as BUILD/exercises/NN_name, with this
 # Makefile's flags.
+# CH=torch: the PyTorch op's exercise (common/torch_exercise.py, graded by common/torch_grade.py).
+ifeq ($(CH),torch)
+exercise: $(PY_DEPS)
+	@$(PYTHON) common/torch_grade.py make$(if $(filter-out 0,$(FORCE)), --force)
+
+grade: $(PY_DEPS)
+	@$(MAKE) --no-print-directory -s $(BUILD)/lib/07_async_pipeline.so $(BUILD)/lib/09_backward.so
+	@$(PYTHON) common/torch_grade.py grade --build $(BUILD)
+else
 exercise: $(PY_DEPS)
 	@test -n "$(CH_DIR)" || $(call no_chapter,$(CH),CH)
 	@$(PYTHON) common/exercises.py make $(CH_DIR)$(if $(EX), --only $(EX))$(if $(filter-out 0,$(FORCE)), --force)
@@ -233,6 +242,7 @@ grade: $(PY_DEPS)
 	@test -n "$(CH_DIR)" || $(call no_chapter,$(CH),CH)
 	@$(MAKE) --no-print-directory -s $(BUILD)/$(CH_DIR)
 	@$(PYTHON) common/exercises.py grade $(CH_DIR) --build $(BUILD) --make '$(MAKE)'
+endif
 
 # A hand-out for a class: BUILD/handout/NN_name.tar.gz, one folder with the student copy of the
 # chapter (every exercise cut), the harness, the grader and this Makefile, and no solution: there,
@@ -294,8 +304,9 @@ help:
 	@echo "make exercise CH=04 [EX=name] [FORCE=1]   a student copy of the chapter's exercises -> exercises/"
 	@echo "make grade CH=04      build and grade exercises/NN_name/attention.cu: PASS, FAIL, or UNGRADED (exit 77) where no GPU runs it"
 	@echo "make handout CH=04    the copy, the grader and no solution -> $(BUILD)/handout/NN_name.tar.gz (for a class)"
+	@echo "make exercise CH=torch, make grade CH=torch   07 and 09 as a PyTorch op of your own -> exercises/torch/ (GPU, PyTorch)"
 	@echo "make ablation CH=07   each idea of 04, 07, 08 or 09 (its backward) switched off, checked and timed in one run (GPU)"
-	@echo "make train CH=07 [TRAIN_ARGS=--quick]   a small GPT trained with SDPA, then with chapter CH's forward and 09's backward (GPU, PyTorch)"
+	@echo "make train CH=07 [SEEDS=0,1,2] [TRAIN_ARGS=--quick]   a small GPT trained with SDPA, then with chapter CH's forward and 09's backward (GPU, PyTorch)"
 	@echo "make peaks      this GPU's ceilings (FFMA, mma.sync, wgmma, copy) -> docs/results/logs/common/ (GPU)"
 	@echo "make clean      remove $(BUILD)/ and the input/reference cache (.cache/; the tools fetched into .cache/tools and .cache/python stay)"
 	@echo "(GPU): without a usable GPU (or PyTorch, where named) the target says why in one line and exits 77, the skip code"
