@@ -295,3 +295,34 @@ def test_switch_filter():
     assert got == want, f"filtered:\n{got}\nexpected:\n{want}"
     with pytest.raises(ValueError):  # #elif in a switch's #if accepted: DID NOT RAISE
         source.without_switches("#ifndef A\n#define A 1\n#endif\n#if A\na\n#elif B\nb\n#endif\n")
+
+
+
+def changed_lines(a, b):
+    """The lines `make diff A=a B=b` shows as changed (each starting with - or +, the two headers not)."""
+    (_, old), (_, new) = ablation.diff_source(a), ablation.diff_source(b)
+    lines = list(difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=3))
+    return sum(1 for line in lines[2:] if line[:1] in "+-")
+
+
+def test_08s_readme_states_its_diff_sizes(repo):
+    """08's README gives the size of `make diff A=07 B=08.1` and the range of the later steps' diffs."""
+    first = changed_lines("07", "08.1")
+    later = [changed_lines(f"08.{k}", f"08.{k + 1}") for k in range(1, 6)]
+    text = " ".join((repo.root / "08_fp8" / "README.md").read_text().split())
+    assert f"the diff is large ({first} changed lines," in text, f"08's README: make diff A=07 B=08.1 is {first} lines"
+    assert f"The steps after it change {min(later)} to {max(later)} lines each." in text, (
+        f"08's README: the later steps' diffs are {later}")
+
+
+def test_09s_step_table_states_lines_and_diffs(repo):
+    """09's README step table: each file's line count and its `make diff` from the step before."""
+    text = (repo.root / "09_backward" / "README.md").read_text()
+    rows = re.findall(r"^\| (09\.(\d)) \| [^|]* \| `([\w.]+)` \| (\d+) \| ([^|]*)\|$", text, re.M)
+    assert [int(k) for _, k, _, _, _ in rows] == list(range(1, 9)), f"09's step table: rows {rows}"
+    for step, k, name, lines, diff in rows:
+        have = len((repo.root / "09_backward" / name).read_text().splitlines())
+        assert int(lines) == have, f"{step}: the table says {lines} lines, {name} has {have}"
+        if k != "1":
+            size = changed_lines(f"09.{int(k) - 1}", step)
+            assert re.search(rf": {size}( lines)? $", diff), f"{step}: the table says {diff.strip()!r}, the diff is {size} lines"
