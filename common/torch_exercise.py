@@ -43,14 +43,16 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
                           scale: float) -> Tuple[Tensor, Tensor, Tensor]:
     """dQ, dK, dV from 09's fa_backward on the forward's O and LSE. Why an op of its own, and not
     a call to the library inside the autograd formula? (Run opcheck on a version without it.)"""
-    # TODO(3): torch_op.run_backward(BACKWARD, ..., deterministic=True): the deterministic mode, so
-    # that two runs (opcheck's, the grade's) agree bitwise.
+    # TODO(3): torch_op.check_inputs on q, k, v, o, d_o (09's backward reads them as contiguous
+    # [B, H, N, D]: anything else must be refused, not read), then torch_op.run_backward(BACKWARD,
+    # ..., deterministic=True): the deterministic mode, so that two runs (opcheck's, the grade's)
+    # agree bitwise.
     raise NotImplementedError("TODO: exercise torch.op (3, the backward op) is not written yet")
 
 
 @attention_backward_op.register_fake
 def _(q, k, v, o, lse, d_o, causal, scale):
-    return tuple(torch.empty_like(q) for _ in range(3))
+    return tuple(q.new_empty(q.shape) for _ in range(3))
 
 
 def setup_context(ctx, inputs, output):

@@ -1,7 +1,7 @@
 """Exercise torch.op (common/torch_exercise.py, graded by common/torch_grade.py): the starting file's
 TODOs, `make exercise CH=torch`, the grade's refusals without PyTorch; on a GPU with PyTorch, the
 solution PASSes every check, the starting file FAILs every check with its TODO, and a solution that
-hands 09's backward autograd's dO as it comes fails exactly the non-contiguous-dO checks. The
+hands 09's backward autograd's dO as it comes fails where that dO is not contiguous. The
 solution is the starting file with each TODO block replaced (SOLUTION below), run by the grader
 as a student's file would be."""
 import re
@@ -13,8 +13,9 @@ from test_torch_op import run_hidden
 # The code of each TODO(n) block, from its comment to its `raise`, in the solution.
 SOLUTION = {
     1: "    torch_op.check_inputs(q=q, k=k, v=v)\n    return torch_op.run_forward(FORWARD, q, k, v, causal, scale)\n",
-    2: "    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)\n",
-    3: "    return torch_op.run_backward(BACKWARD, q, k, v, o, lse, d_o, causal, scale, True)\n",
+    2: "    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)\n",
+    3: ("    torch_op.check_inputs(q=q, k=k, v=v, o=o, d_o=d_o)\n"
+        "    return torch_op.run_backward(BACKWARD, q, k, v, o, lse, d_o, causal, scale, True)\n"),
     4: ("    q, k, v, o, lse = ctx.saved_tensors\n"
         "    dq, dk, dv = attention_backward_op(q, k, v, o, lse, grad_o.contiguous(), ctx.causal, ctx.scale)\n"
         "    return dq, dk, dv, None, None\n"),
@@ -99,11 +100,13 @@ def test_starting_file_fails_every_check_with_its_todo(repo, tmp_path, gpu_torch
 
 
 @pytest.mark.gpu
-def test_a_backward_fed_autograds_do_fails_the_non_contiguous_checks(repo, tmp_path, gpu_torch):
+def test_a_backward_fed_autograds_do_fails_where_do_is_not_contiguous(repo, tmp_path, gpu_torch):
+    """Without .contiguous() the backward op refuses autograd's dO where it is not contiguous: the two
+    non-contiguous-dO checks, and opcheck, whose AOT test hands the backward an expanded (stride 0) dO."""
     wrong = dict(SOLUTION, **{4: SOLUTION[4].replace("grad_o.contiguous()", "grad_o")})
     proc = grade(repo, tmp_path, solved(start_text(repo), wrong))
     if proc.returncode == 77:
         pytest.skip(proc.stdout.strip())
-    failed = [line for line in graded_lines(proc) if line.startswith("FAIL")]
-    assert proc.returncode == 1 and len(failed) == 2 and all("dO not contiguous" in line for line in failed), (
-        proc.stdout + proc.stderr)
+    failed = [line.split(":")[0] for line in graded_lines(proc) if line.startswith("FAIL")]
+    assert proc.returncode == 1 and len(failed) == 4 and all("dO not contiguous" in f or "opcheck" in f
+                                                              for f in failed), proc.stdout + proc.stderr
