@@ -305,7 +305,7 @@ help:
 	@echo "make grade CH=04      build and grade exercises/NN_name/attention.cu: PASS, FAIL, or UNGRADED (exit 77) where no GPU runs it"
 	@echo "make handout CH=04    the copy, the grader and no solution -> $(BUILD)/handout/NN_name.tar.gz (for a class)"
 	@echo "make exercise CH=torch, make grade CH=torch   07 and 09 as a PyTorch op of your own -> exercises/torch/ (GPU, PyTorch)"
-	@echo "make ablation CH=07   each idea of 04, 07, 08 or 09 (its backward) switched off, checked and timed in one run (GPU)"
+	@echo "make ablation CH=07   each idea of 04 or 07 switched off, or the steps of 08 or 09 (its backward), checked and timed in one run (GPU)"
 	@echo "make train CH=07 [SEEDS=0,1,2] [TRAIN_ARGS=--quick]   a small GPT trained with SDPA, then with chapter CH's forward and 09's backward (GPU, PyTorch)"
 	@echo "make peaks      this GPU's ceilings (FFMA, mma.sync, wgmma, copy) -> docs/results/logs/common/ (GPU)"
 	@echo "make clean      remove $(BUILD)/ and the input/reference cache (.cache/; the tools fetched into .cache/tools and .cache/python stay)"
