@@ -4,10 +4,11 @@ torch.export) and an autograd formula whose backward is 09's.
 
     import torch_op                                    # common/ on sys.path
     o = torch_op.attention(q, k, v, causal=True, chapter="07", backward="09")
-    o = torch_op.attention(q, k, v, causal=True, backward="09", deterministic=True)  # repeatable gradients
+    o = torch_op.attention(q, k, v, causal=True, deterministic=True)  # repeatable gradients
 
 q, k, v: torch.float16 CUDA tensors [B, H, N, D], contiguous, D = 64 or 128, one shape for all
-three (self-attention). The op runs on torch.cuda.current_stream(), takes its workspace from
+three (self-attention). backward="auto" (the default) is the fastest backward this GPU runs:
+the latest chapter with a backward pass whose library is built and runs here (auto_backward). The op runs on torch.cuda.current_stream(), takes its workspace from
 PyTorch's allocator and returns O (fp16, [B, H, N, D]); return_lse=True also returns the LSE
 (fp32, [B, H, N], natural log), which is not differentiable. A chapter is named as the Makefile
 names it: 7, 07 or 07_async_pipeline; a step of 08 as 08.3 or 08_fp8.step3 (08.5 is 08_fp8).
@@ -54,7 +55,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from chapters import read_steps  # noqa: E402
+from chapters import has_backward, read_steps  # noqa: E402
 from runner import chapters, find_chapter  # noqa: E402
 
 try:
@@ -312,6 +313,31 @@ def run_backward(lib, q, k, v, o, lse, d_o, causal, scale, deterministic):
     return dq, dk, dv
 
 
+AUTO = "auto"
+
+
+def auto_backward(sm, build=None):
+    """backward="auto": the latest chapter (the fastest, each being measured against the one
+    before) that has a backward pass, is built (make lib) and runs on sm_<sm>; RuntimeError naming
+    what was looked at where none does. Once per GPU kind and build folder."""
+    return find_auto_backward(sm, build_dir(build))
+
+
+@functools.lru_cache(maxsize=None)
+def find_auto_backward(sm, build):
+    looked = []
+    for chapter in reversed(chapters()):
+        if not has_backward(os.path.join(ROOT, chapter, "attention.cu")):
+            continue
+        if not os.path.isfile(library_path(chapter, build)):
+            looked.append(f"{chapter} (not built: make lib)")
+        elif not library(chapter, build).runs_on(sm):
+            looked.append(f"{chapter} (does not run on sm_{sm})")
+        else:
+            return chapter
+    raise RuntimeError(f"backward='auto': no chapter's backward runs here: {', '.join(looked) or 'none has one'}")
+
+
 def backward_library(backward):
     if not backward:
         raise RuntimeError("fa_tutorial::attention: no backward chapter was given (backward=None): "
@@ -398,16 +424,20 @@ def register():
     backward_op.register_fake(backward_fake)
 
 
-def attention(q, k, v, causal=False, chapter="07", backward="09", scale=None, return_lse=False, *,
+def attention(q, k, v, causal=False, chapter="07", backward=AUTO, scale=None, return_lse=False, *,
               deterministic=False):
     """O = softmax(q kᵀ * scale [causal mask]) v by a chapter's forward (scale: 1/sqrt(D) unless
-    given); differentiable through `backward`'s fa_backward (None: not differentiable), in its
+    given); differentiable through `backward`'s fa_backward ("auto": auto_backward's choice for q's
+    GPU; None: not differentiable), in its
     deterministic mode with deterministic=True (dQ, dK, dV bitwise the same on every call with the
     same inputs). With return_lse, (O, LSE)."""
     require_torch()
     check_tensor("q", q)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if backward == AUTO:
+        major, minor = torch.cuda.get_device_capability(q.device)
+        backward = auto_backward(major * 10 + minor)
     o, lse = torch.ops.fa_tutorial.attention(q, k, v, bool(causal), float(scale), str(chapter), str(backward or ""),
                                              bool(deterministic))
     return (o, lse) if return_lse else o

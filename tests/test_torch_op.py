@@ -198,6 +198,24 @@ def test_training_table_is_its_csv(repo):
     assert found.group(2).strip() == want, f"docs/pytorch.md's training table is not {found.group(1)}'s:\n{want}"
 
 
+def test_auto_backward_is_the_latest_that_runs(repo):
+    """backward="auto": the latest chapter with a backward pass that is built and runs on the GPU; none
+    on a GPU older than every backward chapter's oldest, with what was looked at."""
+    backward_chapters = [c for c in runner.chapters() if has_backward(repo, c)]
+    body = ("import torch_op\n"
+            f"print(torch_op.auto_backward(90, {str(repo.build)!r}))\n"
+            "try:\n"
+            f"    torch_op.auto_backward(70, {str(repo.build)!r})\n"
+            "except RuntimeError as exc:\n"
+            "    print('refused', exc)\n")
+    proc = run_hidden(repo, body)
+    assert proc.returncode == 0, proc.stderr.strip()[-1500:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == backward_chapters[-1], f"auto_backward(90): {lines[0]!r}, expected {backward_chapters[-1]}"
+    assert lines[1].startswith("refused backward='auto': no chapter's backward runs here:") and all(
+        f"{c} (does not run on sm_70)" in lines[1] for c in backward_chapters), lines[1]
+
+
 BUILD_NAMES = {
     "7": "07_async_pipeline", "07": "07_async_pipeline", "07_async_pipeline": "07_async_pipeline",
     "8": "08_fp8", "08.6": "08_fp8", "08.5": "08_fp8.step5", "08.1": "08_fp8.step1", "8.3": "08_fp8.step3",
