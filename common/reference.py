@@ -46,6 +46,10 @@ rows either side of 64- and 128-row tile edges (where a causal mask cuts a tile)
 exact: a key row's dK and dV need P and dS over every query, so LSE and Delta are computed
 for every row, blockwise (O(N^2 D) work per (b, h), O(tile N) memory): about 6 s per (b, h)
 at N = 16k, D = 128 on two cores (3.5 s causal), some 300 MB beside the inputs.
+
+decode_reference(q, k_cache, v_cache, lengths, scale) is the decoding problem (docs/design.md):
+a few new queries per sequence against a ragged KV cache, grouped-query heads; a function for now,
+which the harness's decode mode will call.
 """
 import argparse
 import math
@@ -191,6 +195,45 @@ def attention_reference(q, k, v, rows, causal, scale):
         lse[h0:h1] = (row_max + np.log(row_sum))[..., 0]
     return (out.reshape(batch, heads, len(rows), headdim),
             lse.reshape(batch, heads, len(rows)))
+
+
+# --- decoding: a few new queries against a KV cache -----------------------------------------
+def decode_reference(q, k_cache, v_cache, lengths, scale):
+    """float64 O [B, Hq, Nq, D] and LSE [B, Hq, Nq] of Nq new queries per sequence against its KV
+    cache. q: [B, Hq, Nq, D]; k_cache, v_cache: [B, Hkv, capacity, D], of which sequence b uses its
+    first lengths[b] positions; the Nq new tokens are already written as its last Nq, so query j of
+    sequence b is position lengths[b] - Nq + j and sees keys 0 .. lengths[b] - Nq + j (causal among
+    the new tokens, as speculative decoding's verify step needs; Nq = 1 sees the whole cache). Query
+    head h reads KV head h // (Hq // Hkv): grouped-query attention, Hq a multiple of Hkv.
+    ValueError for shapes that do not fit together."""
+    batch, q_heads, new, headdim = q.shape
+    kv_batch, kv_heads, capacity, kv_dim = k_cache.shape
+    lengths = np.asarray(lengths)
+    if v_cache.shape != k_cache.shape or kv_batch != batch or kv_dim != headdim:
+        raise ValueError(f"q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape}: expected [B, Hq, Nq, D] "
+                         f"and two caches [B, Hkv, capacity, D]")
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads over {kv_heads} KV heads: Hq must be a multiple of Hkv")
+    if lengths.shape != (batch,) or (lengths < new).any() or (lengths > capacity).any():
+        raise ValueError(f"lengths {lengths.tolist()}: expected one per sequence, each from Nq = {new} to the "
+                         f"capacity {capacity}")
+    group = q_heads // kv_heads
+    out = np.empty((batch, q_heads, new, headdim), dtype=np.float64)
+    lse = np.empty((batch, q_heads, new), dtype=np.float64)
+    for b in range(batch):
+        length = int(lengths[b])
+        k = k_cache[b, :, :length].astype(np.float64)                        # [Hkv, L, D]
+        v = v_cache[b, :, :length].astype(np.float64)
+        qb = q[b].astype(np.float64).reshape(kv_heads, group, new, headdim)  # head h = kv * group + g
+        s = np.einsum("hgnd,hld->hgnl", qb, k) * scale
+        hidden = np.arange(length)[None, :] > (length - new + np.arange(new))[:, None]  # [Nq, L]
+        s[:, :, hidden] = -np.inf
+        row_max = s.max(axis=-1, keepdims=True)
+        p = np.exp(s - row_max)
+        row_sum = p.sum(axis=-1, keepdims=True)
+        out[b] = (np.einsum("hgnl,hld->hgnd", p, v) / row_sum).reshape(q_heads, new, headdim)
+        lse[b] = (row_max + np.log(row_sum))[..., 0].reshape(q_heads, new)
+    return out, lse
 
 
 # --- the backward pass: gradients of O given dO ----------------------------------------------

@@ -453,3 +453,56 @@ def test_bad_arguments_exit_2(repo, tmp_path, args, keyword):
         f"reference.py {' '.join(args)}: expected exit 2, got {proc.returncode}; stderr {proc.stderr.strip()!r}")
     assert keyword in proc.stderr, f"reference.py {' '.join(args)}: stderr lacks {keyword!r}: {proc.stderr.strip()!r}"
     assert "Traceback" not in proc.stderr, f"reference.py {' '.join(args)}: a traceback instead of a message"
+
+
+# --- decoding against a KV cache --------------------------------------------------------------
+@pytest.mark.parametrize("group,new", [(1, 1), (4, 1), (8, 3), (2, 4)])
+def test_decode_is_the_last_rows_of_causal_attention(group, new):
+    """Nq new queries against a cache of lengths[b] positions are the last Nq rows of causal attention
+    over those positions, with each KV head serving `group` query heads: the prefill computation the
+    decode step must agree with."""
+    rng = np.random.default_rng([group, new])
+    batch, kv_heads, capacity, d = 3, 2, 40, 64
+    lengths = np.array([new, 17, capacity])
+    q = rng.standard_normal((batch, kv_heads * group, new, d)).astype(np.float16)
+    k_cache, v_cache = (rng.standard_normal((batch, kv_heads, capacity, d)).astype(np.float16) for _ in range(2))
+    o, lse = reference.decode_reference(q, k_cache, v_cache, lengths, 1 / math.sqrt(d))
+    for b, length in enumerate(lengths):
+        # the full sequence: the cache's keys, its last Nq positions' queries being the new ones
+        full_q = np.zeros((1, kv_heads * group, length, d), dtype=np.float16)
+        full_q[0, :, length - new:] = q[b]
+        full_k, full_v = (np.repeat(c[b:b + 1, :, :length], group, axis=1) for c in (k_cache, v_cache))
+        rows = np.arange(length - new, length)
+        want_o, want_lse = reference.attention_reference(full_q, full_k, full_v, rows, True, 1 / math.sqrt(d))
+        np.testing.assert_allclose(o[b], want_o[0], rtol=0, atol=1e-12)
+        np.testing.assert_allclose(lse[b], want_lse[0], rtol=0, atol=1e-12)
+
+
+def test_decode_one_query_sees_the_whole_cache_and_nothing_past_it():
+    """Nq = 1: the mean of the cache's first lengths[b] values when every logit is equal; what lies past
+    lengths[b] in the cache never counts."""
+    batch, kv_heads, capacity, d = 2, 1, 8, 64
+    lengths = np.array([3, 8])
+    q = np.zeros((batch, 2, 1, d), dtype=np.float16)
+    k_cache = np.ones((batch, kv_heads, capacity, d), dtype=np.float16)
+    v_cache = np.arange(capacity, dtype=np.float16)[None, None, :, None] * np.ones((batch, kv_heads, capacity, d),
+                                                                                 dtype=np.float16)
+    v_cache[0, :, 3:] = 1000  # past sequence 0's length: must not count
+    o, lse = reference.decode_reference(q, k_cache, v_cache, lengths, 0.125)
+    assert np.allclose(o[0], 1.0) and np.allclose(o[1], 3.5), (o[0, 0, 0, 0], o[1, 0, 0, 0])
+    assert np.allclose(lse[0], math.log(3)) and np.allclose(lse[1], math.log(8)), lse
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(q_heads=3), "multiple of Hkv"),
+    (dict(lengths=[2, 5]), "each from Nq"),
+    (dict(lengths=[4, 99]), "capacity"),
+    (dict(lengths=[4]), "one per sequence"),
+    (dict(v_capacity=7), "two caches")])
+def test_decode_refuses_shapes_that_do_not_fit(change, message):
+    q_heads, new = change.get("q_heads", 4), 3
+    q = np.zeros((2, q_heads, new, 64), dtype=np.float16)
+    k = np.zeros((2, 2, 8, 64), dtype=np.float16)
+    v = np.zeros((2, 2, change.get("v_capacity", 8), 64), dtype=np.float16)
+    with pytest.raises(ValueError, match=message):
+        reference.decode_reference(q, k, v, np.array(change.get("lengths", [4, 8])), 0.125)
