@@ -114,3 +114,45 @@ def test_fp8_kernel_beside_cudnn_is_its_log(repo):
         text = " ".join((repo.root / path).read_text().split())
         missing = [f for f in fragments if f not in text]
         assert not missing, f"{path} does not quote kernel_vs_cudnn_fp8_08.csv as it is: expected {missing}"
+
+
+def steps_h100(repo):
+    """{(build, D, causal): ms} of the one-run step timings on the H100."""
+    timed = {}
+    with open(repo.root / LOGS_09 / "steps_h100.txt") as f:
+        for line in f:
+            fields = line.strip().split(",")
+            if len(fields) == 5 and fields[0].startswith("09_backward"):
+                timed[(fields[0], int(fields[1]), int(fields[2]))] = float(fields[3])
+    return timed
+
+
+def test_09s_step_sections_quote_the_steps_log(repo):
+    """The step sections of 09's README: each step's time beside the one before, as steps_h100.txt has
+    them (ms to 2 decimals, ratios from the unrounded times), and the interleaved stagger numbers as
+    ablation_09.csv has them."""
+    timed = steps_h100(repo)
+
+    def ms(step, d, causal=0, digits=2):
+        return f"{timed[(STEP_NAMES.get(f'09.{step}', f'09_backward.step{step}'), d, causal)]:.{digits}f}"
+
+    def x(a, b, d, causal=0):
+        key = lambda s: (STEP_NAMES.get(f"09.{s}", f"09_backward.step{s}"), d, causal)  # noqa: E731
+        return f"{timed[key(a)] / timed[key(b)]:.2f}x"
+    ablation = {(r["variant"], r["causal"]): float(r["ms"]) for r in csv_rows(repo.root / LOGS_09 / "ablation_09.csv")}
+    fragments = [
+        f"from {ms(1, 128)} to {ms(2, 128)} ms, {x(1, 2, 128)} ({ms(1, 128, 1)} to {ms(2, 128, 1)} causal; "
+        f"{ms(1, 64)} to {ms(2, 64)} at D = 64)",
+        f"{ms(2, 128)} to {ms(3, 128)} ms on the H100, {x(2, 3, 128)} ({ms(2, 128, 1)} to {ms(3, 128, 1)} causal; at "
+        f"D = 64 {ms(2, 64)} to {ms(3, 64)}, {x(2, 3, 64)})",
+        f"{ms(3, 64)} to {ms(4, 64)} ms, {x(3, 4, 64)} ({ms(3, 64, 1)} to {ms(4, 64, 1)} causal)",
+        f"{ms(4, 64, digits=3)} to {ms(5, 64, digits=3)} ms at D = 64",
+        f"{ablation[('step4', '0')]:.2f} to {ablation[('step5', '0')]:.2f} ms without the mask and "
+        f"{ablation[('step4', '1')]:.2f} to {ablation[('step5', '1')]:.2f} causal",
+        f"{ms(5, 128)} to {ms(6, 128)} ms, {x(5, 6, 128)}, causal {ms(5, 128, 1)} to {ms(6, 128, 1)}",
+        f"{ms(6, 128)} to {ms(7, 128)} ms, {x(6, 7, 128)}, causal {ms(6, 128, 1)} to {ms(7, 128, 1)}",
+        f"{ms(8, 128)} ms against step 7's {ms(7, 128)} on the H100",
+    ]
+    text = " ".join((repo.root / README_09).read_text().split())
+    missing = [f for f in fragments if f not in text]
+    assert not missing, f"09's README does not quote steps_h100.txt / ablation_09.csv as they are: expected {missing}"
