@@ -140,10 +140,11 @@ def training_rows():
     rows = []
     for seed in (0, 1):
         for run in ("sdpa", "07_async_pipeline"):
-            rows += [{"step": 0, "run": run, "seed": seed, "train_loss": None, "val_loss": 5.0, "tokens_per_s": None},
-                     {"step": 10, "run": run, "seed": seed, "train_loss": 3.0, "val_loss": 2.0, "tokens_per_s": 9e5},
-                     {"step": 20, "run": run, "seed": seed, "train_loss": 1.5, "val_loss": final[(run, seed)],
-                      "tokens_per_s": 1e6 if run == "sdpa" else 5e5}]
+            common = {"run": run, "seed": seed, "backward": "" if run == "sdpa" else "09_backward"}
+            rows += [dict(common, step=0, train_loss=None, val_loss=5.0, tokens_per_s=None),
+                     dict(common, step=10, train_loss=3.0, val_loss=2.0, tokens_per_s=9e5),
+                     dict(common, step=20, train_loss=1.5, val_loss=final[(run, seed)],
+                          tokens_per_s=1e6 if run == "sdpa" else 5e5)]
     return rows
 
 
@@ -163,6 +164,11 @@ def test_training_summary_arithmetic(tmp_path):
     table = train.summary_table(train.read_csv(str(path)))
     assert "| 07 forward, 09 backward | 2 | 1.1750 | 0.1061 | 1.1000 | 1.2500 | +0.0750 | +0.0500 | +0.1000 | 0.50M |" \
         in table.splitlines(), table
+    one_seed = train.summary_table([r for r in train.read_csv(str(path)) if r["seed"] == 0])
+    assert "| 07 forward, 09 backward | 1 | 1.1000 | - | 1.1000 | 1.1000 | +0.1000 | +0.1000 | +0.1000 | 0.50M |" \
+        in one_seed.splitlines(), one_seed
+    assert train.run_label("08_fp8.step3@deterministic", "10_backward_hopper") == \
+        "08.3 forward, 10 backward (deterministic)"
 
 
 def test_train_from_csvs_joins_seeds_without_torch(repo, tmp_path):
@@ -182,6 +188,10 @@ def test_train_from_csvs_joins_seeds_without_torch(repo, tmp_path):
     twice = run_hidden(repo, body, args=["--from", str(tmp_path / "seed0.csv"), str(tmp_path / "seed0.csv"),
                                          "--out", str(tmp_path / "twice.csv")])
     assert twice.returncode == 2 and "seed 0 is in more than one file" in twice.stderr, (twice.returncode, twice.stderr)
+    train.write_csv(str(tmp_path / "short.csv"), [r for r in rows if r["seed"] == 1 and r["step"] < 20])
+    unlike = run_hidden(repo, body, args=["--from", str(tmp_path / "seed0.csv"), str(tmp_path / "short.csv"),
+                                          "--out", str(tmp_path / "unlike.csv")])
+    assert unlike.returncode == 2 and "evaluated at different steps" in unlike.stderr, (unlike.returncode, unlike.stderr)
 
 
 def test_training_table_is_its_csv(repo):
