@@ -55,7 +55,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from chapters import has_backward, read_steps  # noqa: E402
+from chapters import has_backward, read_steps, runs_on  # noqa: E402
 from runner import chapters, find_chapter  # noqa: E402
 
 try:
@@ -218,6 +218,15 @@ def load_path(path):
 def library(chapter, build=None):
     """The chapter's Library, loaded once per path."""
     return load_path(library_path(chapter, build))
+
+
+def gpu_refusal(names):
+    """The one-line reason the current CUDA GPU runs one of these chapters' libraries not, or None."""
+    major, minor = torch.cuda.get_device_capability()
+    for lib in [library(name) for name in names]:
+        if not lib.runs_on(major * 10 + minor):
+            return f"{lib.name} runs on {runs_on({'min_sm': lib.min_sm, 'max_sm': lib.max_sm})}, this GPU is sm_{major}{minor}"
+    return None
 
 
 # --- The checks of the tensors (PyTorch) -----------------------------------------------------------

@@ -53,7 +53,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_op  # noqa: E402  (imports without PyTorch)
-from chapters import runs_on  # noqa: E402
+from report import replace_between  # noqa: E402
 from runner import make_env  # noqa: E402
 
 torch = torch_op.torch
@@ -345,6 +345,11 @@ def curves(rows):
     return out
 
 
+def backward_of(seeds):
+    """The backward build of a run ({seed: rows}; "" for SDPA)."""
+    return next(iter(seeds.values()))[0]["backward"]
+
+
 def steady_rate(run_rows):
     """Training tokens per second of one run over every interval but the first (the warm-up): the
     intervals' steps over their seconds, from the rates in the rows (the batch cancels out)."""
@@ -369,7 +374,7 @@ def summarize(rows):
         losses = list(final[run].values())
         mean, std = mean_std(losses)
         paired = [final[run][s] - final[SDPA_RUN][s] for s in final[run] if s in final.get(SDPA_RUN, {})]
-        out.append({"run": run, "backward": next(iter(seeds.values()))[0]["backward"], "seeds": len(seeds),
+        out.append({"run": run, "backward": backward_of(seeds), "seeds": len(seeds),
                     "steps": max(r["step"] for r in rows if r["run"] == run),
                     "mean": mean, "std": std, "min": min(losses), "max": max(losses),
                     "diff": (sum(paired) / len(paired), min(paired), max(paired)) if paired and run != SDPA_RUN else None,
@@ -426,9 +431,8 @@ def plot(path, rows, title):
     colours = {}
     for run, seeds in runs.items():
         steps, values = by_step(seeds, "val_loss")
-        backward = next(iter(seeds.values()))[0]["backward"]
         line, = ax.plot(steps, [sum(v) / len(v) for v in values], linewidth=1.5,
-                        label=f"{run_label(run, backward)}: validation ({len(seeds)} seeds)")
+                        label=f"{run_label(run, backward_of(seeds))}: validation ({len(seeds)} seeds)")
         colours[run] = line.get_color()
         ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=colours[run], alpha=0.2)
         steps, values = by_step(seeds, "train_loss")
@@ -454,7 +458,7 @@ def plot(path, rows, title):
                         diffs.setdefault(r["step"], []).append(r["val_loss"] - sdpa[(seed, r["step"])])
             steps = sorted(diffs)
             below.plot(steps, [sum(diffs[s]) / len(diffs[s]) for s in steps], marker=".", color=colours[run],
-                       label=run_label(run, next(iter(seeds.values()))[0]["backward"]))
+                       label=run_label(run, backward_of(seeds)))
             below.fill_between(steps, [min(diffs[s]) for s in steps], [max(diffs[s]) for s in steps],
                                color=colours[run], alpha=0.15)
         below.legend(fontsize=7)
@@ -470,8 +474,6 @@ def plot(path, rows, title):
 
 def write_table(path, csv_path, rows):
     """The summary table into the file at path between its markers; False where they are missing."""
-    sys.path.insert(0, HERE)
-    from report import replace_between
     with open(path) as f:
         text = f.read()
     begin = TABLE_BEGIN.format(csv=os.path.relpath(csv_path, ROOT))
@@ -584,16 +586,6 @@ def load_refusal(names):
     return None
 
 
-def gpu_refusal(names):
-    """The one-line reason this GPU runs one of the libraries not, or None."""
-    major, minor = torch.cuda.get_device_capability()
-    for lib in [torch_op.library(name) for name in names]:
-        if not lib.runs_on(major * 10 + minor):
-            needs = runs_on({"min_sm": lib.min_sm, "max_sm": lib.max_sm})
-            return f"{lib.name} runs on {needs}, this GPU is sm_{major}{minor}: nothing trained"
-    return None
-
-
 def merge_runs(args):
     """--from: the rows of the given CSVs, in order, into --out (or the first's path), its figure, the
     summary; 0, or 2 where a (run, seed) appears twice or --out is missing for several files."""
@@ -661,9 +653,9 @@ def main(argv=None):
     if not torch_op.library(backward).has_backward:
         print(f"train.py: --backward {args.backward}: {backward} has no backward pass", file=sys.stderr)
         return 2
-    reason = gpu_refusal(names)
+    reason = torch_op.gpu_refusal(names)
     if reason:
-        print(f"make train: skipped: {reason}")
+        print(f"make train: skipped: {reason}: nothing trained")
         return 77
     torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matrix products, in every run
     corpus = load_corpus("cuda")

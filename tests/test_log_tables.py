@@ -4,7 +4,6 @@ a measurement by hand is checked here, so that prose and log cannot drift apart.
 import csv
 import statistics
 
-import pytest
 
 README_09 = "09_backward/README.md"
 LOGS_09 = "docs/results/logs/09"
@@ -53,38 +52,52 @@ def test_final_beside_fa2_is_its_log(repo):
         assert cells == want, f"{shape} {mask}: the table has {cells}, the log {want}"
 
 
-STEP_NAMES = {"09.8": "09_backward"}
+def step_build(step):
+    """A step of 09 as the build that runs it: 09.3 -> 09_backward.step3; 09.8 (the chapter) -> 09_backward."""
+    k = int(step.split(".")[1])
+    return "09_backward" if k == 8 else f"09_backward.step{k}"
 
 
-@pytest.mark.parametrize("path", ["steps_h100.txt"])
-def test_steps_one_run_is_its_log(repo, path):
-    """09's README, "The steps, one run": each step's ms and TFLOP/s at both D, causal and not."""
+def steps_h100(repo):
+    """{(build, D, causal): (ms, TFLOP/s)} of the one-run step timings on the H100."""
     timed = {}
-    with open(repo.root / LOGS_09 / path) as f:
+    with open(repo.root / LOGS_09 / "steps_h100.txt") as f:
         for line in f:
             fields = line.strip().split(",")
             if len(fields) == 5 and fields[0].startswith("09_backward"):
-                timed[tuple(fields[:3])] = fields[3:]
+                timed[(fields[0], int(fields[1]), int(fields[2]))] = (float(fields[3]), float(fields[4]))
+    return timed
+
+
+
+
+def test_steps_one_run_is_its_log(repo):
+    """09's README, "The steps, one run": each step's ms and TFLOP/s at both D, causal and not."""
+    timed = steps_h100(repo)
     table = markdown_rows((repo.root / README_09).read_text(), "| step | D=128 | TFLOP/s | causal |")
     assert len(table) == 8, f"{len(table)} steps in the table, expected 8"
     for label, *cells in table:
-        step = label.split()[0]
-        build = STEP_NAMES.get(step, f"09_backward.step{step.split('.')[1]}")
+        build = step_build(label.split()[0])
         want = []
-        for d in ("128", "64"):
-            ms, tflops = timed[(build, d, "0")]
-            want += [f"{float(ms):.2f}", f"{float(tflops):.1f}", f"{float(timed[(build, d, '1')][0]):.2f}"]
-        assert cells == want, f"{step}: the table has {cells}, {path} {want}"
+        for d in (128, 64):
+            ms, tflops = timed[(build, d, 0)]
+            want += [f"{ms:.2f}", f"{tflops:.1f}", f"{timed[(build, d, 1)][0]:.2f}"]
+        assert cells == want, f"{label.split()[0]}: the table has {cells}, steps_h100.txt {want}"
 
 
 def kernel_vs_cudnn_fp8(repo):
-    """{(D, causal, N): (08's kernel alone ms, cuDNN FP8 ms)}: the medians over the log's rounds."""
+    """{(D, causal, N): {column: median}} of the log's rounds: 08's whole forward (`whole`), its kernel
+    alone (`kernel`) and cuDNN's FP8 attention (`cudnn`)."""
     rows = csv_rows(repo.root / "docs/results/logs/08/kernel_vs_cudnn_fp8_08.csv")
     out = {}
     for r in rows:
-        out.setdefault((int(r["headdim"]), int(r["causal"]), int(r["seqlen"])), {}).setdefault(r["impl"], []).append(
-            float(r["attend_ms"]))
-    return {shape: tuple(statistics.median(times[impl]) for impl in ("08_fp8", "cudnn_fp8")) for shape, times in out.items()}
+        shape = out.setdefault((int(r["headdim"]), int(r["causal"]), int(r["seqlen"])), {})
+        if r["impl"] == "08_fp8":
+            shape.setdefault("whole", []).append(float(r["ms"]))
+            shape.setdefault("kernel", []).append(float(r["attend_ms"]))
+        else:
+            shape.setdefault("cudnn", []).append(float(r["attend_ms"]))
+    return {shape: {k: statistics.median(v) for k, v in times.items()} for shape, times in out.items()}
 
 
 def test_fp8_kernel_beside_cudnn_is_its_log(repo):
@@ -92,19 +105,16 @@ def test_fp8_kernel_beside_cudnn_is_its_log(repo):
     timed = kernel_vs_cudnn_fp8(repo)
 
     def x(d, causal, n):
-        kernel, cudnn = timed[(d, causal, n)]
-        return f"{cudnn / kernel:.2f}x"
-    kernel, cudnn = timed[(128, 0, 4096)]
-    rows = csv_rows(repo.root / "docs/results/logs/08/kernel_vs_cudnn_fp8_08.csv")
-    whole_16k = statistics.median(float(r["ms"]) for r in rows if r["impl"] == "08_fp8" and
-                                  (r["headdim"], r["causal"], r["seqlen"]) == ("128", "0", "16384"))
+        return f"{timed[(d, causal, n)]['cudnn'] / timed[(d, causal, n)]['kernel']:.2f}x"
+    kernel, cudnn = timed[(128, 0, 4096)]["kernel"], timed[(128, 0, 4096)]["cudnn"]
+    at_16k = timed[(128, 0, 16384)]
     quotes = {
         "08_fp8/README.md": [
             f"128): {x(128, 0, 4096)} at N = 4096 ({kernel:.3f} against {cudnn:.3f} ms), {x(128, 0, 8192)} at 8192, "
             f"{x(128, 0, 16384)} at 16384, causal {x(128, 1, 4096)} at 4096",
             f"{x(128, 0, 512)} at N = 512 without the mask, and causal {x(128, 1, 512)} at 512 and {x(128, 1, 1024)} at 1024",
-            f"alone ({timed[(128, 0, 16384)][0]:.2f} ms) timed slower than the whole forward, quantisation included "
-            f"({whole_16k:.2f} ms)"],
+            f"alone ({at_16k['kernel']:.2f} ms) timed slower than the whole forward, quantisation included "
+            f"({at_16k['whole']:.2f} ms)"],
         "README.md": [
             f"{x(128, 0, 4096)} cuDNN's FP8 attention ({x(128, 1, 4096)} causal; {x(128, 0, 8192)} at N=8k, "
             f"{x(128, 0, 16384)} at 16k",
@@ -116,29 +126,17 @@ def test_fp8_kernel_beside_cudnn_is_its_log(repo):
         assert not missing, f"{path} does not quote kernel_vs_cudnn_fp8_08.csv as it is: expected {missing}"
 
 
-def steps_h100(repo):
-    """{(build, D, causal): ms} of the one-run step timings on the H100."""
-    timed = {}
-    with open(repo.root / LOGS_09 / "steps_h100.txt") as f:
-        for line in f:
-            fields = line.strip().split(",")
-            if len(fields) == 5 and fields[0].startswith("09_backward"):
-                timed[(fields[0], int(fields[1]), int(fields[2]))] = float(fields[3])
-    return timed
-
-
 def test_09s_step_sections_quote_the_steps_log(repo):
     """The step sections of 09's README: each step's time beside the one before, as steps_h100.txt has
     them (ms to 2 decimals, ratios from the unrounded times), and the interleaved stagger numbers as
     ablation_09.csv has them."""
     timed = steps_h100(repo)
 
-    def ms(step, d, causal=0, digits=2):
-        return f"{timed[(STEP_NAMES.get(f'09.{step}', f'09_backward.step{step}'), d, causal)]:.{digits}f}"
+    def ms(step, d, causal=0):
+        return f"{timed[(step_build(f'09.{step}'), d, causal)][0]:.2f}"
 
     def x(a, b, d, causal=0):
-        key = lambda s: (STEP_NAMES.get(f"09.{s}", f"09_backward.step{s}"), d, causal)  # noqa: E731
-        return f"{timed[key(a)] / timed[key(b)]:.2f}x"
+        return f"{timed[(step_build(f'09.{a}'), d, causal)][0] / timed[(step_build(f'09.{b}'), d, causal)][0]:.2f}x"
     ablation = {(r["variant"], r["causal"]): float(r["ms"]) for r in csv_rows(repo.root / LOGS_09 / "ablation_09.csv")}
     fragments = [
         f"from {ms(1, 128)} to {ms(2, 128)} ms, {x(1, 2, 128)} ({ms(1, 128, 1)} to {ms(2, 128, 1)} causal; "
@@ -146,7 +144,6 @@ def test_09s_step_sections_quote_the_steps_log(repo):
         f"{ms(2, 128)} to {ms(3, 128)} ms on the H100, {x(2, 3, 128)} ({ms(2, 128, 1)} to {ms(3, 128, 1)} causal; at "
         f"D = 64 {ms(2, 64)} to {ms(3, 64)}, {x(2, 3, 64)})",
         f"{ms(3, 64)} to {ms(4, 64)} ms, {x(3, 4, 64)} ({ms(3, 64, 1)} to {ms(4, 64, 1)} causal)",
-        f"{ms(4, 64, digits=3)} to {ms(5, 64, digits=3)} ms at D = 64",
         f"{ablation[('step4', '0')]:.2f} to {ablation[('step5', '0')]:.2f} ms without the mask and "
         f"{ablation[('step4', '1')]:.2f} to {ablation[('step5', '1')]:.2f} causal",
         f"{ms(5, 128)} to {ms(6, 128)} ms, {x(5, 6, 128)}, causal {ms(5, 128, 1)} to {ms(6, 128, 1)}",
