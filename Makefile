@@ -46,7 +46,7 @@ endif
 
 # Chapters built on Hopper's arch-specific features (wgmma) target sm_90a alone, whatever ARCH says:
 # sm_90a code runs on sm_90 only, and the chapter says so (exit 77) on any other GPU.
-SM90A_CHAPTERS := 08_fp8
+SM90A_CHAPTERS := 08_fp8 10_backward_hopper
 # A chapter of ordered steps (08, 09) holds one file per step, NN_name/stepK_<idea>.cu, a program of its
 # own: BUILD/NN_name.stepK (its attention.cu is the last step, BUILD/NN_name). Each is a bench row.
 STEP_SOURCES := $(sort $(wildcard [0-9][0-9]_*/step[0-9]_*.cu))

@@ -188,6 +188,23 @@ __device__ void wgmma_m64n128k16_f16_ss(float (&d)[64], uint64_t a_desc, uint64_
         : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
 
+__device__ void wgmma_m64n64k16_f16_ss(float (&d)[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" REGS32 "}, %32, %33, acc, 1, 1, 0, 0;\n}\n"
+        : ACC32(d, 0)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+// Both operands read MN-major (A's rows and B's columns contiguous in shared memory).
+__device__ void wgmma_m64n64k16_f16_ss_mn_major(float (&d)[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" REGS32 "}, %32, %33, acc, 1, 1, 1, 1;\n}\n"
+        : ACC32(d, 0)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
 __device__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const unsigned (&a)[4], uint64_t b_desc) {
     asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" REGS64
                  "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
