@@ -313,14 +313,14 @@ __global__ void __launch_bounds__(WG_THREADS, 2)
         unsigned p_frag[4][4], ds_frag[4][4];
         pack_operand(p_frag, s);
         pack_operand(ds_frag, dp);
+        store_ds(smem.ds_tile, ds_frag);  // dS^T for dQ, before the wgmmas below take ds_frag as an operand
+        fence_proxy_async();
 
-        // dV += P^T dO and dK += dS^T Q, from registers; meanwhile dS^T goes to shared memory for dQ.
+        // dV += P^T dO and dK += dS^T Q, from registers.
         wgmma_fence();
         issue_key_gradient<HEAD_DIM>(dv_acc, p_frag, do_tile);
         issue_key_gradient<HEAD_DIM>(dk_acc, ds_frag, q_tile);
         wgmma_commit();
-        store_ds(smem.ds_tile, ds_frag);
-        fence_proxy_async();
         wgmma_wait<0>();
         hold_registers(dv_acc);
         hold_registers(dk_acc);
