@@ -220,10 +220,11 @@ __device__ void store_dk_dv(__half *dk_head, __half *dv_head, const float (&dk)[
 }
 
 // --- The kernels -------------------------------------------------------------------------------
-// (1) D_i = sum_d dO[i, d] * O[i, d] in fp32, and row i of the dQ accumulator zeroed (09's).
+// (1) D_i = sum_d dO[i, d] * O[i, d] in fp32, and row i of each copy of the dQ accumulator zeroed
+// (09's). Grid: (row tiles, b*h); CHUNKS lanes per row, each with 8 of its D elements.
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(THREADS)
-    backward_preprocess_kernel(const __half *o, const __half *d_o, float *delta, float *dq_acc, int seqlen) {
+__global__ void __launch_bounds__(THREADS) backward_preprocess_kernel(const __half *o, const __half *d_o, float *delta,
+                                                                      float *dq_acc, int copies, int seqlen) {
     constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS = THREADS / CHUNKS;
     const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
     const bool valid = row < seqlen;
@@ -242,58 +243,56 @@ __global__ void __launch_bounds__(THREADS)
     for (int offset = CHUNKS / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
     if (!valid) return;
     if (chunk == 0) delta[(size_t)blockIdx.y * seqlen + row] = sum;
-    float4 *to = (float4 *)(dq_acc + at);
-    to[0] = to[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const size_t copy_floats = (size_t)gridDim.y * seqlen * HEAD_DIM;
+    for (int copy = 0; copy < copies; copy++) {
+        float4 *to = (float4 *)(dq_acc + copy * copy_floats + at);
+        to[0] = to[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
 }
 
-// (2) dK and dV of one 64-key tile, and its share of dQ. Grid (key tiles, b*h); causal (b*h, key
-// tiles), the heaviest key tiles first.
+// What a block works on, and where its tiles come from.
+struct Work {
+    const CUtensorMap *q_map, *k_map, *v_map, *do_map;
+    const float *lse_head, *delta_head;
+    float *dq_head;  // the block's dQ accumulator (deterministic: its own copy)
+    __half *dk_head, *dv_head;
+    int head, seqlen, causal;
+    float scale, scale_log2;
+};
+
+// (2) dK and dV of one 64-key tile, and its share of dQ. `loaded`: the query tiles this block has
+// taken through its ring so far, over every key tile before (a stage's barrier completes once each).
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(WG_THREADS, 2)
-    backward_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
-                    const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
-                    const float *lse, const float *delta, float *dq_acc, __half *dk, __half *dv, int seqlen,
-                    float scale, float scale_log2, int causal) {
+__device__ void backward_key_block(const Smem &smem, const Work &w, int key_tile, int round, int &loaded) {
     typedef BwdConfig<HEAD_DIM> Cfg;
-    extern __shared__ unsigned char raw_smem[];
-    const Smem smem = smem_layout<HEAD_DIM>(raw_smem);
-    const int key_tile = causal ? blockIdx.y : blockIdx.x, head = causal ? blockIdx.x : blockIdx.y;
     const int key0 = key_tile * Cfg::TILE_KV;
     // Causal: from the query tile that holds query key0 (the queries before it see none of these keys).
-    const int first_tile = causal ? key0 / Cfg::TILE_Q : 0;
-    const int q_tiles = ceil_div(seqlen, Cfg::TILE_Q) - first_tile;
-
-    if (threadIdx.x == 0) {
-        mbarrier_init(smem.kv_full, 1);
-        for (int s = 0; s < BWD_STAGES; s++) mbarrier_init(&smem.q_full[s], 1);
-        fence_mbarrier_init();
-    }
-    __syncthreads();
+    const int first_tile = w.causal ? key0 / Cfg::TILE_Q : 0;
+    const int q_tiles = ceil_div(w.seqlen, Cfg::TILE_Q) - first_tile;
     if (threadIdx.x == 0) {
         mbarrier_arrive_expect_bytes(smem.kv_full, 2 * Cfg::TILE_BYTES);
-        load_tile<HEAD_DIM>(smem.k_tile, &k_map, smem.kv_full, key0, head);
-        load_tile<HEAD_DIM>(smem.v_tile, &v_map, smem.kv_full, key0, head);
+        load_tile<HEAD_DIM>(smem.k_tile, w.k_map, smem.kv_full, key0, w.head);
+        load_tile<HEAD_DIM>(smem.v_tile, w.v_map, smem.kv_full, key0, w.head);
         for (int t = 0; t < BWD_STAGES && t < q_tiles; t++)
-            load_query_tile<HEAD_DIM>(smem, &q_map, &do_map, t, (first_tile + t) * Cfg::TILE_Q, head);
+            load_query_tile<HEAD_DIM>(smem, w.q_map, w.do_map, loaded + t, (first_tile + t) * Cfg::TILE_Q, w.head);
     }
 
     // On chip for the whole loop: dK and dV of the block's 64 keys.
     float dk_acc[Cfg::ACC_REGS_D], dv_acc[Cfg::ACC_REGS_D];
     for (int i = 0; i < Cfg::ACC_REGS_D; i++) dk_acc[i] = dv_acc[i] = 0.0f;
-    const float *lse_head = lse + (size_t)head * seqlen, *delta_head = delta + (size_t)head * seqlen;
-    float *dq_head = dq_acc + (size_t)head * seqlen * HEAD_DIM;
-    mbarrier_wait(smem.kv_full, 0);
+    mbarrier_wait(smem.kv_full, round % 2);
 
     for (int step = 0; step < q_tiles; step++) {
-        const int stage = step % BWD_STAGES, query0 = (first_tile + step) * Cfg::TILE_Q;
+        const int ring_tile = loaded + step, stage = ring_tile % BWD_STAGES;
+        const int query0 = (first_tile + step) * Cfg::TILE_Q;
         const unsigned char *q_tile = smem.q_ring + stage * Cfg::TILE_BYTES;
         const unsigned char *do_tile = smem.do_ring + stage * Cfg::TILE_BYTES;
         {  // the tile's LSE (threads 0-63) and D (64-127); past the end, 0 (those queries are masked)
             const int col = threadIdx.x % Cfg::TILE_Q, query = query0 + col;
-            const float *from = threadIdx.x < Cfg::TILE_Q ? lse_head : delta_head;
-            (threadIdx.x < Cfg::TILE_Q ? smem.lse_tile : smem.delta_tile)[col] = query < seqlen ? from[query] : 0.0f;
+            const float *from = threadIdx.x < Cfg::TILE_Q ? w.lse_head : w.delta_head;
+            (threadIdx.x < Cfg::TILE_Q ? smem.lse_tile : smem.delta_tile)[col] = query < w.seqlen ? from[query] : 0.0f;
         }
-        mbarrier_wait(&smem.q_full[stage], step / BWD_STAGES % 2);
+        mbarrier_wait(&smem.q_full[stage], ring_tile / BWD_STAGES % 2);
         __syncthreads();  // LSE and D in; every warp is past the last step's products
 
         // S^T = K Q^T and dP^T = V dO^T, both 64 keys x 64 queries.
@@ -307,9 +306,9 @@ __global__ void __launch_bounds__(WG_THREADS, 2)
         hold_registers(dp);
 
         // P^T and dS^T; the mask only on a ragged tile or (causal) the diagonal one.
-        const bool masked = query0 + Cfg::TILE_Q > seqlen || key0 + Cfg::TILE_KV > seqlen ||
-                            (causal && key0 + Cfg::TILE_KV - 1 > query0);
-        softmax_gradient(s, dp, smem.lse_tile, smem.delta_tile, key0, query0, seqlen, causal, masked, scale_log2);
+        const bool masked = query0 + Cfg::TILE_Q > w.seqlen || key0 + Cfg::TILE_KV > w.seqlen ||
+                            (w.causal && key0 + Cfg::TILE_KV - 1 > query0);
+        softmax_gradient(s, dp, smem.lse_tile, smem.delta_tile, key0, query0, w.seqlen, w.causal, masked, w.scale_log2);
         unsigned p_frag[4][4], ds_frag[4][4];
         pack_operand(p_frag, s);
         pack_operand(ds_frag, dp);
@@ -329,8 +328,8 @@ __global__ void __launch_bounds__(WG_THREADS, 2)
         __syncthreads();  // every warp's dS^T is in, and this stage's Q and dO are read
 
         if (threadIdx.x == 0 && step + BWD_STAGES < q_tiles)
-            load_query_tile<HEAD_DIM>(smem, &q_map, &do_map, step + BWD_STAGES,
-                                      (first_tile + step + BWD_STAGES) * Cfg::TILE_Q, head);
+            load_query_tile<HEAD_DIM>(smem, w.q_map, w.do_map, ring_tile + BWD_STAGES,
+                                      (first_tile + step + BWD_STAGES) * Cfg::TILE_Q, w.head);
 
             // dQ += dS K over the block's keys, 64 dims a pass, into the fp32 accumulator.
 #pragma unroll
@@ -341,22 +340,84 @@ __global__ void __launch_bounds__(WG_THREADS, 2)
             wgmma_commit();
             wgmma_wait<0>();
             hold_registers(dq);
-            add_dq<HEAD_DIM>(dq_head, dq, query0, pass * SLICE_ELEMENTS, seqlen);
+            add_dq<HEAD_DIM>(w.dq_head, dq, query0, pass * SLICE_ELEMENTS, w.seqlen);
         }
     }
-
-    store_dk_dv<HEAD_DIM>(dk + (size_t)head * seqlen * HEAD_DIM, dv + (size_t)head * seqlen * HEAD_DIM, dk_acc, dv_acc,
-                          key0, seqlen, scale);
+    loaded += q_tiles;
+    store_dk_dv<HEAD_DIM>(w.dk_head, w.dv_head, dk_acc, dv_acc, key0, w.seqlen, w.scale);
 }
 
-// (3) dQ = scale * the fp32 accumulator, as fp16 (09's).
+// The key tile of a block's round `round`, -1 past its last. Default: one round, the block's own
+// key tile (grid (key tiles, b*h); causal (b*h, key tiles), the heaviest first). Deterministic
+// (09.8's): grid (copies, b*h); block `copy` takes one of every `copies` key tiles, one after the
+// other, back and forth (copy, 2 copies - 1 - copy, ...), into a dQ copy that no other block
+// writes; one thread adds to an address in program order, and the convert kernel sums the copies
+// in order, so dQ comes out the same on every run.
+template <bool DETERMINISTIC>
+__device__ int round_key_tile(int round, int key_tiles, int causal) {
+    if constexpr (!DETERMINISTIC) return round > 0 ? -1 : (int)(causal ? blockIdx.y : blockIdx.x);
+    const int copies = gridDim.x, copy = blockIdx.x;
+    const int key_tile = round * copies + (round % 2 ? copies - 1 - copy : copy);
+    return key_tile < key_tiles ? key_tile : -1;
+}
+
+template <int HEAD_DIM, bool DETERMINISTIC>
+__global__ void __launch_bounds__(WG_THREADS, 2)
+    backward_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                    const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
+                    const float *lse, const float *delta, float *dq_acc, __half *dk, __half *dv, int seqlen,
+                    float scale, float scale_log2, int causal) {
+    extern __shared__ unsigned char raw_smem[];
+    const Smem smem = smem_layout<HEAD_DIM>(raw_smem);
+    const int head = DETERMINISTIC || !causal ? blockIdx.y : blockIdx.x;
+    const int heads = DETERMINISTIC || !causal ? gridDim.y : gridDim.x;
+    const size_t head_elements = (size_t)head * seqlen * HEAD_DIM;
+    Work w = {&q_map,
+              &k_map,
+              &v_map,
+              &do_map,
+              lse + (size_t)head * seqlen,
+              delta + (size_t)head * seqlen,
+              dq_acc + head_elements,
+              dk + head_elements,
+              dv + head_elements,
+              head,
+              seqlen,
+              causal,
+              scale,
+              scale_log2};
+    if constexpr (DETERMINISTIC) w.dq_head += (size_t)blockIdx.x * heads * seqlen * HEAD_DIM;  // the block's copy
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(smem.kv_full, 1);
+        for (int s = 0; s < BWD_STAGES; s++) mbarrier_init(&smem.q_full[s], 1);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    const int key_tiles = ceil_div(seqlen, BwdConfig<HEAD_DIM>::TILE_KV);
+    int loaded = 0;
+    for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles, causal)) >= 0; round++) {
+        if (round > 0) __syncthreads();  // every warp is done with the last key tile's K, V and dS^T
+        backward_key_block<HEAD_DIM>(smem, w, key_tile, round, loaded);
+    }
+}
+
+// (3) dQ = scale * the fp32 accumulator (the sum of its copies, in order), as fp16 (09's).
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(THREADS) convert_dq_kernel(const float *dq_acc, __half *dq, int seqlen, float scale) {
+__global__ void __launch_bounds__(THREADS)
+    convert_dq_kernel(const float *dq_acc, int copies, __half *dq, int seqlen, float scale) {
     constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS = THREADS / CHUNKS;
     const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
     if (row >= seqlen) return;
     const size_t at = ((size_t)blockIdx.y * seqlen + row) * HEAD_DIM + chunk * CHUNK_HALVES;
-    const float4 lo = *(const float4 *)(dq_acc + at), hi = *(const float4 *)(dq_acc + at + 4);
+    const size_t copy_floats = (size_t)gridDim.y * seqlen * HEAD_DIM;
+    float4 lo = *(const float4 *)(dq_acc + at), hi = *(const float4 *)(dq_acc + at + 4);
+    for (int copy = 1; copy < copies; copy++) {
+        const float4 l = *(const float4 *)(dq_acc + copy * copy_floats + at);
+        const float4 h = *(const float4 *)(dq_acc + copy * copy_floats + at + 4);
+        lo = make_float4(lo.x + l.x, lo.y + l.y, lo.z + l.z, lo.w + l.w);
+        hi = make_float4(hi.x + h.x, hi.y + h.y, hi.z + h.z, hi.w + h.w);
+    }
     uint4 out;
     out.x = pack_half2(lo.x * scale, lo.y * scale);
     out.y = pack_half2(lo.z * scale, lo.w * scale);
@@ -366,22 +427,63 @@ __global__ void __launch_bounds__(THREADS) convert_dq_kernel(const float *dq_acc
 }
 
 // --- The backward's launcher -----------------------------------------------------------------
-// The workspace: D, one float per query row, then the fp32 dQ accumulator, from a 256-byte boundary.
+// The workspace: D, one float per query row, then the fp32 dQ accumulator's copies (one with
+// atomics), from a 256-byte boundary.
 static size_t delta_bytes(const AttnShape *s) {
     size_t bytes = (size_t)s->batch * s->heads * s->seqlen * sizeof(float);
     return (bytes + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN;
 }
 
-static size_t backward_workspace_bytes(const AttnShape *s, int /* deterministic: not offered yet */) {
-    return delta_bytes(s) + (size_t)s->batch * s->heads * s->seqlen * s->headdim * sizeof(float);
+// Copies of the dQ accumulator in the deterministic mode (09's rule): the fewest blocks per head
+// that take the heads' key tiles in the least time, counted as (rounds of the GPU's resident
+// blocks) x (key tiles per block).
+static int dq_copies(int heads, int key_tiles, int resident) {
+    int best = 1;
+    long long best_time = -1;
+    for (int copies = 1; copies <= key_tiles; copies++) {
+        const long long blocks = (long long)heads * copies, per_block = ceil_div(key_tiles, copies);
+        const long long time = (blocks + resident - 1) / resident * per_block;
+        if (best_time < 0 || time < best_time) best = copies, best_time = time;
+    }
+    return best;
 }
 
-template <int HEAD_DIM>
+// The copies of dQ that a run takes (1 with atomics); the kernel's shared memory attribute set.
+template <int HEAD_DIM, bool DETERMINISTIC>
+static cudaError_t plan_backward(const AttnShape *s, int *copies) {
+    typedef BwdConfig<HEAD_DIM> Cfg;
+    RETURN_IF_ERROR(cudaFuncSetAttribute(backward_kernel<HEAD_DIM, DETERMINISTIC>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES));
+    *copies = 1;
+    if (!DETERMINISTIC) return cudaSuccess;
+    int device = 0, sms = 0, per_sm = 0;
+    RETURN_IF_ERROR(cudaGetDevice(&device));
+    RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, backward_kernel<HEAD_DIM, DETERMINISTIC>,
+                                                                  WG_THREADS, Cfg::SMEM_BYTES));
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;  // the kernel fits no SM
+    *copies = dq_copies(s->batch * s->heads, ceil_div(s->seqlen, Cfg::TILE_KV), per_sm * sms);
+    return cudaSuccess;
+}
+
+static size_t backward_workspace_bytes(const AttnShape *s, int deterministic) {
+    const size_t dq_acc = (size_t)s->batch * s->heads * s->seqlen * s->headdim * sizeof(float);
+    int copies = 1;
+    cudaError_t err = cudaSuccess;
+    if (deterministic)
+        err = s->headdim == 64 ? plan_backward<64, true>(s, &copies) : plan_backward<128, true>(s, &copies);
+    if (err != cudaSuccess) copies = 1;  // the launch reports it
+    return delta_bytes(s) + copies * dq_acc;
+}
+
+template <int HEAD_DIM, bool DETERMINISTIC>
 static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream) {
     typedef BwdConfig<HEAD_DIM> Cfg;
     const AttnShape *s = &args->shape;
     const int heads = s->batch * s->heads, key_tiles = ceil_div(s->seqlen, Cfg::TILE_KV);
     const int row_bytes = HEAD_DIM * ELEMENT_BYTES;
+    int copies = 1;
+    RETURN_IF_ERROR((plan_backward<HEAD_DIM, DETERMINISTIC>(s, &copies)));
     CUtensorMap q_map, k_map, v_map, do_map;
     RETURN_IF_ERROR(
         make_tensor_map(&q_map, (void *)args->q, row_bytes, s->seqlen, heads, SLICE_BYTES, WG_ROWS, chapter.name));
@@ -391,32 +493,32 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
         make_tensor_map(&v_map, (void *)args->v, row_bytes, s->seqlen, heads, SLICE_BYTES, WG_ROWS, chapter.name));
     RETURN_IF_ERROR(
         make_tensor_map(&do_map, (void *)args->d_o, row_bytes, s->seqlen, heads, SLICE_BYTES, WG_ROWS, chapter.name));
-    RETURN_IF_ERROR(
-        cudaFuncSetAttribute(backward_kernel<HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES));
     float *delta = (float *)args->workspace;
     float *dq_acc = (float *)((char *)args->workspace + delta_bytes(s));
     const dim3 row_grid(ceil_div(s->seqlen, THREADS / (HEAD_DIM / CHUNK_HALVES)), heads);
 
     backward_preprocess_kernel<HEAD_DIM>
-        <<<row_grid, THREADS, 0, stream>>>(args->o, args->d_o, delta, dq_acc, s->seqlen);
+        <<<row_grid, THREADS, 0, stream>>>(args->o, args->d_o, delta, dq_acc, copies, s->seqlen);
     RETURN_IF_ERROR(cudaGetLastError());
-    const dim3 grid = s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
-    backward_kernel<HEAD_DIM>
+    const dim3 grid = DETERMINISTIC ? dim3(copies, heads) : s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
+    backward_kernel<HEAD_DIM, DETERMINISTIC>
         <<<grid, WG_THREADS, Cfg::SMEM_BYTES, stream>>>(q_map, k_map, v_map, do_map, args->lse, delta, dq_acc, args->dk,
                                                         args->dv, s->seqlen, s->scale, s->scale * LOG2E, s->causal);
     RETURN_IF_ERROR(cudaGetLastError());
-    convert_dq_kernel<HEAD_DIM><<<row_grid, THREADS, 0, stream>>>(dq_acc, args->dq, s->seqlen, s->scale);
+    convert_dq_kernel<HEAD_DIM><<<row_grid, THREADS, 0, stream>>>(dq_acc, copies, args->dq, s->seqlen, s->scale);
     return cudaGetLastError();
 }
 
 static cudaError_t backward(const BackwardArgs *args, cudaStream_t stream) {
-    return backward_for_head_dim(args, stream, launch_backward<64>, launch_backward<128>);
+    if (args->deterministic)
+        return backward_for_head_dim(args, stream, launch_backward<64, true>, launch_backward<128, true>);
+    return backward_for_head_dim(args, stream, launch_backward<64, false>, launch_backward<128, false>);
 }
 
-static const Backward backward_pass = {backward_workspace_bytes, backward, 0};  // no deterministic mode yet
+static const Backward backward_pass = {backward_workspace_bytes, backward, 1};  // 1: it has a deterministic mode
 
 const Chapter chapter = {
-    "10.1",
+    "10_backward_hopper",
     "the backward on Hopper's datapath: wgmma for the five products, K, V, Q and dO brought by TMA",
     PRECISION_FP16_TC,
     90,

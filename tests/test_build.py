@@ -19,7 +19,7 @@ from helpers import CHAPTERS, STEP_BUILDS
 # What `make all` makes (the Makefile's BUILDS; test_every_build_of_make_all_is_listed holds it to that): one
 # build a chapter or step, whatever modes its binary runs in (09's --deterministic is a flag, not a build).
 BUILDS = [*CHAPTERS, *(build for _, build, _ in STEP_BUILDS)]
-ARCHS_OF = {"08_fp8": ["sm_90a"]}  # by source chapter: the archs it builds for instead of the build's (wgmma)
+ARCHS_OF = {"08_fp8": ["sm_90a"], "10_backward_hopper": ["sm_90a"]}  # by source chapter: the archs it builds for instead of the build's (wgmma)
 HARNESS = ["harness", "npy"]  # common/harness.cu and common/npy.c: BUILD/common/<name>.o
 ENTRY = re.compile(r"Compiling entry function '[^']+' for '(sm_\w+)'")
 

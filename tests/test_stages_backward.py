@@ -78,12 +78,15 @@ def test_backward_runs_from_the_sources(tmp_path):
     """The chapters whose backward the bench times are those that define a `Backward`, each also in its
     deterministic mode: a row of its own (impl <chapter>.deterministic) run by the chapter's binary with
     --deterministic. The sources say it, not the Makefile, which builds no binary of its own for it."""
-    assert results.variants() == {"09_backward": ("09_backward.deterministic",)}, results.variants()
+    backward = ("09_backward", "10_backward_hopper")
+    assert results.variants() == {c: (f"{c}.deterministic",) for c in backward}, results.variants()
     timed = {c: results.backward_runs(c) for c in CHAPTERS if results.backward_runs(c)}
-    assert timed == {"09_backward": ("09_backward", "09_backward.deterministic")}, timed
-    chapter = os.path.join("b", "09_backward")  # after its steps, where it has them (test below)
-    assert stages.backward_binaries("b", CHAPTERS) == stages.step_binaries("b", "09_backward") + [
-        ("09_backward", chapter, "fp16"), ("09_backward.deterministic", chapter, "fp16")]
+    assert timed == {c: (c, f"{c}.deterministic") for c in backward}, timed
+    want = []
+    for c in backward:  # each after its steps, where it has them (test below)
+        want += stages.step_binaries("b", c) + [(c, os.path.join("b", c), "fp16"),
+                                                (f"{c}.deterministic", os.path.join("b", c), "fp16")]
+    assert stages.backward_binaries("b", CHAPTERS) == want
     assert stages.backward_binaries("b", ["07_async_pipeline", "08_fp8"]) == []
     commands = {impl: results.impl_command(impl) for impl in ("09_backward.deterministic", "09_backward", "08.3",
                                                                 "07_async_pipeline.deterministic")}
@@ -325,7 +328,8 @@ def test_bench_backward_of_chapters_without_one(tmp_path, bench):
     # A chapter without a backward pass: --pass backward has nothing to time.
     done = bench("--pass", "backward", "05_good")
     assert done.code == 2 and result_files(tmp_path) == [], (done.code, done.out)
-    assert "none of 05_good has a backward pass (the chapters that have one: 09_backward)" in done.err, done.err
+    assert "none of 05_good has a backward pass (the chapters that have one: 09_backward, 10_backward_hopper)" in \
+        done.err, done.err
     # make bench of chapters without one: the forward's sweep alone.
     done = bench("05_good")
     assert done.code == 0 and done.asked == [] and "--backward" not in done.out, done.out
