@@ -103,7 +103,7 @@ def test_starting_file_fails_every_check_with_its_todo(repo, tmp_path, gpu_torch
 def test_a_backward_fed_autograds_do_fails_where_do_is_not_contiguous(repo, tmp_path, gpu_torch):
     """Without .contiguous() the backward op refuses autograd's dO where it is not contiguous: the two
     non-contiguous-dO checks, and opcheck, whose AOT test hands the backward an expanded (stride 0) dO."""
-    wrong = dict(SOLUTION, **{4: SOLUTION[4].replace("grad_o.contiguous()", "grad_o")})
+    wrong = {**SOLUTION, 4: SOLUTION[4].replace("grad_o.contiguous()", "grad_o")}
     proc = grade(repo, tmp_path, solved(start_text(repo), wrong))
     if proc.returncode == 77:
         pytest.skip(proc.stdout.strip())
