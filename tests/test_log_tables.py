@@ -153,3 +153,29 @@ def test_09s_step_sections_quote_the_steps_log(repo):
     text = " ".join((repo.root / README_09).read_text().split())
     missing = [f for f in fragments if f not in text]
     assert not missing, f"09's README does not quote steps_h100.txt / ablation_09.csv as they are: expected {missing}"
+
+
+def first_run_10(repo):
+    """10.1's first run: {(build, deterministic, D, causal): ms} from its log's timing lines."""
+    times = {}
+    for line in (repo.root / "docs/results/logs/10/first_run_h100.log").read_text().splitlines():
+        words = line.split()
+        if not (words and words[0] in ("09_backward", "10_backward_hopper") and "," in words[-1]):
+            continue
+        d = next(int(w[2:]) for w in words if w.startswith("D="))
+        times[(words[0], "--deterministic" in words, d, "--causal" in words)] = float(words[-1].split(",")[0])
+    return times
+
+
+def test_10s_first_run_is_its_log(repo):
+    """10's README, "Measured": 10.1 beside 09 in both modes, as the first run's log has them."""
+    log = first_run_10(repo)
+    table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| D | mask | 09 | 10.1 |")
+    assert len(table) * 4 == len(log), f"{len(table)} rows in the table, {len(log)} timings in the log"
+    for d, mask, *cells in table:
+        ms = {(b, det): log[(b, det, int(d), mask == "causal")]
+              for b in ("09_backward", "10_backward_hopper") for det in (False, True)}
+        want = [f"{ms[('09_backward', False)]:.2f}", f"{ms[('10_backward_hopper', False)]:.2f}",
+                f"{ms[('10_backward_hopper', False)] / ms[('09_backward', False)]:.2f}x",
+                f"{ms[('09_backward', True)]:.2f}", f"{ms[('10_backward_hopper', True)]:.2f}"]
+        assert cells == want, f"D={d} {mask}: the table has {cells}, the log {want}"
