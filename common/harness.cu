@@ -751,6 +751,12 @@ static int compare_float(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+// The median of n times (sorts them).
+static float median_of(float *ms, int n) {
+    qsort(ms, n, sizeof *ms, compare_float);
+    return n % 2 ? ms[n / 2] : 0.5f * (ms[n / 2 - 1] + ms[n / 2]);
+}
+
 // The median time of o->iters runs of a part (after o->warmup untimed ones), CUDA events around each.
 static float time_pass(const Options *o, const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream,
                        Part part) {
@@ -773,12 +779,44 @@ static float time_pass(const Options *o, const AttnArgs *args, const BackwardArg
         CUDA_CHECK(cudaEventDestroy(start[i]));
         CUDA_CHECK(cudaEventDestroy(stop[i]));
     }
-    qsort(ms, o->iters, sizeof *ms, compare_float);
-    float median = o->iters % 2 ? ms[o->iters / 2] : 0.5f * (ms[o->iters / 2 - 1] + ms[o->iters / 2]);
+    float median = median_of(ms, o->iters);
     free(start);
     free(stop);
     free(ms);
     return median;
+}
+
+// A chapter that prepares its inputs: each whole forward timed with an event between its two parts,
+// so that the whole and each part are medians over the same runs (parts timed in runs of their own
+// would meet another L2 and another clock: the attention alone at N = 16384 once came out slower
+// than the whole forward). Out: the medians of the whole, the prepare step and the attention.
+static void time_parts(const Options *o, const AttnArgs *args, cudaStream_t stream, float *whole_ms, float *prepare_ms,
+                       float *attend_ms) {
+    for (int i = 0; i < o->warmup; i++) run_pass(args, NULL, stream, PART_WHOLE);
+    const int n = o->iters;
+    cudaEvent_t *marks = (cudaEvent_t *)calloc(3 * n, sizeof *marks);  // run i: start, after prepare, end
+    float *ms = (float *)calloc(3 * n, sizeof *ms);                    // whole, prepare, attention
+    if (!marks || !ms) die(EXIT_FAILED, "out of host memory");
+    for (int i = 0; i < 3 * n; i++) CUDA_CHECK(cudaEventCreate(&marks[i]));
+    for (int i = 0; i < n; i++) {
+        CUDA_CHECK(cudaEventRecord(marks[3 * i], stream));
+        run_pass(args, NULL, stream, PART_PREPARE);
+        CUDA_CHECK(cudaEventRecord(marks[3 * i + 1], stream));
+        run_pass(args, NULL, stream, PART_ATTEND);
+        CUDA_CHECK(cudaEventRecord(marks[3 * i + 2], stream));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (int i = 0; i < n; i++) {
+        CUDA_CHECK(cudaEventElapsedTime(&ms[i], marks[3 * i], marks[3 * i + 2]));
+        CUDA_CHECK(cudaEventElapsedTime(&ms[n + i], marks[3 * i], marks[3 * i + 1]));
+        CUDA_CHECK(cudaEventElapsedTime(&ms[2 * n + i], marks[3 * i + 1], marks[3 * i + 2]));
+    }
+    for (int i = 0; i < 3 * n; i++) CUDA_CHECK(cudaEventDestroy(marks[i]));
+    *whole_ms = median_of(ms, n);
+    *prepare_ms = median_of(ms + n, n);
+    *attend_ms = median_of(ms + 2 * n, n);
+    free(marks);
+    free(ms);
 }
 
 // A file or folder with no write permission bit at all, one its owner marked read-only, is not
@@ -1228,13 +1266,10 @@ int main(int argc, char **argv) {
         if (o.output_dir) write_outputs(o.output_dir, s, host_o, host_lse, NULL);
 
         int kernels = kernels_per_pass(&args, NULL, stream, PART_WHOLE);
-        float ms = time_pass(&o, &args, NULL, stream, PART_WHOLE);
-        // A chapter that prepares its inputs (08: quantisation) has each part timed on its own too.
-        float prepare_ms = 0, attend_ms = 0;
-        if (chapter.prepare) {
-            prepare_ms = time_pass(&o, &args, NULL, stream, PART_PREPARE);
-            attend_ms = time_pass(&o, &args, NULL, stream, PART_ATTEND);
-        }
+        // A chapter that prepares its inputs (08: quantisation) has each part timed too, in the same runs.
+        float ms = 0, prepare_ms = 0, attend_ms = 0;
+        if (chapter.prepare) time_parts(&o, &args, stream, &ms, &prepare_ms, &attend_ms);
+        else ms = time_pass(&o, &args, NULL, stream, PART_WHOLE);
         double tflops = forward_flops(s) / (ms * 1e-3) / 1e12;
         const char *status = !o.check ? "unchecked" : check.passed ? "PASS" : "FAIL";
         const PrecisionRule *rule = precision_rule(chapter.precision);
