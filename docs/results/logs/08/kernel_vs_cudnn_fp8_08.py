@@ -1,5 +1,7 @@
-# How docs/results/logs/08/kernel_vs_cudnn_fp8_08.csv was measured, on the GPU machine from the repository root after
-# `make` and with the cuDNN frontend on PYTHONPATH: python3 docs/results/logs/08/kernel_vs_cudnn_fp8_08.py OUT.csv
+# How docs/results/logs/08/kernel_vs_cudnn_fp8_08*.csv were measured, on the GPU machine from the repository root
+# after `make` and with the cuDNN frontend on PYTHONPATH: python3 docs/results/logs/08/kernel_vs_cudnn_fp8_08.py OUT.csv
+# (kernel_vs_cudnn_fp8_08.csv: H200, its kernel alone timed in runs of its own; _h100.csv: H100, 2026-12-06, timed inside
+# each whole forward, the harness since e4e7cce).
 # The attention kernel alone (08, inputs already in e4m3) beside cuDNN's FP8 attention, per bench shape,
 # interleaved: 3 rounds, in each one 08 run (median of 20) then cuDNN (median of 20) per shape.
 import csv, os, statistics, subprocess, sys
