@@ -123,6 +123,10 @@ typedef struct {
     int backward;       // --backward: the chapter's backward pass is what is checked and timed
     int deterministic;  // --deterministic: that backward in its deterministic mode (BackwardArgs.deterministic)
     const char *input_dir, *output_dir;
+    int decode;               // --decode: the decoding problem (DecodeShape) instead
+    const char *decode_flag;  // the first decoding option given (--kv-heads, --new, --cache-len, --page-size)
+    int kv_heads, new_tokens, page_size;  // 0: not given
+    const char *cache_len;                // --cache-len: one length, or B of them comma-separated
 } Options;
 
 // How many of INPUT_NAMES and of OUTPUT_NAMES a run reads and writes.
@@ -164,6 +168,14 @@ static void print_help(void) {
         "                  and workspace_bytes are the backward's, rel_l2 and max_abs the largest\n"
         "                  of dQ's, dK's and dV's, dq/dk/dv_rel_l2 each one's, lse_err empty)\n"
         "  --dry-run       validate, print the plan (FLOPs, memory), touch no GPU\n"
+        "  --decode        the decoding problem instead: Nq new queries per sequence against a\n"
+        "                  paged KV cache (chapters that register a decode pass), shaped by\n"
+        "                  --batch, --heads (query heads), --headdim and:\n"
+        "  --kv-heads G    KV heads, dividing --heads (default: as many as --heads)\n"
+        "  --new Q         new tokens per sequence, the cache's last Q (default 1, at most 16)\n"
+        "  --cache-len L   tokens cached per sequence, new ones included: one L for all, or B\n"
+        "                  of them comma-separated (default 4096)\n"
+        "  --page-size P   tokens per page of the cache, 1 to 256 (default 16)\n"
         "  --help          this text\n\n"
         "exit codes: 0 ran (and passed), 1 failed the check or a CUDA error,\n"
         "            2 bad usage or input, 77 skipped (no GPU, or a GPU this chapter cannot use)\n"
@@ -223,10 +235,12 @@ static Options parse_args(int argc, char **argv) {
     o.warmup = 2;
     o.iters = 10;
     o.check = 1;
-    static const char *const with_value[] = {"--batch", "--heads",  "--seqlen", "--headdim", "--scale",
-                                             "--seed",  "--warmup", "--iters",  "--input",   "--output"};
-    static const char *const switches[] = {"--causal",   "--no-check",      "--csv", "--dry-run",
-                                           "--backward", "--deterministic", "--help"};
+    static const char *const with_value[] = {"--batch",    "--heads",  "--seqlen",    "--headdim",  "--scale",
+                                             "--seed",     "--warmup", "--iters",     "--input",    "--output",
+                                             "--kv-heads", "--new",    "--cache-len", "--page-size"};
+    static const char *const switches[] = {"--causal",   "--no-check",      "--csv",    "--dry-run",
+                                           "--backward", "--deterministic", "--decode", "--help"};
+    static const char *const decode_flags[] = {"--kv-heads", "--new", "--cache-len", "--page-size"};
     for (int i = 1; i < argc; i++) {
         char flag[64];
         const char *arg = strcmp(argv[i], "-h") == 0 ? "--help" : argv[i], *value = NULL, *eq = strchr(arg, '=');
@@ -268,7 +282,14 @@ static Options parse_args(int argc, char **argv) {
         else if (!strcmp(flag, "--dry-run")) o.dry_run = 1;
         else if (!strcmp(flag, "--backward")) o.backward = 1;
         else if (!strcmp(flag, "--deterministic")) o.deterministic = 1;
-        else if (!strcmp(flag, "--help")) print_help(), exit(EXIT_PASS);
+        else if (!strcmp(flag, "--decode")) o.decode = 1;
+        else if (!strcmp(flag, "--kv-heads")) o.kv_heads = (int)parse_int(flag, value, 1, MAX_INT);
+        else if (!strcmp(flag, "--new")) o.new_tokens = (int)parse_int(flag, value, 1, DECODE_MAX_NEW);
+        else if (!strcmp(flag, "--page-size")) o.page_size = (int)parse_int(flag, value, 1, DECODE_MAX_PAGE);
+        else if (!strcmp(flag, "--cache-len")) o.cache_len = value;
+        for (size_t k = 0; k < sizeof decode_flags / sizeof *decode_flags; k++)
+            if (!o.decode_flag && !strcmp(flag, decode_flags[k])) o.decode_flag = decode_flags[k];
+            else if (!strcmp(flag, "--help")) print_help(), exit(EXIT_PASS);
     }
     return o;
 }
@@ -312,6 +333,82 @@ static const char *human_bytes(double bytes, char *buf, size_t len) {
 static void validate_shape(const AttnShape *s) {
     char problem[256];
     if (shape_problem(s, problem, sizeof problem)) die(EXIT_USAGE, "%s", problem);
+}
+
+// ---------------------------------------------------------------------------
+// Decoding (--decode): its shape from the command line, checked before any GPU work
+// ---------------------------------------------------------------------------
+
+// --cache-len: one length for every sequence, or one per sequence (B of them), comma-separated.
+static int *parse_cache_lengths(const char *text, int batch) {
+    int *lengths = (int *)calloc(batch, sizeof *lengths);
+    if (!lengths) die(EXIT_FAILED, "out of host memory");
+    const char *at = text ? text : "4096";
+    int count = 0;
+    for (;;) {
+        const char *comma = strchr(at, ',');
+        char item[32];
+        size_t n = comma ? (size_t)(comma - at) : strlen(at);
+        if (n == 0 || n >= sizeof item)
+            die(EXIT_USAGE, "--cache-len expects one length or B comma-separated ones, got '%s'", shown(text));
+        if (count == batch) die(EXIT_USAGE, "--cache-len gives more than B = %d lengths: '%s'", batch, shown(text));
+        memcpy(item, at, n);
+        item[n] = 0;
+        lengths[count++] = (int)parse_int("--cache-len", item, 1, 1 << 22);
+        if (!comma) break;
+        at = comma + 1;
+    }
+    if (count == 1)
+        for (int b = 1; b < batch; b++) lengths[b] = lengths[0];
+    else if (count != batch)
+        die(EXIT_USAGE, "--cache-len gives %d lengths for B = %d sequences: give one, or one per sequence", count,
+            batch);
+    return lengths;
+}
+
+// The options that go with --decode and the decoding shape's rules (common/shape.h); then a chapter
+// without a decode pass refuses it. Said before anything about inputs, outputs or the GPU.
+static void check_decode(const Options *o) {
+    if (!o->decode) {
+        if (o->decode_flag) die(EXIT_USAGE, "%s is an option of decoding: add --decode, or drop it", o->decode_flag);
+        return;
+    }
+    const char *forward_only = o->shape_given[2] ? "--seqlen"
+                               : o->shape.causal ? "--causal"
+                               : o->backward     ? "--backward"
+                               : o->input_dir    ? "--input"
+                               : o->output_dir   ? "--output"
+                                                 : NULL;
+    if (forward_only)
+        die(EXIT_USAGE,
+            "%s belongs to the forward problem, not to decoding (--decode): the cache is --cache-len, the new "
+            "tokens --new (causal among themselves)",
+            forward_only);
+    DecodeShape d = {o->shape.batch,
+                     o->shape.heads,
+                     o->kv_heads ? o->kv_heads : o->shape.heads,
+                     o->new_tokens ? o->new_tokens : 1,
+                     o->shape.headdim,
+                     o->page_size ? o->page_size : 16,
+                     1,
+                     1,
+                     o->shape.scale};
+    char problem[256];
+    if (decode_shape_problem(&d, problem, sizeof problem)) die(EXIT_USAGE, "%s", problem);
+    int *lengths = parse_cache_lengths(o->cache_len, d.batch);
+    d.pages = d.max_pages = 0;
+    for (int b = 0; b < d.batch; b++) {  // each sequence its own pages; the capacity the longest one's
+        const int used = (lengths[b] + d.page_size - 1) / d.page_size;
+        d.pages += used;
+        if (used > d.max_pages) d.max_pages = used;
+    }
+    if (decode_shape_problem(&d, problem, sizeof problem) ||
+        decode_cache_problem(&d, lengths, NULL, problem, sizeof problem))
+        die(EXIT_USAGE, "%s", problem);
+    free(lengths);
+    if (!chapter.decode)
+        die(EXIT_USAGE,
+            "this chapter has no decode pass (--decode): drop it, or run it on a chapter that registers one");
 }
 
 // ---------------------------------------------------------------------------
@@ -1177,6 +1274,7 @@ static int run_backward(const Options *o, const DataPaths *paths, const AttnArgs
 
 int main(int argc, char **argv) {
     Options o = parse_args(argc, argv);
+    check_decode(&o);
     // Said before anything about the inputs or the output folder: fixing those would not make it run.
     if (o.backward && !chapter.backward)
         die(EXIT_USAGE,

@@ -60,6 +60,9 @@ typedef struct {
     const struct Fp8Scaling *fp8 = NULL;
     // A chapter with a backward pass (below; `--backward` runs it): NULL for every other chapter.
     const struct Backward *backward = NULL;
+    // A chapter that decodes (`--decode`: DecodeShape, common/shape.h): NULL for every chapter that
+    // solves the forward problem only, which refuses --decode before any GPU work.
+    const struct Decode *decode = NULL;
 } Chapter;
 
 // How an FP8 chapter quantises Q, K and V to e4m3, by head dim. The check's floor (common/

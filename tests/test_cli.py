@@ -21,7 +21,8 @@ from helpers import CHAPTERS, WORKSPACE
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 AT_LEAST_1 = r"(between 1 |>= ?1\b|at least 1\b|positive)"
 OPTIONS = ["--batch", "--heads", "--seqlen", "--headdim", "--causal", "--seed", "--warmup", "--iters",
-           "--no-check", "--input", "--output", "--backward", "--csv", "--dry-run", "--help"]
+           "--no-check", "--input", "--output", "--backward", "--csv", "--dry-run", "--decode", "--kv-heads", "--new",
+           "--cache-len", "--page-size", "--help"]
 
 
 # --- inputs and output folders, made in a test's temporary folder -----------------------------------
@@ -280,6 +281,24 @@ BAD = [
             lambda t: ["--input", write_qkv(t / "in\rx", dtype=np.float32)], tmp_then(r"/in\\rx/q\.npy"), r"float32"),
     refusal("output folder with a newline", lambda t: ["--output", t / "a\nb" / "out"],
             tmp_then(r"/a\\nb/out"), r"cannot be created"),
+    # Decoding (--decode, common/shape.h's DecodeShape): its options and rules, then the chapters that
+    # solve the forward problem only refuse a decoding shape that is valid.
+    refusal("decode on a forward-only chapter",
+            lambda t: ["--decode", "--batch", "2", "--heads", "32", "--kv-heads", "8", "--new", "4", "--cache-len",
+                       "100,2000", "--page-size", "1"], r"no decode pass", r"--decode"),
+    refusal("decode option without --decode", lambda t: ["--kv-heads", "8"], r"--kv-heads", r"add --decode"),
+    refusal("decode group that does not divide", lambda t: ["--decode", "--heads", "32", "--kv-heads", "5"],
+            r"\b32\b", r"\b5\b", r"multiple"),
+    refusal("decode cache shorter than its new tokens",
+            lambda t: ["--decode", "--batch", "2", "--new", "4", "--cache-len", "9,3"], r"sequence 1", r"length 3\b",
+            r"Nq = 4"),
+    refusal("decode lengths not one per sequence", lambda t: ["--decode", "--batch", "3", "--cache-len", "5,6"],
+            r"--cache-len", r"\b2 lengths", r"B = 3"),
+    refusal("decode page of 512 tokens", lambda t: ["--decode", "--page-size", "512"], r"--page-size", r"\b256\b"),
+    refusal("decode 17 new tokens", lambda t: ["--decode", "--new", "17"], r"--new", r"\b16\b"),
+    refusal("decode with --seqlen", lambda t: ["--decode", "--seqlen", "64"], r"--seqlen", r"--cache-len"),
+    refusal("decode with --causal", lambda t: ["--decode", "--causal"], r"--causal", r"--new"),
+    refusal("decode headdim 96", lambda t: ["--decode", "--headdim", "96"], r"\b96\b", r"\b64\b", r"\b128\b"),
     refusal("output o.npy a directory, folder with a newline",
             lambda t: ["--output", output_with(t / "x\ny", "o.npy", "dir")], tmp_then(r"/x\\ny/o\.npy"),
             r"is a directory"),
