@@ -287,9 +287,9 @@ static Options parse_args(int argc, char **argv) {
         else if (!strcmp(flag, "--new")) o.new_tokens = (int)parse_int(flag, value, 1, DECODE_MAX_NEW);
         else if (!strcmp(flag, "--page-size")) o.page_size = (int)parse_int(flag, value, 1, DECODE_MAX_PAGE);
         else if (!strcmp(flag, "--cache-len")) o.cache_len = value;
-        for (size_t k = 0; k < sizeof decode_flags / sizeof *decode_flags; k++)
+        else if (!strcmp(flag, "--help")) print_help(), exit(EXIT_PASS);
+        for (size_t k = 0; k < sizeof decode_flags / sizeof *decode_flags; k++)  // the first decoding option given
             if (!o.decode_flag && !strcmp(flag, decode_flags[k])) o.decode_flag = decode_flags[k];
-            else if (!strcmp(flag, "--help")) print_help(), exit(EXIT_PASS);
     }
     return o;
 }
@@ -396,12 +396,18 @@ static void check_decode(const Options *o) {
     char problem[256];
     if (decode_shape_problem(&d, problem, sizeof problem)) die(EXIT_USAGE, "%s", problem);
     int *lengths = parse_cache_lengths(o->cache_len, d.batch);
-    d.pages = d.max_pages = 0;
+    long long pages = 0;
+    d.max_pages = 0;
     for (int b = 0; b < d.batch; b++) {  // each sequence its own pages; the capacity the longest one's
         const int used = (lengths[b] + d.page_size - 1) / d.page_size;
-        d.pages += used;
+        pages += used;
         if (used > d.max_pages) d.max_pages = used;
     }
+    if ((double)pages * d.kv_heads * d.page_size * d.headdim >= 2147483648.0)
+        die(EXIT_USAGE,
+            "the cache pool (%lld pages of %d x %d x %d) exceeds 2^31 - 1 elements: fewer or shorter sequences", pages,
+            d.kv_heads, d.page_size, d.headdim);
+    d.pages = (int)pages;
     if (decode_shape_problem(&d, problem, sizeof problem) ||
         decode_cache_problem(&d, lengths, NULL, problem, sizeof problem))
         die(EXIT_USAGE, "%s", problem);
