@@ -36,10 +36,8 @@ else
 endif
 TEST_SITE := .cache/python
 # pytest with xdist and no plugin else: a Python with other pytest plugins installed (benchmark, timeout, ...)
-# runs the suite as one without them would. One worker a core, so NumPy's BLAS takes one thread in each
-# (a worker's references with a thread per core each would share the cores with every other worker's).
-TEST_ENV  := PYTHONPATH=$(CURDIR)/$(TEST_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTEST_PLUGINS=xdist.plugin \
-             OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+# runs the suite as one without them would.
+TEST_ENV  := PYTHONPATH=$(CURDIR)/$(TEST_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTEST_PLUGINS=xdist.plugin
 ifeq ($(shell $(TEST_ENV) $(PYTHON) -c 'import xdist, pytest; assert pytest.version_tuple < (9, 1)' >/dev/null 2>&1 && echo yes),yes)
   TEST_DEPS := $(PY_DEPS)
 else

@@ -63,29 +63,14 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"SKIPPED ({count}): {reason}")
 
 
-# Modules whose tests are the longest (the graders build and time student copies, PyTorch loads in
-# seconds): they go first, so that xdist starts them while the short tests fill the other workers,
-# and the serial "exercise_timing" group (minutes on a GPU) first of all.
-FIRST_MODULES = ("test_exercises_gpu.py", "test_torch_grade.py", "test_torch_op_gpu.py")
-FIRST_GROUP = "exercise_timing"
-
-
-def start_order(item):
-    group = item.get_closest_marker("xdist_group")
-    return (0 if group and group.args == (FIRST_GROUP,) else 1 if item.path.name in FIRST_MODULES else 2)
-
-
 def pytest_collection_modifyitems(config, items):
-    """Without a usable GPU, the tests marked gpu are skipped, each file's in one summary line. Where
-    it is usable, the longest tests are started first (a stable sort: the rest keep their order)."""
+    """Without a usable GPU, the tests marked gpu are skipped, each file's in one summary line."""
     marked = [item for item in items if item.get_closest_marker("gpu")]
     usable, why = probe_gpu(BUILD) if marked else (True, "")
     if not usable:
         skip = pytest.mark.skip(reason=f"no usable GPU: {why}")
         for item in marked:
             item.add_marker(skip)
-    else:
-        items.sort(key=start_order)
 
 
 @pytest.fixture(scope="session")
