@@ -173,8 +173,8 @@ static void print_help(void) {
         "                  --batch, --heads (query heads), --headdim and:\n"
         "  --kv-heads G    KV heads, dividing --heads (default: as many as --heads)\n"
         "  --new Q         new tokens per sequence, the cache's last Q (default 1, at most 16)\n"
-        "  --cache-len L   tokens cached per sequence, new ones included: one L for all, or B\n"
-        "                  of them comma-separated (default 4096)\n"
+        "  --cache-len L   tokens cached per sequence, new ones included, 1 to 4194304: one L\n"
+        "                  for all, or B of them comma-separated (default 4096)\n"
         "  --page-size P   tokens per page of the cache, 1 to 256 (default 16)\n"
         "  --help          this text\n\n"
         "exit codes: 0 ran (and passed), 1 failed the check or a CUDA error,\n"
@@ -347,14 +347,13 @@ static int *parse_cache_lengths(const char *text, int batch) {
     int count = 0;
     for (;;) {
         const char *comma = strchr(at, ',');
-        char item[32];
         size_t n = comma ? (size_t)(comma - at) : strlen(at);
-        if (n == 0 || n >= sizeof item)
-            die(EXIT_USAGE, "--cache-len expects one length or B comma-separated ones, got '%s'", shown(text));
+        if (n == 0) die(EXIT_USAGE, "--cache-len expects one length or B comma-separated ones, got '%s'", shown(text));
         if (count == batch) die(EXIT_USAGE, "--cache-len gives more than B = %d lengths: '%s'", batch, shown(text));
-        memcpy(item, at, n);
-        item[n] = 0;
+        char *item = strndup(at, n);
+        if (!item) die(EXIT_FAILED, "out of host memory");
         lengths[count++] = (int)parse_int("--cache-len", item, 1, 1 << 22);
+        free(item);
         if (!comma) break;
         at = comma + 1;
     }
@@ -392,7 +391,7 @@ static void check_decode(const Options *o) {
                      o->page_size ? o->page_size : 16,
                      1,
                      1,
-                     o->shape.scale};
+                     o->scale_given ? o->shape.scale : 1.0f / sqrtf((float)o->shape.headdim)};
     char problem[256];
     if (decode_shape_problem(&d, problem, sizeof problem)) die(EXIT_USAGE, "%s", problem);
     int *lengths = parse_cache_lengths(o->cache_len, d.batch);

@@ -117,14 +117,17 @@ static inline int decode_shape_problem(const DecodeShape *s, char *msg, size_t l
         snprintf(msg, len, "page size %d: expected 1 to %d tokens", s->page_size, DECODE_MAX_PAGE);
         return 1;
     }
-    if ((double)s->max_pages * s->page_size > (1 << 22)) {
-        snprintf(msg, len, "a capacity of %.0f tokens a sequence: at most 4194304 (2^22) are supported",
-                 (double)s->max_pages * s->page_size);
+    if ((double)(s->max_pages - 1) * s->page_size >= (1 << 22)) {
+        snprintf(msg, len,
+                 "%d pages of %d tokens a sequence: a sequence of more than 4194304 (2^22) tokens is not "
+                 "supported",
+                 s->max_pages, s->page_size);
         return 1;
     }
-    if ((double)s->pages * s->kv_heads * s->page_size * s->headdim >= 2147483648.0 ||
-        (double)s->batch * s->q_heads * DECODE_MAX_NEW * s->headdim >= 2147483648.0) {
-        snprintf(msg, len, "the cache pool (%d pages of %d x %d x %d) or the queries exceed 2^31 - 1 elements",
+    if ((double)s->pages * s->kv_heads * s->page_size * s->headdim >= 2147483648.0) {
+        snprintf(msg, len,
+                 "the cache pool (%d pages of %d x %d x %d) exceeds 2^31 - 1 elements: fewer or shorter "
+                 "sequences",
                  s->pages, s->kv_heads, s->page_size, s->headdim);
         return 1;
     }
