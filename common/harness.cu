@@ -889,9 +889,9 @@ static float time_pass(const Options *o, const AttnArgs *args, const BackwardArg
 }
 
 // A chapter that prepares its inputs: each whole forward timed with an event between its two parts,
-// so that the whole and each part are medians over the same runs (parts timed in runs of their own
-// would meet another L2 and another clock: the attention alone at N = 16384 once came out slower
-// than the whole forward). Out: the medians of the whole, the prepare step and the attention.
+// so that the whole and each part are medians over the same runs (timed in runs of their own, 08's
+// attention alone at N = 16384 once came out slower than the whole forward: it then follows another
+// attention, not the quantisation). Out: the medians of the whole, the prepare step and the attention.
 static void time_parts(const Options *o, const AttnArgs *args, cudaStream_t stream, float *whole_ms, float *prepare_ms,
                        float *attend_ms) {
     for (int i = 0; i < o->warmup; i++) run_pass(args, NULL, stream, PART_WHOLE);

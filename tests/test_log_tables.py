@@ -116,7 +116,8 @@ def test_fp8_kernel_beside_cudnn_is_its_log(repo):
         "README.md": [
             f"on an H100 at {tflops:.0f} TFLOP/s, {x(128, 0, 4096)} cuDNN's FP8 attention ({x(128, 1, 4096)} causal; "
             f"{x(128, 0, 8192)} at N=8k, {x(128, 0, 16384)} at 16k",
-            f"{x(64, 0, 4096)} cuDNN's FP8 attention at N=4096 ({x(64, 1, 4096)} causal) and {x(64, 0, 16384)} at N=16384"],
+            f"{x(64, 0, 4096)} cuDNN's FP8 attention at N=4096 on the H100 ({x(64, 1, 4096)} causal) and "
+            f"{x(64, 0, 16384)} at N=16384"],
     }
     for path, fragments in quotes.items():
         text = " ".join((repo.root / path).read_text().split())
