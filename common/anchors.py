@@ -190,18 +190,29 @@ def backend_context(impl):
     return sdpa_kernel(backend)
 
 
-def median_ms(torch, forward, warmup, iters):
-    """Median ms of `iters` runs, each between its own CUDA events, after `warmup` runs."""
+def median_ms(torch, forward, warmup, iters, flush=None):
+    """Median ms of `iters` runs, each between its own CUDA events, after `warmup` runs; flush (where
+    given) runs before each timed run, outside its events (l2_flusher)."""
     for _ in range(warmup):
         forward()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     stops = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for start, stop in zip(starts, stops):
+        if flush:
+            flush()
         start.record()
         forward()
         stop.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(stop) for start, stop in zip(starts, stops))
+
+
+def l2_flusher(torch):
+    """A write of twice the GPU's L2 (the harness's --flush-l2): what runs next reads its inputs from
+    device memory."""
+    buffer = torch.empty(2 * torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size,
+                         dtype=torch.uint8, device="cuda")
+    return lambda: buffer.fill_(1)
 
 
 def peak_bytes(torch, forward, inputs):
@@ -249,8 +260,8 @@ def attempt(torch, impl, run, lenient=False):
     return None, reason
 
 
-def measure(torch, impl, shape, tensors, ref, warmup, iters):
-    """One anchor at one shape: a PASS/FAIL row, or a SKIP row when it cannot run."""
+def measure(torch, impl, shape, tensors, ref, warmup, iters, flush=None):
+    """One anchor at one shape: a PASS/FAIL row, or a SKIP row when it cannot run (flush: median_ms's)."""
     q, k, v = tensors
     scale = float(scale_of(shape["headdim"]))
     make = {"torch_eager": eager_forward, "cudnn_fp8": cudnn_fp8_forward}.get(impl, sdpa_forward)
@@ -261,7 +272,7 @@ def measure(torch, impl, shape, tensors, ref, warmup, iters):
         forward, decode = forward if fp8 else (forward, lambda out: out)
         rel = rel_l2_of(torch, decode(forward()), *ref)
         device_bytes = None if fp8 else peak_bytes(torch, forward, tensors)
-        return rel, device_bytes, median_ms(torch, forward, warmup, iters)
+        return rel, device_bytes, median_ms(torch, forward, warmup, iters, flush)
     done, reason = attempt(torch, impl, run, lenient=fp8)
     if reason:
         return make_row(impl, shape, "SKIP", note=reason)

@@ -122,6 +122,7 @@ typedef struct {
     int check, csv, dry_run;
     int backward;       // --backward: the chapter's backward pass is what is checked and timed
     int deterministic;  // --deterministic: that backward in its deterministic mode (BackwardArgs.deterministic)
+    int flush_l2;       // --flush-l2: L2 emptied of the inputs before each timed run and part
     const char *input_dir, *output_dir;
     int decode;               // --decode: the decoding problem (DecodeShape) instead
     const char *decode_flag;  // the first decoding option given (--kv-heads, --new, --cache-len, --page-size)
@@ -168,6 +169,9 @@ static void print_help(void) {
         "                  and workspace_bytes are the backward's, rel_l2 and max_abs the largest\n"
         "                  of dQ's, dK's and dV's, dq/dk/dv_rel_l2 each one's, lse_err empty)\n"
         "  --dry-run       validate, print the plan (FLOPs, memory), touch no GPU\n"
+        "  --flush-l2      before each timed run, and between a preparing chapter's two parts,\n"
+        "                  write a buffer of twice the L2's size (untimed): no timed part finds\n"
+        "                  what ran before it in L2\n"
         "  --decode        the decoding problem instead: Nq new queries per sequence against a\n"
         "                  paged KV cache (chapters that register a decode pass), shaped by\n"
         "                  --batch, --heads (query heads), --headdim and:\n"
@@ -238,8 +242,8 @@ static Options parse_args(int argc, char **argv) {
     static const char *const with_value[] = {"--batch",    "--heads",  "--seqlen",    "--headdim",  "--scale",
                                              "--seed",     "--warmup", "--iters",     "--input",    "--output",
                                              "--kv-heads", "--new",    "--cache-len", "--page-size"};
-    static const char *const switches[] = {"--causal",   "--no-check",      "--csv",    "--dry-run",
-                                           "--backward", "--deterministic", "--decode", "--help"};
+    static const char *const switches[] = {"--causal",        "--no-check", "--csv",      "--dry-run", "--backward",
+                                           "--deterministic", "--decode",   "--flush-l2", "--help"};
     static const char *const decode_flags[] = {"--kv-heads", "--new", "--cache-len", "--page-size"};
     for (int i = 1; i < argc; i++) {
         char flag[64];
@@ -283,6 +287,7 @@ static Options parse_args(int argc, char **argv) {
         else if (!strcmp(flag, "--backward")) o.backward = 1;
         else if (!strcmp(flag, "--deterministic")) o.deterministic = 1;
         else if (!strcmp(flag, "--decode")) o.decode = 1;
+        else if (!strcmp(flag, "--flush-l2")) o.flush_l2 = 1;
         else if (!strcmp(flag, "--kv-heads")) o.kv_heads = (int)parse_int(flag, value, 1, MAX_INT);
         else if (!strcmp(flag, "--new")) o.new_tokens = (int)parse_int(flag, value, 1, DECODE_MAX_NEW);
         else if (!strcmp(flag, "--page-size")) o.page_size = (int)parse_int(flag, value, 1, DECODE_MAX_PAGE);
@@ -860,6 +865,16 @@ static float median_of(float *ms, int n) {
 }
 
 // The median time of o->iters runs of a part (after o->warmup untimed ones), CUDA events around each.
+// --flush-l2's buffer (twice the L2), and its write on the stream: what the next kernel reads then
+// comes from device memory, as it would after other work. Nothing without the flag.
+static void *l2_flush;
+static size_t l2_flush_bytes;
+
+static void flush_l2(cudaStream_t stream) {
+    static int value;
+    if (l2_flush) CUDA_CHECK(cudaMemsetAsync(l2_flush, ++value & 0xff, l2_flush_bytes, stream));
+}
+
 static float time_pass(const Options *o, const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream,
                        Part part) {
     for (int i = 0; i < o->warmup; i++) run_pass(args, grad, stream, part);
@@ -871,6 +886,7 @@ static float time_pass(const Options *o, const AttnArgs *args, const BackwardArg
         CUDA_CHECK(cudaEventCreate(&stop[i]));
     }
     for (int i = 0; i < o->iters; i++) {
+        flush_l2(stream);
         CUDA_CHECK(cudaEventRecord(start[i], stream));
         run_pass(args, grad, stream, part);
         CUDA_CHECK(cudaEventRecord(stop[i], stream));
@@ -896,24 +912,30 @@ static void time_parts(const Options *o, const AttnArgs *args, cudaStream_t stre
                        float *attend_ms) {
     for (int i = 0; i < o->warmup; i++) run_pass(args, NULL, stream, PART_WHOLE);
     const int n = o->iters;
-    cudaEvent_t *marks = (cudaEvent_t *)calloc(3 * n, sizeof *marks);  // run i: start, after prepare, end
+    cudaEvent_t *marks = (cudaEvent_t *)calloc(4 * n, sizeof *marks);  // run i: start, after prepare, attend, end
     float *ms = (float *)calloc(3 * n, sizeof *ms);                    // whole, prepare, attention
     if (!marks || !ms) die(EXIT_FAILED, "out of host memory");
-    for (int i = 0; i < 3 * n; i++) CUDA_CHECK(cudaEventCreate(&marks[i]));
+    for (int i = 0; i < 4 * n; i++) CUDA_CHECK(cudaEventCreate(&marks[i]));
     for (int i = 0; i < n; i++) {
-        CUDA_CHECK(cudaEventRecord(marks[3 * i], stream));
+        cudaEvent_t *m = marks + 4 * i;
+        flush_l2(stream);
+        CUDA_CHECK(cudaEventRecord(m[0], stream));
         run_pass(args, NULL, stream, PART_PREPARE);
-        CUDA_CHECK(cudaEventRecord(marks[3 * i + 1], stream));
+        CUDA_CHECK(cudaEventRecord(m[1], stream));
+        flush_l2(stream);  // (--flush-l2: the attention's inputs leave L2, and this write is not timed)
+        CUDA_CHECK(cudaEventRecord(m[2], stream));
         run_pass(args, NULL, stream, PART_ATTEND);
-        CUDA_CHECK(cudaEventRecord(marks[3 * i + 2], stream));
+        CUDA_CHECK(cudaEventRecord(m[3], stream));
     }
     CUDA_CHECK(cudaStreamSynchronize(stream));
     for (int i = 0; i < n; i++) {
-        CUDA_CHECK(cudaEventElapsedTime(&ms[i], marks[3 * i], marks[3 * i + 2]));
-        CUDA_CHECK(cudaEventElapsedTime(&ms[n + i], marks[3 * i], marks[3 * i + 1]));
-        CUDA_CHECK(cudaEventElapsedTime(&ms[2 * n + i], marks[3 * i + 1], marks[3 * i + 2]));
+        const cudaEvent_t *m = marks + 4 * i;
+        CUDA_CHECK(cudaEventElapsedTime(&ms[n + i], m[0], m[1]));
+        CUDA_CHECK(cudaEventElapsedTime(&ms[2 * n + i], m[2], m[3]));
+        if (l2_flush) ms[i] = ms[n + i] + ms[2 * n + i];  // the two parts, without the flush between them
+        else CUDA_CHECK(cudaEventElapsedTime(&ms[i], m[0], m[3]));
     }
-    for (int i = 0; i < 3 * n; i++) CUDA_CHECK(cudaEventDestroy(marks[i]));
+    for (int i = 0; i < 4 * n; i++) CUDA_CHECK(cudaEventDestroy(marks[i]));
     *whole_ms = median_of(ms, n);
     *prepare_ms = median_of(ms + n, n);
     *attend_ms = median_of(ms + 2 * n, n);
@@ -1321,6 +1343,10 @@ int main(int argc, char **argv) {
 
     cudaDeviceProp prop;
     require_gpu(&prop);
+    if (o.flush_l2) {
+        l2_flush_bytes = 2 * (size_t)prop.l2CacheSize;
+        CUDA_CHECK(cudaMalloc(&l2_flush, l2_flush_bytes));
+    }
     if (o.backward)
         require_memory(backward_bytes(s) + (double)workspace + (double)grad_workspace, workspace + grad_workspace, "");
     else
@@ -1408,6 +1434,7 @@ int main(int argc, char **argv) {
     CUDA_CHECK(cudaFree(args.o));
     CUDA_CHECK(cudaFree(args.lse));
     if (args.workspace) CUDA_CHECK(cudaFree(args.workspace));
+    if (l2_flush) CUDA_CHECK(cudaFree(l2_flush));
     CUDA_CHECK(cudaStreamDestroy(stream));
     return code;
 }
