@@ -140,7 +140,7 @@ def training_rows():
     rows = []
     for seed in (0, 1):
         for run in ("sdpa", "07_async_pipeline"):
-            common = {"run": run, "seed": seed, "backward": "" if run == "sdpa" else "09_backward"}
+            common = {"run": run, "seed": seed, "backward": "" if run == "sdpa" else "09_backward", "gpu": "NVIDIA H100"}
             rows += [dict(common, step=0, train_loss=None, val_loss=5.0, tokens_per_s=None),
                      dict(common, step=10, train_loss=3.0, val_loss=2.0, tokens_per_s=9e5),
                      dict(common, step=20, train_loss=1.5, val_loss=final[(run, seed)],
@@ -173,7 +173,8 @@ def test_training_summary_arithmetic(tmp_path):
 
 def test_train_from_csvs_joins_seeds_without_torch(repo, tmp_path):
     """train.py --from: the CSVs of two calls (seed 0, seed 1) joined into --out with the summary of both
-    seeds, PyTorch hidden; the same (run, seed) in two files is refused (exit 2)."""
+    seeds, PyTorch hidden; the same (run, seed) in two files, runs of different schedules, and runs of different
+    GPUs (whose tokens per second would be averaged) are refused (exit 2)."""
     import train
     rows = training_rows()
     for seed in (0, 1):
@@ -192,6 +193,11 @@ def test_train_from_csvs_joins_seeds_without_torch(repo, tmp_path):
     unlike = run_hidden(repo, body, args=["--from", str(tmp_path / "seed0.csv"), str(tmp_path / "short.csv"),
                                           "--out", str(tmp_path / "unlike.csv")])
     assert unlike.returncode == 2 and "evaluated at different steps" in unlike.stderr, (unlike.returncode, unlike.stderr)
+    train.write_csv(str(tmp_path / "other_gpu.csv"), [dict(r, gpu="NVIDIA H200") for r in rows if r["seed"] == 1])
+    mixed = run_hidden(repo, body, args=["--from", str(tmp_path / "seed0.csv"), str(tmp_path / "other_gpu.csv"),
+                                         "--out", str(tmp_path / "mixed.csv")])
+    assert mixed.returncode == 2 and "ran on different GPUs (NVIDIA H100, NVIDIA H200)" in mixed.stderr, (
+        mixed.returncode, mixed.stderr)
 
 
 def test_training_table_is_its_csv(repo):

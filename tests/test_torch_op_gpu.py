@@ -312,5 +312,6 @@ def test_train_script(op, repo, tmp_path):
     first = {(r["seed"], r["run"]): r["val_loss"] for r in rows if r["step"] == 0}
     assert all(abs(first[(seed, run)] - first[(seed, "sdpa")]) < 1e-2 for seed in (0, 1) for run in runs), first
     assert first[(0, "sdpa")] != first[(1, "sdpa")], f"seeds 0 and 1 start from the same weights: {first}"
+    assert len({r["gpu"] for r in rows}) == 1 and rows[0]["gpu"], f"{out.name}: the GPU of each row: {rows}"
     table = train.summary_table(rows)
     assert table in proc.stdout, f"train.py's summary is not the table of its CSV:\n{proc.stdout}\n---\n{table}"
