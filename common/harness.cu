@@ -1282,9 +1282,10 @@ static int run_backward(const Options *o, const DataPaths *paths, const AttnArgs
             else printf("  check     FAIL: %s\n", why);
         }
         printf(
-            "  time      %.4f ms the backward alone (median of %d, %d warm-up)  %.2f TFLOP/s (2.5x the forward's "
+            "  time      %.4f ms the backward alone (median of %d, %d warm-up%s)  %.2f TFLOP/s (2.5x the forward's "
             "FLOPs)  %.0f GB/s of the minimum traffic\n",
-            ms, o->iters, o->warmup, tflops, backward_bytes(s) / (ms * 1e-3) / 1e9);
+            ms, o->iters, o->warmup, o->flush_l2 ? ", L2 flushed before each" : "", tflops,
+            backward_bytes(s) / (ms * 1e-3) / 1e9);
         printf("  device    %.1f MB allocated: Q, K, V, O, LSE, dO, dQ, dK, dV and the workspaces\n",
                device_bytes / 1e6);
         if (o->output_dir) print_output_paths(o);
@@ -1418,8 +1419,9 @@ int main(int argc, char **argv) {
             printf("  gpu       %s (sm_%d%d), %d kernel%s per forward\n", prop.name, prop.major, prop.minor, kernels,
                    kernels == 1 ? "" : "s");
             if (o.check) print_check("check", &check, s, status);
-            printf("  time      %.4f ms (median of %d, %d warm-up)  %.2f TFLOP/s  %.0f GB/s of the minimum traffic\n",
-                   ms, o.iters, o.warmup, tflops, min_bytes(s) / (ms * 1e-3) / 1e9);
+            printf("  time      %.4f ms (median of %d, %d warm-up%s)  %.2f TFLOP/s  %.0f GB/s of the minimum traffic\n",
+                   ms, o.iters, o.warmup, o.flush_l2 ? ", L2 flushed before each" : "", tflops,
+                   min_bytes(s) / (ms * 1e-3) / 1e9);
             if (chapter.prepare)
                 printf("  parts     prepare %.4f ms (%.0f%% of the forward), attention alone %.4f ms = %.2f TFLOP/s\n",
                        prepare_ms, 100.0 * prepare_ms / ms, attend_ms, forward_flops(s) / (attend_ms * 1e-3) / 1e12);
