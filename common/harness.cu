@@ -397,21 +397,15 @@ static void check_decode(const Options *o) {
                      1,
                      1,
                      o->scale_given ? o->shape.scale : 1.0f / sqrtf((float)o->shape.headdim)};
-    char problem[256];
+    char problem[256];  // the dimensions first (one page a sequence for now): B is bounded before its lengths
     if (decode_shape_problem(&d, problem, sizeof problem)) die(EXIT_USAGE, "%s", problem);
     int *lengths = parse_cache_lengths(o->cache_len, d.batch);
-    long long pages = 0;
-    d.max_pages = 0;
+    d.pages = d.max_pages = 0;
     for (int b = 0; b < d.batch; b++) {  // each sequence its own pages; the capacity the longest one's
         const int used = (lengths[b] + d.page_size - 1) / d.page_size;
-        pages += used;
+        d.pages += used;
         if (used > d.max_pages) d.max_pages = used;
     }
-    if ((double)pages * d.kv_heads * d.page_size * d.headdim >= 2147483648.0)
-        die(EXIT_USAGE,
-            "the cache pool (%lld pages of %d x %d x %d) exceeds 2^31 - 1 elements: fewer or shorter sequences", pages,
-            d.kv_heads, d.page_size, d.headdim);
-    d.pages = (int)pages;
     if (decode_shape_problem(&d, problem, sizeof problem) ||
         decode_cache_problem(&d, lengths, NULL, problem, sizeof problem))
         die(EXIT_USAGE, "%s", problem);
@@ -864,7 +858,6 @@ static float median_of(float *ms, int n) {
     return n % 2 ? ms[n / 2] : 0.5f * (ms[n / 2 - 1] + ms[n / 2]);
 }
 
-// The median time of o->iters runs of a part (after o->warmup untimed ones), CUDA events around each.
 // --flush-l2's buffer (twice the L2), and its write on the stream: what the next kernel reads then
 // comes from device memory, as it would after other work. Nothing without the flag.
 static void *l2_flush;
@@ -875,6 +868,7 @@ static void flush_l2(cudaStream_t stream) {
     if (l2_flush) CUDA_CHECK(cudaMemsetAsync(l2_flush, ++value & 0xff, l2_flush_bytes, stream));
 }
 
+// The median time of o->iters runs of a part (after o->warmup untimed ones), CUDA events around each.
 static float time_pass(const Options *o, const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream,
                        Part part) {
     for (int i = 0; i < o->warmup; i++) run_pass(args, grad, stream, part);

@@ -73,22 +73,22 @@ static inline int scale_problem(float scale, char *msg, size_t len) {
 #define DECODE_MAX_NEW 16    // Nq: the new tokens of one step (speculative decoding verifies a few)
 #define DECODE_MAX_PAGE 256  // P: tokens per page
 typedef struct {
-    int batch;       // B: sequences
-    int q_heads;     // Hq
-    int kv_heads;    // Hkv: Hq is a multiple of it (grouped-query attention: g = Hq / Hkv)
-    int new_tokens;  // Nq
-    int headdim;     // D
-    int page_size;   // P
-    int pages;       // pages in the pool
-    int max_pages;   // block-table entries per sequence: the capacity is max_pages * P tokens
-    float scale;     // softmax scale, 1/sqrt(D) unless given
+    int batch;        // B: sequences
+    int q_heads;      // Hq
+    int kv_heads;     // Hkv: Hq is a multiple of it (grouped-query attention: g = Hq / Hkv)
+    int new_tokens;   // Nq
+    int headdim;      // D
+    int page_size;    // P
+    long long pages;  // pages in the pool (summed over the sequences: wider than an int before it is checked)
+    int max_pages;    // block-table entries per sequence: the capacity is max_pages * P tokens
+    float scale;      // softmax scale, 1/sqrt(D) unless given
 } DecodeShape;
 
 // What is wrong with a decoding shape's dimensions, into msg (one line): 1, or 0 when nothing is.
 static inline int decode_shape_problem(const DecodeShape *s, char *msg, size_t len) {
     if (s->batch < 1 || s->q_heads < 1 || s->kv_heads < 1 || s->new_tokens < 1 || s->pages < 1 || s->max_pages < 1) {
         snprintf(msg, len,
-                 "B = %d, Hq = %d, Hkv = %d, Nq = %d, pages = %d, pages per sequence = %d: each must be at "
+                 "B = %d, Hq = %d, Hkv = %d, Nq = %d, pages = %lld, pages per sequence = %d: each must be at "
                  "least 1",
                  s->batch, s->q_heads, s->kv_heads, s->new_tokens, s->pages, s->max_pages);
         return 1;
@@ -126,7 +126,7 @@ static inline int decode_shape_problem(const DecodeShape *s, char *msg, size_t l
     }
     if ((double)s->pages * s->kv_heads * s->page_size * s->headdim >= 2147483648.0) {
         snprintf(msg, len,
-                 "the cache pool (%d pages of %d x %d x %d) exceeds 2^31 - 1 elements: fewer or shorter "
+                 "the cache pool (%lld pages of %d x %d x %d) exceeds 2^31 - 1 elements: fewer or shorter "
                  "sequences",
                  s->pages, s->kv_heads, s->page_size, s->headdim);
         return 1;
@@ -156,7 +156,7 @@ static inline int decode_cache_problem(const DecodeShape *s, const int *lengths,
         for (int i = 0; block_table && i < used; i++) {
             const int page = block_table[(size_t)b * s->max_pages + i];
             if (page < 0 || page >= s->pages) {
-                snprintf(msg, len, "sequence %d: block table entry %d names page %d, past the pool of %d pages", b, i,
+                snprintf(msg, len, "sequence %d: block table entry %d names page %d, past the pool of %lld pages", b, i,
                          page, s->pages);
                 return 1;
             }

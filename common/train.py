@@ -393,9 +393,14 @@ def run_label(run, backward):
             + (f" ({mode})" if mode else ""))
 
 
+def gpus_of(rows):
+    """The GPUs the rows ran on, sorted (a CSV written before the gpu column: "a GPU not recorded")."""
+    return sorted({row.get("gpu") or "a GPU not recorded" for row in rows})
+
+
 def summary_table(rows):
     """The summary as a Markdown table (nats per byte; tokens/s in millions, on the GPU it names)."""
-    gpus = sorted({row.get("gpu") or "a GPU not recorded" for row in rows})
+    gpus = gpus_of(rows)
     lines = [f"| run | seeds | final validation loss: mean | std | min | max | minus SDPA's, same seed: mean "
              f"| min | max | tokens/s ({', '.join(gpus)}) |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in summarize(rows):
@@ -598,7 +603,7 @@ def merge_runs(args):
         if row["step"] == 0 and seen.setdefault((row["run"], row["seed"]), row) is not row:
             print(f"train.py --from: run {row['run']} seed {row['seed']} is in more than one file", file=sys.stderr)
             return 2
-    gpus = sorted({row.get("gpu") or "(not recorded)" for row in rows})
+    gpus = gpus_of(rows)
     if len(gpus) > 1:  # tokens per second of different GPUs do not compare
         print(f"train.py --from: the runs ran on different GPUs ({', '.join(gpus)}): join the runs of one GPU",
               file=sys.stderr)
