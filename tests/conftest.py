@@ -14,6 +14,9 @@ Markers (pytest.ini):
 
 Tests that share inputs made once (one shape's references in the cache) carry
 `pytest.mark.xdist_group(name)`: pytest.ini's --dist loadgroup runs each group on one worker.
+The groups in SENT_FIRST are the suite's longest chains of work: they go to the workers before
+the rest (xdist's own order is the most tests first), so that the suite is not left waiting on
+them at its end.
 """
 import collections
 import functools
@@ -23,6 +26,11 @@ from pathlib import Path
 
 import pytest
 
+try:
+    from xdist.scheduler import LoadGroupScheduling
+except ImportError:  # pytest alone: one process, no scheduler
+    LoadGroupScheduling = object
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "common"), str(ROOT / "tests")]
 
@@ -31,6 +39,27 @@ from helpers import CHAPTERS  # noqa: E402
 
 
 BUILD = os.environ.get("FA_BUILD") or "build"  # the binaries' folder: make's BUILD (make test sets FA_BUILD)
+# The xdist groups that take longest, longest first: the timed exercises (one after the other on one
+# worker), make grade in copies of the checkout (test_exercises_gpu.py), the deterministic backward on
+# many heads (test_gpu.py: their float64 references take half a minute each).
+SENT_FIRST = ("exercise_timing", "make_grade_solution", "make_grade_wrong", "many_heads_d128", "many_heads_d64")
+
+
+class LongestFirst(LoadGroupScheduling):
+    """--dist loadgroup with the groups of SENT_FIRST handed out before any other."""
+
+    def _assign_work_unit(self, node):
+        for group in reversed(SENT_FIRST):
+            if group in self.workqueue:
+                self.workqueue.move_to_end(group, last=False)
+        super()._assign_work_unit(node)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        return LongestFirst(config, log)
+    return None
 
 
 @pytest.fixture(scope="session")
