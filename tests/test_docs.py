@@ -7,6 +7,7 @@
   names          every code name a chapter README writes in backticks exists (in its code, the chapter
                  before, common/, the tests, the Makefile or the results)
   figures        docs/figures/make_figures.py's checks of the code it draws (no matplotlib needed)
+  test logs      the README's counts of a GPU `make test` (passed, skipped) and its commit are its log's
 """
 import importlib.util
 import io
@@ -154,3 +155,15 @@ def test_named_symbols_exist(repo):
     missing = sorted(set(missing))
     assert not missing, (f"{len(missing)} code names in chapter READMEs that neither the chapter's code, the one "
                          f"before it, common/ nor the tests define:\n" + "\n".join(missing))
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_readme_make_test_counts_are_its_logs(repo, gpu):
+    log = (repo.root / "docs/results/logs/common" / f"make_test_{gpu}.log").read_text()
+    passed, skipped = re.findall(r"(\d+) passed, (\d+) skipped", log)[-1]
+    commit = re.search(r"commit ([0-9a-f]{7})", log.splitlines()[0]).group(1)
+    readme = " ".join((repo.root / "README.md").read_text().split())
+    said = re.search(rf"at {commit}: (\d+) passed, (\d+) skipped", readme)
+    assert said, f"README.md does not name make_test_{gpu}.log's commit {commit} with its counts"
+    assert said.groups() == (passed, skipped), (
+        f"README.md: {said.group(0)!r}, make_test_{gpu}.log: {passed} passed, {skipped} skipped")
