@@ -88,7 +88,7 @@ def test_steps_one_run_is_its_log(repo):
 def kernel_vs_cudnn_fp8(repo):
     """{(D, causal, N): {column: median}} of the log's rounds: 08's whole forward (`whole`), its kernel
     alone (`kernel`) and cuDNN's FP8 attention (`cudnn`)."""
-    rows = csv_rows(repo.root / "docs/results/logs/08/kernel_vs_cudnn_fp8_08_h100.csv")
+    rows = csv_rows(repo.root / "docs/results/logs/08/kernel_vs_cudnn_fp8_08_flushed_h100.csv")
     out = {}
     for r in rows:
         shape = out.setdefault((int(r["headdim"]), int(r["causal"]), int(r["seqlen"])), {})
@@ -101,7 +101,7 @@ def kernel_vs_cudnn_fp8(repo):
 
 
 def test_fp8_kernel_beside_cudnn_is_its_log(repo):
-    """08's kernel alone against cuDNN's FP8 attention on an H100, as 08's README and the top README quote it."""
+    """08's kernel alone against cuDNN's FP8 attention on an H100, L2 flushed before every run, as 08's README and the top README quote it."""
     timed = kernel_vs_cudnn_fp8(repo)
 
     def x(d, causal, n):
@@ -122,7 +122,7 @@ def test_fp8_kernel_beside_cudnn_is_its_log(repo):
     for path, fragments in quotes.items():
         text = " ".join((repo.root / path).read_text().split())
         missing = [f for f in fragments if f not in text]
-        assert not missing, f"{path} does not quote kernel_vs_cudnn_fp8_08_h100.csv as it is: expected {missing}"
+        assert not missing, f"{path} does not quote kernel_vs_cudnn_fp8_08_flushed_h100.csv as it is: expected {missing}"
 
 
 def test_09s_step_sections_quote_the_steps_log(repo):
