@@ -1,13 +1,14 @@
-// 10_backward_hopper, step 1: 09's backward on Hopper's datapath. The five products run on
-// warpgroup MMA (wgmma) with their tiles brought by TMA (08's hopper.h); the algorithm is 09.1's.
+// 10.2, step 2 of 10_backward_hopper: warp specialisation. A producer warpgroup only issues the
+// TMA copies; two consumer warpgroups of 64 keys each share every Q and dO tile, so a block holds
+// 128 keys and reads each query tile once for them. Otherwise 10.1.
 //
 // Three kernels, as 09: (1) D = rowsum(dO * O) and the fp32 dQ accumulator zeroed; (2) one block per
-// (64-key tile, b*h), one warpgroup: K and V by TMA once, Q and dO of each 64-query tile through a
-// ring of two stages completing on mbarriers. Per query tile: S^T = K Q^T and dP^T = V dO^T (both
-// operands in shared memory), P^T = exp(S^T * scale - LSE), dS^T = P^T * (dP^T - D); dV += P^T dO
-// and dK += dS^T Q (P^T and dS^T from registers, dO and Q read MN-major); dS^T to shared memory, and
-// dQ += dS K (both operands read MN-major) added into the fp32 accumulator by atomics; (3) dQ to
-// fp16. The forward is 07's (09's forward.h).
+// (128-key tile, b*h): the producer brings K and V once and Q and dO of each 64-query tile through a
+// ring of two stages (full and empty mbarriers); consumer c owns keys 64c..64c+63. Per query tile,
+// each consumer: S^T = K Q^T and dP^T = V dO^T, P^T = exp(S^T * scale - LSE), dS^T = P^T * (dP^T - D),
+// dS^T to shared memory, dV += P^T dO and dK += dS^T Q; then, once both consumers' dS^T are in, dQ +=
+// dS K over the block's 128 keys, its 64-dim passes shared between the consumers, added into the fp32
+// accumulator by atomics; (3) dQ to fp16. The forward is 07's (09's forward.h).
 #include <stdio.h>
 
 #include "../common/harness.h"
@@ -15,8 +16,13 @@
 #include "../09_backward/forward.h"
 
 // --- Configuration -------------------------------------------------------------------------
-#define WG_THREADS 128                                // one warpgroup per block
-#define WG_ROWS 64                                    // wgmma's M: the block's keys, and a query tile
+#define WG_THREADS 128                                // threads of a warpgroup
+#define WG_ROWS 64                                    // wgmma's M: a consumer's keys, and a query tile
+#define CONSUMERS 2                                   // consumer warpgroups, 64 keys each
+#define BLOCK_THREADS ((CONSUMERS + 1) * WG_THREADS)  // the producer, then the consumers
+#define PRODUCER_REGISTERS 24                         // setmaxnreg: the producer keeps few registers
+#define CONSUMER_REGISTERS 240                        // and the consumers take the rest
+#define DS_BARRIER 1                                  // named barrier: both consumers' dS^T stored
 #define BWD_STAGES 2                                  // (Q, dO) tiles in the ring
 #define ELEMENT_BYTES 2                               // fp16
 #define KSTEP_BYTES 32                                // of the reduced dimension per wgmma
@@ -27,29 +33,36 @@
 
 template <int HEAD_DIM>
 struct BwdConfig {
-    static constexpr int TILE_KV = WG_ROWS, TILE_Q = WG_ROWS;          // keys per block, queries per step
-    static constexpr int SLICES = HEAD_DIM / SLICE_ELEMENTS;           // 1 or 2
-    static constexpr int SLICE_STRIDE = WG_ROWS * SLICE_BYTES;         // bytes of one slice of a 64-row tile
-    static constexpr int TILE_BYTES = SLICES * SLICE_STRIDE;           // a 64 x HEAD_DIM tile
-    static constexpr int DS_BYTES = TILE_KV * TILE_Q * ELEMENT_BYTES;  // dS^T, [key][query]
-    static constexpr int BARRIERS = 1 + BWD_STAGES;                    // K/V, and each stage's Q/dO
-    static constexpr int SMEM_BYTES =
-        1024 + (2 + 2 * BWD_STAGES) * TILE_BYTES + DS_BYTES + BARRIERS * 8 + 2 * TILE_Q * (int)sizeof(float);
+    static constexpr int TILE_KV = CONSUMERS * WG_ROWS, TILE_Q = WG_ROWS;  // keys per block, queries per step
+    static constexpr int SLICES = HEAD_DIM / SLICE_ELEMENTS;               // 1 or 2
+    static constexpr int Q_SLICE_STRIDE = TILE_Q * SLICE_BYTES;            // bytes of one slice of a query tile
+    static constexpr int KV_SLICE_STRIDE = TILE_KV * SLICE_BYTES;          // of the block's K or V
+    static constexpr int Q_TILE_BYTES = SLICES * Q_SLICE_STRIDE;           // a 64 x HEAD_DIM tile
+    static constexpr int KV_TILE_BYTES = SLICES * KV_SLICE_STRIDE;         // a 128 x HEAD_DIM tile
+    static constexpr int DS_BYTES = TILE_KV * TILE_Q * ELEMENT_BYTES;      // dS^T, [key][query]
+    static constexpr int BARRIERS = 2 + 2 * BWD_STAGES;                    // K/V full and empty, each stage's
+    static constexpr int COLUMN_FLOATS = CONSUMERS * 2 * 2 * TILE_Q;       // LSE and D, 2 buffers a consumer
+    static constexpr int SMEM_BYTES = 1024 + 2 * KV_TILE_BYTES + 2 * BWD_STAGES * Q_TILE_BYTES + 2 * DS_BYTES +
+                                      COLUMN_FLOATS * (int)sizeof(float) + BARRIERS * 8;
     static constexpr int SCORE_REGS = TILE_Q / 2;    // a thread's share of a 64 x 64 accumulator
     static constexpr int ACC_REGS_D = HEAD_DIM / 2;  // of a 64 x HEAD_DIM one
     static constexpr int DQ_PASSES = SLICES;         // dQ in passes of 64 dims: 32 registers each
     static_assert(HEAD_DIM % SLICE_ELEMENTS == 0, "whole 128-byte slices");
-    static_assert(TILE_BYTES % 1024 == 0 && DS_BYTES % 1024 == 0, "tiles 1024-byte aligned, as the swizzle needs");
+    static_assert(Q_TILE_BYTES % 1024 == 0 && KV_TILE_BYTES % 1024 == 0 && DS_BYTES % 1024 == 0,
+                  "tiles 1024-byte aligned, as the swizzle needs");
     static_assert(SMEM_BYTES <= 227 * 1024, "the block's tiles exceed the 227 KiB of shared memory a block can have");
+    static_assert(PRODUCER_REGISTERS * WG_THREADS + CONSUMERS * CONSUMER_REGISTERS * WG_THREADS <= 65536,
+                  "the register file holds both roles");
 };
 
 // --- Shared memory ---------------------------------------------------------------------------
 struct Smem {
     unsigned char *k_tile, *v_tile;   // [slice][key][128 bytes], swizzled as TMA writes them
     unsigned char *q_ring, *do_ring;  // [stage][slice][query][128 bytes]
-    unsigned char *ds_tile;           // dS^T [key][query]: one 128-byte row per key, swizzled by hand
-    float *lse_tile, *delta_tile;     // the query tile's LSE and D
-    uint64_t *kv_full, *q_full;       // K and V landed; stage s's Q and dO landed
+    unsigned char *ds_tiles;          // two dS^T [key][query], one 128-byte row per key, swizzled by hand
+    float *columns;                   // [consumer][buffer][LSE, D][query]: a query tile's LSE and D
+    uint64_t *kv_full, *kv_empty;     // K and V landed; the consumers are done with them
+    uint64_t *q_full, *q_empty;       // stage s's Q and dO landed; the consumers are done with stage s
 };
 
 template <int HEAD_DIM>
@@ -57,56 +70,63 @@ __device__ Smem smem_layout(unsigned char *raw) {
     typedef BwdConfig<HEAD_DIM> Cfg;
     Smem smem;
     smem.k_tile = (unsigned char *)(((uintptr_t)raw + 1023) & ~(uintptr_t)1023);
-    smem.v_tile = smem.k_tile + Cfg::TILE_BYTES;
-    smem.q_ring = smem.v_tile + Cfg::TILE_BYTES;
-    smem.do_ring = smem.q_ring + BWD_STAGES * Cfg::TILE_BYTES;
-    smem.ds_tile = smem.do_ring + BWD_STAGES * Cfg::TILE_BYTES;
-    smem.lse_tile = (float *)(smem.ds_tile + Cfg::DS_BYTES);
-    smem.delta_tile = smem.lse_tile + Cfg::TILE_Q;
-    smem.kv_full = (uint64_t *)(smem.delta_tile + Cfg::TILE_Q);
-    smem.q_full = smem.kv_full + 1;
+    smem.v_tile = smem.k_tile + Cfg::KV_TILE_BYTES;
+    smem.q_ring = smem.v_tile + Cfg::KV_TILE_BYTES;
+    smem.do_ring = smem.q_ring + BWD_STAGES * Cfg::Q_TILE_BYTES;
+    smem.ds_tiles = smem.do_ring + BWD_STAGES * Cfg::Q_TILE_BYTES;
+    smem.columns = (float *)(smem.ds_tiles + 2 * Cfg::DS_BYTES);
+    smem.kv_full = (uint64_t *)(smem.columns + Cfg::COLUMN_FLOATS);
+    smem.kv_empty = smem.kv_full + 1;
+    smem.q_full = smem.kv_empty + 1;
+    smem.q_empty = smem.q_full + BWD_STAGES;
     return smem;
 }
 
 // Writes by threads (dS^T) made visible to wgmma, which reads shared memory through the async proxy.
 __device__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// --- TMA: a 64-row tile, slice by slice --------------------------------------------------------
+// --- TMA: tiles of 64-row boxes, slice by slice ---------------------------------------------
+// `rows` rows (64 or 128) from row0 into a tile whose slices are slice_stride bytes apart.
 template <int HEAD_DIM>
-__device__ void load_tile(unsigned char *tile, const CUtensorMap *map, uint64_t *barrier, int row0, int head) {
-    typedef BwdConfig<HEAD_DIM> Cfg;
-    for (int slice = 0; slice < Cfg::SLICES; slice++)
-        tma_load(tile + slice * Cfg::SLICE_STRIDE, map, barrier, slice * SLICE_BYTES, row0, head);
+__device__ void load_tile(unsigned char *tile, int slice_stride, int rows, const CUtensorMap *map, uint64_t *barrier,
+                          int row0, int head) {
+    for (int slice = 0; slice < BwdConfig<HEAD_DIM>::SLICES; slice++)
+        for (int box = 0; box < rows / WG_ROWS; box++)
+            tma_load(tile + slice * slice_stride + box * WG_ROWS * SLICE_BYTES, map, barrier, slice * SLICE_BYTES,
+                     row0 + box * WG_ROWS, head);
 }
 
-// Q and dO of query tile `step` (from query0 on) into its stage.
+// Q and dO of the ring's tile `ring_tile` (query0 on) into its stage.
 template <int HEAD_DIM>
-__device__ void load_query_tile(const Smem &smem, const CUtensorMap *q_map, const CUtensorMap *do_map, int step,
+__device__ void load_query_tile(const Smem &smem, const CUtensorMap *q_map, const CUtensorMap *do_map, int ring_tile,
                                 int query0, int head) {
     typedef BwdConfig<HEAD_DIM> Cfg;
-    const int stage = step % BWD_STAGES;
-    mbarrier_arrive_expect_bytes(&smem.q_full[stage], 2 * Cfg::TILE_BYTES);
-    load_tile<HEAD_DIM>(smem.q_ring + stage * Cfg::TILE_BYTES, q_map, &smem.q_full[stage], query0, head);
-    load_tile<HEAD_DIM>(smem.do_ring + stage * Cfg::TILE_BYTES, do_map, &smem.q_full[stage], query0, head);
+    const int stage = ring_tile % BWD_STAGES;
+    mbarrier_arrive_expect_bytes(&smem.q_full[stage], 2 * Cfg::Q_TILE_BYTES);
+    load_tile<HEAD_DIM>(smem.q_ring + stage * Cfg::Q_TILE_BYTES, Cfg::Q_SLICE_STRIDE, WG_ROWS, q_map,
+                        &smem.q_full[stage], query0, head);
+    load_tile<HEAD_DIM>(smem.do_ring + stage * Cfg::Q_TILE_BYTES, Cfg::Q_SLICE_STRIDE, WG_ROWS, do_map,
+                        &smem.q_full[stage], query0, head);
 }
 
 // --- The products ----------------------------------------------------------------------------
 // Where k-step ks (32 bytes of every row) of a K-major tile starts: in slice ks * 32 / 128.
-template <int HEAD_DIM>
-__device__ unsigned kstep_address(const unsigned char *tile, int ks) {
-    return smem_address(tile) + ks * KSTEP_BYTES / SLICE_BYTES * BwdConfig<HEAD_DIM>::SLICE_STRIDE +
-           ks * KSTEP_BYTES % SLICE_BYTES;
+__device__ unsigned kstep_address(const unsigned char *tile, int slice_stride, int ks) {
+    return smem_address(tile) + ks * KSTEP_BYTES / SLICE_BYTES * slice_stride + ks * KSTEP_BYTES % SLICE_BYTES;
 }
 
 // acc (64 rows of `rows_tile` x 64 rows of `cols_tile`) = rows_tile cols_tile^T, both [row][dim]
-// (K-major): S^T = K Q^T and dP^T = V dO^T. Issued, not committed.
+// (K-major): S^T = K Q^T and dP^T = V dO^T, the keys a consumer's 64 rows of the block's K or V.
+// Issued, not committed.
 template <int HEAD_DIM>
 __device__ void issue_transposed_scores(float (&acc)[32], const unsigned char *rows_tile,
                                         const unsigned char *cols_tile) {
+    typedef BwdConfig<HEAD_DIM> Cfg;
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / WG_K; ks++)
-        wgmma_m64n64k16_f16_ss(acc, smem_descriptor_at(kstep_address<HEAD_DIM>(rows_tile, ks), SLICE_BYTES),
-                               smem_descriptor_at(kstep_address<HEAD_DIM>(cols_tile, ks), SLICE_BYTES), ks > 0);
+        wgmma_m64n64k16_f16_ss(acc, smem_descriptor_at(kstep_address(rows_tile, Cfg::KV_SLICE_STRIDE, ks), SLICE_BYTES),
+                               smem_descriptor_at(kstep_address(cols_tile, Cfg::Q_SLICE_STRIDE, ks), SLICE_BYTES),
+                               ks > 0);
 }
 
 // acc (64 keys x HEAD_DIM) += a (64 keys x 64 queries, from registers) tile (64 queries x HEAD_DIM,
@@ -116,31 +136,33 @@ __device__ void issue_key_gradient(float (&acc)[HEAD_DIM / 2], const unsigned (&
                                    const unsigned char *tile) {
 #pragma unroll
     for (int kk = 0; kk < WG_ROWS / WG_K; kk++) {
-        const uint64_t b = smem_descriptor_mn_major(tile + kk * WG_K * SLICE_BYTES, BwdConfig<HEAD_DIM>::SLICE_STRIDE);
+        const uint64_t b =
+            smem_descriptor_mn_major(tile + kk * WG_K * SLICE_BYTES, BwdConfig<HEAD_DIM>::Q_SLICE_STRIDE);
         if constexpr (HEAD_DIM == 128) wgmma_m64n128k16_f16_rs(acc, a[kk], b);
         else wgmma_m64n64k16_f16_rs(acc, a[kk], b);
     }
 }
 
-// dq (64 queries x the 64 dims of slice `slice`) = dS K: dS read MN-major from dS^T [key][query],
-// K read MN-major from [key][dim]. Issued, not committed.
+// dq (64 queries x the 64 dims of slice `slice`) = dS K over the block's 128 keys: dS read MN-major
+// from dS^T [key][query], K read MN-major from [key][dim]. Issued, not committed.
 template <int HEAD_DIM>
-__device__ void issue_dq(float (&dq)[32], const Smem &smem, int slice) {
+__device__ void issue_dq(float (&dq)[32], const unsigned char *ds_tile, const unsigned char *k_tile, int slice) {
     typedef BwdConfig<HEAD_DIM> Cfg;
 #pragma unroll
     for (int kk = 0; kk < Cfg::TILE_KV / WG_K; kk++)
         wgmma_m64n64k16_f16_ss_mn_major(
-            dq, smem_descriptor_mn_major(smem.ds_tile + kk * WG_K * SLICE_BYTES, Cfg::DS_BYTES),
-            smem_descriptor_mn_major(smem.k_tile + slice * Cfg::SLICE_STRIDE + kk * WG_K * SLICE_BYTES,
-                                     Cfg::SLICE_STRIDE),
+            dq, smem_descriptor_mn_major(ds_tile + kk * WG_K * SLICE_BYTES, Cfg::DS_BYTES),
+            smem_descriptor_mn_major(k_tile + slice * Cfg::KV_SLICE_STRIDE + kk * WG_K * SLICE_BYTES,
+                                     Cfg::KV_SLICE_STRIDE),
             kk > 0);
 }
 
 // --- The softmax gradient on the accumulators ---------------------------------------------------
-// Accumulator element 4c + 2r + e of thread t: row 16 (t / 32) + t % 32 / 4 + 8r (a key), column
-// 8c + 2 (t % 4) + e (a query).
-__device__ int acc_row(int r) { return threadIdx.x / 32 * 16 + threadIdx.x % 32 / 4 + 8 * r; }
-__device__ int acc_col(int c, int e) { return 8 * c + 2 * (threadIdx.x % 4) + e; }
+// Accumulator element 4c + 2r + e of thread t of its warpgroup: row 16 (t / 32) + t % 32 / 4 + 8r (a
+// key), column 8c + 2 (t % 4) + e (a query).
+__device__ int wg_thread() { return threadIdx.x % WG_THREADS; }
+__device__ int acc_row(int r) { return wg_thread() / 32 * 16 + wg_thread() % 32 / 4 + 8 * r; }
+__device__ int acc_col(int c, int e) { return 8 * c + 2 * (wg_thread() % 4) + e; }
 
 // P^T = exp(S^T * scale - LSE), masked entries (key past the end, query past the end, or, causal,
 // key after query) 0; then dS^T = P^T * (dP^T - D) in place of dP^T. LSE and D per column.
@@ -175,15 +197,16 @@ __device__ void pack_operand(unsigned (&a)[4][4], const float (&acc)[32]) {
         }
 }
 
-// dS^T (as packed for dK) into ds_tile, [key][query], each key's 64 queries one 128-byte row in the
-// 128-byte swizzle (16-byte chunk c of row k at c XOR k % 8), as wgmma reads it MN-major.
+// A consumer's dS^T (as packed for dK) into its 64 rows of ds_tile, [key][query], each key's 64
+// queries one 128-byte row in the 128-byte swizzle (16-byte chunk c of row k at c XOR k % 8), as wgmma
+// reads it MN-major.
 __device__ void store_ds(unsigned char *ds_tile, const unsigned (&ds)[4][4]) {
 #pragma unroll
     for (int kk = 0; kk < 4; kk++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int key = acc_row(i % 2), chunk = 2 * kk + i / 2;
-            *(unsigned *)(ds_tile + key * SLICE_BYTES + (chunk ^ key % 8) * 16 + 4 * (threadIdx.x % 4)) = ds[kk][i];
+            *(unsigned *)(ds_tile + key * SLICE_BYTES + (chunk ^ key % 8) * 16 + 4 * (wg_thread() % 4)) = ds[kk][i];
         }
 }
 
@@ -260,24 +283,67 @@ struct Work {
     float scale, scale_log2;
 };
 
-// (2) dK and dV of one 64-key tile, and its share of dQ. `loaded`: the query tiles this block has
-// taken through its ring so far, over every key tile before (a stage's barrier completes once each).
+// The query tiles of the block's key tile `key_tile`: from the first whose queries see any of its keys
+// (causal: the tile holding query key0), to the last.
 template <int HEAD_DIM>
-__device__ void backward_key_block(const Smem &smem, const Work &w, int key_tile, int round, int &loaded) {
-    typedef BwdConfig<HEAD_DIM> Cfg;
-    const int key0 = key_tile * Cfg::TILE_KV;
-    // Causal: from the query tile that holds query key0 (the queries before it see none of these keys).
-    const int first_tile = w.causal ? key0 / Cfg::TILE_Q : 0;
-    const int q_tiles = ceil_div(w.seqlen, Cfg::TILE_Q) - first_tile;
-    if (threadIdx.x == 0) {
-        mbarrier_arrive_expect_bytes(smem.kv_full, 2 * Cfg::TILE_BYTES);
-        load_tile<HEAD_DIM>(smem.k_tile, w.k_map, smem.kv_full, key0, w.head);
-        load_tile<HEAD_DIM>(smem.v_tile, w.v_map, smem.kv_full, key0, w.head);
-        for (int t = 0; t < BWD_STAGES && t < q_tiles; t++)
-            load_query_tile<HEAD_DIM>(smem, w.q_map, w.do_map, loaded + t, (first_tile + t) * Cfg::TILE_Q, w.head);
-    }
+__device__ int first_query_tile(const Work &w, int key_tile) {
+    return w.causal ? key_tile * BwdConfig<HEAD_DIM>::TILE_KV / BwdConfig<HEAD_DIM>::TILE_Q : 0;
+}
 
-    // On chip for the whole loop: dK and dV of the block's 64 keys.
+// (2a) The producer (one thread): K and V of each key tile the block takes, and Q and dO of its query
+// tiles through the ring, each stage refilled once the consumers have released it. `loaded`: the
+// ring's tiles so far, over every key tile before (each stage's barriers complete once per tile).
+template <int HEAD_DIM>
+__device__ void produce_key_block(const Smem &smem, const Work &w, int key_tile, int round, int &loaded) {
+    typedef BwdConfig<HEAD_DIM> Cfg;
+    const int first_tile = first_query_tile<HEAD_DIM>(w, key_tile);
+    const int q_tiles = ceil_div(w.seqlen, Cfg::TILE_Q) - first_tile;
+    if (round > 0) mbarrier_wait(smem.kv_empty, (round - 1) % 2);  // the consumers are done with the last K, V
+    mbarrier_arrive_expect_bytes(smem.kv_full, 2 * Cfg::KV_TILE_BYTES);
+    load_tile<HEAD_DIM>(smem.k_tile, Cfg::KV_SLICE_STRIDE, Cfg::TILE_KV, w.k_map, smem.kv_full, key_tile * Cfg::TILE_KV,
+                        w.head);
+    load_tile<HEAD_DIM>(smem.v_tile, Cfg::KV_SLICE_STRIDE, Cfg::TILE_KV, w.v_map, smem.kv_full, key_tile * Cfg::TILE_KV,
+                        w.head);
+    for (int step = 0; step < q_tiles; step++) {
+        const int ring_tile = loaded + step;
+        if (ring_tile >= BWD_STAGES)
+            mbarrier_wait(&smem.q_empty[ring_tile % BWD_STAGES], (ring_tile / BWD_STAGES - 1) % 2);
+        load_query_tile<HEAD_DIM>(smem, w.q_map, w.do_map, ring_tile, (first_tile + step) * Cfg::TILE_Q, w.head);
+    }
+    loaded += q_tiles;
+}
+
+// A consumer is done with a barrier's resource: each of its warps arrives once.
+__device__ void release(uint64_t *barrier) {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbarrier_arrive(barrier);
+    __syncwarp();
+}
+
+// The query tile's LSE (threads 0-63 of the consumer) and D (64-127) into the consumer's buffer;
+// past the end 0 (those queries are masked). Then the consumer's warps wait for each other.
+template <int HEAD_DIM>
+__device__ float *load_columns(const Smem &smem, const Work &w, int consumer, int ring_tile, int query0) {
+    constexpr int TILE_Q = BwdConfig<HEAD_DIM>::TILE_Q;
+    float *columns = smem.columns + (consumer * 2 + ring_tile % 2) * 2 * TILE_Q;  // [LSE, D][query]
+    const int col = wg_thread() % TILE_Q, query = query0 + col;
+    const float *from = wg_thread() < TILE_Q ? w.lse_head : w.delta_head;
+    columns[wg_thread()] = query < w.seqlen ? from[query] : 0.0f;
+    bar_sync<WG_THREADS>(2 + consumer);  // (two buffers: every warp is past the tile before last's reads)
+    return columns;
+}
+
+// (2b) Consumer `consumer`: dK and dV of keys 64 consumer.. of the key tile, and its share of dQ.
+template <int HEAD_DIM>
+__device__ void consume_key_block(const Smem &smem, const Work &w, int consumer, int key_tile, int round, int &loaded) {
+    typedef BwdConfig<HEAD_DIM> Cfg;
+    const int key0 = key_tile * Cfg::TILE_KV + consumer * WG_ROWS;  // this consumer's keys
+    const int first_tile = first_query_tile<HEAD_DIM>(w, key_tile);
+    const int q_tiles = ceil_div(w.seqlen, Cfg::TILE_Q) - first_tile;
+    const unsigned char *k_rows = smem.k_tile + consumer * WG_ROWS * SLICE_BYTES;
+    const unsigned char *v_rows = smem.v_tile + consumer * WG_ROWS * SLICE_BYTES;
+
+    // On chip for the whole loop: dK and dV of the consumer's 64 keys.
     float dk_acc[Cfg::ACC_REGS_D], dv_acc[Cfg::ACC_REGS_D];
     for (int i = 0; i < Cfg::ACC_REGS_D; i++) dk_acc[i] = dv_acc[i] = 0.0f;
     mbarrier_wait(smem.kv_full, round % 2);
@@ -285,34 +351,30 @@ __device__ void backward_key_block(const Smem &smem, const Work &w, int key_tile
     for (int step = 0; step < q_tiles; step++) {
         const int ring_tile = loaded + step, stage = ring_tile % BWD_STAGES;
         const int query0 = (first_tile + step) * Cfg::TILE_Q;
-        const unsigned char *q_tile = smem.q_ring + stage * Cfg::TILE_BYTES;
-        const unsigned char *do_tile = smem.do_ring + stage * Cfg::TILE_BYTES;
-        {  // the tile's LSE (threads 0-63) and D (64-127); past the end, 0 (those queries are masked)
-            const int col = threadIdx.x % Cfg::TILE_Q, query = query0 + col;
-            const float *from = threadIdx.x < Cfg::TILE_Q ? w.lse_head : w.delta_head;
-            (threadIdx.x < Cfg::TILE_Q ? smem.lse_tile : smem.delta_tile)[col] = query < w.seqlen ? from[query] : 0.0f;
-        }
+        const unsigned char *q_tile = smem.q_ring + stage * Cfg::Q_TILE_BYTES;
+        const unsigned char *do_tile = smem.do_ring + stage * Cfg::Q_TILE_BYTES;
+        unsigned char *ds_tile = smem.ds_tiles + ring_tile % 2 * Cfg::DS_BYTES;  // two: one barrier a tile
+        const float *columns = load_columns<HEAD_DIM>(smem, w, consumer, ring_tile, query0);
         mbarrier_wait(&smem.q_full[stage], ring_tile / BWD_STAGES % 2);
-        __syncthreads();  // LSE and D in; every warp is past the last step's products
 
         // S^T = K Q^T and dP^T = V dO^T, both 64 keys x 64 queries.
         float s[Cfg::SCORE_REGS], dp[Cfg::SCORE_REGS];
         wgmma_fence();
-        issue_transposed_scores<HEAD_DIM>(s, smem.k_tile, q_tile);
-        issue_transposed_scores<HEAD_DIM>(dp, smem.v_tile, do_tile);
+        issue_transposed_scores<HEAD_DIM>(s, k_rows, q_tile);
+        issue_transposed_scores<HEAD_DIM>(dp, v_rows, do_tile);
         wgmma_commit();
         wgmma_wait<0>();
         hold_registers(s);
         hold_registers(dp);
 
-        // P^T and dS^T; the mask only on a ragged tile or (causal) the diagonal one.
-        const bool masked = query0 + Cfg::TILE_Q > w.seqlen || key0 + Cfg::TILE_KV > w.seqlen ||
-                            (w.causal && key0 + Cfg::TILE_KV - 1 > query0);
-        softmax_gradient(s, dp, smem.lse_tile, smem.delta_tile, key0, query0, w.seqlen, w.causal, masked, w.scale_log2);
+        // P^T and dS^T; the mask only on a ragged tile or (causal) one that reaches past the diagonal.
+        const bool masked =
+            query0 + Cfg::TILE_Q > w.seqlen || key0 + WG_ROWS > w.seqlen || (w.causal && key0 + WG_ROWS - 1 > query0);
+        softmax_gradient(s, dp, columns, columns + Cfg::TILE_Q, key0, query0, w.seqlen, w.causal, masked, w.scale_log2);
         unsigned p_frag[4][4], ds_frag[4][4];
         pack_operand(p_frag, s);
         pack_operand(ds_frag, dp);
-        store_ds(smem.ds_tile, ds_frag);  // dS^T for dQ, before the wgmmas below take ds_frag as an operand
+        store_ds(ds_tile + consumer * WG_ROWS * SLICE_BYTES, ds_frag);  // before the wgmmas below read ds_frag
         fence_proxy_async();
 
         // dV += P^T dO and dK += dS^T Q, from registers.
@@ -320,30 +382,30 @@ __device__ void backward_key_block(const Smem &smem, const Work &w, int key_tile
         issue_key_gradient<HEAD_DIM>(dv_acc, p_frag, do_tile);
         issue_key_gradient<HEAD_DIM>(dk_acc, ds_frag, q_tile);
         wgmma_commit();
-        wgmma_wait<0>();
-        hold_registers(dv_acc);
-        hold_registers(dk_acc);
-        hold_registers(p_frag);
-        hold_registers(ds_frag);
-        __syncthreads();  // every warp's dS^T is in, and this stage's Q and dO are read
+        bar_sync<CONSUMERS * WG_THREADS>(DS_BARRIER);  // both consumers' dS^T are in
 
-        if (threadIdx.x == 0 && step + BWD_STAGES < q_tiles)
-            load_query_tile<HEAD_DIM>(smem, w.q_map, w.do_map, ring_tile + BWD_STAGES,
-                                      (first_tile + step + BWD_STAGES) * Cfg::TILE_Q, w.head);
-
-            // dQ += dS K over the block's keys, 64 dims a pass, into the fp32 accumulator.
+        // dQ += dS K over the block's 128 keys, 64 dims a pass: pass k of the tile goes to consumer
+        // (tile's passes + k) % 2 (D = 128: one pass each; D = 64: the tiles in turn).
 #pragma unroll
         for (int pass = 0; pass < Cfg::DQ_PASSES; pass++) {
+            if ((ring_tile * Cfg::DQ_PASSES + pass) % CONSUMERS != consumer) continue;
             float dq[32];
             wgmma_fence();
-            issue_dq<HEAD_DIM>(dq, smem, pass);
+            issue_dq<HEAD_DIM>(dq, ds_tile, smem.k_tile, pass);
             wgmma_commit();
             wgmma_wait<0>();
             hold_registers(dq);
             add_dq<HEAD_DIM>(w.dq_head, dq, query0, pass * SLICE_ELEMENTS, w.seqlen);
         }
+        wgmma_wait<0>();
+        hold_registers(dv_acc);
+        hold_registers(dk_acc);
+        hold_registers(p_frag);
+        hold_registers(ds_frag);
+        release(&smem.q_empty[stage]);  // this stage's Q and dO are read
     }
     loaded += q_tiles;
+    release(smem.kv_empty);  // K and V are read (the last dQ pass was waited for)
     store_dk_dv<HEAD_DIM>(w.dk_head, w.dv_head, dk_acc, dv_acc, key0, w.seqlen, w.scale);
 }
 
@@ -362,7 +424,7 @@ __device__ int round_key_tile(int round, int key_tiles, int causal) {
 }
 
 template <int HEAD_DIM, bool DETERMINISTIC>
-__global__ void __launch_bounds__(WG_THREADS, 2)
+__global__ void __launch_bounds__(BLOCK_THREADS, 1)
     backward_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
                     const float *lse, const float *delta, float *dq_acc, __half *dk, __half *dv, int seqlen,
@@ -388,17 +450,32 @@ __global__ void __launch_bounds__(WG_THREADS, 2)
               scale_log2};
     if constexpr (DETERMINISTIC) w.dq_head += (size_t)blockIdx.x * heads * seqlen * HEAD_DIM;  // the block's copy
 
+    constexpr int CONSUMER_WARPS = CONSUMERS * WG_THREADS / 32;
     if (threadIdx.x == 0) {
         mbarrier_init(smem.kv_full, 1);
-        for (int s = 0; s < BWD_STAGES; s++) mbarrier_init(&smem.q_full[s], 1);
+        mbarrier_init(smem.kv_empty, CONSUMER_WARPS);
+        for (int s = 0; s < BWD_STAGES; s++) {
+            mbarrier_init(&smem.q_full[s], 1);
+            mbarrier_init(&smem.q_empty[s], CONSUMER_WARPS);
+        }
         fence_mbarrier_init();
     }
-    __syncthreads();
+    __syncthreads();  // the barriers are initialised before anyone waits on them
     const int key_tiles = ceil_div(seqlen, BwdConfig<HEAD_DIM>::TILE_KV);
+    const int warpgroup = threadIdx.x / WG_THREADS;
     int loaded = 0;
-    for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles, causal)) >= 0; round++) {
-        if (round > 0) __syncthreads();  // every warp is done with the last key tile's K, V and dS^T
-        backward_key_block<HEAD_DIM>(smem, w, key_tile, round, loaded);
+    // Warp specialisation: warpgroup 0 only copies, with few registers; the consumers only compute.
+    if (warpgroup == 0) {
+        setmaxnreg_dec<PRODUCER_REGISTERS>();
+        if (threadIdx.x != 0) return;
+        for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles, causal)) >= 0;
+             round++)
+            produce_key_block<HEAD_DIM>(smem, w, key_tile, round, loaded);
+    } else {
+        setmaxnreg_inc<CONSUMER_REGISTERS>();
+        for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles, causal)) >= 0;
+             round++)
+            consume_key_block<HEAD_DIM>(smem, w, warpgroup - 1, key_tile, round, loaded);
     }
 }
 
@@ -460,7 +537,7 @@ static cudaError_t plan_backward(const AttnShape *s, int *copies) {
     RETURN_IF_ERROR(cudaGetDevice(&device));
     RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, backward_kernel<HEAD_DIM, DETERMINISTIC>,
-                                                                  WG_THREADS, Cfg::SMEM_BYTES));
+                                                                  BLOCK_THREADS, Cfg::SMEM_BYTES));
     if (per_sm < 1) return cudaErrorInvalidConfiguration;  // the kernel fits no SM
     *copies = dq_copies(s->batch * s->heads, ceil_div(s->seqlen, Cfg::TILE_KV), per_sm * sms);
     return cudaSuccess;
@@ -501,9 +578,9 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
         <<<row_grid, THREADS, 0, stream>>>(args->o, args->d_o, delta, dq_acc, copies, s->seqlen);
     RETURN_IF_ERROR(cudaGetLastError());
     const dim3 grid = DETERMINISTIC ? dim3(copies, heads) : s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
-    backward_kernel<HEAD_DIM, DETERMINISTIC>
-        <<<grid, WG_THREADS, Cfg::SMEM_BYTES, stream>>>(q_map, k_map, v_map, do_map, args->lse, delta, dq_acc, args->dk,
-                                                        args->dv, s->seqlen, s->scale, s->scale * LOG2E, s->causal);
+    backward_kernel<HEAD_DIM, DETERMINISTIC><<<grid, BLOCK_THREADS, Cfg::SMEM_BYTES, stream>>>(
+        q_map, k_map, v_map, do_map, args->lse, delta, dq_acc, args->dk, args->dv, s->seqlen, s->scale,
+        s->scale * LOG2E, s->causal);
     RETURN_IF_ERROR(cudaGetLastError());
     convert_dq_kernel<HEAD_DIM><<<row_grid, THREADS, 0, stream>>>(dq_acc, copies, args->dq, s->seqlen, s->scale);
     return cudaGetLastError();
@@ -519,7 +596,7 @@ static const Backward backward_pass = {backward_workspace_bytes, backward, 1};  
 
 const Chapter chapter = {
     "10_backward_hopper",
-    "the backward on Hopper's datapath: wgmma for the five products, K, V, Q and dO brought by TMA",
+    "the backward on Hopper's datapath: wgmma for the five products, their tiles by TMA from a producer warpgroup",
     PRECISION_FP16_TC,
     90,
     90,    // sm_90 only: wgmma is an sm_90a feature

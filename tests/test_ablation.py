@@ -315,14 +315,17 @@ def test_08s_readme_states_its_diff_sizes(repo):
         f"08's README: the later steps' diffs are {later}")
 
 
-def test_09s_step_table_states_lines_and_diffs(repo):
-    """09's README step table: each file's line count and its `make diff` from the step before."""
-    text = (repo.root / "09_backward" / "README.md").read_text()
-    rows = re.findall(r"^\| (09\.(\d)) \| [^|]* \| `([\w.]+)` \| (\d+) \| ([^|]*)\|$", text, re.M)
-    assert [int(k) for _, k, _, _, _ in rows] == list(range(1, 9)), f"09's step table: rows {rows}"
+@pytest.mark.parametrize("chapter, steps", [("09_backward", 8), ("10_backward_hopper", 2)])
+def test_step_table_states_lines_and_diffs(repo, chapter, steps):
+    """A chapter's README step table (09's, 10's): each file's line count and its `make diff` from the
+    step before."""
+    number = chapter[:2]
+    text = (repo.root / chapter / "README.md").read_text()
+    rows = re.findall(rf"^\| ({number}\.(\d)) \| [^|]* \| `([\w.]+)` \| (\d+) \| ([^|]*)\|$", text, re.M)
+    assert [int(k) for _, k, _, _, _ in rows] == list(range(1, steps + 1)), f"{chapter}'s step table: rows {rows}"
     for step, k, name, lines, diff in rows:
-        have = len((repo.root / "09_backward" / name).read_text().splitlines())
+        have = len((repo.root / chapter / name).read_text().splitlines())
         assert int(lines) == have, f"{step}: the table says {lines} lines, {name} has {have}"
         if k != "1":
-            size = changed_lines(f"09.{int(k) - 1}", step)
+            size = changed_lines(f"{number}.{int(k) - 1}", step)
             assert re.search(rf": {size}( lines)? $", diff), f"{step}: the table says {diff.strip()!r}, the diff is {size} lines"
