@@ -413,8 +413,9 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
 // key tile (grid (key tiles, b*h); causal (b*h, key tiles), the heaviest first). Deterministic
 // (09.8's): grid (copies, b*h); block `copy` takes one of every `copies` key tiles, one after the
 // other, back and forth (copy, 2 copies - 1 - copy, ...), into a dQ copy that no other block
-// writes; one thread adds to an address in program order, and the convert kernel sums the copies
-// in order, so dQ comes out the same on every run.
+// writes. An address of it is added to by one thread per round, the rounds ordered by the consumers'
+// named barrier (at D = 64 the two consumers take a round's dQ in turn), and the convert kernel sums
+// the copies in order, so dQ comes out the same on every run.
 template <bool DETERMINISTIC>
 __device__ int round_key_tile(int round, int key_tiles, int causal) {
     if constexpr (!DETERMINISTIC) return round > 0 ? -1 : (int)(causal ? blockIdx.y : blockIdx.x);
