@@ -154,12 +154,12 @@ def test_09s_step_sections_quote_the_steps_log(repo):
     assert not missing, f"09's README does not quote steps_h100.txt / ablation_09.csv as they are: expected {missing}"
 
 
-def first_run_10(repo):
-    """10.1's first run: {(build, deterministic, D, causal): ms} from its log's timing lines."""
+def first_run_10(repo, log):
+    """A first run of 10's: {(build, deterministic, D, causal): ms} from its log's timing lines."""
     times = {}
-    for line in (repo.root / "docs/results/logs/10/first_run_h100.log").read_text().splitlines():
+    for line in (repo.root / "docs/results/logs/10" / log).read_text().splitlines():
         words = line.split()
-        if not (words and words[0] in ("09_backward", "10_backward_hopper") and "," in words[-1]):
+        if not (words and words[0] in ("09_backward", "10_backward_hopper.step1", "10_backward_hopper") and "," in words[-1]):
             continue
         d = next(int(w[2:]) for w in words if w.startswith("D="))
         times[(words[0], "--deterministic" in words, d, "--causal" in words)] = float(words[-1].split(",")[0])
@@ -167,9 +167,9 @@ def first_run_10(repo):
 
 
 def test_10s_first_run_is_its_log(repo):
-    """10's README, "Measured": 10.1 beside 09 in both modes, as the first run's log has them."""
-    log = first_run_10(repo)
-    table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| D | mask | 09 | 10.1 |")
+    """10's README, 10.1's "Measured": 10.1 beside 09 in both modes, as its first run's log has them."""
+    log = first_run_10(repo, "first_run_h100.log")
+    table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| D | mask | 09 | 10.1 | 10.1 / 09 |")
     assert len(table) * 4 == len(log), f"{len(table)} rows in the table, {len(log)} timings in the log"
     for d, mask, *cells in table:
         ms = {(b, det): log[(b, det, int(d), mask == "causal")]
@@ -177,4 +177,18 @@ def test_10s_first_run_is_its_log(repo):
         want = [f"{ms[('09_backward', False)]:.2f}", f"{ms[('10_backward_hopper', False)]:.2f}",
                 f"{ms[('10_backward_hopper', False)] / ms[('09_backward', False)]:.2f}x",
                 f"{ms[('09_backward', True)]:.2f}", f"{ms[('10_backward_hopper', True)]:.2f}"]
+        assert cells == want, f"D={d} {mask}: the table has {cells}, the log {want}"
+
+
+def test_10_2s_first_run_is_its_log(repo):
+    """10's README, 10.2's "Measured": 09, 10.1 and 10.2 in both modes, one call, as its log has them."""
+    log = first_run_10(repo, "first_run_10_2_h100.log")
+    table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| D | mask | 09 | 10.1 | 10.2 |")
+    builds = ("09_backward", "10_backward_hopper.step1", "10_backward_hopper")
+    assert len(table) * 6 == len(log), f"{len(table)} rows in the table, {len(log)} timings in the log"
+    for d, mask, *cells in table:
+        ms = {(b, det): log[(b, det, int(d), mask == "causal")] for b in builds for det in (False, True)}
+        want = [f"{ms[(b, False)]:.2f}" for b in builds] + [
+            f"{ms[('10_backward_hopper', False)] / ms[('09_backward', False)]:.2f}x"] + [
+            f"{ms[(b, True)]:.2f}" for b in builds]
         assert cells == want, f"D={d} {mask}: the table has {cells}, the log {want}"
