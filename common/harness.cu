@@ -128,6 +128,8 @@ typedef struct {
     const char *decode_flag;  // the first decoding option given (--kv-heads, --new, --cache-len, --page-size)
     int kv_heads, new_tokens, page_size;  // 0: not given
     const char *cache_len;                // --cache-len: one length, or B of them comma-separated
+    DecodeShape dshape;                   // --decode: the shape, checked (check_decode)
+    int *lengths;                         // and its sequences' cache lengths [B]
 } Options;
 
 // How many of INPUT_NAMES and of OUTPUT_NAMES a run reads and writes.
@@ -179,7 +181,10 @@ static void print_help(void) {
         "  --new Q         new tokens per sequence, the cache's last Q (default 1, at most 16)\n"
         "  --cache-len L   tokens cached per sequence, new ones included, 1 to 4194304: one L\n"
         "                  for all, or B of them comma-separated (default 4096)\n"
-        "  --page-size P   tokens per page of the cache, 1 to 256 (default 16)\n"
+        "  --page-size P   tokens per page of the cache, 1 to 256 (default 16); with --decode the\n"
+        "                  report gives GB/s of K and V read, and --csv's row is impl,batch,\n"
+        "                  q_heads,kv_heads,new,max_length,page_size,headdim,ms,gbps,rel_l2,\n"
+        "                  status,max_abs,lse_err,kernels,workspace_bytes,device_bytes\n"
         "  --help          this text\n\n"
         "exit codes: 0 ran (and passed), 1 failed the check or a CUDA error,\n"
         "            2 bad usage or input, 77 skipped (no GPU, or a GPU this chapter cannot use)\n"
@@ -372,7 +377,7 @@ static int *parse_cache_lengths(const char *text, int batch) {
 
 // The options that go with --decode and the decoding shape's rules (common/shape.h); then a chapter
 // without a decode pass refuses it. Said before anything about inputs, outputs or the GPU.
-static void check_decode(const Options *o) {
+static void check_decode(Options *o) {
     if (!o->decode) {
         if (o->decode_flag) die(EXIT_USAGE, "%s is an option of decoding: add --decode, or drop it", o->decode_flag);
         return;
@@ -409,7 +414,8 @@ static void check_decode(const Options *o) {
     if (decode_shape_problem(&d, problem, sizeof problem) ||
         decode_cache_problem(&d, lengths, NULL, problem, sizeof problem))
         die(EXIT_USAGE, "%s", problem);
-    free(lengths);
+    o->dshape = d;
+    o->lengths = lengths;
     if (!chapter.decode)
         die(EXIT_USAGE,
             "this chapter has no decode pass (--decode): drop it, or run it on a chapter that registers one");
@@ -494,14 +500,18 @@ typedef struct {
     char floor_part[64];  // names the FP8 floor's file, as reference.py's fp8_floor_part does
 } DataPaths;
 
+// The folder of generated inputs and references: $FA_CACHE, else the checkout's .cache.
+static const char *cache_root(char *buf, size_t len) {
+    const char *cache = getenv("FA_CACHE");
+    if (cache && *cache) return cache;
+    format_path(buf, len, "%s/.cache", FA_ROOT);
+    return buf;
+}
+
 static DataPaths data_paths(const Options *o) {
     DataPaths p;
-    const char *cache = getenv("FA_CACHE");
     char default_cache[4096];
-    if (!cache || !*cache) {
-        format_path(default_cache, sizeof default_cache, "%s/.cache", FA_ROOT);
-        cache = default_cache;
-    }
+    const char *cache = cache_root(default_cache, sizeof default_cache);
     const AttnShape *s = &o->shape;
     if (o->input_dir) {
         char path[4096];
@@ -525,6 +535,8 @@ static DataPaths data_paths(const Options *o) {
 
 // The gradient reference files the check reads (reference.py backward writes them, the rows last).
 static const char *const GRAD_PARTS[5] = {"dq", "dk", "dv", "dq_rows", "dkv_rows"};
+
+static void run_reference(const char *const *argv);
 
 // Run common/reference.py to create whatever inputs and reference files are missing (with --backward,
 // its backward command: dO and the gradients besides the forward's files).
@@ -589,15 +601,20 @@ static void prepare_data(const Options *o, const DataPaths *p) {
     }
     argv[argc] = NULL;
 
+    run_reference(argv);
+}
+
+// Run argv (FA_PYTHON, common/reference.py, its command and options) and wait for it to succeed.
+static void run_reference(const char *const *argv) {
     pid_t pid;
-    int rc = posix_spawnp(&pid, python, NULL, NULL, (char *const *)argv, environ);
+    int rc = posix_spawnp(&pid, argv[0], NULL, NULL, (char *const *)argv, environ);
     int status = 0;
     if (rc == 0 && waitpid(pid, &status, 0) < 0) rc = errno;
     if (rc != 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
         die(EXIT_USAGE,
             "could not prepare inputs with '%s %s' (%s); run 'make' to set up Python with NumPy, "
             "or set FA_PYTHON",
-            shown(python), shown(script), rc ? strerror(rc) : "it failed, see above");
+            shown(argv[0]), shown(argv[1]), rc ? strerror(rc) : "it failed, see above");
 }
 
 // Load dir/file, refusing another dtype or shape (a negative dimension matches any).
@@ -1294,9 +1311,303 @@ static int run_backward(const Options *o, const DataPaths *paths, const AttnArgs
     return (!o->check || passed) ? EXIT_PASS : EXIT_FAILED;
 }
 
+// ---------------------------------------------------------------------------
+// Decoding (--decode): its inputs, the checked run, the timing, the report
+// ---------------------------------------------------------------------------
+
+// reference.py decode's files: the queries, the paged cache and its block table and lengths.
+static const char *const DECODE_INPUTS[5] = {"q.npy", "k_pool.npy", "v_pool.npy", "block_table.npy", "lengths.npy"};
+
+static size_t decode_q_elems(const DecodeShape *d) {
+    return (size_t)d->batch * d->q_heads * d->new_tokens * d->headdim;
+}
+static size_t decode_pool_elems(const DecodeShape *d) {
+    return (size_t)d->pages * d->kv_heads * d->page_size * d->headdim;
+}
+
+// The bytes a decoding step must read: K and V of every cached token, each KV head's once.
+static double decode_kv_bytes(const DecodeShape *d, const int *lengths) {
+    double tokens = 0;
+    for (int b = 0; b < d->batch; b++) tokens += lengths[b];
+    return 2.0 * tokens * d->kv_heads * d->headdim * sizeof(__half);
+}
+
+// What the harness allocates: Q, the pools, the table and lengths, O and LSE.
+static double decode_device_bytes(const DecodeShape *d) {
+    return (2.0 * decode_q_elems(d) + 2.0 * decode_pool_elems(d)) * sizeof(__half) +
+           ((double)d->batch * d->max_pages + d->batch) * sizeof(int) +
+           (double)d->batch * d->q_heads * d->new_tokens * sizeof(float);
+}
+
+static int decode_max_length(const Options *o) {
+    int longest = 0;
+    for (int b = 0; b < o->dshape.batch; b++) longest = o->lengths[b] > longest ? o->lengths[b] : longest;
+    return longest;
+}
+
+// The cache folder of a decoding shape: its dimensions, a hash of its lengths, the seed.
+static void decode_data_dir(const Options *o, char *dir, size_t len) {
+    const DecodeShape *d = &o->dshape;
+    char root[4096];
+    uint64_t h = 1469598103934665603ULL;
+    for (int b = 0; b < d->batch; b++)
+        for (int i = 0; i < 4; i++) h = (h ^ (unsigned)((o->lengths[b] >> (8 * i)) & 0xff)) * 1099511628211ULL;
+    format_path(dir, len, "%s/decode_b%d_hq%d_hkv%d_n%d_d%d_p%d_l%016llx_seed%llu", cache_root(root, sizeof root),
+                d->batch, d->q_heads, d->kv_heads, d->new_tokens, d->headdim, d->page_size, (unsigned long long)h,
+                o->seed);
+}
+
+// Run reference.py decode where its inputs, or (checking) its reference, are missing.
+static void prepare_decode_data(const Options *o, const char *dir, const char *scale) {
+    const DecodeShape *d = &o->dshape;
+    char path[4096], o_file[128], lse_file[128];
+    int missing = 0;
+    for (int i = 0; i < 5; i++) join(path, sizeof path, dir, DECODE_INPUTS[i]), missing |= !file_exists(path);
+    snprintf(o_file, sizeof o_file, "ref_decode_s%s_o.npy", scale);
+    snprintf(lse_file, sizeof lse_file, "ref_decode_s%s_lse.npy", scale);
+    if (o->check) {
+        join(path, sizeof path, dir, o_file), missing |= !file_exists(path);
+        join(path, sizeof path, dir, lse_file), missing |= !file_exists(path);
+    }
+    if (!missing) return;
+    const char *python = getenv("FA_PYTHON");
+    char script[4096], num[6][32], seed[32];
+    char *lengths = (char *)malloc((size_t)d->batch * 12 + 1);
+    if (!lengths) die(EXIT_FAILED, "out of host memory");
+    size_t at = 0;
+    for (int b = 0; b < d->batch; b++) at += sprintf(lengths + at, b ? ",%d" : "%d", o->lengths[b]);
+    format_path(script, sizeof script, "%s/common/reference.py", FA_ROOT);
+    const int values[6] = {d->batch, d->q_heads, d->kv_heads, d->new_tokens, d->headdim, d->page_size};
+    for (int i = 0; i < 6; i++) snprintf(num[i], sizeof num[i], "%d", values[i]);
+    snprintf(seed, sizeof seed, "%llu", o->seed);
+    const char *argv[] = {python && *python ? python : FA_PYTHON,
+                          script,
+                          "decode",
+                          "--out",
+                          dir,
+                          "--batch",
+                          num[0],
+                          "--heads",
+                          num[1],
+                          "--kv-heads",
+                          num[2],
+                          "--new",
+                          num[3],
+                          "--headdim",
+                          num[4],
+                          "--page-size",
+                          num[5],
+                          "--lengths",
+                          lengths,
+                          "--seed",
+                          seed,
+                          "--scale",
+                          scale,
+                          o->check ? NULL : "--no-ref",
+                          NULL};
+    run_reference(argv);
+    free(lengths);
+}
+
+// Load reference.py decode's inputs for o->dshape; the int64 table and lengths as the ints the chapter
+// reads, the lengths checked against the command line's (a stale cache otherwise).
+static void load_decode_inputs(const Options *o, const char *dir, __half **q, __half **k_pool, __half **v_pool,
+                               int **table, int **lengths) {
+    const DecodeShape *d = &o->dshape;
+    const long long q_shape[4] = {d->batch, d->q_heads, d->new_tokens, d->headdim};
+    const long long pool_shape[4] = {d->pages, d->kv_heads, d->page_size, d->headdim};
+    const long long table_shape[2] = {d->batch, d->max_pages}, lengths_shape[1] = {d->batch};
+    *q = (__half *)load_array(dir, DECODE_INPUTS[0], NPY_F16, 4, q_shape, NULL);
+    *k_pool = (__half *)load_array(dir, DECODE_INPUTS[1], NPY_F16, 4, pool_shape, NULL);
+    *v_pool = (__half *)load_array(dir, DECODE_INPUTS[2], NPY_F16, 4, pool_shape, NULL);
+    int64_t *table64 = (int64_t *)load_array(dir, DECODE_INPUTS[3], NPY_I64, 2, table_shape, NULL);
+    int64_t *lengths64 = (int64_t *)load_array(dir, DECODE_INPUTS[4], NPY_I64, 1, lengths_shape, NULL);
+    *table = (int *)malloc((size_t)d->batch * d->max_pages * sizeof(int));
+    *lengths = (int *)malloc((size_t)d->batch * sizeof(int));
+    if (!*table || !*lengths) die(EXIT_FAILED, "out of host memory");
+    for (size_t i = 0; i < (size_t)d->batch * d->max_pages; i++) (*table)[i] = (int)table64[i];
+    for (int b = 0; b < d->batch; b++) {
+        if (lengths64[b] != o->lengths[b])
+            die(EXIT_USAGE, "%s/%s: sequence %d caches %lld tokens, the command line says %d (stale cache? delete it)",
+                shown(dir), DECODE_INPUTS[4], b, (long long)lengths64[b], o->lengths[b]);
+        (*lengths)[b] = (int)lengths64[b];
+    }
+    char problem[256];
+    if (decode_cache_problem(d, *lengths, *table, problem, sizeof problem))
+        die(EXIT_USAGE, "%s/%s: %s", shown(dir), DECODE_INPUTS[3], problem);
+    free(table64);
+    free(lengths64);
+}
+
+// O against the float64 reference (rel L2 over every element, max abs), LSE's max abs error, and
+// what was left unwritten; passed by the chapter's precision rule.
+static CheckResult check_decode_outputs(const DecodeShape *d, const char *dir, const char *scale, const __half *out,
+                                        const float *lse) {
+    CheckResult r;
+    memset(&r, 0, sizeof r);
+    char o_file[128], lse_file[128];
+    snprintf(o_file, sizeof o_file, "ref_decode_s%s_o.npy", scale);
+    snprintf(lse_file, sizeof lse_file, "ref_decode_s%s_lse.npy", scale);
+    const long long o_shape[4] = {d->batch, d->q_heads, d->new_tokens, d->headdim};
+    const long long lse_shape[3] = {d->batch, d->q_heads, d->new_tokens};
+    double *want = (double *)load_array(dir, o_file, NPY_F64, 4, o_shape, NULL);
+    double *want_lse = (double *)load_array(dir, lse_file, NPY_F64, 3, lse_shape, NULL);
+    // O as a [B, Hq, Nq, D] problem whose every row is checked.
+    const AttnShape as_rows = {d->batch, d->q_heads, d->new_tokens, d->headdim, 0, d->scale};
+    int64_t rows[DECODE_MAX_NEW];
+    for (int i = 0; i < d->new_tokens; i++) rows[i] = i;
+    r.rel_l2 = rel_l2_over_rows(&as_rows, out, want, rows, d->new_tokens, &r.max_abs);
+    const size_t n_lse = (size_t)d->batch * d->q_heads * d->new_tokens;
+    for (size_t i = 0; i < n_lse; i++) {
+        const double e = fabs((double)lse[i] - want_lse[i]);
+        if (!(e <= r.lse_err) && !isnan(r.lse_err)) r.lse_err = e;
+    }
+    r.unwritten = count_not_finite(out, decode_q_elems(d));
+    for (size_t i = 0; i < n_lse; i++) r.unwritten += !isfinite(lse[i]);
+    const PrecisionRule *rule = precision_rule(chapter.precision);
+    r.rel_l2_tol = rule->rel_l2_tol;
+    r.lse_tol = rule->lse_tol;
+    r.rows_checked = d->new_tokens;
+    r.passed = r.unwritten == 0 && r.rel_l2 <= r.rel_l2_tol && r.lse_err <= r.lse_tol;
+    free(want);
+    free(want_lse);
+    return r;
+}
+
+static void print_decode_shape(const Options *o, int max_length) {
+    const DecodeShape *d = &o->dshape;
+    printf("%s: %s\n", chapter.name, chapter.adds);
+    printf(
+        "  decode    B=%d Hq=%d Hkv=%d (groups of %d) Nq=%d D=%d, cache up to %d tokens in pages of %d (%d pages), "
+        "scale %.6g\n",
+        d->batch, d->q_heads, d->kv_heads, d->q_heads / d->kv_heads, d->new_tokens, d->headdim, max_length,
+        d->page_size, d->pages, d->scale);
+}
+
+// The decoding step of the chapter: checked, timed, reported; its exit code.
+static int run_decode(const Options *o) {
+    const DecodeShape *d = &o->dshape;
+    const int max_length = decode_max_length(o);
+    const size_t workspace = chapter.decode->workspace_bytes ? chapter.decode->workspace_bytes(d, max_length) : 0;
+    const double kv_bytes = decode_kv_bytes(d, o->lengths);
+    char a[32], b[32];
+    if (o->dry_run) {
+        print_decode_shape(o, max_length);
+        printf("  work      %s of K and V to read\n", human_bytes(kv_bytes, a, sizeof a));
+        printf("  memory    inputs+outputs %s, workspace %s\n", human_bytes(decode_device_bytes(d), a, sizeof a),
+               human_bytes((double)workspace, b, sizeof b));
+        return EXIT_PASS;
+    }
+    cudaDeviceProp prop;
+    require_gpu(&prop);
+    require_memory(decode_device_bytes(d) + (double)workspace, workspace, "");
+    char dir[4096], scale[64];
+    snprintf(scale, sizeof scale, "%.9g", d->scale);
+    decode_data_dir(o, dir, sizeof dir);
+    prepare_decode_data(o, dir, scale);
+    __half *host_q, *host_k, *host_v;
+    int *host_table, *host_lengths;
+    load_decode_inputs(o, dir, &host_q, &host_k, &host_v, &host_table, &host_lengths);
+
+    // Device buffers (the harness owns every allocation).
+    const size_t q_bytes = decode_q_elems(d) * sizeof(__half), pool_bytes = decode_pool_elems(d) * sizeof(__half);
+    const size_t table_bytes = (size_t)d->batch * d->max_pages * sizeof(int), lengths_bytes = d->batch * sizeof(int);
+    const size_t lse_bytes = (size_t)d->batch * d->q_heads * d->new_tokens * sizeof(float);
+    __half *q, *k_pool, *v_pool, *out;
+    int *table, *lengths;
+    float *lse;
+    void *work = NULL;
+    CUDA_CHECK(cudaMalloc(&q, q_bytes));
+    CUDA_CHECK(cudaMalloc(&k_pool, pool_bytes));
+    CUDA_CHECK(cudaMalloc(&v_pool, pool_bytes));
+    CUDA_CHECK(cudaMalloc(&table, table_bytes));
+    CUDA_CHECK(cudaMalloc(&lengths, lengths_bytes));
+    CUDA_CHECK(cudaMalloc(&out, q_bytes));
+    CUDA_CHECK(cudaMalloc(&lse, lse_bytes));
+    if (workspace) CUDA_CHECK(cudaMalloc(&work, workspace));
+    CUDA_CHECK(cudaMemcpy(q, host_q, q_bytes, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(k_pool, host_k, pool_bytes, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(v_pool, host_v, pool_bytes, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(table, host_table, table_bytes, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(lengths, host_lengths, lengths_bytes, cudaMemcpyHostToDevice));
+    free(host_q), free(host_k), free(host_v), free(host_table), free(host_lengths);
+    const DecodeArgs args = {*d, q, k_pool, v_pool, table, lengths, max_length, out, lse, work};
+    cudaStream_t stream;
+    CUDA_CHECK(cudaStreamCreate(&stream));
+
+    // Its kernels, counted in a captured graph (nothing runs).
+    cudaGraph_t graph;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    cudaError_t launched = chapter.decode->decode(&args, stream);
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(launched);
+    size_t nodes = 0;
+    CUDA_CHECK(cudaGraphGetNodes(graph, NULL, &nodes));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+
+    // The checked run, on O and LSE filled with NaN (all bits set), then the timed ones.
+    CUDA_CHECK(cudaMemsetAsync(out, 0xff, q_bytes, stream));
+    CUDA_CHECK(cudaMemsetAsync(lse, 0xff, lse_bytes, stream));
+    CUDA_CHECK(chapter.decode->decode(&args, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    require_no_todo();
+    CheckResult check;
+    memset(&check, 0, sizeof check);
+    check.passed = 1;
+    if (o->check) {
+        __half *host_o = (__half *)malloc(q_bytes);
+        float *host_lse = (float *)malloc(lse_bytes);
+        if (!host_o || !host_lse) die(EXIT_FAILED, "out of host memory");
+        CUDA_CHECK(cudaMemcpy(host_o, out, q_bytes, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(host_lse, lse, lse_bytes, cudaMemcpyDeviceToHost));
+        check = check_decode_outputs(d, dir, scale, host_o, host_lse);
+        free(host_o), free(host_lse);
+    }
+    for (int i = 0; i < o->warmup; i++) CUDA_CHECK(chapter.decode->decode(&args, stream));
+    float *ms = (float *)calloc(o->iters, sizeof *ms);
+    cudaEvent_t start, stop;
+    if (!ms) die(EXIT_FAILED, "out of host memory");
+    CUDA_CHECK(cudaEventCreate(&start));
+    CUDA_CHECK(cudaEventCreate(&stop));
+    for (int i = 0; i < o->iters; i++) {
+        CUDA_CHECK(cudaEventRecord(start, stream));
+        CUDA_CHECK(chapter.decode->decode(&args, stream));
+        CUDA_CHECK(cudaEventRecord(stop, stream));
+        CUDA_CHECK(cudaEventSynchronize(stop));
+        CUDA_CHECK(cudaEventElapsedTime(&ms[i], start, stop));
+    }
+    const float median = median_of(ms, o->iters);
+    const double gbps = kv_bytes / (median * 1e-3) / 1e9;
+    const char *status = !o->check ? "unchecked" : check.passed ? "PASS" : "FAIL";
+    if (o->csv) {
+        printf("%s,%d,%d,%d,%d,%d,%d,%d,%.4f,%.1f,%.4g,%s,%.4g,%.4g,%zu,%zu,%.0f\n", chapter.name, d->batch, d->q_heads,
+               d->kv_heads, d->new_tokens, max_length, d->page_size, d->headdim, median, gbps, check.rel_l2, status,
+               check.max_abs, check.lse_err, nodes, workspace, decode_device_bytes(d) + (double)workspace);
+    } else {
+        print_decode_shape(o, max_length);
+        printf("  time      %.4f ms (median of %d), %.1f GB/s of K and V (%s), %zu kernel%s\n", median, o->iters, gbps,
+               human_bytes(kv_bytes, a, sizeof a), nodes, nodes == 1 ? "" : "s");
+        if (o->check)
+            printf("  check     O rel L2 %.3g (<= %.0e), max abs %.3g; LSE max abs %.3g (<= %.0e)%s: %s\n",
+                   check.rel_l2, check.rel_l2_tol, check.max_abs, check.lse_err, check.lse_tol,
+                   check.unwritten ? ", elements left unwritten" : "", status);
+    }
+    CUDA_CHECK(cudaEventDestroy(start));
+    CUDA_CHECK(cudaEventDestroy(stop));
+    CUDA_CHECK(cudaStreamDestroy(stream));
+    void *buffers[] = {q, k_pool, v_pool, table, lengths, out, lse, work};
+    for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) CUDA_CHECK(cudaFree(buffers[i]));
+    free(ms);
+    return check.passed ? EXIT_PASS : EXIT_FAILED;
+}
+
 int main(int argc, char **argv) {
     Options o = parse_args(argc, argv);
     check_decode(&o);
+    if (o.decode) {
+        if (!o.scale_given) o.dshape.scale = 1.0f / sqrtf((float)o.dshape.headdim);
+        return run_decode(&o);
+    }
     // Said before anything about the inputs or the output folder: fixing those would not make it run.
     if (o.backward && !chapter.backward)
         die(EXIT_USAGE,

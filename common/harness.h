@@ -92,6 +92,29 @@ struct Backward {
     int deterministic;
 };
 
+// A chapter's decoding pass (`--decode`, DecodeShape in common/shape.h): O and LSE of each sequence's
+// Nq new queries against its paged KV cache, checked against common/reference.py decode and timed
+// (CUDA events, the median of --iters after --warmup), GB/s of K and V read. The harness fills O and
+// LSE with NaN before the checked call and clears nothing between calls.
+typedef struct {
+    DecodeShape shape;
+    const __half *q;                // [B, Hq, Nq, D]
+    const __half *k_pool, *v_pool;  // [pages, Hkv, P, D]
+    const int *block_table;         // [B, max_pages]: entry i of sequence b is the page holding its tokens P·i ..
+    const int *lengths;             // [B]: tokens cached per sequence, its Nq new ones the last
+    int max_length;                 // the longest of them (the host's copy, for the grid)
+    __half *o;                      // [B, Hq, Nq, D]
+    float *lse;                     // [B, Hq, Nq], natural log
+    void *workspace;                // decode->workspace_bytes(shape, max_length) bytes, NULL when 0
+} DecodeArgs;
+
+struct Decode {
+    // Device scratch for a shape whose longest sequence caches max_length tokens. NULL: none.
+    size_t (*workspace_bytes)(const DecodeShape *shape, int max_length);
+    // Enqueue one decoding step on `stream` alone; return the first CUDA error met.
+    cudaError_t (*decode)(const DecodeArgs *args, cudaStream_t stream);
+};
+
 extern const Chapter chapter;
 
 // A chapter's launcher instantiated for each head dimension (kernels that take it as a

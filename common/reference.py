@@ -236,6 +236,73 @@ def decode_reference(q, k_cache, v_cache, lengths, scale):
     return out, lse
 
 
+# --- decoding's inputs: a paged KV cache ------------------------------------------------------
+DECODE_SEED_STREAM = 2  # q and the cache come from default_rng([seed, 2])
+DECODE_INPUTS = ("q", "k_pool", "v_pool", "block_table", "lengths")  # written in this order: lengths last
+
+
+def decode_pages(lengths, page_size):
+    """Pages each sequence uses (ceil(length / P)), the pool's pages (their sum) and the block table's
+    width (the most any sequence uses)."""
+    used = [-(-int(n) // page_size) for n in lengths]
+    return used, sum(used), max(used)
+
+
+def make_decode_inputs(batch, q_heads, kv_heads, new, headdim, page_size, lengths, seed):
+    """q [B, Hq, Nq, D] and a paged cache holding `lengths` tokens per sequence: k_pool, v_pool
+    [pages, Hkv, P, D] (fp16 N(0, 1)), block_table [B, max_pages] int64 (each sequence's pages, in a
+    seeded random order of the pool, so that no sequence's pages lie in order; -1 past its last) and
+    lengths [B] int64."""
+    rng = np.random.default_rng([seed, DECODE_SEED_STREAM])
+    used, pages, max_pages = decode_pages(lengths, page_size)
+    q = rng.standard_normal((batch, q_heads, new, headdim)).astype(np.float16)
+    k_pool = rng.standard_normal((pages, kv_heads, page_size, headdim)).astype(np.float16)
+    v_pool = rng.standard_normal((pages, kv_heads, page_size, headdim)).astype(np.float16)
+    order = rng.permutation(pages)
+    table = np.full((batch, max_pages), -1, np.int64)
+    at = 0
+    for b, n in enumerate(used):
+        table[b, :n] = order[at:at + n]
+        at += n
+    return q, k_pool, v_pool, table, np.asarray(lengths, np.int64)
+
+
+def gather_cache(pool, table, lengths):
+    """The contiguous caches [B, Hkv, capacity, D] that a paged pool [pages, Hkv, P, D] holds: sequence
+    b's pages in its block table's order, zeros past its length."""
+    batch, max_pages = table.shape
+    _, kv_heads, page_size, headdim = pool.shape
+    out = np.zeros((batch, kv_heads, max_pages * page_size, headdim), pool.dtype)
+    for b in range(batch):
+        for i in range(-(-int(lengths[b]) // page_size)):
+            out[b, :, i * page_size:(i + 1) * page_size] = pool[table[b, i]]
+    return out
+
+
+def decode_paths(folder, scale_text):
+    """The reference files of decoding at a scale: O and LSE (written in that order)."""
+    return {part: os.path.join(folder, f"ref_decode_s{scale_text}_{part}.npy") for part in ("o", "lse")}
+
+
+def decode(args):
+    """Decoding's inputs in args.out (generated once) and its float64 reference O and LSE."""
+    os.makedirs(args.out, exist_ok=True)
+    inputs = {name: os.path.join(args.out, f"{name}.npy") for name in DECODE_INPUTS}
+    if not all(os.path.exists(path) for path in inputs.values()):
+        arrays = make_decode_inputs(args.batch, args.heads, args.kv_heads, args.new, args.headdim, args.page_size,
+                                    args.lengths, args.seed)
+        for name, array in zip(DECODE_INPUTS, arrays):
+            save_atomic(inputs[name], array)
+    paths = decode_paths(args.out, args.scale)
+    if args.no_ref or all(os.path.exists(path) for path in paths.values()):
+        return
+    q, k_pool, v_pool, table, lengths = (np.load(inputs[name]) for name in DECODE_INPUTS)
+    o, lse = decode_reference(q, gather_cache(k_pool, table, lengths), gather_cache(v_pool, table, lengths), lengths,
+                              float(args.scale))
+    save_atomic(paths["o"], o)
+    save_atomic(paths["lse"], lse)  # last: its presence means the set is complete
+
+
 # --- the backward pass: gradients of O given dO ----------------------------------------------
 GRAD_SEED_STREAM = 1        # dO comes from default_rng([seed, 1]): Q, K, V stay make_inputs'
 GRAD_TILE_EDGES = (64, 128)  # the chapters' query and key tiles: the rows either side of the first and
@@ -534,6 +601,15 @@ def parse_args(argv):
     sub.choices["inputs"].add_argument("--qk-std", type=float, default=1.0)
     sub.choices["inputs"].add_argument("--outliers", type=float, default=0.0,
                                        help="fraction of Q and K entries set to +-U(10, 100)")
+    dec = sub.add_parser("decode")
+    dec.add_argument("--out", required=True)
+    for name in ("--batch", "--heads", "--kv-heads", "--new", "--headdim", "--page-size"):
+        dec.add_argument(name, type=positive_int, required=True)
+    dec.add_argument("--lengths", required=True, type=lambda text: [positive_int(n) for n in text.split(",")],
+                     help="tokens cached per sequence, comma-separated, B of them")
+    dec.add_argument("--seed", type=int, default=0)
+    dec.add_argument("--scale", required=True, help="softmax scale, as text (it names the files)")
+    dec.add_argument("--no-ref", action="store_true", help="only the inputs")
     floor = sub.choices["floor"]
     floor.add_argument("--input", required=True)
     floor.add_argument("--causal", action="store_true")
@@ -543,6 +619,10 @@ def parse_args(argv):
     floor.add_argument("--qk-range", type=positive_int, help="default: the FP8 chapter's at this head dim")
     args = parser.parse_args(argv)
     if args.command == "floor":
+        return args
+    if args.command == "decode":
+        if len(args.lengths) != args.batch:
+            parser.error(f"--lengths gives {len(args.lengths)} lengths for --batch {args.batch}")
         return args
     generated = args.command == "inputs" or args.input is None
     if generated and None in (args.batch, args.heads, args.seqlen, args.headdim):
@@ -567,6 +647,8 @@ def main(argv=None):
             backward(args)
         elif args.command == "floor":
             print_floor(args)
+        elif args.command == "decode":
+            decode(args)
         else:
             os.makedirs(args.out, exist_ok=True)
             write_inputs(args.out, args, args.qk_std, args.outliers)

@@ -16,7 +16,7 @@ import re
 import numpy as np
 import pytest
 
-from helpers import CHAPTERS, WORKSPACE
+from helpers import CHAPTERS, DECODE_CHAPTERS, WORKSPACE
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 AT_LEAST_1 = r"(between 1 |>= ?1\b|at least 1\b|positive)"
@@ -283,9 +283,6 @@ BAD = [
             tmp_then(r"/a\\nb/out"), r"cannot be created"),
     # Decoding (--decode, common/shape.h's DecodeShape): its options and rules, then the chapters that
     # solve the forward problem only refuse a decoding shape that is valid.
-    refusal("decode on a forward-only chapter",
-            lambda t: ["--decode", "--batch", "2", "--heads", "32", "--kv-heads", "8", "--new", "4", "--cache-len",
-                       "100,2000", "--page-size", "1"], r"no decode pass", r"--decode"),
     refusal("decode option without --decode", lambda t: ["--kv-heads", "8"], r"--kv-heads", r"add --decode"),
     refusal("decode group that does not divide", lambda t: ["--decode", "--heads", "32", "--kv-heads", "5"],
             r"\b32\b", r"\b5\b", r"multiple"),
@@ -436,3 +433,27 @@ def test_dry_run_takes_the_shape_from_input(repo, tmp_path, chapter):
     assert proc.returncode == 0, f"{chapter} --dry-run --input: exit {proc.returncode}: {proc.stderr.strip()}"
     assert "B=2 H=3 N=33 D=128 causal" in proc.stdout, (
         f"{chapter} --dry-run --input: shape not taken from the files (2, 3, 33, 128):\n{proc.stdout}")
+
+
+# --- decoding (--decode) ---------------------------------------------------------------------------
+DECODE_ARGS = ["--decode", "--batch", "2", "--heads", "32", "--kv-heads", "8", "--new", "4", "--cache-len", "100,2000",
+               "--page-size", "16", "--headdim", "64"]
+
+
+@pytest.mark.parametrize("chapter", [c for c in CHAPTERS if c not in DECODE_CHAPTERS])
+def test_a_chapter_without_a_decode_pass_refuses_a_valid_decoding_shape(repo, tmp_path, chapter):
+    assert_refused(repo, repo.require_binary(chapter), chapter, DECODE_ARGS, [r"no decode pass", r"--decode"], None,
+                   tmp_path)
+
+
+@pytest.mark.parametrize("chapter", DECODE_CHAPTERS)
+def test_decode_dry_run_shows_the_shape_and_the_bytes_to_read(repo, tmp_path, chapter):
+    """The plan of a ragged, grouped, paged shape: its dimensions, its pages, and the bytes of K and V
+    every step must read (2 x 2100 tokens x 8 KV heads x 64 dims x 2 bytes = 4.1 MiB)."""
+    proc = repo.run([repo.require_binary(chapter), *DECODE_ARGS, "--dry-run"], env={**NO_GPU, "FA_CACHE": str(tmp_path)},
+                    timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"B=2 Hq=32 Hkv=8 \(groups of 4\) Nq=4 D=64, cache up to 2000 tokens in pages of 16 "
+                     r"\(132 pages\)", proc.stdout), proc.stdout
+    assert re.search(r"4\.1 MiB of K and V to read", proc.stdout), proc.stdout
+    assert not any(tmp_path.iterdir()), "a dry run prepared inputs"

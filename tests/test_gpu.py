@@ -57,10 +57,10 @@ SEQLENS = (1, 17, 64, 127, 128, 1000, 2048)
 # tiles (32 to 128 rows) take the same paths at 128 and 127, 2048 and 1000.
 TILE_192_SEQLENS = (384, 385)
 ONE_HEAD_N = 17  # (1, 1) runs at this N alone: one head's indexing; at every other N (2, 3) takes its paths, and more
-SINGLE_KERNEL_NO_WORKSPACE = {4, 5, 6, 7, 9, 10}  # fused from 04 on: one launch, no N^2 scratch
+SINGLE_KERNEL_NO_WORKSPACE = {4, 5, 6, 7, 9, 10, 11}  # fused from 04 on: one launch, no N^2 scratch
 FP8_KERNELS = 2                               # 08: quantize, attention
 N2_WORKSPACE = {1, 2, 3}                      # S (and P) in device memory: B*H*N*N floats
-FP16_TC = {6, 7, 9, 10}                       # fp16 tensor-core chapters (and 08's fp16 steps)
+FP16_TC = {6, 7, 9, 10, 11}                     # fp16 tensor-core chapters (and 08's fp16 steps)
 OUTPUT_SHAPES = [(2, 3, 200, 64, True), (1, 2, 129, 128, False)]  # (B, H, N, D, causal)
 TORCH_RULE_SHAPES = OUTPUT_SHAPES + [(1, 4, 1024, 128, True)]
 RUN_TIMEOUT_S = 600

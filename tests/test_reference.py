@@ -506,3 +506,25 @@ def test_decode_refuses_shapes_that_do_not_fit(change, message):
     v = np.zeros((2, 2, change.get("v_capacity", 8), 64), dtype=np.float16)
     with pytest.raises(ValueError, match=message):
         reference.decode_reference(q, k, v, np.array(change.get("lengths", [4, 8])), 0.125)
+
+
+def test_decode_inputs_page_the_cache_through_the_block_table(tmp_path):
+    """reference.py decode: every sequence's pages are its own (no page twice, none past the pool), not in
+    pool order, -1 past its last; the reference it writes is decode_reference on the caches those
+    pages make, page by page, in the table's order."""
+    lengths = [40, 100, 1]
+    args = ["decode", "--out", str(tmp_path), "--batch", "3", "--heads", "8", "--kv-heads", "2", "--new", "1",
+            "--headdim", "64", "--page-size", "16", "--lengths", ",".join(map(str, lengths)), "--scale", "0.125"]
+    assert reference.main(args) == 0
+    q, k_pool, v_pool, table, got_lengths = (np.load(tmp_path / f"{n}.npy") for n in reference.DECODE_INPUTS)
+    used = [3, 7, 1]
+    assert list(got_lengths) == lengths and table.shape == (3, 7) and k_pool.shape == (sum(used), 2, 16, 64)
+    pages = np.concatenate([table[b, :n] for b, n in enumerate(used)])
+    assert sorted(pages) == list(range(sum(used))), f"the pages in use are not the pool, each once: {table}"
+    assert all((table[b, n:] == -1).all() for b, n in enumerate(used)), table
+    assert list(table[1, :7]) != sorted(table[1, :7]), "sequence 1's pages lie in pool order"
+    k = reference.gather_cache(k_pool, table, got_lengths)
+    assert np.array_equal(k[1, :, 16 * 2:16 * 3], k_pool[table[1, 2]]), "page 2 of sequence 1 is not where it goes"
+    o = np.load(tmp_path / "ref_decode_s0.125_o.npy")
+    want, _ = reference.decode_reference(q, k, reference.gather_cache(v_pool, table, got_lengths), got_lengths, 0.125)
+    assert np.array_equal(o, want)

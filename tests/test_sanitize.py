@@ -1,6 +1,6 @@
 """compute-sanitizer (`make sanitize`: pytest -m sanitize) on every chapter and 08's step builds at
-small shapes, and on each backward pass (--backward, and in its deterministic mode: --backward
---deterministic), 09's step builds included.
+small shapes, on each backward pass (--backward, and in its deterministic mode: --backward
+--deterministic), 09's step builds included, and on each decoding pass (--decode).
 
 memcheck (with --leak-check full), racecheck, synccheck and initcheck, each on shapes that are not
 tile multiples. A run passes when the sanitizer exits 0 and reports `ERROR SUMMARY: 0 errors`
@@ -12,7 +12,7 @@ without compute-sanitizer.
 import pytest
 
 from cuda_tools import check_summary, find_sanitizer
-from helpers import BACKWARD_CHAPTERS, CHAPTERS, STEP_BUILDS, shape_args
+from helpers import BACKWARD_CHAPTERS, CHAPTERS, DECODE_CHAPTERS, STEP_BUILDS, shape_args
 
 # (tool, extra sanitizer flags, B, H, N, D, causal)
 RUNS = [
@@ -43,17 +43,14 @@ def params():
                                   f"{' causal' if causal else ''}")
 
 
-@pytest.mark.sanitize
-@pytest.mark.gpu
-@pytest.mark.parametrize("tool,extra,build,flags,shape", list(params()))
-def test_sanitizer_finds_nothing(repo, tool, extra, build, flags, shape):
+def sanitize(repo, tool, extra, build, args, cache_key):
+    """The sanitizer's run of build with args, after one plain run per cache_key (which makes the cached inputs
+    and reference for everyone): exit 0 and a clean summary."""
     sanitizer = repo.once("compute-sanitizer", find_sanitizer)
     if not sanitizer:
         pytest.skip("compute-sanitizer not found (PATH, next to nvcc, /usr/local/cuda)")
     binary = repo.require_binary(build)
-    args = shape_args(*shape) + ["--warmup", "0", "--iters", "1", *flags]
-    # One plain run per shape (and pass) makes the cached inputs and reference for everyone.
-    repo.once(("sanitize-cache", shape, bool(flags)), lambda: repo.run([binary, *args, "--csv"], timeout=TIMEOUT_S))
+    repo.once(cache_key, lambda: repo.run([binary, *args, "--csv"], timeout=TIMEOUT_S))
     proc = repo.run([sanitizer, "--tool", tool, "--error-exitcode", "99", "--target-processes", "application-only",
                      *extra, binary, *args], timeout=TIMEOUT_S)
     output = proc.stdout + proc.stderr
@@ -65,6 +62,29 @@ def test_sanitizer_finds_nothing(repo, tool, extra, build, flags, shape):
         f"{shown}: exit {proc.returncode}, expected 0 (99: the sanitizer found errors; 1: the check failed)\n"
         + "\n".join(reports[:40] or output.strip().splitlines()[-20:]))
     check_summary(tool, output, shown)
+
+
+@pytest.mark.sanitize
+@pytest.mark.gpu
+@pytest.mark.parametrize("tool,extra,build,flags,shape", list(params()))
+def test_sanitizer_finds_nothing(repo, tool, extra, build, flags, shape):
+    args = shape_args(*shape) + ["--warmup", "0", "--iters", "1", *flags]
+    sanitize(repo, tool, extra, build, args, ("sanitize-cache", shape, bool(flags)))
+
+
+# Decoding (--decode), on the chapters that register it: a ragged, grouped, paged shape with four new tokens.
+DECODE_ARGS = ["--decode", "--batch", "2", "--heads", "8", "--kv-heads", "2", "--new", "4", "--page-size", "16",
+               "--cache-len", "37,300", "--warmup", "0", "--iters", "1"]
+
+
+@pytest.mark.sanitize
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("tool,extra", [("memcheck", ["--leak-check", "full"]), ("racecheck", []),
+                                        ("synccheck", []), ("initcheck", [])])
+@pytest.mark.parametrize("chapter", DECODE_CHAPTERS)
+def test_sanitizer_finds_nothing_in_decoding(repo, chapter, tool, extra, d):
+    sanitize(repo, tool, extra, chapter, DECODE_ARGS + ["--headdim", str(d)], ("sanitize-decode", d))
 
 
 @pytest.mark.parametrize("tool,text", [
