@@ -833,12 +833,20 @@ static cudaError_t enqueue(const AttnArgs *args, const BackwardArgs *grad, cudaS
 }
 
 // Kernels one forward (or backward) launches: capture it into a graph and count its kernel nodes.
+static int kernels_in(cudaGraph_t graph);
+
 static int kernels_per_pass(const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream, Part part) {
     cudaGraph_t graph;
     CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
     cudaError_t launch = enqueue(args, grad, stream, part);
     CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     CUDA_CHECK(launch);
+    return kernels_in(graph);
+}
+
+// The kernel launches a captured graph holds (its other nodes, memsets and copies, are not counted); the
+// graph is destroyed.
+static int kernels_in(cudaGraph_t graph) {
     size_t n = 0;
     CUDA_CHECK(cudaGraphGetNodes(graph, NULL, &n));
     cudaGraphNode_t *nodes = (cudaGraphNode_t *)calloc(n ? n : 1, sizeof *nodes);
@@ -1425,7 +1433,8 @@ static void load_decode_inputs(const Options *o, const char *dir, __half **q, __
     *table = (int *)malloc((size_t)d->batch * d->max_pages * sizeof(int));
     *lengths = (int *)malloc((size_t)d->batch * sizeof(int));
     if (!*table || !*lengths) die(EXIT_FAILED, "out of host memory");
-    for (size_t i = 0; i < (size_t)d->batch * d->max_pages; i++) (*table)[i] = (int)table64[i];
+    for (size_t i = 0; i < (size_t)d->batch * d->max_pages; i++)  // -1 past a sequence's pages; a page below 2^31
+        (*table)[i] = table64[i] >= -1 && table64[i] < d->pages ? (int)table64[i] : d->pages;
     for (int b = 0; b < d->batch; b++) {
         if (lengths64[b] != o->lengths[b])
             die(EXIT_USAGE, "%s/%s: sequence %d caches %lld tokens, the command line says %d (stale cache? delete it)",
@@ -1535,16 +1544,6 @@ static int run_decode(const Options *o) {
     cudaStream_t stream;
     CUDA_CHECK(cudaStreamCreate(&stream));
 
-    // Its kernels, counted in a captured graph (nothing runs).
-    cudaGraph_t graph;
-    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    cudaError_t launched = chapter.decode->decode(&args, stream);
-    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    CUDA_CHECK(launched);
-    size_t nodes = 0;
-    CUDA_CHECK(cudaGraphGetNodes(graph, NULL, &nodes));
-    CUDA_CHECK(cudaGraphDestroy(graph));
-
     // The checked run, on O and LSE filled with NaN (all bits set), then the timed ones.
     CUDA_CHECK(cudaMemsetAsync(out, 0xff, q_bytes, stream));
     CUDA_CHECK(cudaMemsetAsync(lse, 0xff, lse_bytes, stream));
@@ -1563,6 +1562,13 @@ static int run_decode(const Options *o) {
         check = check_decode_outputs(d, dir, scale, host_o, host_lse);
         free(host_o), free(host_lse);
     }
+    // Its kernels, counted in a captured graph (nothing runs), then the timed runs.
+    cudaGraph_t graph;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+    cudaError_t launched = chapter.decode->decode(&args, stream);
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(launched);
+    const int kernels = kernels_in(graph);
     for (int i = 0; i < o->warmup; i++) CUDA_CHECK(chapter.decode->decode(&args, stream));
     float *ms = (float *)calloc(o->iters, sizeof *ms);
     cudaEvent_t start, stop;
@@ -1580,13 +1586,13 @@ static int run_decode(const Options *o) {
     const double gbps = kv_bytes / (median * 1e-3) / 1e9;
     const char *status = !o->check ? "unchecked" : check.passed ? "PASS" : "FAIL";
     if (o->csv) {
-        printf("%s,%d,%d,%d,%d,%d,%d,%d,%.4f,%.1f,%.4g,%s,%.4g,%.4g,%zu,%zu,%.0f\n", chapter.name, d->batch, d->q_heads,
+        printf("%s,%d,%d,%d,%d,%d,%d,%d,%.4f,%.1f,%.4g,%s,%.4g,%.4g,%d,%zu,%.0f\n", chapter.name, d->batch, d->q_heads,
                d->kv_heads, d->new_tokens, max_length, d->page_size, d->headdim, median, gbps, check.rel_l2, status,
-               check.max_abs, check.lse_err, nodes, workspace, decode_device_bytes(d) + (double)workspace);
+               check.max_abs, check.lse_err, kernels, workspace, decode_device_bytes(d) + (double)workspace);
     } else {
         print_decode_shape(o, max_length);
-        printf("  time      %.4f ms (median of %d), %.1f GB/s of K and V (%s), %zu kernel%s\n", median, o->iters, gbps,
-               human_bytes(kv_bytes, a, sizeof a), nodes, nodes == 1 ? "" : "s");
+        printf("  time      %.4f ms (median of %d), %.1f GB/s of K and V (%s), %d kernel%s\n", median, o->iters, gbps,
+               human_bytes(kv_bytes, a, sizeof a), kernels, kernels == 1 ? "" : "s");
         if (o->check)
             printf("  check     O rel L2 %.3g (<= %.0e), max abs %.3g; LSE max abs %.3g (<= %.0e)%s: %s\n",
                    check.rel_l2, check.rel_l2_tol, check.max_abs, check.lse_err, check.lse_tol,
