@@ -1610,10 +1610,7 @@ static int run_decode(const Options *o) {
 int main(int argc, char **argv) {
     Options o = parse_args(argc, argv);
     check_decode(&o);
-    if (o.decode) {
-        if (!o.scale_given) o.dshape.scale = 1.0f / sqrtf((float)o.dshape.headdim);
-        return run_decode(&o);
-    }
+    if (o.decode) return run_decode(&o);
     // Said before anything about the inputs or the output folder: fixing those would not make it run.
     if (o.backward && !chapter.backward)
         die(EXIT_USAGE,
