@@ -1,12 +1,12 @@
-// 11_decode, step 1: decoding. Each sequence's Nq new queries attend its paged KV cache; the keys of
-// a sequence are split across blocks (Flash-Decoding), each block's partial softmax state is merged
-// by a second kernel with 03's algebra. The forward (the prompt) is 07's (09's forward.h).
+// 11.2, step 2 of 11_decode: grouped-query attention packed. A block takes one KV head's split of
+// keys for all the g query heads that share it, so their K and V are read once, not g times.
+// Otherwise 11.1 (Flash-Decoding over a paged KV cache: split, then merge; the forward is 07's).
 //
-// Two kernels: (1) one block per (split of KEYS_PER_SPLIT keys, query head, sequence): groups of
-// HEAD_DIM / 8 threads each read one key's K and V row, 16 bytes a thread, through the block table;
-// each group keeps an online softmax (max, sum, O) per query over the keys it reads, and the block
-// combines its groups' states in shared memory into the split's partial; (2) per (query head,
-// sequence), the splits' partials merged into O and LSE.
+// Two kernels: (1) one block per (split of KEYS_PER_SPLIT keys, KV head, sequence): the g x Nq query
+// rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each read one key's K
+// and V row, 16 bytes a thread, through the block table; each group keeps an online softmax per row
+// over the keys it reads, and the block combines its groups' states in shared memory into the split's
+// partial per row; (2) per (query head, sequence), the splits' partials merged into O and LSE.
 #include <stdio.h>
 
 #include "../common/harness.h"
@@ -15,7 +15,7 @@
 // --- Configuration -------------------------------------------------------------------------
 #define DECODE_THREADS 128
 #define KEYS_PER_SPLIT 256  // keys a block reads: a sequence of L tokens takes ceil(L / 256) blocks per head
-#define QUERY_CHUNK 4       // queries a thread keeps state for at once (Nq up to 16: up to four passes)
+#define QUERY_CHUNK 4       // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
 #define DIMS_PER_THREAD 8   // 16 bytes of a K or V row: one uint4 load
 
 template <int HEAD_DIM>
@@ -32,7 +32,7 @@ __host__ __device__ inline size_t partial_index(int batch_head, int query, int n
     return (((size_t)batch_head * new_tokens + query) * splits + split);
 }
 
-// --- (1) a split of one sequence's keys, for one query head ------------------------------
+// --- (1) a split of one sequence's keys, for the query heads of one KV head ----------------
 // The cache row of key t of sequence `seq`, KV head kv_head: its page from the block table.
 __device__ const __half *cache_row(const __half *pool, const int *table, int max_pages, int seq, int t, int kv_heads,
                                    int kv_head, int page_size, int head_dim) {
@@ -53,23 +53,30 @@ template <int HEAD_DIM>
 __global__ void __launch_bounds__(DECODE_THREADS)
     split_kernel(DecodeArgs args, float *part_o, float *part_max, float *part_sum, int splits, float scale_log2) {
     typedef DecodeConfig<HEAD_DIM> Cfg;
-    extern __shared__ float states[];  // [group][query][HEAD_DIM O, max, sum]
+    extern __shared__ float states[];  // [group][row of the chunk][HEAD_DIM O, max, sum]
     const DecodeShape &s = args.shape;
-    const int split = blockIdx.x, head = blockIdx.y, seq = blockIdx.z;
-    const int kv_head = head / (s.q_heads / s.kv_heads), length = args.lengths[seq];
+    const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+    const int group_size = s.q_heads / s.kv_heads, rows = group_size * s.new_tokens, length = args.lengths[seq];
     const int key0 = split * KEYS_PER_SPLIT, key_end = min(length, key0 + KEYS_PER_SPLIT);
     if (key0 >= length) return;  // past this sequence's cache: the merge reads only its own splits
     const int group = threadIdx.x / Cfg::LANES_PER_KEY, lane = threadIdx.x % Cfg::LANES_PER_KEY;
-    const int dim0 = lane * DIMS_PER_THREAD, batch_head = seq * s.q_heads + head;
+    const int dim0 = lane * DIMS_PER_THREAD;
 
-    for (int chunk0 = 0; chunk0 < s.new_tokens; chunk0 += QUERY_CHUNK) {
-        // This thread's 8 dims of each query of the chunk, pre-scaled to the log2 domain.
+    // Row r of the KV head: query head kv_head * g + r / Nq, its new query r % Nq.
+    for (int chunk0 = 0; chunk0 < rows; chunk0 += QUERY_CHUNK) {
+        // This thread's 8 dims of each row of the chunk, pre-scaled to the log2 domain, and the last key
+        // each row sees (its query's position: length - Nq + query).
         float q[QUERY_CHUNK][DIMS_PER_THREAD], o[QUERY_CHUNK][DIMS_PER_THREAD];
         float row_max[QUERY_CHUNK], row_sum[QUERY_CHUNK];
+        int last_key[QUERY_CHUNK];
 #pragma unroll
         for (int j = 0; j < QUERY_CHUNK; j++) {
-            const int query = min(chunk0 + j, s.new_tokens - 1);  // a chunk's missing queries repeat the last
-            unpack8(*(const uint4 *)(args.q + ((size_t)batch_head * s.new_tokens + query) * HEAD_DIM + dim0), q[j]);
+            const int row = min(chunk0 + j, rows - 1);  // a chunk's missing rows repeat the last
+            const int head = kv_head * group_size + row / s.new_tokens, query = row % s.new_tokens;
+            last_key[j] = length - s.new_tokens + query;
+            unpack8(
+                *(const uint4 *)(args.q + (((size_t)seq * s.q_heads + head) * s.new_tokens + query) * HEAD_DIM + dim0),
+                q[j]);
 #pragma unroll
             for (int d = 0; d < DIMS_PER_THREAD; d++) q[j][d] *= scale_log2, o[j][d] = 0.0f;
             row_max[j] = -INFINITY, row_sum[j] = 0.0f;
@@ -98,8 +105,7 @@ __global__ void __launch_bounds__(DECODE_THREADS)
 #pragma unroll
                 for (int offset = Cfg::LANES_PER_KEY / 2; offset > 0; offset /= 2)  // the key's lanes, summed
                     score += __shfl_xor_sync(0xffffffff, score, offset);
-                // Query j of the chunk is position length - Nq + j: it sees the keys up to itself.
-                if (t >= key_end || t > length - s.new_tokens + chunk0 + j) continue;
+                if (t >= key_end || t > last_key[j]) continue;  // past the split, or after the row's query
                 const float new_max = fmaxf(row_max[j], score);
                 const float rescale = exp2f(row_max[j] - new_max), p = exp2f(score - new_max);
                 row_max[j] = new_max;
@@ -119,8 +125,10 @@ __global__ void __launch_bounds__(DECODE_THREADS)
         }
         __syncthreads();
         for (int item = threadIdx.x; item < QUERY_CHUNK * HEAD_DIM; item += DECODE_THREADS) {
-            const int j = item / HEAD_DIM, d = item % HEAD_DIM, query = chunk0 + j;
-            if (query >= s.new_tokens) continue;
+            const int j = item / HEAD_DIM, d = item % HEAD_DIM, row = chunk0 + j;
+            if (row >= rows) continue;
+            const int head = kv_head * group_size + row / s.new_tokens, query = row % s.new_tokens;
+            const int batch_head = seq * s.q_heads + head;
             float block_max = -INFINITY;
             for (int g = 0; g < Cfg::KEYS_AT_ONCE; g++)
                 block_max = fmaxf(block_max, states[g * Cfg::STATE_FLOATS + j * (HEAD_DIM + 2) + HEAD_DIM]);
@@ -181,7 +189,7 @@ static cudaError_t launch_decode(const DecodeArgs *args, cudaStream_t stream) {
     const int splits = splits_of(args->max_length);
     const size_t partials = (size_t)s->batch * s->q_heads * s->new_tokens * splits;
     float *part_o = (float *)args->workspace, *part_max = part_o + partials * HEAD_DIM, *part_sum = part_max + partials;
-    split_kernel<HEAD_DIM><<<dim3(splits, s->q_heads, s->batch), DECODE_THREADS, Cfg::SMEM_BYTES, stream>>>(
+    split_kernel<HEAD_DIM><<<dim3(splits, s->kv_heads, s->batch), DECODE_THREADS, Cfg::SMEM_BYTES, stream>>>(
         *args, part_o, part_max, part_sum, splits, s->scale * LOG2E);
     RETURN_IF_ERROR(cudaGetLastError());
     merge_kernel<HEAD_DIM>
