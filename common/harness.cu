@@ -1434,7 +1434,7 @@ static void load_decode_inputs(const Options *o, const char *dir, __half **q, __
     *lengths = (int *)malloc((size_t)d->batch * sizeof(int));
     if (!*table || !*lengths) die(EXIT_FAILED, "out of host memory");
     for (size_t i = 0; i < (size_t)d->batch * d->max_pages; i++)  // -1 past a sequence's pages; a page below 2^31
-        (*table)[i] = table64[i] >= -1 && table64[i] < d->pages ? (int)table64[i] : d->pages;
+        (*table)[i] = table64[i] >= -1 && table64[i] < d->pages ? (int)table64[i] : (int)d->pages;
     for (int b = 0; b < d->batch; b++) {
         if (lengths64[b] != o->lengths[b])
             die(EXIT_USAGE, "%s/%s: sequence %d caches %lld tokens, the command line says %d (stale cache? delete it)",
@@ -1487,7 +1487,7 @@ static void print_decode_shape(const Options *o, int max_length) {
     const DecodeShape *d = &o->dshape;
     printf("%s: %s\n", chapter.name, chapter.adds);
     printf(
-        "  decode    B=%d Hq=%d Hkv=%d (groups of %d) Nq=%d D=%d, cache up to %d tokens in pages of %d (%d pages), "
+        "  decode    B=%d Hq=%d Hkv=%d (groups of %d) Nq=%d D=%d, cache up to %d tokens in pages of %d (%lld pages), "
         "scale %.6g\n",
         d->batch, d->q_heads, d->kv_heads, d->q_heads / d->kv_heads, d->new_tokens, d->headdim, max_length,
         d->page_size, d->pages, d->scale);
