@@ -192,3 +192,23 @@ def test_10_2s_first_run_is_its_log(repo):
             f"{ms[('10_backward_hopper', False)] / ms[('09_backward', False)]:.2f}x"] + [
             f"{ms[(b, True)]:.2f}" for b in builds]
         assert cells == want, f"D={d} {mask}: the table has {cells}, the log {want}"
+
+
+def test_11s_first_run_is_its_log(repo):
+    """11's README, "Measured": 11.1, 11.2 and SDPA's flash and cuDNN backends at each shape, one call,
+    as its first run's log has them."""
+    timed = {}
+    for line in (repo.root / "docs/results/logs/11/first_run_h100.log").read_text().splitlines():
+        words = line.split()
+        if len(words) == 5 and words[0] in ("build/11_decode.step1", "build/11_decode", "sdpa_flash", "sdpa_cudnn"):
+            ms, gbps = map(float, words[4].split(","))
+            timed[(words[0], int(words[1][1:]), int(words[2][3:]), int(words[3][1:]))] = (ms, gbps)
+    table = markdown_rows((repo.root / "11_decode/README.md").read_text(), "| B | KV heads | cache |")
+    assert len(table) * 4 == len(timed), f"{len(table)} rows in the table, {len(timed)} timings in the log"
+    for b, kv, cache, *cells in table:
+        got = {who: timed[(who, int(b), int(kv), int(cache))] for who in
+               ("build/11_decode.step1", "build/11_decode", "sdpa_flash", "sdpa_cudnn")}
+        want = [f"{got['build/11_decode.step1'][0]:.3f}", f"{got['build/11_decode'][0]:.3f}",
+                f"{got['build/11_decode'][1]:.0f}", f"{got['sdpa_flash'][0]:.3f}", f"{got['sdpa_cudnn'][0]:.3f}",
+                f"{got['build/11_decode'][0] / got['sdpa_cudnn'][0]:.2f}x"]
+        assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
