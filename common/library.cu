@@ -12,6 +12,7 @@
 #include <stdio.h>
 
 static_assert(sizeof(FaShape) == 6 * 4, "FaShape is six 4-byte fields, as common/library.h documents");
+static_assert(sizeof(FaDecodeShape) == 40, "FaDecodeShape: six ints, a long long, an int and a float (torch_op.py)");
 static_assert((int)FA_PRECISION_FP32 == (int)PRECISION_FP32 && (int)FA_PRECISION_FP16_TC == (int)PRECISION_FP16_TC &&
                   (int)FA_PRECISION_FP8_TC == (int)PRECISION_FP8_TC,
               "fa_precision() answers the harness's Precision");
@@ -123,6 +124,7 @@ FA_API int fa_abi_version(void) { return FA_ABI_VERSION; }
 FA_API const char *fa_chapter_name(void) { return chapter.name; }
 FA_API int fa_precision(void) { return (int)chapter.precision; }
 FA_API int fa_has_backward(void) { return chapter.backward && chapter.backward->backward; }
+FA_API int fa_has_decode(void) { return chapter.decode && chapter.decode->decode; }
 FA_API int fa_min_sm(void) { return chapter.min_sm; }
 FA_API int fa_max_sm(void) { return chapter.max_sm; }
 FA_API const char *fa_last_error(void) { return last_error; }
@@ -204,6 +206,78 @@ FA_API int fa_backward(const FaShape *shape, int deterministic, const void *q, c
                           workspace_bytes, &args.workspace));
     CHECK(check_gpu(function));
     return enqueued(function, chapter.backward->backward(&args, (cudaStream_t)stream), "the chapter's backward");
+}
+
+// --- Decoding ---------------------------------------------------------------------------------------
+// No decoding pass comes first, as for the backward.
+static int check_decode(const char *function) {
+    if (!chapter.decode || !chapter.decode->decode)
+        return fail(FA_ERR_NO_DECODE, function,
+                    "this chapter has no decoding pass: call it on 11_decode's library (fa_has_decode)");
+    return FA_OK;
+}
+
+// The decoding shape and its longest sequence, as the command line checks them (the lengths themselves
+// are on the device: their range is the caller's).
+static int check_decode_shape(const char *function, const FaDecodeShape *shape, int max_length) {
+    char problem[256];
+    if (!shape) return fail(FA_ERR_INVALID_ARGUMENT, function, "shape is NULL");
+    if (decode_shape_problem(shape, problem, sizeof problem) || scale_problem(shape->scale, problem, sizeof problem))
+        return fail(FA_ERR_INVALID_ARGUMENT, function, "%s", problem);
+    const long long capacity = (long long)shape->max_pages * shape->page_size;
+    if (max_length < shape->new_tokens || max_length > capacity)
+        return fail(FA_ERR_INVALID_ARGUMENT, function,
+                    "max_length = %d: expected Nq = %d to the capacity of %lld tokens (%d pages of %d)", max_length,
+                    shape->new_tokens, capacity, shape->max_pages, shape->page_size);
+    return FA_OK;
+}
+
+// An int32 array in device memory: not NULL, 4-byte aligned.
+static int check_int_pointer(const char *function, const char *name, const int *p) {
+    if (!p) return fail(FA_ERR_INVALID_ARGUMENT, function, "%s is NULL: a device pointer is needed", name);
+    if ((uintptr_t)p % sizeof(int))
+        return fail(FA_ERR_INVALID_ARGUMENT, function, "%s (%p) is not 4-byte aligned: it holds int32", name, p);
+    return FA_OK;
+}
+
+static size_t decode_need(const FaDecodeShape *shape, int max_length) {
+    return chapter.decode->workspace_bytes ? chapter.decode->workspace_bytes(shape, max_length) : 0;
+}
+
+FA_API int fa_decode_workspace_bytes(const FaDecodeShape *shape, int max_length, size_t *bytes) {
+    const char *function = "fa_decode_workspace_bytes";
+    CHECK(check_decode(function));
+    CHECK(check_decode_shape(function, shape, max_length));
+    if (!bytes) return fail(FA_ERR_INVALID_ARGUMENT, function, "bytes is NULL");
+    *bytes = decode_need(shape, max_length);
+    return FA_OK;
+}
+
+FA_API int fa_decode(const FaDecodeShape *shape, int max_length, const void *q, const void *k_pool, const void *v_pool,
+                     const int *block_table, const int *lengths, void *o, float *lse, void *workspace,
+                     size_t workspace_bytes, void *stream) {
+    const char *function = "fa_decode";
+    CHECK(check_decode(function));
+    CHECK(check_decode_shape(function, shape, max_length));
+    const char *names[5] = {"q", "k_pool", "v_pool", "o", "lse"};
+    const void *pointers[5] = {q, k_pool, v_pool, o, lse};
+    for (int i = 0; i < 5; i++) CHECK(check_pointer(function, names[i], pointers[i]));
+    CHECK(check_int_pointer(function, "block_table", block_table));
+    CHECK(check_int_pointer(function, "lengths", lengths));
+    DecodeArgs args = {*shape,
+                       (const __half *)q,
+                       (const __half *)k_pool,
+                       (const __half *)v_pool,
+                       block_table,
+                       lengths,
+                       max_length,
+                       (__half *)o,
+                       lse,
+                       NULL};
+    CHECK(check_workspace(function, "fa_decode_workspace_bytes", decode_need(shape, max_length), workspace,
+                          workspace_bytes, &args.workspace));
+    CHECK(check_gpu(function));
+    return enqueued(function, chapter.decode->decode(&args, (cudaStream_t)stream), "the chapter's decode");
 }
 
 }  // extern "C"

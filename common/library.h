@@ -1,5 +1,6 @@
 // The chapters as libraries: the C ABI of BUILD/lib/NN_name.so (`make lib`), one chapter's forward
-// (and backward, where it has one) with no command line, no allocation and no synchronisation.
+// (and backward, and decoding, where it has them) with no command line, no allocation and no
+// synchronisation.
 // Plain C, no CUDA header: device pointers and the stream are void * (a cudaStream_t; NULL: the
 // legacy default stream). docs/design.md, "The chapters as libraries", states the contract.
 //
@@ -18,10 +19,11 @@
 extern "C" {
 #endif
 
-#define FA_ABI_VERSION 2  // fa_abi_version() of a library built from this header (2: `deterministic`)
+#define FA_ABI_VERSION 3  // fa_abi_version() of a library built from this header (2: `deterministic`; 3: decoding)
 #define FA_ALIGNMENT 16   // bytes: every device pointer (the kernels load 16 bytes at once; TMA)
 
-typedef AttnShape FaShape;  // scale: positive and normal (the CLI's 1/sqrt(D) is not implied)
+typedef AttnShape FaShape;          // scale: positive and normal (the CLI's 1/sqrt(D) is not implied)
+typedef DecodeShape FaDecodeShape;  // decoding's shape (shape.h), its scale as FaShape's
 
 enum {
     FA_OK = 0,
@@ -31,6 +33,7 @@ enum {
     FA_ERR_NO_GPU = 3,            // no usable CUDA GPU (no driver, no device visible)
     FA_ERR_UNSUPPORTED_GPU = 4,   // this GPU's compute capability is outside fa_min_sm() .. fa_max_sm()
     FA_ERR_CUDA = 5,              // a CUDA error while enqueueing (message: cudaGetErrorString and where)
+    FA_ERR_NO_DECODE = 6,         // fa_decode*: this chapter has no decoding pass
 };
 
 enum { FA_PRECISION_FP32 = 0, FA_PRECISION_FP16_TC = 1, FA_PRECISION_FP8_TC = 2 };  // fa_precision()
@@ -45,6 +48,7 @@ FA_API int fa_abi_version(void);
 FA_API const char *fa_chapter_name(void);  // the chapter's folder, e.g. "07_async_pipeline", or a step "08.3"
 FA_API int fa_precision(void);             // FA_PRECISION_*: how it computes inside (its tolerances)
 FA_API int fa_has_backward(void);          // 1: fa_backward runs; 0: it answers FA_ERR_NO_BACKWARD
+FA_API int fa_has_decode(void);            // 1: fa_decode runs; 0: it answers FA_ERR_NO_DECODE
 FA_API int fa_min_sm(void);                // the compute capabilities it runs on, e.g. 80 for sm_80 ...
 FA_API int fa_max_sm(void);                // ... up to this one; 0: no upper bound
 
@@ -66,6 +70,18 @@ FA_API int fa_forward(const FaShape *shape, const void *q, const void *k, const 
 FA_API int fa_backward(const FaShape *shape, int deterministic, const void *q, const void *k, const void *v,
                        const void *o, const float *lse, const void *d_o, void *dq, void *dk, void *dv, void *workspace,
                        size_t workspace_bytes, void *stream);
+
+// Decoding (11_decode): O [B, Hq, Nq, D] and LSE [B, Hq, Nq] of each sequence's Nq new queries q
+// [B, Hq, Nq, D] against its paged cache: k_pool and v_pool [pages, Hkv, P, D] fp16, block_table
+// [B, max_pages] and lengths [B] int32 in device memory (4-byte aligned), the new tokens already the
+// last Nq of each sequence's lengths[b]. max_length is the longest length (the caller's host copy: it
+// sizes the grid and the workspace); the lengths and the block table are read on the device and are
+// the caller's to keep in range (the command line checks them: common/shape.h decode_cache_problem).
+// Enqueued only, as above.
+FA_API int fa_decode_workspace_bytes(const FaDecodeShape *shape, int max_length, size_t *bytes);
+FA_API int fa_decode(const FaDecodeShape *shape, int max_length, const void *q, const void *k_pool, const void *v_pool,
+                     const int *block_table, const int *lengths, void *o, float *lse, void *workspace,
+                     size_t workspace_bytes, void *stream);
 
 // The last failure of this thread's calls, in one line ("" before any): "<chapter>: <function>: <what>".
 FA_API const char *fa_last_error(void);

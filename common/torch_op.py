@@ -66,12 +66,14 @@ except ImportError:
 ROOT = os.path.dirname(HERE)
 NAMESPACE = "fa_tutorial"
 HEAD_DIMS = (64, 128)
-ABI_VERSION = 2  # common/library.h's FA_ABI_VERSION
+ABI_VERSION = 3  # common/library.h's FA_ABI_VERSION
 ALIGNMENT = 16   # bytes, FA_ALIGNMENT
 # common/library.h's return codes and precisions (tests/test_torch_op.py checks them against it).
-FA_OK, FA_ERR_INVALID_ARGUMENT, FA_ERR_NO_BACKWARD, FA_ERR_NO_GPU, FA_ERR_UNSUPPORTED_GPU, FA_ERR_CUDA = range(6)
+(FA_OK, FA_ERR_INVALID_ARGUMENT, FA_ERR_NO_BACKWARD, FA_ERR_NO_GPU, FA_ERR_UNSUPPORTED_GPU, FA_ERR_CUDA,
+ FA_ERR_NO_DECODE) = range(7)
 CODE_NAMES = {FA_OK: "FA_OK", FA_ERR_INVALID_ARGUMENT: "FA_ERR_INVALID_ARGUMENT", FA_ERR_NO_BACKWARD: "FA_ERR_NO_BACKWARD",
-              FA_ERR_NO_GPU: "FA_ERR_NO_GPU", FA_ERR_UNSUPPORTED_GPU: "FA_ERR_UNSUPPORTED_GPU", FA_ERR_CUDA: "FA_ERR_CUDA"}
+              FA_ERR_NO_GPU: "FA_ERR_NO_GPU", FA_ERR_UNSUPPORTED_GPU: "FA_ERR_UNSUPPORTED_GPU", FA_ERR_CUDA: "FA_ERR_CUDA",
+              FA_ERR_NO_DECODE: "FA_ERR_NO_DECODE"}
 FA_PRECISION_FP32, FA_PRECISION_FP16_TC, FA_PRECISION_FP8_TC = range(3)
 NO_TORCH = "PyTorch is not installed (pip install torch): the chapters' PyTorch op needs it"
 
@@ -134,6 +136,13 @@ class FaShape(ctypes.Structure):
                 ("headdim", ctypes.c_int), ("causal", ctypes.c_int), ("scale", ctypes.c_float)]
 
 
+class FaDecodeShape(ctypes.Structure):
+    """common/shape.h's DecodeShape (library.h's FaDecodeShape): its fields in this order, 40 bytes."""
+    _fields_ = [("batch", ctypes.c_int), ("q_heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
+                ("new_tokens", ctypes.c_int), ("headdim", ctypes.c_int), ("page_size", ctypes.c_int),
+                ("pages", ctypes.c_longlong), ("max_pages", ctypes.c_int), ("scale", ctypes.c_float)]
+
+
 class LibraryError(RuntimeError):
     """A library call answered a code other than FA_OK; the message is its fa_last_error() line."""
 
@@ -153,6 +162,11 @@ SIGNATURES = {  # name: (restype, argtypes), as common/library.h declares them
     "fa_forward": (ctypes.c_int, [ctypes.POINTER(FaShape)] + [POINTER] * 6 + [ctypes.c_size_t, POINTER]),
     "fa_backward": (ctypes.c_int, [ctypes.POINTER(FaShape), ctypes.c_int] + [POINTER] * 10
                     + [ctypes.c_size_t, POINTER]),
+    "fa_has_decode": (ctypes.c_int, []),
+    "fa_decode_workspace_bytes": (ctypes.c_int, [ctypes.POINTER(FaDecodeShape), ctypes.c_int,
+                                                 ctypes.POINTER(ctypes.c_size_t)]),
+    "fa_decode": (ctypes.c_int, [ctypes.POINTER(FaDecodeShape), ctypes.c_int] + [POINTER] * 8
+                  + [ctypes.c_size_t, POINTER]),
 }
 
 
@@ -181,6 +195,7 @@ class Library:
         self.name = self.dll.fa_chapter_name().decode()
         self.precision = self.dll.fa_precision()
         self.has_backward = bool(self.dll.fa_has_backward())
+        self.has_decode = bool(self.dll.fa_has_decode())
         self.min_sm, self.max_sm = self.dll.fa_min_sm(), self.dll.fa_max_sm()
 
     def runs_on(self, sm):
@@ -208,6 +223,16 @@ class Library:
     def backward(self, shape, deterministic, q, k, v, o, lse, d_o, dq, dk, dv, workspace, workspace_bytes, stream):
         self.check(self.dll.fa_backward(ctypes.byref(shape), int(bool(deterministic)), q, k, v, o, lse, d_o, dq, dk,
                                         dv, workspace, workspace_bytes, stream))
+
+    def decode_workspace_bytes(self, shape, max_length):
+        size = ctypes.c_size_t(0)
+        self.check(self.dll.fa_decode_workspace_bytes(ctypes.byref(shape), int(max_length), ctypes.byref(size)))
+        return size.value
+
+    def decode(self, shape, max_length, q, k_pool, v_pool, block_table, lengths, o, lse, workspace, workspace_bytes,
+               stream):
+        self.check(self.dll.fa_decode(ctypes.byref(shape), int(max_length), q, k_pool, v_pool, block_table, lengths, o,
+                                      lse, workspace, workspace_bytes, stream))
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,7 +20,7 @@ import pytest
 import runner
 import torch_op
 from chapters import read_chapter
-from helpers import CHAPTERS, STEP_BUILDS, WORKSPACE, has_backward
+from helpers import CHAPTERS, DECODE_CHAPTERS, STEP_BUILDS, WORKSPACE, has_backward
 
 # Every build of `make all`, each with its library (test_build holds the list to the Makefile's).
 BUILDS = [*CHAPTERS, *(build for _, build, _ in STEP_BUILDS)]
@@ -51,6 +51,12 @@ def backward_workspace(b, h, n, d, deterministic=False):
     """09's backward scratch: D (a float per query row, to 256 bytes), then the fp32 dQ accumulator; the same in
     its deterministic mode where no GPU is visible (the copies of dQ are the GPU's to decide: one without it)."""
     return -(-b * h * n * 4 // 256) * 256 + b * h * n * d * 4
+
+
+def decode_workspace(b, q_heads, new_tokens, d, max_length):
+    """11's decoding scratch: a partial softmax state (O, max, sum) per query row per split of 256 keys of
+    the longest sequence."""
+    return b * q_heads * new_tokens * -(-max_length // 256) * (d + 2) * 4
 
 
 def library(repo, name):
@@ -204,6 +210,15 @@ CLI_OF = {
 TENSORS = ["q", "k", "v", "o", "lse", "d_o", "dq", "dk", "dv"]  # the first five: the forward's
 NO_BACKWARD = [r"no backward pass", r"fa_has_backward"]
 NO_GPU = [r"no usable CUDA GPU", r"\(cuda\w+: [^)]+\)"]
+NO_DECODE = [r"no decoding pass", r"fa_has_decode"]
+# The probe's decoding shapes refused (B=2, Hq=8, Hkv=2, Nq=1, D=64, pages of 16, 32 a sequence): patterns.
+DECODE_REFUSED = {
+    "groups 8 over 3": [r"8 query heads over 3 KV heads", r"multiple"],
+    "page size 0": [r"page size 0", r"1 to 256"],
+    "new 17": [r"Nq = 17", r"at most 16"],
+    "headdim 96": [r"head dimension 96", r"64 or 128"],
+    "scale 0": [r"scale 0\b", r"positive"],
+}
 
 
 def expected_cases(repo, chapter):
@@ -248,11 +263,27 @@ def expected_cases(repo, chapter):
     want["backward: valid"] = fine if backward else no_bwd
     want["backward: valid deterministic"] = fine if backward else no_bwd
     want["forward: headdim 96, then another thread"] = (bad, SHAPES_REFUSED["headdim 96"])
+    decoding = chapter in DECODE_CHAPTERS
+    no_dec = ("ERR_NO_DECODE", NO_DECODE)
+    for label, patterns in DECODE_REFUSED.items():
+        want[f"decode: {label}"] = want[f"decode_workspace_bytes: {label}"] = (bad, patterns) if decoding else no_dec
+    decode_need = decode_workspace(2, 8, 1, 64, 300)
+    for label, patterns in {"shape NULL": [r"shape is NULL"], "max_length 513": [r"max_length = 513", r"512 tokens"],
+                            "max_length 0": [r"max_length = 0", r"Nq = 1"], "q NULL": [r"\bq is NULL"],
+                            "lse misaligned": [r"\blse \(0x", r"not 16-byte aligned"],
+                            "block_table misaligned": [r"block_table \(0x", r"not 4-byte aligned"],
+                            "lengths NULL": [r"lengths is NULL"],
+                            "workspace too small": [r"workspace too small", rf"needs {decode_need}\b",
+                                                    r"fa_decode_workspace_bytes"]}.items():
+        want[f"decode: {label}"] = (bad, patterns) if decoding else no_dec
+    want["decode_workspace_bytes: bytes NULL"] = (bad, [r"bytes is NULL"]) if decoding else no_dec
+    want["decode: valid, the int arrays 4-byte aligned"] = fine if decoding else no_dec
     return want
 
 
 FUNCTION_OF = {"forward": "fa_forward", "backward": "fa_backward", "workspace_bytes": "fa_workspace_bytes",
-               "backward_workspace_bytes": "fa_backward_workspace_bytes"}
+               "backward_workspace_bytes": "fa_backward_workspace_bytes", "decode": "fa_decode",
+               "decode_workspace_bytes": "fa_decode_workspace_bytes"}
 
 
 @pytest.mark.parametrize("hide_gpus", [True, False], ids=["GPUs hidden", "plain environment"])
@@ -273,8 +304,9 @@ def test_library_refuses_bad_calls_before_gpu_work(repo, gpu_state, chapter, hid
 
     assert info["abi_version"] == info["header_abi_version"] == str(code["ABI_VERSION"]), (
         f"{shown}: fa_abi_version {info['abi_version']}, library.h says {code['ABI_VERSION']}")
+    decoding = chapter in DECODE_CHAPTERS
     for what, value in (("chapter_name", facts["name"]), ("precision", code[facts["precision"]]),
-                        ("has_backward", int(backward)), ("min_sm", facts["min_sm"]),
+                        ("has_backward", int(backward)), ("has_decode", int(decoding)), ("min_sm", facts["min_sm"]),
                         ("max_sm", facts["max_sm"]), ("first_error", "")):
         assert info[what] == str(value), f"{shown}: fa_{what} {info[what]!r}, the chapter says {value!r}"
     for b, h, n, d in PROBE_SHAPES:
@@ -288,6 +320,12 @@ def test_library_refuses_bad_calls_before_gpu_work(repo, gpu_state, chapter, hid
             assert info[f"{mode} {b} {h} {n} {d}"] == grad, (
                 f"{shown}: fa_backward_workspace_bytes of B={b} H={h} N={n} D={d}, deterministic "
                 f"{int(deterministic)}: {info[f'{mode} {b} {h} {n} {d}']} (code, bytes), expected {grad}")
+
+    for max_length in (1, 300, 512):
+        need = f"0 {decode_workspace(2, 8, 1, 64, max_length)}" if decoding else f"{code['ERR_NO_DECODE']} 0"
+        assert info[f"decode_workspace {max_length}"] == need, (
+            f"{shown}: fa_decode_workspace_bytes at max_length {max_length}: {info[f'decode_workspace {max_length}']} "
+            f"(code, bytes), expected {need}")
 
     want = expected_cases(repo, chapter)
     assert set(cases) == set(want), (f"{shown}: the probe's cases differ from the test's: "

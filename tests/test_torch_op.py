@@ -270,6 +270,7 @@ def test_constants_are_library_h(repo):
     ours = {"OK": torch_op.FA_OK, "ERR_INVALID_ARGUMENT": torch_op.FA_ERR_INVALID_ARGUMENT,
             "ERR_NO_BACKWARD": torch_op.FA_ERR_NO_BACKWARD, "ERR_NO_GPU": torch_op.FA_ERR_NO_GPU,
             "ERR_UNSUPPORTED_GPU": torch_op.FA_ERR_UNSUPPORTED_GPU, "ERR_CUDA": torch_op.FA_ERR_CUDA,
+            "ERR_NO_DECODE": torch_op.FA_ERR_NO_DECODE,
             "PRECISION_FP32": torch_op.FA_PRECISION_FP32, "PRECISION_FP16_TC": torch_op.FA_PRECISION_FP16_TC,
             "PRECISION_FP8_TC": torch_op.FA_PRECISION_FP8_TC, "ABI_VERSION": torch_op.ABI_VERSION}
     assert ours == code, f"torch_op's constants {ours} differ from common/library.h's {code}"
@@ -290,15 +291,31 @@ def test_shape_is_shape_h(repo):
     assert ctypes.sizeof(torch_op.FaShape) == 24, f"sizeof(FaShape) {ctypes.sizeof(torch_op.FaShape)}, the C one is 24"
 
 
+def test_decode_shape_is_shape_h(repo):
+    """FaDecodeShape: DecodeShape's fields in common/shape.h, in its order, of its C types (40 bytes)."""
+    body = re.search(r"typedef struct \{([^{}]*)\} DecodeShape;", (repo.root / "common" / "shape.h").read_text())
+    assert body, "common/shape.h: no `typedef struct { ... } DecodeShape;`"
+    kinds = {"int": ctypes.c_int, "float": ctypes.c_float, "long long": ctypes.c_longlong}
+    fields = [(name, kinds[kind]) for kind, name in
+              re.findall(r"^\s*(int|float|long long)\s+(\w+);", body.group(1), re.M)]
+    assert fields and list(torch_op.FaDecodeShape._fields_) == fields, (
+        f"torch_op.FaDecodeShape {torch_op.FaDecodeShape._fields_} is not common/shape.h's DecodeShape {fields}")
+    assert ctypes.sizeof(torch_op.FaDecodeShape) == 40, f"sizeof(FaDecodeShape) {ctypes.sizeof(torch_op.FaDecodeShape)}"
+
+
 def c_parameter_type(param):
     """The ctypes type of one C parameter of library.h ('const FaShape *shape', 'size_t workspace_bytes')."""
     if "FaShape *" in param:
         return ctypes.POINTER(torch_op.FaShape)
+    if "FaDecodeShape *" in param:
+        return ctypes.POINTER(torch_op.FaDecodeShape)
     if param.split()[0] == "size_t":
         return ctypes.POINTER(ctypes.c_size_t) if "*" in param else ctypes.c_size_t
     if param.split()[0] == "int":
         assert "*" not in param, f"library.h: a parameter the binding has no rule for: {param!r}"
-        return ctypes.c_int  # the backward's mode
+        return ctypes.c_int  # the backward's mode, decoding's max_length
+    if param.startswith("const int *"):
+        return ctypes.c_void_p  # decoding's block table and lengths: int32 in device memory
     assert "*" in param, f"library.h: a parameter the binding has no rule for: {param!r}"
     return ctypes.c_void_p  # a device pointer, the stream
 
