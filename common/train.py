@@ -154,12 +154,19 @@ def build_model(attend):
             super().__init__()
             self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
 
-        def forward(self, x):
+        def heads(self, x):
+            """q, k, v: fp16 [B, H, N, D], contiguous, of x [B, N, WIDTH]."""
             b, n, _ = x.shape
             qkv = self.qkv(x).view(b, n, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)  # 3, B, H, N, D
-            q, k, v = (t.to(torch.float16, memory_format=torch.contiguous_format) for t in qkv)
-            o = attend(q, k, v)  # fp16 [B, H, N, D]
+            return (t.to(torch.float16, memory_format=torch.contiguous_format) for t in qkv)
+
+        def merge(self, o):
+            """The attention's output, fp16 [B, H, N, D], back to [B, N, WIDTH] through the projection."""
+            b, _, n, _ = o.shape
             return self.proj(o.float().transpose(1, 2).reshape(b, n, WIDTH))
+
+        def forward(self, x):
+            return self.merge(attend(*self.heads(x)))
 
     class Block(nn.Module):
         def __init__(self):
@@ -265,10 +272,11 @@ def evaluate(model, batches):
 
 
 def train_run(run, attend, corpus, steps, batch, eval_every, eval_batches, seed=0, lr=1e-3, progress=True,
-              data_seed=0, backward=""):
+              data_seed=0, backward="", keep=None):
     """Train one model on the corpus's device, its weights from seed, its batches from data_seed;
     (rows of FIELDS, tokens per second over every interval but the first). backward: the backward's
-    build, for the rows ("" for SDPA)."""
+    build, for the rows ("" for SDPA). keep: a dict that gets the trained weights (on the CPU) under
+    (run, seed)."""
     device = corpus["train"].device.type
     torch.manual_seed(seed)
     model = build_model(attend).to(device)
@@ -311,8 +319,21 @@ def train_run(run, attend, corpus, steps, batch, eval_every, eval_batches, seed=
         if evaluated:
             synchronize(device)
             start = time.perf_counter()
+    if keep is not None:
+        keep[(run, seed)] = {name: value.detach().cpu() for name, value in model.state_dict().items()}
     steady = timed[1:] or timed
     return rows, sum(t for t, _ in steady) / sum(s for _, s in steady)
+
+
+def save_models(folder, models, steps):
+    """Each run's trained weights as <folder>/<run>_seed<S>.pt, for `make generate`; the paths."""
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for (run, seed), state in models.items():
+        paths.append(os.path.join(folder, f"{run if run == SDPA_RUN else short_name(run)}_seed{seed}.pt"))
+        torch.save({"state": state, "run": run, "seed": seed, "steps": steps,
+                    "shape": {"layers": LAYERS, "heads": HEADS, "head_dim": HEAD_DIM, "context": CONTEXT}}, paths[-1])
+    return paths
 
 
 # --- Out: the CSV, the figure, the summary ---------------------------------------------------------------
@@ -680,18 +701,20 @@ def main(argv=None):
           f"GPU {torch.cuda.get_device_name()}")
     attends = {SDPA_RUN: sdpa_attention, **{run: chapter_attention(forward, backward, deterministic)
                                             for run, (forward, deterministic) in runs.items()}}
-    rows = []
+    rows, models = [], {}
     for seed in args.seeds:  # each seed's runs one after the other, so that any drift of the GPU meets all
         for run, attend in attends.items():
             run_rows, _ = train_run(run, attend, corpus, args.steps, args.batch, args.eval_every, args.eval_batches,
                                     seed, args.lr, data_seed=args.data_seed,
-                                    backward="" if run == SDPA_RUN else backward)
+                                    backward="" if run == SDPA_RUN else backward, keep=models)
             rows += run_rows
     path = output_path(args, list(runs))
     write_csv(path, rows)
     rows = report(args, path, f"{LAYERS}-layer GPT on the Python standard library's source, {args.steps} steps x "
                               f"{args.batch} x {CONTEXT} bytes, initialisation seeds {seeds}, data seed {args.data_seed}: "
                               f"SDPA against {', '.join(runs)} (backward {backward}), {torch.cuda.get_device_name()}")
+    saved = save_models(os.path.join(torch_op.build_dir(args.build), "train", "models"), models, args.steps)
+    print(f"the trained models (make generate loads one): {', '.join(os.path.relpath(p, ROOT) for p in saved)}")
     finite = all(math.isfinite(r["val_loss"]) for r in rows)
     if not finite:
         print("train.py: a validation loss is not finite", file=sys.stderr)

@@ -16,7 +16,7 @@ a CUDA device it sees. The libraries it loads are `make lib`'s (make test builds
   errors     each refusal: its exception type and words
   training   50 steps of common/train.py's model with the op: finite losses that fall, from where the
              same run with SDPA starts, as far as it within a tenth of its fall; common/train.py end to
-             end (its CSV, its summary)
+             end (its CSV, its summary, its saved models)
 """
 import math
 import os
@@ -315,3 +315,6 @@ def test_train_script(op, repo, tmp_path):
     assert len({r["gpu"] for r in rows}) == 1 and rows[0]["gpu"], f"{out.name}: the GPU of each row: {rows}"
     table = train.summary_table(rows)
     assert table in proc.stdout, f"train.py's summary is not the table of its CSV:\n{proc.stdout}\n---\n{table}"
+    saved = re.search(r"^the trained models \(make generate loads one\): (.*)$", proc.stdout, re.M)
+    paths = [repo.root / p for p in saved.group(1).split(", ")] if saved else []
+    assert len(paths) == 6 and all(p.is_file() for p in paths), f"train.py's models: {saved and saved.group(0)}"
