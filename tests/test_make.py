@@ -1,8 +1,9 @@
 """The Makefile's reading aids: `make diff`, `make sass` and `make profile` say what is wrong
 instead of failing obscurely (chapter numbers as 4, 04 or 04_fused; cuobjdump found or fetched by
 common/cuda_tools.py; no GPU or no Nsight Compute named in one line, the skip code 77), and
-`make bench` and `make compare` pass BENCH_PASS and QUICK on. make runs on the build folder
-that make test made, with its ARCH, so that nothing there is built again."""
+`make bench` and `make compare` pass BENCH_PASS and QUICK on; the groups `make test` sends to its
+workers first are groups that tests carry. make runs on the build folder that make test made, with
+its ARCH, so that nothing there is built again."""
 import re
 import shlex
 import shutil
@@ -112,3 +113,16 @@ def test_a_target_that_cannot_run_here_says_why_once_and_exits_77(repo, args, li
     assert proc.returncode == 2 and re.search(r"\] Error 77$", proc.stderr, re.M), (
         f"{shown}: exit {proc.returncode}, stderr {proc.stderr.strip()!r}; expected its recipe's exit 77 "
         f"(make: '... Error 77', exit 2)")
+
+
+def test_the_groups_make_test_sends_first_are_groups_of_tests(repo):
+    """conftest.SENT_FIRST names xdist groups that tests carry (a literal name, or an f-string's pattern):
+    a group renamed in a test module would otherwise drop out of it silently, and the suite's wall time
+    on a GPU would grow past its limit again."""
+    import conftest
+    patterns = set()
+    for path in (repo.root / "tests").glob("test_*.py"):
+        for prefix, name in re.findall(r'xdist_group\((f?)"([^"]+)"\)', path.read_text()):
+            patterns.add(re.sub(r"\\\{[^}]*\\\}", ".+", re.escape(name)) if prefix else re.escape(name))
+    missing = [g for g in conftest.SENT_FIRST if not any(re.fullmatch(p, g) for p in patterns)]
+    assert not missing, f"conftest.SENT_FIRST names groups no test carries: {missing}"
