@@ -495,9 +495,14 @@ def grade_static(chapter, build, make, text, names, checks):
     checks.add("the chapter's claims", "fail" if count["fail"] else "pass")
 
 
+def gate_checks(names):
+    """The speed gates of these exercises (those that have one), in words."""
+    return [f"the speed gate of {n}" for n in names if EXERCISES[n].get("gate")]
+
+
 def gpu_checks(names):
     """What the GPU part decides, in words."""
-    return ["the GPU matrix", "racecheck"] + [f"the speed gate of {n}" for n in names if EXERCISES[n].get("gate")]
+    return ["the GPU matrix", "racecheck"] + gate_checks(names)
 
 
 def gpu_not_run(names, reason, checks):
@@ -534,10 +539,9 @@ def grade_gpu(chapter, student, solution, names, checks, race=racecheck, no_solu
         what = "racecheck" if len(passes) == 1 else f"racecheck of the {pass_name} pass"
         checks.add(what, {"pass": "pass", "fail": "fail", "skip": "not run"}[outcome], note)
     speed = [n for n in names if EXERCISES[n]["kind"] == "speed"]
-    gates = [f"the speed gate of {n}" for n in speed if EXERCISES[n].get("gate")]
     if bad:  # a copy with wrong results is not timed: its time says nothing yet
         say("time", "not timed: your copy's results are wrong (the matrix above); its time counts once they are right.")
-        for what in gates:
+        for what in gate_checks(speed):
             checks.add(what, "not run", "the GPU matrix failed first")
         return
     timed = [timed_as(EXERCISES[n]) for n in speed] or [(TIME_SHAPE.get(int(chapter[:2]), DEFAULT_TIME_SHAPE), "ms",

@@ -330,7 +330,7 @@ def save_models(folder, models, steps):
     os.makedirs(folder, exist_ok=True)
     paths = []
     for (run, seed), state in models.items():
-        paths.append(os.path.join(folder, f"{run if run == SDPA_RUN else short_name(run)}_seed{seed}.pt"))
+        paths.append(os.path.join(folder, f"{short_name(run)}_seed{seed}.pt"))
         torch.save({"state": state, "run": run, "seed": seed, "steps": steps,
                     "shape": {"layers": LAYERS, "heads": HEADS, "head_dim": HEAD_DIM, "context": CONTEXT}}, paths[-1])
     return paths
@@ -584,7 +584,9 @@ def output_path(args, runs):
 
 def short_name(run):
     """A run as a file name has it: '07_async_pipeline' -> '07', '08_fp8.step3' -> '08.3',
-    '07_async_pipeline@deterministic' -> '07det'."""
+    '07_async_pipeline@deterministic' -> '07det', 'sdpa' as it is."""
+    if run == SDPA_RUN:
+        return run
     forward, _, mode = run.partition("@")
     step = forward.partition(".step")[2]
     return forward[:2] + (f".{step}" if step else "") + ("det" if mode else "")

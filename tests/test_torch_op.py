@@ -278,29 +278,20 @@ def test_constants_are_library_h(repo):
     assert torch_op.ALIGNMENT == alignment, f"torch_op.ALIGNMENT {torch_op.ALIGNMENT}, library.h {alignment}"
 
 
-C_TYPES = {"int": ctypes.c_int, "float": ctypes.c_float}
+C_TYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "long long": ctypes.c_longlong}
 
 
-def test_shape_is_shape_h(repo):
-    """FaShape: AttnShape's fields in common/shape.h, in its order, of its C types."""
-    body = re.search(r"typedef struct \{(.*?)\} AttnShape;", (repo.root / "common" / "shape.h").read_text(), re.S)
-    assert body, "common/shape.h: no `typedef struct { ... } AttnShape;`"
-    fields = [(name, C_TYPES[kind]) for kind, name in re.findall(r"^\s*(int|float)\s+(\w+);", body.group(1), re.M)]
-    assert fields and list(torch_op.FaShape._fields_) == fields, (
-        f"torch_op.FaShape {torch_op.FaShape._fields_} is not common/shape.h's AttnShape {fields}")
-    assert ctypes.sizeof(torch_op.FaShape) == 24, f"sizeof(FaShape) {ctypes.sizeof(torch_op.FaShape)}, the C one is 24"
-
-
-def test_decode_shape_is_shape_h(repo):
-    """FaDecodeShape: DecodeShape's fields in common/shape.h, in its order, of its C types (40 bytes)."""
-    body = re.search(r"typedef struct \{([^{}]*)\} DecodeShape;", (repo.root / "common" / "shape.h").read_text())
-    assert body, "common/shape.h: no `typedef struct { ... } DecodeShape;`"
-    kinds = {"int": ctypes.c_int, "float": ctypes.c_float, "long long": ctypes.c_longlong}
-    fields = [(name, kinds[kind]) for kind, name in
+@pytest.mark.parametrize("c_name, ours, size", [("AttnShape", "FaShape", 24), ("DecodeShape", "FaDecodeShape", 40)])
+def test_shapes_are_shape_h(repo, c_name, ours, size):
+    """FaShape and FaDecodeShape: common/shape.h's AttnShape and DecodeShape, their fields in its order, of
+    its C types, and the C size."""
+    body = re.search(rf"typedef struct \{{([^{{}}]*)\}} {c_name};", (repo.root / "common" / "shape.h").read_text())
+    assert body, f"common/shape.h: no `typedef struct {{ ... }} {c_name};`"
+    fields = [(name, C_TYPES[kind]) for kind, name in
               re.findall(r"^\s*(int|float|long long)\s+(\w+);", body.group(1), re.M)]
-    assert fields and list(torch_op.FaDecodeShape._fields_) == fields, (
-        f"torch_op.FaDecodeShape {torch_op.FaDecodeShape._fields_} is not common/shape.h's DecodeShape {fields}")
-    assert ctypes.sizeof(torch_op.FaDecodeShape) == 40, f"sizeof(FaDecodeShape) {ctypes.sizeof(torch_op.FaDecodeShape)}"
+    struct = getattr(torch_op, ours)
+    assert fields and list(struct._fields_) == fields, f"torch_op.{ours} {struct._fields_} is not {c_name} {fields}"
+    assert ctypes.sizeof(struct) == size, f"sizeof({ours}) {ctypes.sizeof(struct)}, the C one is {size}"
 
 
 def c_parameter_type(param):
