@@ -72,9 +72,9 @@ def steps_h100(repo):
 
 
 def test_steps_one_run_is_its_log(repo):
-    """09's README, "The steps, one run": each step's ms and TFLOP/s at both D, causal and not."""
+    """09's NOTES, "The steps, one run": each step's ms and TFLOP/s at both D, causal and not."""
     timed = steps_h100(repo)
-    table = markdown_rows((repo.root / README_09).read_text(), "| step | D=128 | TFLOP/s | causal |")
+    table = markdown_rows((repo.root / "09_backward/NOTES.md").read_text(), "| step | D=128 | TFLOP/s | causal |")
     assert len(table) == 8, f"{len(table)} steps in the table, expected 8"
     for label, *cells in table:
         build = step_build(label.split()[0])

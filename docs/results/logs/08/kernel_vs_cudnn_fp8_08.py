@@ -1,8 +1,8 @@
 # How docs/results/logs/08/kernel_vs_cudnn_fp8_08*.csv were measured, on the GPU machine from the repository root
 # after `make` and with the cuDNN frontend on PYTHONPATH: python3 docs/results/logs/08/kernel_vs_cudnn_fp8_08.py OUT.csv
 # [--flush-l2] (both sides' inputs out of L2 before each timed run: the harness's --flush-l2, anchors.l2_flusher)
-# (kernel_vs_cudnn_fp8_08.csv: H200, its kernel alone timed in runs of its own; _h100.csv: H100, 2026-12-06, timed inside
-# each whole forward, the harness since e4e7cce).
+# (kernel_vs_cudnn_fp8_08.csv: H200, its kernel alone timed in runs of its own; _flushed_h100.csv: H100, 2026-12-06,
+# timed inside each whole forward, the harness since e4e7cce, with --flush-l2).
 # The attention kernel alone (08, inputs already in e4m3) beside cuDNN's FP8 attention, per bench shape,
 # interleaved: 3 rounds, in each one 08 run (median of 20) then cuDNN (median of 20) per shape.
 import csv, os, statistics, subprocess, sys
