@@ -862,14 +862,16 @@ static int kernels_in(cudaGraph_t graph) {
     return kernels;
 }
 
-static void run_pass(const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream, Part part) {
-    cudaError_t err = enqueue(args, grad, stream, part);
+// What a pass's launchers answered (and then the launches' own error): the binary ends on either.
+static void check_launch(cudaError_t err, const char *pass) {
     if (err == cudaSuccess) err = cudaGetLastError();
     if (err == cudaErrorNoKernelImageForDevice)
         die(EXIT_FAILED, "this binary has no kernel for this GPU: rebuild with ARCH=sm_XY (see make help)");
-    if (err != cudaSuccess)
-        die(EXIT_FAILED, "CUDA error in the %s: %s", part == PART_BACKWARD ? "backward" : "forward",
-            cudaGetErrorString(err));
+    if (err != cudaSuccess) die(EXIT_FAILED, "CUDA error in the %s: %s", pass, cudaGetErrorString(err));
+}
+
+static void run_pass(const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream, Part part) {
+    check_launch(enqueue(args, grad, stream, part), part == PART_BACKWARD ? "backward" : "forward");
 }
 
 static int compare_float(const void *a, const void *b) {
@@ -893,13 +895,17 @@ static void flush_l2(cudaStream_t stream) {
     if (l2_flush) CUDA_CHECK(cudaMemsetAsync(l2_flush, ++value & 0xff, l2_flush_bytes, stream));
 }
 
-// The median time of o->iters runs of a part (after o->warmup untimed ones), CUDA events around each.
-static float time_pass(const Options *o, const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream,
-                       Part part) {
-    for (int i = 0; i < o->warmup; i++) run_pass(args, grad, stream, part);
+// One run of what is timed (a pass, or decoding), on `stream`; it ends the binary on a CUDA error.
+typedef void (*RunOnce)(const void *what, cudaStream_t stream);
+
+// The median time of o->iters runs (after o->warmup untimed ones), CUDA events around each, the runs
+// queued back to back and read after one synchronisation (no host gap inside a timed interval).
+static float median_time(const Options *o, cudaStream_t stream, RunOnce run, const void *what) {
+    for (int i = 0; i < o->warmup; i++) run(what, stream);
     cudaEvent_t *start = (cudaEvent_t *)calloc(o->iters, sizeof *start);
     cudaEvent_t *stop = (cudaEvent_t *)calloc(o->iters, sizeof *stop);
     float *ms = (float *)calloc(o->iters, sizeof *ms);
+    if (!start || !stop || !ms) die(EXIT_FAILED, "out of host memory");
     for (int i = 0; i < o->iters; i++) {
         CUDA_CHECK(cudaEventCreate(&start[i]));
         CUDA_CHECK(cudaEventCreate(&stop[i]));
@@ -907,7 +913,7 @@ static float time_pass(const Options *o, const AttnArgs *args, const BackwardArg
     for (int i = 0; i < o->iters; i++) {
         flush_l2(stream);
         CUDA_CHECK(cudaEventRecord(start[i], stream));
-        run_pass(args, grad, stream, part);
+        run(what, stream);
         CUDA_CHECK(cudaEventRecord(stop[i], stream));
     }
     CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -921,6 +927,24 @@ static float time_pass(const Options *o, const AttnArgs *args, const BackwardArg
     free(stop);
     free(ms);
     return median;
+}
+
+typedef struct {
+    const AttnArgs *args;
+    const BackwardArgs *grad;
+    Part part;
+} PassRun;
+
+static void run_pass_once(const void *what, cudaStream_t stream) {
+    const PassRun *r = (const PassRun *)what;
+    run_pass(r->args, r->grad, stream, r->part);
+}
+
+// The median time of a part (median_time).
+static float time_pass(const Options *o, const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream,
+                       Part part) {
+    const PassRun run = {args, grad, part};
+    return median_time(o, stream, run_pass_once, &run);
 }
 
 // A chapter that prepares its inputs: each whole forward timed with an event between its two parts,
@@ -1494,6 +1518,11 @@ static void print_decode_shape(const Options *o, int max_length) {
 }
 
 // The decoding step of the chapter: checked, timed, reported; its exit code.
+// One decoding step (median_time's RunOnce).
+static void run_decode_once(const void *what, cudaStream_t stream) {
+    check_launch(chapter.decode->decode((const DecodeArgs *)what, stream), "decoding pass");
+}
+
 static int run_decode(const Options *o) {
     const DecodeShape *d = &o->dshape;
     const int max_length = decode_max_length(o);
@@ -1547,7 +1576,7 @@ static int run_decode(const Options *o) {
     // The checked run, on O and LSE filled with NaN (all bits set), then the timed ones.
     CUDA_CHECK(cudaMemsetAsync(out, 0xff, q_bytes, stream));
     CUDA_CHECK(cudaMemsetAsync(lse, 0xff, lse_bytes, stream));
-    CUDA_CHECK(chapter.decode->decode(&args, stream));
+    run_decode_once(&args, stream);
     CUDA_CHECK(cudaStreamSynchronize(stream));
     require_no_todo();
     CheckResult check;
@@ -1569,20 +1598,7 @@ static int run_decode(const Options *o) {
     CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     CUDA_CHECK(launched);
     const int kernels = kernels_in(graph);
-    for (int i = 0; i < o->warmup; i++) CUDA_CHECK(chapter.decode->decode(&args, stream));
-    float *ms = (float *)calloc(o->iters, sizeof *ms);
-    cudaEvent_t start, stop;
-    if (!ms) die(EXIT_FAILED, "out of host memory");
-    CUDA_CHECK(cudaEventCreate(&start));
-    CUDA_CHECK(cudaEventCreate(&stop));
-    for (int i = 0; i < o->iters; i++) {
-        CUDA_CHECK(cudaEventRecord(start, stream));
-        CUDA_CHECK(chapter.decode->decode(&args, stream));
-        CUDA_CHECK(cudaEventRecord(stop, stream));
-        CUDA_CHECK(cudaEventSynchronize(stop));
-        CUDA_CHECK(cudaEventElapsedTime(&ms[i], start, stop));
-    }
-    const float median = median_of(ms, o->iters);
+    const float median = median_time(o, stream, run_decode_once, &args);
     const double gbps = kv_bytes / (median * 1e-3) / 1e9;
     const char *status = !o->check ? "unchecked" : check.passed ? "PASS" : "FAIL";
     if (o->csv) {
@@ -1598,12 +1614,9 @@ static int run_decode(const Options *o) {
                    check.rel_l2, check.rel_l2_tol, check.max_abs, check.lse_err, check.lse_tol,
                    check.unwritten ? ", elements left unwritten" : "", status);
     }
-    CUDA_CHECK(cudaEventDestroy(start));
-    CUDA_CHECK(cudaEventDestroy(stop));
     CUDA_CHECK(cudaStreamDestroy(stream));
     void *buffers[] = {q, k_pool, v_pool, table, lengths, out, lse, work};
     for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) CUDA_CHECK(cudaFree(buffers[i]));
-    free(ms);
     return check.passed ? EXIT_PASS : EXIT_FAILED;
 }
 
