@@ -56,6 +56,10 @@ TIME_SHAPE = {1: (1, 16, 2048, 128, False)}
 DEFAULT_TIME_SHAPE = HEADLINE
 RUN_TIMEOUT_S = 300
 TIME_ROUNDS = 2  # the chapter and the copy timed alternately, best median of each
+# A copy that misses its gate by less than RETIME_WITHIN times the gate is timed again, a round at a
+# time, up to MAX_TIME_ROUNDS: another program on the GPU (a class sharing a machine, make test's
+# other workers) slows whichever run it overlaps, not both alike.
+RETIME_WITHIN, MAX_TIME_ROUNDS = 1.2, 4
 MATRIX_WORKERS = 4  # the matrix's runs at once: one (B, H, N, D) per worker, its cases in order (they share inputs)
 
 
@@ -353,16 +357,27 @@ def racecheck(student, chapter, pass_name="forward"):
     return "pass", f"compute-sanitizer racecheck finds no hazard at {case_text(case)}"
 
 
-def time_copy(student, solution, chapter, shape, column="ms", pass_name="forward", checked=True):
+def close_miss(best, gate, rounds):
+    """Whether a copy timed `rounds` rounds (best {who: ms}) missed its gate by little enough, and
+    few enough rounds ran, to be timed once more."""
+    if gate is None or "chapter" not in best or rounds >= MAX_TIME_ROUNDS:
+        return False
+    return gate < best["yours"] / best["chapter"] <= gate * RETIME_WITHIN
+
+
+def time_copy(student, solution, chapter, shape, column="ms", pass_name="forward", checked=True, gate=None):
     """{ratio, line, failed}: the copy's time (the row's `column`, of that pass) beside the chapter's,
-    the two run alternately TIME_ROUNDS times, the best median of each counting; ratio None when
-    either could not be timed (failed: 'yours', 'chapter' or 'column'). solution None: the copy alone.
-    checked False: the runs skip the reference check (--no-check), so no float64 reference of a
-    large shape is made (the tests' timings of the chapter's own stubs, checked elsewhere)."""
+    the two run alternately TIME_ROUNDS times (more, up to MAX_TIME_ROUNDS, while the ratio misses
+    `gate` by a little: close_miss), the best median of each counting; ratio None when either could
+    not be timed (failed: 'yours', 'chapter' or 'column'). solution None: the copy alone. checked
+    False: the runs skip the reference check (--no-check), so no float64 reference of a large shape
+    is made (the tests' timings of the chapter's own stubs, checked elsewhere)."""
     best, what, where = {}, timed_what(column, pass_name), case_text(shape + (pass_name,))
     runs = [("yours", student)] if solution is None else [("chapter", solution), ("yours", student)]
     args, ran = case_args(shape + (pass_name,)) + ([] if checked else ["--no-check"]), "PASS" if checked else "unchecked"
-    for _ in range(TIME_ROUNDS):
+    rounds = 0
+    while rounds < TIME_ROUNDS or close_miss(best, gate, rounds):
+        rounds += 1
         for who, binary in runs:
             status, row, note = run_case(binary, chapter, args)
             said = f"{status}{': ' + note if note else ''}"
@@ -378,7 +393,7 @@ def time_copy(student, solution, chapter, shape, column="ms", pass_name="forward
                     f"{where}: not timed: the harness's CSV row has no {column} (the {what}): rebuild the copy and "
                     "the chapter with this tree's harness (make)"))
             best[who] = min(best.get(who, row[column]), row[column])
-    how = f"the best of {TIME_ROUNDS} runs{' taken alternately' if solution else ''}, each the median of 10"
+    how = f"the best of {rounds} runs{' taken alternately' if solution else ''}, each the median of 10"
     if solution is None:
         return dict(ratio=None, failed=None, line=f"{where}: your {what} {best['yours']:.3f} ms ({how})")
     ratio = best["yours"] / best["chapter"]
@@ -386,9 +401,9 @@ def time_copy(student, solution, chapter, shape, column="ms", pass_name="forward
         f"{where}: your {what} {best['yours']:.3f} ms, the chapter's {best['chapter']:.3f} ms ({how}): {ratio:.2f}x"))
 
 
-def timing(student, solution, chapter, shape, column="ms", pass_name="forward", checked=True):
+def timing(student, solution, chapter, shape, column="ms", pass_name="forward", checked=True, gate=None):
     """(ratio or None, line): time_copy's ratio and line."""
-    timed = time_copy(student, solution, chapter, shape, column, pass_name, checked)
+    timed = time_copy(student, solution, chapter, shape, column, pass_name, checked, gate)
     return timed["ratio"], timed["line"]
 
 
@@ -548,8 +563,9 @@ def grade_gpu(chapter, student, solution, names, checks, race=racecheck, no_solu
                                                          passes[-1])]
     results = {}
     for key in dict.fromkeys(timed):
-        results[key] = time_copy(student, solution, chapter, *key)
         gated = [n for n in speed if EXERCISES[n].get("gate") and timed_as(EXERCISES[n]) == key]
+        results[key] = time_copy(student, solution, chapter, *key, gate=min((EXERCISES[n]["gate"] for n in gated),
+                                                                            default=None))
         info = "" if gated else " (for information: no gate)"
         missing = f"; the speed comparison is unavailable: {no_solution}" if solution is None else ""
         say("time", results[key]["line"] + info + missing)

@@ -729,6 +729,28 @@ def test_grader_bookkeeping_on_stand_in_binaries(tmp_path, capsys):
     assert ratio is None and "no attend_ms" in line, f"timing on a column the harness left empty: {ratio}, {line!r}"
 
 
+@pytest.mark.parametrize("label, yours, chapter, rounds, ratio", [
+    ("a copy slowed once by another program", [1.15, 1.15, 1.0], [1.0, 1.0, 1.0], 3, 1.0),
+    ("a copy 1.15x slower every round", [1.15] * 9, [1.0] * 9, grader.MAX_TIME_ROUNDS, 1.15),
+    ("a copy far past the gate", [2.0] * 9, [1.0] * 9, grader.TIME_ROUNDS, 2.0),
+    ("a copy inside the gate", [1.05] * 9, [1.0] * 9, grader.TIME_ROUNDS, 1.05),
+])
+def test_close_misses_are_timed_again(monkeypatch, label, yours, chapter, rounds, ratio):
+    """A ratio that misses its gate (1.10x here) by at most RETIME_WITHIN is timed another round,
+    up to MAX_TIME_ROUNDS; one far past it or inside it is not; the best of each side counts."""
+    times = {"yours": iter(yours), "chapter": iter(chapter)}
+    ran = []
+
+    def run_case(binary, chapter_name, args):
+        ran.append(binary)
+        return "PASS", {"ms": next(times[binary])}, ""
+
+    monkeypatch.setattr(grader, "run_case", run_case)
+    timed = grader.time_copy("yours", "chapter", "04_fused", markers.EXERCISES["04.k_layout"]["shape"], gate=1.10)
+    assert ran.count("yours") == ran.count("chapter") == rounds, f"{label}: {ran}"
+    assert abs(timed["ratio"] - ratio) < 1e-9 and f"the best of {rounds} runs" in timed["line"], f"{label}: {timed}"
+
+
 def grade_on(capsys, names, student, solution, race=("pass", "no hazard"), static=(("the build", "pass"),),
              gpu=True, no_solution="this hand-out has no reference solution"):
     """(exit code, verdict line, what was printed) of a grade whose GPU part runs stand-ins."""
