@@ -214,6 +214,57 @@ def test_training_table_is_its_csv(repo):
     assert found.group(2).strip() == want, f"docs/pytorch.md's training table is not {found.group(1)}'s:\n{want}"
 
 
+def test_training_prose_is_its_csv(repo):
+    """The numbers docs/pytorch.md says under its training table, recomputed from the table's CSV."""
+    import train
+    text = " ".join((repo.root / "docs" / "pytorch.md").read_text().split())
+    path = repo.root / "docs/results/train/train_07_08_07det_seeds0-1-2.csv"
+    if not path.is_file():
+        pytest.skip(f"{path.name} not measured yet")
+    runs = train.curves(train.read_csv(str(path)))
+    sdpa, chapters = runs[train.SDPA_RUN], [r for r in runs if r != train.SDPA_RUN]
+    summary = {r["run"]: r for r in train.summarize(train.read_csv(str(path)))}
+    means = [summary[r]["mean"] for r in runs]
+    differences = {run: [rows[-1]["val_loss"] - sdpa[seed][-1]["val_loss"] for seed, rows in runs[run].items()]
+                   for run in chapters}
+    mean_differences = [sum(d) / len(d) for d in differences.values()]
+    single = [d for ds in differences.values() for d in ds]
+
+    def gap(run, seed, index):
+        return abs(runs[run][seed][index]["val_loss"] - sdpa[seed][index]["val_loss"])
+
+    steps = [row["step"] for row in next(iter(sdpa.values()))]
+    early = max(gap(run, seed, i) for run in chapters for seed in runs[run] for i, step in enumerate(steps)
+                if 0 < step < 500)
+    late = max(gap(run, seed, i) for run in chapters for seed in runs[run] for i, step in enumerate(steps)
+               if step >= 1500)
+    sdpa_range = {step: max(rows[i]["val_loss"] for rows in sdpa.values()) -
+                  min(rows[i]["val_loss"] for rows in sdpa.values()) for i, step in enumerate(steps)}
+    atomic_std = sorted(summary[r]["std"] for r in chapters if not r.endswith(train.DETERMINISTIC))
+    rate = {run: {seed: train.steady_rate(rows) / 1e6 for seed, rows in seeds.items()} for run, seeds in runs.items()}
+    deterministic = rate[next(r for r in chapters if r.endswith(train.DETERMINISTIC))]
+    said = [f"within {max(means) - min(means):.4f} nats of each other ({min(means):.4f} to {max(means):.4f})",
+            f"({min(mean_differences):+.4f} to {max(mean_differences):+.4f})",
+            f"differences ({min(single):+.4f} to {max(single):+.4f})",
+            f"a gap of {max(abs(d) for d in single) / min(means) * 100:.1f}% either way",
+            f"{sdpa_range[150]:.3f} nats at step 150 and {sdpa_range[steps[-1]]:.4f} at step {steps[-1]}",
+            f"(up to {early:.3f} before step 500)", f"at most {late:.4f} from step 1500",
+            f"(standard deviation {atomic_std[0]:.4f}-{atomic_std[-1]:.4f} for 07 and 08",
+            f"{summary[train.SDPA_RUN]['std']:.4f} for SDPA's",
+            f"{deterministic[0]:.2f}M tokens/s for seeds 0 and 1, {deterministic[2]:.2f}M for seed 2",
+            f"SDPA {min(rate[train.SDPA_RUN].values()):.2f}-{max(rate[train.SDPA_RUN].values()):.2f}M in all three"]
+    assert f"{deterministic[1]:.2f}" == f"{deterministic[0]:.2f}", deterministic
+    missing = [words for words in said if words not in text]
+    assert not missing, f"docs/pytorch.md's training prose does not say what its CSV gives: {missing}"
+    atomic = [d for run, d in zip(chapters, mean_differences) if not run.endswith(train.DETERMINISTIC)]
+    closest = max(abs(d) for d in atomic)
+    readme = " ".join((repo.root / "README.md").read_text().split())
+    summary_words = [f"within {closest:.4f} nats ({closest / summary[train.SDPA_RUN]['mean'] * 100:.2f}%) of SDPA's",
+                     f"by up to {max(abs(d) for d in single) / min(means) * 100:.1f}% either way"]
+    missing = [words for words in summary_words if words not in readme]
+    assert not missing, f"README.md's training sentence does not say what {path.name} gives: {missing}"
+
+
 def test_auto_backward_is_the_latest_that_runs(repo):
     """backward="auto": the latest chapter with a backward pass that is built and runs on the GPU; none
     on a GPU older than every backward chapter's oldest, with what was looked at."""
