@@ -1,12 +1,13 @@
-// 11.2, step 2 of 11_decode: grouped-query attention packed. A block takes one KV head's split of
-// keys for all the g query heads that share it, so their K and V are read once, not g times.
-// Otherwise 11.1 (Flash-Decoding over a paged KV cache: split, then merge; the forward is 07's).
+// 11.3, step 3 of 11_decode: deeper loads. A thread loads the K and V rows of KEYS_IN_FLIGHT keys
+// before it uses the first, so that more bytes are in flight to cover the memory's latency.
+// Otherwise 11.2 (grouped-query attention packed over a paged KV cache: split, then merge).
 //
 // Two kernels: (1) one block per (split of KEYS_PER_SPLIT keys, KV head, sequence): the g x Nq query
-// rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each read one key's K
-// and V row, 16 bytes a thread, through the block table; each group keeps an online softmax per row
-// over the keys it reads, and the block combines its groups' states in shared memory into the split's
-// partial per row; (2) per (query head, sequence), the splits' partials merged into O and LSE.
+// rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each read the K and V
+// rows of KEYS_IN_FLIGHT keys, 16 bytes a thread a row, through the block table, then use them one
+// after another; each group keeps an online softmax per row over the keys it reads, and the block
+// combines its groups' states in shared memory into the split's partial per row; (2) per (query
+// head, sequence), the splits' partials merged into O and LSE.
 #include <stdio.h>
 
 #include "../common/harness.h"
@@ -17,6 +18,7 @@
 #define KEYS_PER_SPLIT 256  // keys a block reads: a sequence of L tokens takes ceil(L / 256) blocks per head
 #define QUERY_CHUNK 4       // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
 #define DIMS_PER_THREAD 8   // 16 bytes of a K or V row: one uint4 load
+#define KEYS_IN_FLIGHT 4    // keys a group loads before it uses the first: 4 x 32 bytes of K and V a thread
 
 template <int HEAD_DIM>
 struct DecodeConfig {
@@ -82,36 +84,42 @@ __global__ void __launch_bounds__(DECODE_THREADS)
             row_max[j] = -INFINITY, row_sum[j] = 0.0f;
         }
         // The group's keys: key0 + group, then every KEYS_AT_ONCE-th; every group takes the same number
-        // of steps (a key past the split's end is read as zeros and counts for nothing), so that the
-        // lanes of a warp meet at each shuffle.
-        for (int step0 = key0; step0 < key_end; step0 += Cfg::KEYS_AT_ONCE) {
-            const int t = step0 + group;
-            float k[DIMS_PER_THREAD] = {}, v[DIMS_PER_THREAD] = {};
-            if (t < key_end) {
-                unpack8(*(const uint4 *)(cache_row(args.k_pool, args.block_table, s.max_pages, seq, t, s.kv_heads,
-                                                   kv_head, s.page_size, HEAD_DIM) +
-                                         dim0),
-                        k);
-                unpack8(*(const uint4 *)(cache_row(args.v_pool, args.block_table, s.max_pages, seq, t, s.kv_heads,
-                                                   kv_head, s.page_size, HEAD_DIM) +
-                                         dim0),
-                        v);
+        // of steps (a key past the split's end reads the split's last key again and counts for nothing),
+        // so that the lanes of a warp meet at each shuffle. A step loads KEYS_IN_FLIGHT keys, with no
+        // branch between the loads, then uses them.
+        for (int step0 = key0; step0 < key_end; step0 += KEYS_IN_FLIGHT * Cfg::KEYS_AT_ONCE) {
+            uint4 k_rows[KEYS_IN_FLIGHT], v_rows[KEYS_IN_FLIGHT];  // this thread's 16 bytes of each key's K and V
+#pragma unroll
+            for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
+                const int t = min(step0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1);
+                k_rows[i] = *(const uint4 *)(cache_row(args.k_pool, args.block_table, s.max_pages, seq, t, s.kv_heads,
+                                                       kv_head, s.page_size, HEAD_DIM) +
+                                             dim0);
+                v_rows[i] = *(const uint4 *)(cache_row(args.v_pool, args.block_table, s.max_pages, seq, t, s.kv_heads,
+                                                       kv_head, s.page_size, HEAD_DIM) +
+                                             dim0);
             }
 #pragma unroll
-            for (int j = 0; j < QUERY_CHUNK; j++) {
-                float score = 0.0f;
+            for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
+                const int t = step0 + i * Cfg::KEYS_AT_ONCE + group;
+                float k[DIMS_PER_THREAD], v[DIMS_PER_THREAD];
+                unpack8(k_rows[i], k), unpack8(v_rows[i], v);
 #pragma unroll
-                for (int d = 0; d < DIMS_PER_THREAD; d++) score = fmaf(q[j][d], k[d], score);
+                for (int j = 0; j < QUERY_CHUNK; j++) {
+                    float score = 0.0f;
 #pragma unroll
-                for (int offset = Cfg::LANES_PER_KEY / 2; offset > 0; offset /= 2)  // the key's lanes, summed
-                    score += __shfl_xor_sync(0xffffffff, score, offset);
-                if (t >= key_end || t > last_key[j]) continue;  // past the split, or after the row's query
-                const float new_max = fmaxf(row_max[j], score);
-                const float rescale = exp2f(row_max[j] - new_max), p = exp2f(score - new_max);
-                row_max[j] = new_max;
-                row_sum[j] = row_sum[j] * rescale + p;
+                    for (int d = 0; d < DIMS_PER_THREAD; d++) score = fmaf(q[j][d], k[d], score);
 #pragma unroll
-                for (int d = 0; d < DIMS_PER_THREAD; d++) o[j][d] = fmaf(o[j][d], rescale, p * v[d]);
+                    for (int offset = Cfg::LANES_PER_KEY / 2; offset > 0; offset /= 2)  // the key's lanes, summed
+                        score += __shfl_xor_sync(0xffffffff, score, offset);
+                    if (t >= key_end || t > last_key[j]) continue;  // past the split, or after the row's query
+                    const float new_max = fmaxf(row_max[j], score);
+                    const float rescale = exp2f(row_max[j] - new_max), p = exp2f(score - new_max);
+                    row_max[j] = new_max;
+                    row_sum[j] = row_sum[j] * rescale + p;
+#pragma unroll
+                    for (int d = 0; d < DIMS_PER_THREAD; d++) o[j][d] = fmaf(o[j][d], rescale, p * v[d]);
+                }
             }
         }
         // The groups' states into shared memory, then the split's partial: thread d < HEAD_DIM combines dim d.
