@@ -203,7 +203,7 @@ def test_11s_first_run_is_its_log(repo):
         if len(words) == 5 and words[0] in ("build/11_decode.step1", "build/11_decode", "sdpa_flash", "sdpa_cudnn"):
             ms, gbps = map(float, words[4].split(","))
             timed[(words[0], int(words[1][1:]), int(words[2][3:]), int(words[3][1:]))] = (ms, gbps)
-    table = markdown_rows((repo.root / "11_decode/README.md").read_text(), "| B | KV heads | cache |")
+    table = markdown_rows((repo.root / "11_decode/README.md").read_text(), "| B | KV heads | cache | 11.1 |")
     assert len(table) * 4 == len(timed), f"{len(table)} rows in the table, {len(timed)} timings in the log"
     for b, kv, cache, *cells in table:
         got = {who: timed[(who, int(b), int(kv), int(cache))] for who in
@@ -212,3 +212,26 @@ def test_11s_first_run_is_its_log(repo):
                 f"{got['build/11_decode'][1]:.0f}", f"{got['sdpa_flash'][0]:.3f}", f"{got['sdpa_cudnn'][0]:.3f}",
                 f"{got['build/11_decode'][0] / got['sdpa_cudnn'][0]:.2f}x"]
         assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
+
+
+def test_11_3s_first_run_is_its_log(repo):
+    """11's README, 11.3's table: 11.2, 11.3 and SDPA's flash and cuDNN backends at each shape, one
+    call, as 11.3's first run's log has them."""
+    timed = {}
+    for line in (repo.root / "docs/results/logs/11/first_run_11_3_h100.log").read_text().splitlines():
+        words = line.split()
+        if len(words) == 5 and words[0] in ("build/11_decode.step2", "build/11_decode", "sdpa_flash", "sdpa_cudnn"):
+            ms, gbps = map(float, words[4].split(","))
+            timed[(words[0], int(words[1][1:]), int(words[2][3:]), int(words[3][1:]))] = (ms, gbps)
+    table = markdown_rows((repo.root / "11_decode/README.md").read_text(), "| B | KV heads | cache | 11.2 | 11.3 |")
+    assert table and len(table) * 4 == len(timed), f"{len(table)} rows in the table, {len(timed)} timings in the log"
+    for b, kv, cache, *cells in table:
+        got = {who: timed[(who, int(b), int(kv), int(cache))] for who in
+               ("build/11_decode.step2", "build/11_decode", "sdpa_flash", "sdpa_cudnn")}
+        want = [f"{got['build/11_decode.step2'][0]:.3f}", f"{got['build/11_decode'][0]:.3f}",
+                f"{got['build/11_decode'][1]:.0f}", f"{got['sdpa_flash'][0]:.3f}", f"{got['sdpa_cudnn'][0]:.3f}",
+                f"{got['build/11_decode'][0] / got['sdpa_cudnn'][0]:.2f}x"]
+        assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
+    checks = [line.split(",") for line in (repo.root / "docs/results/logs/11/first_run_11_3_h100.log").read_text()
+              .splitlines() if line.startswith("11_decode,")]
+    assert len(checks) == 12 and all(row[11] == "PASS" for row in checks), f"11.3's checks in its log: {checks}"
