@@ -11,9 +11,9 @@
 #include <string.h>
 #include <sys/stat.h>
 
-static const char *const DESCR[NPY_DTYPE_COUNT] = {"<f2", "<f4", "<f8", "<i8"};
-static const char *const NAME[NPY_DTYPE_COUNT] = {"float16", "float32", "float64", "int64"};
-static const size_t SIZE[NPY_DTYPE_COUNT] = {2, 4, 8, 8};
+static const char *const DESCR[NPY_DTYPE_COUNT] = {"<f2", "<f4", "<f8", "<i8", "<i4"};
+static const char *const NAME[NPY_DTYPE_COUNT] = {"float16", "float32", "float64", "int64", "int32"};
+static const size_t SIZE[NPY_DTYPE_COUNT] = {2, 4, 8, 8, 4};
 
 const char *npy_dtype_name(NpyDtype dtype) { return NAME[dtype]; }
 size_t npy_dtype_size(NpyDtype dtype) { return SIZE[dtype]; }
@@ -131,7 +131,7 @@ static int parse_descr(const char **p, int want, NpyDtype *dtype, const char *pa
     if (found < 0)
         return fail(err, err_len,
                     "%s: unsupported dtype '%s': this reader takes '<f2' (float16), '<f4' (float32), "
-                    "'<f8' (float64) and '<i8' (int64), little-endian",
+                    "'<f8' (float64), '<i8' (int64) and '<i4' (int32), little-endian",
                     path, shown);
     *dtype = (NpyDtype)found;
     return 0;

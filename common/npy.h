@@ -1,5 +1,5 @@
 // Minimal reader and writer for NumPy's .npy format (versions 1-3, C order,
-// little-endian float16/float32/float64/int64): enough to exchange inputs and
+// little-endian float16/float32/float64/int64/int32): enough to exchange inputs and
 // outputs with NumPy without any other dependency.
 #pragma once
 
@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-typedef enum { NPY_F16 = 0, NPY_F32, NPY_F64, NPY_I64, NPY_DTYPE_COUNT } NpyDtype;
+typedef enum { NPY_F16 = 0, NPY_F32, NPY_F64, NPY_I64, NPY_I32, NPY_DTYPE_COUNT } NpyDtype;
 
 #define NPY_MAX_DIMS 8
 

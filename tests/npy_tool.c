@@ -2,14 +2,15 @@
 //
 //   npy_tool info FILE                  print "dtype <name> shape <d0,d1,...> count <n> offset <bytes>"
 //   npy_tool dump FILE                  print every element's bits as hex, one a line
-//   npy_tool write FILE DTYPE DIM...    write a deterministic pattern (DTYPE: f2 f4 f8 i8)
+//   npy_tool write FILE DTYPE DIM...    write a deterministic pattern (DTYPE: f2 f4 f8 i8 i4)
 //   npy_tool roundtrip IN OUT           load IN (its own dtype) and save it as OUT
-//   npy_tool load FILE DTYPE            load FILE as DTYPE (f2 f4 f8 i8), print "count <n>"
+//   npy_tool load FILE DTYPE            load FILE as DTYPE (f2 f4 f8 i8 i4), print "count <n>"
 //
 // Exit codes: 0 done, 2 the reader or writer refused (its message on stderr), 3 bad usage.
 // The pattern of element i, exactly representable so that NumPy can recompute it bit for bit:
 //   f2: bits (i * 2654435761) mod 0x7c00, sign bit set for odd i   (finite, subnormals included)
 //   f4: i * 0.25 - 3.5      f8: i * 0.125 - 1.5      i8: i * 1000003 - 5000000000
+//   i4: i * 1000003 - 50000000 (the counts the tests write stay within int32)
 #include "npy.h"
 
 #include <stdint.h>
@@ -29,7 +30,7 @@ static int refused(const char *err) {
 }
 
 static int parse_dtype(const char *text, NpyDtype *dtype) {
-    static const char *const names[NPY_DTYPE_COUNT] = {"f2", "f4", "f8", "i8"};
+    static const char *const names[NPY_DTYPE_COUNT] = {"f2", "f4", "f8", "i8", "i4"};
     for (int i = 0; i < NPY_DTYPE_COUNT; i++) {
         if (strcmp(text, names[i]) == 0) {
             *dtype = (NpyDtype)i;
@@ -91,9 +92,12 @@ static int write_pattern(const char *path, const char *dtype_text, int ndim, cha
         } else if (dtype == NPY_F64) {
             double v = (double)i * 0.125 - 1.5;
             memcpy(at, &v, 8);
-        } else {
+        } else if (dtype == NPY_I64) {
             int64_t v = (int64_t)i * 1000003 - 5000000000LL;
             memcpy(at, &v, 8);
+        } else {
+            int32_t v = (int32_t)((int64_t)i * 1000003 - 50000000);
+            memcpy(at, &v, 4);
         }
     }
     char err[1024];

@@ -177,8 +177,11 @@ BAD = [
             r"q\.npy", r"float32", *CAST_TO_FP16),
     # A dtype the .npy reader has no name for is refused as --input's, not as the reader's: the
     # message names what --input takes, not types that --input would refuse next.
+    refusal("input int16", lambda t: ["--input", write_qkv(t / "in", dtype=np.int16)],
+            r"q\.npy", r"'<i2'", *CAST_TO_FP16, unwanted=r"float32|float64|int64|int32"),
+    # One it has a name for (int32, which decoding's block table may be) is not fp16 either.
     refusal("input int32", lambda t: ["--input", write_qkv(t / "in", dtype=np.int32)],
-            r"q\.npy", r"'<i4'", *CAST_TO_FP16, unwanted=r"float32|float64|int64"),
+            r"q\.npy", r"'<i4'", *CAST_TO_FP16),
     refusal("input big-endian fp16", lambda t: ["--input", write_qkv(t / "in", dtype=">f2")],
             r"q\.npy", r"'>f2'", r"little-endian", *CAST_TO_FP16),
     refusal("input float64, --dry-run", lambda t: ["--dry-run", "--input", write_qkv(t / "in", dtype=np.float64)],

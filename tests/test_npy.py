@@ -16,8 +16,8 @@ import pytest
 
 pytestmark = pytest.mark.xdist_group("npy_tool")  # one worker, one compile of the tool
 
-DTYPES = {"f2": np.float16, "f4": np.float32, "f8": np.float64, "i8": np.int64}
-NAMES = {"f2": "float16", "f4": "float32", "f8": "float64", "i8": "int64"}
+DTYPES = {"f2": np.float16, "f4": np.float32, "f8": np.float64, "i8": np.int64, "i4": np.int32}
+NAMES = {"f2": "float16", "f4": "float32", "f8": "float64", "i8": "int64", "i4": "int32"}
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 SHAPES = [(), (1,), (7,), (2, 3, 4, 5), (3, 0)]
 VERSIONS = [(1, 0), (2, 0), (3, 0)]
@@ -53,13 +53,15 @@ def pattern(dtype, count):
         return i.astype(np.float32) * np.float32(0.25) - np.float32(3.5)
     if dtype == "f8":
         return i.astype(np.float64) * 0.125 - 1.5
+    if dtype == "i4":
+        return (i.astype(np.int64) * 1000003 - 50000000).astype(np.int32)
     return i.astype(np.int64) * 1000003 - 5000000000
 
 
 def sample(dtype, shape, seed=0):
     rng = np.random.default_rng(seed)
-    if dtype == "i8":
-        return rng.integers(-2**62, 2**62, size=shape, dtype=np.int64)
+    if dtype in ("i8", "i4"):
+        return rng.integers(np.iinfo(DTYPES[dtype]).min, np.iinfo(DTYPES[dtype]).max, size=shape, dtype=DTYPES[dtype])
     a = rng.standard_normal(shape) * 100
     a = np.asarray(a).astype(DTYPES[dtype])
     if a.size >= 4:  # specials the reader must carry bit for bit
@@ -220,9 +222,9 @@ def test_refuses_big_endian(tool, tmp_path):
     check_refused(tool, write_bytes(tmp_path, "big.npy", npy_bytes(array)), ">f4", "little-endian")
 
 
-def test_refuses_int32(tool, tmp_path):
-    check_refused(tool, write_bytes(tmp_path, "i4.npy", npy_bytes(np.arange(6, dtype=np.int32))),
-                  "<i4", "unsupported dtype", "float16")
+def test_refuses_int16(tool, tmp_path):
+    check_refused(tool, write_bytes(tmp_path, "i2.npy", npy_bytes(np.arange(6, dtype=np.int16))),
+                  "<i2", "unsupported dtype", "float16", "int32")
 
 
 def test_refuses_complex(tool, tmp_path):
@@ -391,6 +393,8 @@ def test_messages_escape_what_they_echo(tool, tool_path, tmp_path):
 
 # (the dtype asked for, a file of another dtype, its descr, the asked dtype's name and NumPy spelling)
 LOAD_MISMATCHES = [("f2", np.arange(4, dtype=np.int32), "<i4", "float16", "np.float16"),
+                   ("i4", np.arange(4, dtype=np.int64), "<i8", "int32", "np.int32"),
+                   ("i4", np.arange(4, dtype=np.int16), "<i2", "int32", "np.int32"),
                    ("f2", np.arange(4, dtype=np.float32), "<f4", "float16", "np.float16"),
                    ("f2", np.arange(4, dtype=">f2"), ">f2", "float16", "np.float16"),
                    ("f4", np.arange(4, dtype=np.float16), "<f2", "float32", "np.float32"),
