@@ -38,6 +38,15 @@ computed in float64 from the very fp16 inputs the chapters get. Only NumPy is us
   reference.py floor --input DIR [--causal] [--scale F] [--q-rows R] [--kv-rows R] [--qk-range R]
       Print the e4m3 input-quantisation floor of DIR's inputs, scales per (b, h) and per tile
       (R rows of Q, of K and V, Q and K to |x| <= R; default the FP8 chapter's).
+  reference.py decode --out DIR --batch B --heads HQ --kv-heads HKV --new NQ --headdim D
+                      --page-size P --lengths L[,L...] [--seed S] --scale F [--no-ref]
+      The decoding problem's inputs, DIR/q.npy, k_pool.npy, v_pool.npy, block_table.npy and
+      lengths.npy (make_decode_inputs), then its float64 reference DIR/ref_decode_s<F>_o.npy and
+      _lse.npy (decode_paths), each kept where it exists.
+  reference.py decode --input SRC --out DIR --scale F
+      The reference alone, of the inputs in SRC (those five files, a folder of one's own: the
+      table and lengths int32 or int64), into DIR; a folder that does not fit together is
+      refused (load_decode_inputs).
 
 Small shapes are checked on every query row. Above FULL_PAIRS (query, key) pairs a
 deterministic sample of rows per (b, h) is used, so an N = 16k reference takes seconds.
@@ -48,8 +57,8 @@ for every row, blockwise (O(N^2 D) work per (b, h), O(tile N) memory): about 6 s
 at N = 16k, D = 128 on two cores (3.5 s causal), some 300 MB beside the inputs.
 
 decode_reference(q, k_cache, v_cache, lengths, scale) is the decoding problem (docs/design.md):
-a few new queries per sequence against a ragged KV cache, grouped-query heads; a function for now,
-which the harness's decode mode will call.
+a few new queries per sequence against a ragged KV cache, grouped-query heads; the harness's
+decode mode (--decode) runs the decode command for it.
 """
 import argparse
 import math
@@ -239,6 +248,9 @@ def decode_reference(q, k_cache, v_cache, lengths, scale):
 # --- decoding's inputs: a paged KV cache ------------------------------------------------------
 DECODE_SEED_STREAM = 2  # q and the cache come from default_rng([seed, 2])
 DECODE_INPUTS = ("q", "k_pool", "v_pool", "block_table", "lengths")  # written in this order: lengths last
+# What each file of a decoding folder may be (--input: a user's own): its ndim and dtypes.
+DECODE_FILE_TYPES = {"q": (4, "float16"), "k_pool": (4, "float16"), "v_pool": (4, "float16"),
+                     "block_table": (2, "int32 or int64"), "lengths": (1, "int32 or int64")}
 
 
 def decode_pages(lengths, page_size):
@@ -284,8 +296,57 @@ def decode_paths(folder, scale_text):
     return {part: os.path.join(folder, f"ref_decode_s{scale_text}_{part}.npy") for part in ("o", "lse")}
 
 
+def load_decode_inputs(folder):
+    """A decoding folder's five files (DECODE_INPUTS), checked to fit together: q float16 [B, Hq, Nq, D],
+    k_pool and v_pool float16 [pages, Hkv, P, D] (q's D), block_table [B, max_pages] and lengths [B], int32 or
+    int64, each length from Nq to the capacity max_pages * P, and the table entries a sequence uses (its first
+    ceil(length / P)) pages of the pool. ValueError naming the file otherwise (Hq over Hkv: decode_reference's)."""
+    paths = {name: os.path.join(folder, f"{name}.npy") for name in DECODE_INPUTS}
+    q, k_pool, v_pool, table, lengths = arrays = [np.load(paths[name]) for name in DECODE_INPUTS]
+    for name, a in zip(DECODE_INPUTS, arrays):
+        ndim, words = DECODE_FILE_TYPES[name]
+        if a.dtype.name not in words.split(" or ") or a.ndim != ndim:
+            raise ValueError(f"{paths[name]}: want a {ndim}-D {words} array, got {a.ndim}-D {a.dtype}")
+    batch, _, new, headdim = q.shape
+    _, _, page_size, pool_dim = k_pool.shape
+    if v_pool.shape != k_pool.shape or pool_dim != headdim:
+        raise ValueError(f"{folder}: q {q.shape}, k_pool {k_pool.shape}, v_pool {v_pool.shape}: expected [B, Hq, Nq, "
+                         f"D] and two pools [pages, Hkv, P, D] of one shape, q's D")
+    if table.shape[0] != batch or lengths.shape != (batch,):
+        raise ValueError(f"{folder}: q {q.shape}, block_table {table.shape}, lengths {lengths.shape}: expected "
+                         f"[B, max_pages] and [B], q's B")
+    capacity = table.shape[1] * page_size
+    if (lengths < new).any() or (lengths > capacity).any():
+        raise ValueError(f"{paths['lengths']}: {lengths.tolist()[:8]}: expected each from Nq = {new} to the capacity "
+                         f"{capacity} ({table.shape[1]} pages of {page_size})")
+    for b, used in enumerate(decode_pages(lengths, page_size)[0]):
+        past = np.flatnonzero((table[b, :used] < 0) | (table[b, :used] >= k_pool.shape[0]))
+        if past.size:
+            raise ValueError(f"{paths['block_table']}: sequence {b}: entry {past[0]} names page "
+                             f"{table[b, past[0]]}, past the pool of {k_pool.shape[0]} pages")
+    return q, k_pool, v_pool, table, lengths
+
+
+def write_decode_reference(folder, out, scale_text):
+    """decode_reference of the decoding folder `folder` (its pages gathered into caches) as O and LSE in `out`
+    (decode_paths), unless they are there."""
+    paths = decode_paths(out, scale_text)
+    if all(os.path.exists(path) for path in paths.values()):
+        return
+    q, k_pool, v_pool, table, lengths = load_decode_inputs(folder)
+    o, lse = decode_reference(q, gather_cache(k_pool, table, lengths), gather_cache(v_pool, table, lengths), lengths,
+                              float(scale_text))
+    os.makedirs(out, exist_ok=True)
+    save_atomic(paths["o"], o)
+    save_atomic(paths["lse"], lse)  # last: its presence means the set is complete
+
+
 def decode(args):
-    """Decoding's inputs in args.out (generated once) and its float64 reference O and LSE."""
+    """Decoding's inputs in args.out (generated once) and its float64 reference O and LSE; with args.input, the
+    reference alone, of that folder's inputs, in args.out."""
+    if args.input is not None:
+        write_decode_reference(args.input, args.out, args.scale)
+        return
     os.makedirs(args.out, exist_ok=True)
     inputs = {name: os.path.join(args.out, f"{name}.npy") for name in DECODE_INPUTS}
     if not all(os.path.exists(path) for path in inputs.values()):
@@ -293,14 +354,8 @@ def decode(args):
                                     args.lengths, args.seed)
         for name, array in zip(DECODE_INPUTS, arrays):
             save_atomic(inputs[name], array)
-    paths = decode_paths(args.out, args.scale)
-    if args.no_ref or all(os.path.exists(path) for path in paths.values()):
-        return
-    q, k_pool, v_pool, table, lengths = (np.load(inputs[name]) for name in DECODE_INPUTS)
-    o, lse = decode_reference(q, gather_cache(k_pool, table, lengths), gather_cache(v_pool, table, lengths), lengths,
-                              float(args.scale))
-    save_atomic(paths["o"], o)
-    save_atomic(paths["lse"], lse)  # last: its presence means the set is complete
+    if not args.no_ref:
+        write_decode_reference(args.out, args.out, args.scale)
 
 
 # --- the backward pass: gradients of O given dO ----------------------------------------------
@@ -569,6 +624,9 @@ def print_floor(args):
         print(f"e4m3 input floor, scales {label}: rel L2 of O {rel:.3e}, LSE max abs {lse_err:.3e}")
 
 
+DECODE_SHAPE_OPTIONS = ("--batch", "--heads", "--kv-heads", "--new", "--headdim", "--page-size", "--lengths")
+
+
 def positive_int(text):
     value = int(text)
     if value < 1:
@@ -603,9 +661,11 @@ def parse_args(argv):
                                        help="fraction of Q and K entries set to +-U(10, 100)")
     dec = sub.add_parser("decode")
     dec.add_argument("--out", required=True)
-    for name in ("--batch", "--heads", "--kv-heads", "--new", "--headdim", "--page-size"):
-        dec.add_argument(name, type=positive_int, required=True)
-    dec.add_argument("--lengths", required=True, type=lambda text: [positive_int(n) for n in text.split(",")],
+    dec.add_argument("--input", help="a decoding folder of one's own (q, k_pool, v_pool, block_table, lengths .npy, "
+                                     "as this command writes them): its reference alone, into --out")
+    for name in DECODE_SHAPE_OPTIONS[:-1]:
+        dec.add_argument(name, type=positive_int)
+    dec.add_argument("--lengths", type=lambda text: [positive_int(n) for n in text.split(",")],
                      help="tokens cached per sequence, comma-separated, B of them")
     dec.add_argument("--seed", type=int, default=0)
     dec.add_argument("--scale", required=True, help="softmax scale, as text (it names the files)")
@@ -621,6 +681,15 @@ def parse_args(argv):
     if args.command == "floor":
         return args
     if args.command == "decode":
+        given = [name for name in DECODE_SHAPE_OPTIONS if getattr(args, name[2:].replace("-", "_")) is not None]
+        if args.input is not None and given:
+            parser.error(f"{given[0]} with --input: the folder gives the shape; drop it")
+        if args.input is not None and args.no_ref:
+            parser.error("--no-ref with --input: the reference is all that --input writes")
+        if args.input is not None:
+            return args
+        if len(given) < len(DECODE_SHAPE_OPTIONS):
+            parser.error(f"give {', '.join(DECODE_SHAPE_OPTIONS)} (or --input)")
         if len(args.lengths) != args.batch:
             parser.error(f"--lengths gives {len(args.lengths)} lengths for --batch {args.batch}")
         return args

@@ -440,6 +440,10 @@ BAD_ARGS = [
     (["transmogrify"], "invalid choice"),
     ([], "command"),
     (["prepare", "--out", "OUT", "--input", "MISSING", "--scale", "0.1"], "MISSING"),
+    (["decode", "--out", "OUT", "--batch", "1", "--scale", "0.1"], "give --batch"),
+    (["decode", "--out", "OUT", "--input", "MISSING", "--heads", "4", "--scale", "0.1"], "--heads with --input"),
+    (["decode", "--out", "OUT", "--input", "MISSING", "--scale", "0.1", "--no-ref"], "--no-ref with --input"),
+    (["decode", "--out", "OUT", "--input", "MISSING", "--scale", "0.1"], "MISSING"),
 ]
 
 
@@ -528,3 +532,79 @@ def test_decode_inputs_page_the_cache_through_the_block_table(tmp_path):
     o = np.load(tmp_path / "ref_decode_s0.125_o.npy")
     want, _ = reference.decode_reference(q, k, reference.gather_cache(v_pool, table, got_lengths), got_lengths, 0.125)
     assert np.array_equal(o, want)
+
+
+DECODE_SHAPE = ["--batch", "3", "--heads", "8", "--kv-heads", "2", "--new", "2", "--headdim", "64", "--page-size", "16",
+                "--lengths", "40,100,2"]
+
+
+def write_decode_folder(folder, scale="0.125"):
+    """reference.py decode's inputs and reference in folder (B=3, Hq=8, Hkv=2, Nq=2, D=64, P=16); its arrays."""
+    assert reference.main(["decode", "--out", str(folder), *DECODE_SHAPE, "--scale", scale]) == 0
+    return {name: np.load(folder / f"{name}.npy") for name in reference.DECODE_INPUTS}
+
+
+@pytest.mark.parametrize("int_dtype", [np.int64, np.int32], ids=["int64 as written", "int32"])
+def test_decode_reference_of_a_folder_is_the_one_written_with_its_inputs(tmp_path, int_dtype):
+    """reference.py decode --input: the reference of a folder reference.py decode wrote (its table and lengths
+    as written, or as int32) is the O and LSE it wrote with them, bit for bit, under the same names; nothing
+    is written beside the inputs."""
+    arrays = write_decode_folder(tmp_path / "gen")
+    folder = tmp_path / "user"
+    folder.mkdir()
+    for name, array in arrays.items():
+        np.save(folder / f"{name}.npy", array.astype(int_dtype) if array.dtype.kind == "i" else array)
+    out = tmp_path / "ref"
+    assert reference.main(["decode", "--input", str(folder), "--out", str(out), "--scale", "0.125"]) == 0
+    for part in ("o", "lse"):
+        name = f"ref_decode_s0.125_{part}.npy"
+        want, got = np.load(tmp_path / "gen" / name), np.load(out / name)
+        assert got.dtype == np.float64 and got.shape == want.shape, f"{name}: {got.dtype} {got.shape}"
+        assert np.array_equal(got, want), f"{name}: differs by {np.abs(got - want).max():.3e} from the one written"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f"{n}.npy" for n in reference.DECODE_INPUTS)
+    assert sorted(p.name for p in out.iterdir()) == ["ref_decode_s0.125_lse.npy", "ref_decode_s0.125_o.npy"]
+
+
+def _with(array, at, value):
+    """array, a copy, with array[at] = value."""
+    array = array.copy()
+    array[at] = value
+    return array
+
+
+# A folder reference.py decode wrote (B=3, Hq=8, Hkv=2, Nq=2, D=64, P=16, lengths 40, 100, 2: 11 pages, 7 a row)
+# with one file changed: (what, the file, its new array from the folder's arrays, what the message must match).
+DECODE_MISFITS = [
+    ("v_pool of another page count", "v_pool", lambda a: a["v_pool"][:-1],
+     r"two pools \[pages, Hkv, P, D\] of one shape"),
+    ("pools of another head dimension", "k_pool", lambda a: np.zeros((11, 2, 16, 128), np.float16), r"q's D"),
+    ("q float32", "q", lambda a: a["q"].astype(np.float32), r"q\.npy: want a 4-D float16 array, got 4-D float32"),
+    ("block_table float64", "block_table", lambda a: a["block_table"].astype(np.float64),
+     r"block_table\.npy: want a 2-D int32 or int64 array, got 2-D float64"),
+    ("lengths uint8", "lengths", lambda a: a["lengths"].astype(np.uint8),
+     r"lengths\.npy: want a 1-D int32 or int64 array, got 1-D uint8"),
+    ("a table row short", "block_table", lambda a: a["block_table"][:2], r"\[B, max_pages\] and \[B\], q's B"),
+    ("a length over the capacity", "lengths", lambda a: _with(a["lengths"], 1, 113),
+     r"lengths\.npy.*capacity 112 \(7 pages of 16\)"),
+    ("a length under Nq", "lengths", lambda a: _with(a["lengths"], 2, 1), r"lengths\.npy.*from Nq = 2"),
+    ("an entry past the pool", "block_table", lambda a: _with(a["block_table"], (1, 3), 11),
+     r"block_table\.npy: sequence 1: entry 3 names page 11, past the pool of 11 pages"),
+    ("a used entry of -1", "block_table", lambda a: _with(a["block_table"], (0, 0), -1),
+     r"sequence 0: entry 0 names page -1\b"),
+]
+
+
+@pytest.mark.parametrize("what, name, change, message", DECODE_MISFITS, ids=[case[0] for case in DECODE_MISFITS])
+def test_decode_input_refuses_a_folder_that_does_not_fit(tmp_path, capsys, what, name, change, message):
+    """reference.py decode --input of a folder whose files do not fit together (shapes, dtypes, lengths, the
+    block table): exit 2, one line naming the file or the folder and what is wrong, nothing written."""
+    folder = tmp_path / "in"
+    arrays = write_decode_folder(folder)
+    np.save(folder / f"{name}.npy", change(arrays))
+    out = tmp_path / "ref"
+    capsys.readouterr()
+    assert reference.main(["decode", "--input", str(folder), "--out", str(out), "--scale", "0.125"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(message, err) and len(err.splitlines()) == 1, (
+        f"{what}: expected one line matching {message!r}: {err!r}")
+    assert not out.exists(), f"refused, but wrote {sorted(p.name for p in out.iterdir())}"
