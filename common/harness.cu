@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <spawn.h>
 #include <stdarg.h>
@@ -27,6 +28,9 @@ static const char *const INPUT_NAMES[4] = {"q.npy", "k.npy", "v.npy", "do.npy"};
 // What --output DIR gets, all of it: O and LSE, and dQ, dK, dV too with --backward (output_count).
 static const char *const OUTPUT_NAMES[5] = {"o.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"};
 static const char *const GRAD_NAMES[3] = {"dQ", "dK", "dV"};  // as the report names OUTPUT_NAMES[2 ..]
+// Decoding's inputs (reference.py decode writes them; --decode --input DIR reads them from DIR): the
+// queries, the paged cache and its block table and lengths.
+static const char *const DECODE_INPUTS[5] = {"q.npy", "k_pool.npy", "v_pool.npy", "block_table.npy", "lengths.npy"};
 
 #ifndef FA_ROOT
 #define FA_ROOT "."
@@ -113,6 +117,12 @@ static const char *shown(const char *text) {
 // Command line
 // ---------------------------------------------------------------------------
 
+// Decoding's inputs in host memory (the lengths: Options.lengths).
+typedef struct {
+    __half *q, *k_pool, *v_pool;  // [B][Hq][Nq][D]; [pages][Hkv][P][D] each
+    int *table;                   // [B][max_pages]
+} DecodeHost;
+
 typedef struct {
     AttnShape shape;
     int shape_given[4];  // --batch/--heads/--seqlen/--headdim given explicitly
@@ -130,6 +140,7 @@ typedef struct {
     const char *cache_len;                // --cache-len: one length, or B of them comma-separated
     DecodeShape dshape;                   // --decode: the shape, checked (check_decode)
     int *lengths;                         // and its sequences' cache lengths [B]
+    DecodeHost host;                      // --decode --input: the folder's arrays, read and checked
 } Options;
 
 // How many of INPUT_NAMES and of OUTPUT_NAMES a run reads and writes.
@@ -154,6 +165,7 @@ static void print_help(void) {
         "  --iters K       timed runs; the median is reported (default 10)\n"
         "  --no-check      skip the reference check (inputs are still NumPy's)\n"
         "  --input DIR     read DIR/q.npy k.npy v.npy (fp16, [B,H,N,D]); shape from the files\n"
+        "                  (with --decode: the decoding inputs, see below)\n"
         "  --output DIR    write DIR/o.npy (fp16) and DIR/lse.npy (fp32)\n"
         "  --backward      the backward pass instead (chapters that register one):\n"
         "                  the chapter's forward makes O and LSE (checked, not timed), then\n"
@@ -185,6 +197,12 @@ static void print_help(void) {
         "                  report gives GB/s of K and V read, and --csv's row is impl,batch,\n"
         "                  q_heads,kv_heads,new,max_length,page_size,headdim,ms,gbps,rel_l2,\n"
         "                  status,max_abs,lse_err,kernels,workspace_bytes,device_bytes\n"
+        "  --decode --input DIR\n"
+        "                  decoding inputs of one's own, the shape and all from DIR (a shape\n"
+        "                  option given too must agree): q.npy [B,Hq,Nq,D] and k_pool.npy,\n"
+        "                  v_pool.npy [pages,Hkv,P,D] (fp16), block_table.npy [B,max_pages] and\n"
+        "                  lengths.npy [B] (int32 or int64), as common/reference.py decode\n"
+        "                  writes them; checked against its float64 reference of DIR (cached)\n"
         "  --help          this text\n\n"
         "exit codes: 0 ran (and passed), 1 failed the check or a CUDA error,\n"
         "            2 bad usage or input, 77 skipped (no GPU, or a GPU this chapter cannot use)\n"
@@ -375,24 +393,9 @@ static int *parse_cache_lengths(const char *text, int batch) {
     return lengths;
 }
 
-// The options that go with --decode and the decoding shape's rules (common/shape.h); then a chapter
-// without a decode pass refuses it. Said before anything about inputs, outputs or the GPU.
-static void check_decode(Options *o) {
-    if (!o->decode) {
-        if (o->decode_flag) die(EXIT_USAGE, "%s is an option of decoding: add --decode, or drop it", o->decode_flag);
-        return;
-    }
-    const char *forward_only = o->shape_given[2] ? "--seqlen"
-                               : o->shape.causal ? "--causal"
-                               : o->backward     ? "--backward"
-                               : o->input_dir    ? "--input"
-                               : o->output_dir   ? "--output"
-                                                 : NULL;
-    if (forward_only)
-        die(EXIT_USAGE,
-            "%s belongs to the forward problem, not to decoding (--decode): the cache is --cache-len, the new "
-            "tokens --new (causal among themselves)",
-            forward_only);
+// The decoding shape of the command line (--batch, --heads, --kv-heads, --new, --headdim, --page-size,
+// --cache-len), checked by the decoding shape's rules (common/shape.h); each sequence its own pages.
+static void decode_shape_from_flags(Options *o) {
     DecodeShape d = {o->shape.batch,
                      o->shape.heads,
                      o->kv_heads ? o->kv_heads : o->shape.heads,
@@ -416,9 +419,35 @@ static void check_decode(Options *o) {
         die(EXIT_USAGE, "%s", problem);
     o->dshape = d;
     o->lengths = lengths;
+}
+
+static void decode_shape_from_input(Options *o);
+static void read_decode_input(Options *o);
+
+// The options that go with --decode and the decoding shape's rules (common/shape.h), its shape from the
+// command line or from --input DIR's files; then a chapter without a decode pass refuses it. Said before
+// anything about outputs or the GPU; an --input folder's queries and pools are read last, checked too.
+static void check_decode(Options *o) {
+    if (!o->decode) {
+        if (o->decode_flag) die(EXIT_USAGE, "%s is an option of decoding: add --decode, or drop it", o->decode_flag);
+        return;
+    }
+    const char *forward_only = o->shape_given[2] ? "--seqlen"
+                               : o->shape.causal ? "--causal"
+                               : o->backward     ? "--backward"
+                               : o->output_dir   ? "--output"
+                                                 : NULL;
+    if (forward_only)
+        die(EXIT_USAGE,
+            "%s belongs to the forward problem, not to decoding (--decode): the cache is --cache-len, the new "
+            "tokens --new (causal among themselves)",
+            forward_only);
+    if (o->input_dir) decode_shape_from_input(o);
+    else decode_shape_from_flags(o);
     if (!chapter.decode)
         die(EXIT_USAGE,
             "this chapter has no decode pass (--decode): drop it, or run it on a chapter that registers one");
+    if (o->input_dir) read_decode_input(o);
 }
 
 // ---------------------------------------------------------------------------
@@ -1120,24 +1149,159 @@ static void load_inputs(const char *dir, const AttnShape *s, int count, __half *
     for (int i = 0; i < count; i++) host_in[i] = (__half *)load_array(dir, INPUT_NAMES[i], NPY_F16, 4, shape, NULL);
 }
 
+// NaN or Inf in dir/file, fp16 of a 4-D shape, refused, saying how many and where the first is: `what`
+// ("attention is", "the gradients are") undefined on them.
+static void refuse_not_finite(const char *dir, const char *file, const __half *x, const long long shape[4],
+                              const char *what) {
+    const size_t n = (size_t)shape[0] * shape[1] * shape[2] * shape[3];
+    size_t bad = 0, first = 0;
+    for (size_t e = 0; e < n; e++) {
+        unsigned short bits = *(const unsigned short *)&x[e];
+        if ((bits & 0x7C00) == 0x7C00 && !bad++) first = e;  // exponent all ones: Inf or NaN
+    }
+    if (!bad) return;
+    size_t at[4];
+    for (int d = 3; d >= 0; d--) at[d] = first % (size_t)shape[d], first /= (size_t)shape[d];
+    die(EXIT_USAGE,
+        "%s/%s holds %zu NaN or Inf value%s, the first at [%zu, %zu, %zu, %zu]: %s undefined on them; replace "
+        "them (np.nan_to_num) or find where they came from",
+        shown(dir), file, bad, bad == 1 ? "" : "s", at[0], at[1], at[2], at[3], what);
+}
+
 // NaN or Inf in an input makes the whole output row undefined: refuse it, saying where.
 static void check_finite(const char *dir, const AttnShape *s, int count, __half *const host_in[4]) {
-    for (int i = 0; i < count; i++) {
-        size_t bad = 0, first = 0;
-        for (size_t e = 0; e < elems_qkv(s); e++) {
-            unsigned short bits = *(const unsigned short *)&host_in[i][e];
-            if ((bits & 0x7C00) == 0x7C00 && !bad++) first = e;  // exponent all ones: Inf or NaN
-        }
-        if (bad) {
-            size_t d = first % s->headdim, n = first / s->headdim % s->seqlen;
-            size_t h = first / ((size_t)s->headdim * s->seqlen) % s->heads;
-            size_t b = first / ((size_t)s->headdim * s->seqlen * s->heads);
+    const long long shape[4] = {s->batch, s->heads, s->seqlen, s->headdim};
+    for (int i = 0; i < count; i++)
+        refuse_not_finite(dir, INPUT_NAMES[i], host_in[i], shape, i < 3 ? "attention is" : "the gradients are");
+}
+
+// ---------------------------------------------------------------------------
+// Decoding's --input DIR: the user's own queries, paged cache, block table and lengths
+// ---------------------------------------------------------------------------
+
+// The header of DIR/DECODE_INPUTS[i]: fp16 (q and the pools) or int32 or int64 (the table and lengths), of
+// its rank, each dimension 1 .. 2^31-1.
+static void decode_input_header(const char *dir, int i, NpyHeader *h) {
+    static const int RANK[5] = {4, 4, 4, 2, 1};
+    static const char *const LAYOUT[5] = {"[B, Hq, Nq, D]", "[pages, Hkv, P, D]", "[pages, Hkv, P, D]",
+                                          "[B, max_pages]", "[B]"};
+    char path[4096], err[1024];
+    join(path, sizeof path, dir, DECODE_INPUTS[i]);
+    // The table and lengths: int32, else int64 (whose message, naming '<i8' and the cast, is the one shown).
+    const int refused = i < 3 ? npy_read_header_of(path, NPY_F16, h, err, sizeof err)
+                              : npy_read_header_of(path, NPY_I32, h, err, sizeof err) &&
+                                    npy_read_header_of(path, NPY_I64, h, err, sizeof err);
+    if (refused) die(EXIT_USAGE, "%s", err);
+    if (h->ndim != RANK[i])
+        die(EXIT_USAGE, "%s: %d-D array, expected %d-D %s", shown(path), h->ndim, RANK[i], LAYOUT[i]);
+    for (int d = 0; d < h->ndim; d++)
+        if (h->shape[d] < 1 || h->shape[d] > 2147483647)
+            die(EXIT_USAGE, "%s: dimension %d is %lld, expected 1 .. 2^31-1", shown(path), d, h->shape[d]);
+}
+
+// The five headers fit together: the pools of one shape and of q's D, a table row and a length per sequence.
+static void check_decode_headers(const char *dir, const NpyHeader h[5]) {
+    const long long *q = h[0].shape, *k = h[1].shape, *v = h[2].shape;
+    if (k[0] != v[0] || k[1] != v[1] || k[2] != v[2] || k[3] != v[3])
+        die(EXIT_USAGE,
+            "%s/v_pool.npy has shape (%lld, %lld, %lld, %lld) but k_pool.npy has (%lld, %lld, %lld, %lld): the "
+            "pools must share one [pages, Hkv, P, D] shape",
+            shown(dir), v[0], v[1], v[2], v[3], k[0], k[1], k[2], k[3]);
+    if (k[3] != q[3])
+        die(EXIT_USAGE, "%s/k_pool.npy has D = %lld but q.npy has D = %lld: the pools hold q's head dimension",
+            shown(dir), k[3], q[3]);
+    if (h[3].shape[0] != q[0])
+        die(EXIT_USAGE, "%s/block_table.npy has %lld rows but q.npy has B = %lld sequences: one row per sequence",
+            shown(dir), h[3].shape[0], q[0]);
+    if (h[4].shape[0] != q[0])
+        die(EXIT_USAGE, "%s/lengths.npy has %lld lengths but q.npy has B = %lld sequences: one per sequence",
+            shown(dir), h[4].shape[0], q[0]);
+}
+
+// A shape flag given with --input must say what the files do, as the forward's --input rule has it.
+static void refuse_contradiction(const char *flag, int given, int value, int from_files) {
+    if (given && value != from_files)
+        die(EXIT_USAGE, "%s %d contradicts the --input files (%d); drop it: the shape comes from the files", flag,
+            value, from_files);
+}
+
+// --cache-len given with --input must say what lengths.npy does: one length for all, or the B of them.
+static void refuse_cache_len(const char *text, const int *lengths, int batch) {
+    int count = 1;
+    for (const char *c = text; *c; c++) count += *c == ',';
+    if (count != 1 && count != batch)
+        die(EXIT_USAGE,
+            "--cache-len %s contradicts the --input files (%d lengths in lengths.npy); drop it: the shape comes "
+            "from the files",
+            shown(text), batch);
+    int *given = parse_cache_lengths(text, batch);
+    for (int b = 0; b < batch; b++)
+        if (given[b] != lengths[b])
             die(EXIT_USAGE,
-                "%s/%s holds %zu NaN or Inf value%s, the first at [%zu, %zu, %zu, %zu]: %s "
-                "undefined on them; replace them (np.nan_to_num) or find where they came from",
-                shown(dir), INPUT_NAMES[i], bad, bad == 1 ? "" : "s", b, h, n, d,
-                i < 3 ? "attention is" : "the gradients are");
-        }
+                "--cache-len %s contradicts the --input files (sequence %d caches %d tokens); drop it: the shape "
+                "comes from the files",
+                shown(text), b, lengths[b]);
+    free(given);
+}
+
+// DIR/DECODE_INPUTS[i], the table or the lengths (header h: int32 or int64), as ints. An int64 value past an
+// int's range becomes the nearest int, which the rules refuse as they would the value (shown as that int).
+static int *load_decode_ints(const char *dir, int i, const NpyHeader *h) {
+    void *data = load_array(dir, DECODE_INPUTS[i], h->dtype, h->ndim, h->shape, NULL);
+    if (h->dtype == NPY_I32) return (int *)data;
+    int *ints = (int *)malloc(h->count * sizeof(int));
+    if (!ints) die(EXIT_FAILED, "out of host memory");
+    for (size_t e = 0; e < h->count; e++) {
+        const int64_t v = ((const int64_t *)data)[e];
+        ints[e] = v < INT_MIN ? INT_MIN : v > INT_MAX ? INT_MAX : (int)v;
+    }
+    free(data);
+    return ints;
+}
+
+// --decode --input DIR: the shape from the headers of DIR's five files (B, Hq, Nq, D from q; pages, Hkv, P from
+// the pools; max_pages from the table), its lengths and block table from theirs, checked by the rules the
+// command line's shape meets (common/shape.h), the table's entries this time too; a shape flag that
+// contradicts the files is refused.
+static void decode_shape_from_input(Options *o) {
+    const char *dir = o->input_dir;
+    NpyHeader h[5];
+    for (int i = 0; i < 5; i++) decode_input_header(dir, i, &h[i]);
+    check_decode_headers(dir, h);
+    const long long *q = h[0].shape, *pool = h[1].shape;
+    DecodeShape d;
+    d.batch = (int)q[0], d.q_heads = (int)q[1], d.new_tokens = (int)q[2], d.headdim = (int)q[3];  // [B, Hq, Nq, D]
+    d.pages = pool[0], d.kv_heads = (int)pool[1], d.page_size = (int)pool[2];                     // [pages, Hkv, P, D]
+    d.max_pages = (int)h[3].shape[1];                                                             // [B, max_pages]
+    d.scale = o->scale_given ? o->shape.scale : 1.0f / sqrtf((float)d.headdim);
+    refuse_contradiction("--batch", o->shape_given[0], o->shape.batch, d.batch);
+    refuse_contradiction("--heads", o->shape_given[1], o->shape.heads, d.q_heads);
+    refuse_contradiction("--kv-heads", o->kv_heads > 0, o->kv_heads, d.kv_heads);
+    refuse_contradiction("--new", o->new_tokens > 0, o->new_tokens, d.new_tokens);
+    refuse_contradiction("--headdim", o->shape_given[3], o->shape.headdim, d.headdim);
+    refuse_contradiction("--page-size", o->page_size > 0, o->page_size, d.page_size);
+    char problem[256];
+    if (decode_shape_problem(&d, problem, sizeof problem)) die(EXIT_USAGE, "%s: %s", shown(dir), problem);
+    int *lengths = load_decode_ints(dir, 4, &h[4]), *table = load_decode_ints(dir, 3, &h[3]);
+    if (o->cache_len) refuse_cache_len(o->cache_len, lengths, d.batch);
+    if (decode_cache_problem(&d, lengths, table, problem, sizeof problem))
+        die(EXIT_USAGE, "%s: %s", shown(dir), problem);
+    o->dshape = d;
+    o->lengths = lengths;
+    o->host.table = table;
+}
+
+// --decode --input DIR: q.npy and the pools, in the shape decode_shape_from_input took, refused where they hold
+// NaN or Inf (anywhere in a pool: a kernel reads whole pages, past a sequence's length too).
+static void read_decode_input(Options *o) {
+    const DecodeShape *d = &o->dshape;
+    const long long q_shape[4] = {d->batch, d->q_heads, d->new_tokens, d->headdim};
+    const long long pool_shape[4] = {d->pages, d->kv_heads, d->page_size, d->headdim};
+    __half **arrays[3] = {&o->host.q, &o->host.k_pool, &o->host.v_pool};
+    for (int i = 0; i < 3; i++) {
+        const long long *shape = i ? pool_shape : q_shape;
+        *arrays[i] = (__half *)load_array(o->input_dir, DECODE_INPUTS[i], NPY_F16, 4, shape, NULL);
+        refuse_not_finite(o->input_dir, DECODE_INPUTS[i], *arrays[i], shape, "attention is");
     }
 }
 
@@ -1347,9 +1511,6 @@ static int run_backward(const Options *o, const DataPaths *paths, const AttnArgs
 // Decoding (--decode): its inputs, the checked run, the timing, the report
 // ---------------------------------------------------------------------------
 
-// reference.py decode's files: the queries, the paged cache and its block table and lengths.
-static const char *const DECODE_INPUTS[5] = {"q.npy", "k_pool.npy", "v_pool.npy", "block_table.npy", "lengths.npy"};
-
 static size_t decode_q_elems(const DecodeShape *d) {
     return (size_t)d->batch * d->q_heads * d->new_tokens * d->headdim;
 }
@@ -1441,32 +1602,61 @@ static void prepare_decode_data(const Options *o, const char *dir, const char *s
     free(lengths);
 }
 
-// Load reference.py decode's inputs for o->dshape; the int64 table and lengths as the ints the chapter
-// reads, the lengths checked against the command line's (a stale cache otherwise).
-static void load_decode_inputs(const Options *o, const char *dir, __half **q, __half **k_pool, __half **v_pool,
-                               int **table, int **lengths) {
+// The reference cache of a --decode --input folder: named by a hash of its five files, as the forward's.
+static void decode_input_ref_dir(const Options *o, char *dir, size_t len) {
+    char root[4096], path[4096];
+    uint64_t h = 1469598103934665603ULL;
+    for (int i = 0; i < 5; i++) join(path, sizeof path, o->input_dir, DECODE_INPUTS[i]), h = hash_file(path, h);
+    format_path(dir, len, "%s/decode_input_%016llx", cache_root(root, sizeof root), (unsigned long long)h);
+}
+
+// Run reference.py decode --input where the reference of an --input folder is missing from its cache (dir).
+static void prepare_decode_reference(const Options *o, const char *dir, const char *scale) {
+    char path[4096], file[128], script[4096];
+    int missing = 0;
+    const char *parts[2] = {"o", "lse"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(file, sizeof file, "ref_decode_s%s_%s.npy", scale, parts[i]);
+        join(path, sizeof path, dir, file), missing |= !file_exists(path);
+    }
+    if (!missing) return;
+    const char *python = getenv("FA_PYTHON");
+    format_path(script, sizeof script, "%s/common/reference.py", FA_ROOT);
+    const char *argv[] = {python && *python ? python : FA_PYTHON,
+                          script,
+                          "decode",
+                          "--input",
+                          o->input_dir,
+                          "--out",
+                          dir,
+                          "--scale",
+                          scale,
+                          NULL};
+    run_reference(argv);
+}
+
+// Load reference.py decode's inputs for o->dshape into *in; the int64 table as the ints the chapter reads,
+// the lengths checked against the command line's (a stale cache otherwise), which the chapter is given.
+static void load_decode_inputs(const Options *o, const char *dir, DecodeHost *in) {
     const DecodeShape *d = &o->dshape;
     const long long q_shape[4] = {d->batch, d->q_heads, d->new_tokens, d->headdim};
     const long long pool_shape[4] = {d->pages, d->kv_heads, d->page_size, d->headdim};
     const long long table_shape[2] = {d->batch, d->max_pages}, lengths_shape[1] = {d->batch};
-    *q = (__half *)load_array(dir, DECODE_INPUTS[0], NPY_F16, 4, q_shape, NULL);
-    *k_pool = (__half *)load_array(dir, DECODE_INPUTS[1], NPY_F16, 4, pool_shape, NULL);
-    *v_pool = (__half *)load_array(dir, DECODE_INPUTS[2], NPY_F16, 4, pool_shape, NULL);
+    in->q = (__half *)load_array(dir, DECODE_INPUTS[0], NPY_F16, 4, q_shape, NULL);
+    in->k_pool = (__half *)load_array(dir, DECODE_INPUTS[1], NPY_F16, 4, pool_shape, NULL);
+    in->v_pool = (__half *)load_array(dir, DECODE_INPUTS[2], NPY_F16, 4, pool_shape, NULL);
     int64_t *table64 = (int64_t *)load_array(dir, DECODE_INPUTS[3], NPY_I64, 2, table_shape, NULL);
     int64_t *lengths64 = (int64_t *)load_array(dir, DECODE_INPUTS[4], NPY_I64, 1, lengths_shape, NULL);
-    *table = (int *)malloc((size_t)d->batch * d->max_pages * sizeof(int));
-    *lengths = (int *)malloc((size_t)d->batch * sizeof(int));
-    if (!*table || !*lengths) die(EXIT_FAILED, "out of host memory");
+    in->table = (int *)malloc((size_t)d->batch * d->max_pages * sizeof(int));
+    if (!in->table) die(EXIT_FAILED, "out of host memory");
     for (size_t i = 0; i < (size_t)d->batch * d->max_pages; i++)  // -1 past a sequence's pages; a page below 2^31
-        (*table)[i] = table64[i] >= -1 && table64[i] < d->pages ? (int)table64[i] : (int)d->pages;
-    for (int b = 0; b < d->batch; b++) {
+        in->table[i] = table64[i] >= -1 && table64[i] < d->pages ? (int)table64[i] : (int)d->pages;
+    for (int b = 0; b < d->batch; b++)
         if (lengths64[b] != o->lengths[b])
             die(EXIT_USAGE, "%s/%s: sequence %d caches %lld tokens, the command line says %d (stale cache? delete it)",
                 shown(dir), DECODE_INPUTS[4], b, (long long)lengths64[b], o->lengths[b]);
-        (*lengths)[b] = (int)lengths64[b];
-    }
     char problem[256];
-    if (decode_cache_problem(d, *lengths, *table, problem, sizeof problem))
+    if (decode_cache_problem(d, o->lengths, in->table, problem, sizeof problem))
         die(EXIT_USAGE, "%s/%s: %s", shown(dir), DECODE_INPUTS[3], problem);
     free(table64);
     free(lengths64);
@@ -1541,11 +1731,15 @@ static int run_decode(const Options *o) {
     require_memory(decode_device_bytes(d) + (double)workspace, workspace, "");
     char dir[4096], scale[64];
     snprintf(scale, sizeof scale, "%.9g", d->scale);
-    decode_data_dir(o, dir, sizeof dir);
-    prepare_decode_data(o, dir, scale);
-    __half *host_q, *host_k, *host_v;
-    int *host_table, *host_lengths;
-    load_decode_inputs(o, dir, &host_q, &host_k, &host_v, &host_table, &host_lengths);
+    DecodeHost in = o->host;  // --input: read and checked already (check_decode)
+    if (o->input_dir) {
+        decode_input_ref_dir(o, dir, sizeof dir);
+        if (o->check) prepare_decode_reference(o, dir, scale);
+    } else {
+        decode_data_dir(o, dir, sizeof dir);
+        prepare_decode_data(o, dir, scale);
+        load_decode_inputs(o, dir, &in);
+    }
 
     // Device buffers (the harness owns every allocation).
     const size_t q_bytes = decode_q_elems(d) * sizeof(__half), pool_bytes = decode_pool_elems(d) * sizeof(__half);
@@ -1563,12 +1757,12 @@ static int run_decode(const Options *o) {
     CUDA_CHECK(cudaMalloc(&out, q_bytes));
     CUDA_CHECK(cudaMalloc(&lse, lse_bytes));
     if (workspace) CUDA_CHECK(cudaMalloc(&work, workspace));
-    CUDA_CHECK(cudaMemcpy(q, host_q, q_bytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(k_pool, host_k, pool_bytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(v_pool, host_v, pool_bytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(table, host_table, table_bytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(lengths, host_lengths, lengths_bytes, cudaMemcpyHostToDevice));
-    free(host_q), free(host_k), free(host_v), free(host_table), free(host_lengths);
+    CUDA_CHECK(cudaMemcpy(q, in.q, q_bytes, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(k_pool, in.k_pool, pool_bytes, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(v_pool, in.v_pool, pool_bytes, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(table, in.table, table_bytes, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(lengths, o->lengths, lengths_bytes, cudaMemcpyHostToDevice));
+    free(in.q), free(in.k_pool), free(in.v_pool), free(in.table);
     const DecodeArgs args = {*d, q, k_pool, v_pool, table, lengths, max_length, out, lse, work};
     cudaStream_t stream;
     CUDA_CHECK(cudaStreamCreate(&stream));

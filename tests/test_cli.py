@@ -460,3 +460,175 @@ def test_decode_dry_run_shows_the_shape_and_the_bytes_to_read(repo, tmp_path, ch
                      r"\(132 pages\)", proc.stdout), proc.stdout
     assert re.search(r"4\.1 MiB of K and V to read", proc.stdout), proc.stdout
     assert not any(tmp_path.iterdir()), "a dry run prepared inputs"
+
+
+# --- decoding's --input DIR: the user's own queries, paged cache, block table and lengths --------------
+def write_decode(folder, tokens=(20, 40), heads=(4, 2), new=2, d=64, page=16, int_dtype=np.int32, **override):
+    """A --decode --input folder: q [B, Hq, Nq, D] and pools [pages, Hkv, P, D] (fp16 N(0, 1)), each sequence
+    its own pages (those its tokens use, in pool order), block_table [B, max_pages] (-1 past a sequence's
+    pages) and lengths [B] (the tokens) of int_dtype; override={'name': array, or None: no such file}
+    replaces a file's array. Default: B=2, Hq=4, Hkv=2, Nq=2, D=64, P=16, 20 and 40 tokens: 2 + 3 = 5
+    pages, 3 a row, a capacity of 48 tokens."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(3)
+    used = [-(-n // page) for n in tokens]
+    table = np.full((len(tokens), max(used)), -1, int_dtype)
+    for b, n in enumerate(used):
+        table[b, :n] = np.arange(sum(used[:b]), sum(used[:b]) + n)
+    pool = (sum(used), heads[1], page, d)
+    arrays = {"q": rng.standard_normal((len(tokens), heads[0], new, d)).astype(np.float16),
+              "k_pool": rng.standard_normal(pool).astype(np.float16),
+              "v_pool": rng.standard_normal(pool).astype(np.float16),
+              "block_table": table, "lengths": np.array(tokens, int_dtype)}
+    arrays.update(override)
+    for name, array in arrays.items():
+        if array is not None:
+            np.save(folder / f"{name}.npy", array)
+    return folder
+
+
+def decode_with(folder, name, at, value, **shape):
+    """write_decode's folder with one element of `name` set to value at index at."""
+    write_decode(folder, **shape)
+    array = np.load(folder / f"{name}.npy")
+    array[at] = value
+    np.save(folder / f"{name}.npy", array)
+    return folder
+
+
+def decode_input(tmp, *flags, **shape):
+    """--decode --input <a write_decode folder in tmp>, then flags."""
+    return ["--decode", "--input", write_decode(tmp / "in", **shape), *flags]
+
+
+CONTRADICTS = [r"contradicts the --input files", r"drop it: the shape comes from the files"]
+DECODE_INPUT_BAD = [
+    # A shape option given with --input: refused where it says other than the files, as the forward's is.
+    refusal("--batch", lambda t: decode_input(t, "--batch", "3"), r"--batch 3\b", r"\(2\)", *CONTRADICTS),
+    refusal("--heads", lambda t: decode_input(t, "--heads", "8"), r"--heads 8\b", r"\(4\)", *CONTRADICTS),
+    refusal("--kv-heads", lambda t: decode_input(t, "--kv-heads", "1"), r"--kv-heads 1\b", r"\(2\)", *CONTRADICTS),
+    refusal("--new", lambda t: decode_input(t, "--new", "1"), r"--new 1\b", r"\(2\)", *CONTRADICTS),
+    refusal("--headdim", lambda t: decode_input(t, "--headdim", "128"), r"--headdim 128\b", r"\(64\)", *CONTRADICTS),
+    refusal("--page-size", lambda t: decode_input(t, "--page-size", "8"), r"--page-size 8\b", r"\(16\)",
+            *CONTRADICTS),
+    refusal("--cache-len other lengths", lambda t: decode_input(t, "--cache-len", "20,41"), r"--cache-len 20,41",
+            r"sequence 1 caches 40 tokens", *CONTRADICTS),
+    refusal("--cache-len one length for all", lambda t: decode_input(t, "--cache-len", "40"), r"--cache-len 40\b",
+            r"sequence 0 caches 20 tokens", *CONTRADICTS),
+    refusal("--cache-len three lengths", lambda t: decode_input(t, "--cache-len", "20,40,60"),
+            r"--cache-len 20,40,60", r"2 lengths in lengths\.npy", *CONTRADICTS),
+    refusal("--headdim, --dry-run", lambda t: decode_input(t, "--dry-run", "--headdim", "128"), r"--headdim 128\b",
+            *CONTRADICTS),
+    # The rules of a decoding shape (common/shape.h), the block table's entries among them this time.
+    refusal("an entry past the pool",
+            lambda t: ["--decode", "--input", decode_with(t / "in", "block_table", (1, 2), 5)],
+            r"sequence 1: block table entry 2 names page 5, past the pool of 5 pages"),
+    refusal("a used entry of -1, --dry-run",
+            lambda t: ["--dry-run", "--decode", "--input", decode_with(t / "in", "block_table", (0, 1), -1)],
+            r"sequence 0: block table entry 1 names page -1\b"),
+    refusal("an int64 entry past an int",
+            lambda t: ["--decode", "--input", decode_with(t / "in", "block_table", (0, 0), 1 << 40,
+                                                          int_dtype=np.int64)],
+            r"sequence 0: block table entry 0 names page 2147483647, past the pool of 5 pages"),
+    refusal("a length over the capacity", lambda t: ["--decode", "--input", decode_with(t / "in", "lengths", 1, 49)],
+            r"sequence 1: cache length 49, over the capacity of 48 tokens \(3 pages of 16\)"),
+    refusal("a length below Nq", lambda t: ["--decode", "--input", decode_with(t / "in", "lengths", 0, 1)],
+            r"sequence 0: cache length 1, shorter than its Nq = 2 new tokens"),
+    refusal("Hq not a multiple of Hkv", lambda t: decode_input(t, heads=(3, 2)),
+            r"3 query heads over 2 KV heads: Hq must be a multiple of Hkv"),
+    refusal("17 new tokens", lambda t: decode_input(t, new=17), r"Nq = 17 new tokens: at most 16"),
+    refusal("D = 96", lambda t: decode_input(t, d=96), r"head dimension 96", r"\b64\b", r"\b128\b"),
+    # What the files are, and whether they fit together.
+    refusal("q float32", lambda t: decode_input(t, q=np.zeros((2, 4, 2, 64), np.float32)),
+            r"q\.npy", r"float32", *CAST_TO_FP16),
+    refusal("k_pool float64, --dry-run", lambda t: decode_input(t, "--dry-run", k_pool=np.zeros((5, 2, 16, 64))),
+            r"k_pool\.npy", r"float64", *CAST_TO_FP16),
+    refusal("block_table float32", lambda t: decode_input(t, block_table=np.zeros((2, 3), np.float32)),
+            r"block_table\.npy", r"float32", r"'<i8'", r"\.astype\(np\.int64\)"),
+    refusal("lengths uint8", lambda t: decode_input(t, lengths=np.array([20, 40], np.uint8)),
+            r"lengths\.npy", r"'\|u1'", r"'<i8'"),
+    refusal("q 3-D", lambda t: decode_input(t, q=np.zeros((2, 4, 64), np.float16)),
+            r"q\.npy: 3-D array, expected 4-D \[B, Hq, Nq, D\]"),
+    refusal("block_table 1-D", lambda t: decode_input(t, block_table=np.zeros(6, np.int32)),
+            r"block_table\.npy: 1-D array, expected 2-D \[B, max_pages\]"),
+    refusal("pools of two shapes", lambda t: decode_input(t, v_pool=np.zeros((6, 2, 16, 64), np.float16)),
+            r"v_pool\.npy has shape \(6, 2, 16, 64\) but k_pool\.npy has \(5, 2, 16, 64\)"),
+    refusal("pools of another D", lambda t: decode_input(t, k_pool=np.zeros((5, 2, 16, 128), np.float16),
+                                                         v_pool=np.zeros((5, 2, 16, 128), np.float16)),
+            r"k_pool\.npy has D = 128 but q\.npy has D = 64"),
+    refusal("a table row short", lambda t: decode_input(t, block_table=np.zeros((1, 3), np.int32)),
+            r"block_table\.npy has 1 rows but q\.npy has B = 2 sequences"),
+    refusal("a length too many", lambda t: decode_input(t, lengths=np.array([20, 40, 9], np.int32)),
+            r"lengths\.npy has 3 lengths but q\.npy has B = 2 sequences"),
+    refusal("lengths.npy missing", lambda t: ["--decode", "--input", write_decode(t / "in", lengths=None)],
+            r"lengths\.npy", r"cannot open"),
+    # Values no attention is defined on, anywhere in q or a pool.
+    refusal("NaN in k_pool", lambda t: ["--decode", "--input", decode_with(t / "in", "k_pool", (3, 1, 5, 7), np.nan)],
+            r"k_pool\.npy holds 1 NaN or Inf value, the first at \[3, 1, 5, 7\]", r"nan_to_num"),
+    refusal("Inf in q, --dry-run",
+            lambda t: ["--dry-run", "--decode", "--input", decode_with(t / "in", "q", (1, 3, 0, 2), np.inf)],
+            r"q\.npy holds 1 NaN or Inf value, the first at \[1, 3, 0, 2\]"),
+    refusal("Inf in v_pool past every length",
+            lambda t: ["--decode", "--input", decode_with(t / "in", "v_pool", (4, 0, 15, 63), -np.inf)],
+            r"v_pool\.npy holds 1 NaN or Inf value, the first at \[4, 0, 15, 63\]"),
+    # --output still belongs to the forward problem.
+    refusal("--output", lambda t: decode_input(t, "--output", t / "out"), r"--output belongs to the forward problem"),
+]
+
+
+@pytest.mark.parametrize("make_args, patterns, unwanted", DECODE_INPUT_BAD)
+@pytest.mark.parametrize("chapter", DECODE_CHAPTERS)
+def test_decode_input_is_refused_before_any_gpu_work(repo, tmp_path, chapter, make_args, patterns, unwanted):
+    """--decode --input DIR of a folder that is not a decoding problem, or with a shape option that says
+    otherwise: exit 2 and one line (no GPU is visible: a refusal after the GPU check would be exit 77),
+    nothing prepared in FA_CACHE."""
+    assert_refused(repo, repo.require_binary(chapter), chapter, make_args(tmp_path), patterns, unwanted, tmp_path)
+
+
+@pytest.mark.parametrize("chapter", [c for c in CHAPTERS if c not in DECODE_CHAPTERS])
+def test_a_chapter_without_a_decode_pass_refuses_a_valid_decoding_folder(repo, tmp_path, chapter):
+    assert_refused(repo, repo.require_binary(chapter), chapter, decode_input(tmp_path), [r"no decode pass"], None,
+                   tmp_path)
+
+
+DECODE_INPUT_PLAN = r"B=2 Hq=4 Hkv=2 \(groups of 2\) Nq=2 D=64, cache up to 40 tokens in pages of 16 \(5 pages\)"
+
+
+@pytest.mark.parametrize("int_dtype", [np.int32, np.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("chapter", DECODE_CHAPTERS)
+def test_decode_dry_run_takes_the_shape_from_input(repo, tmp_path, chapter, int_dtype):
+    """The plan of --decode --input DIR is the folder's shape (B, Hq, Nq, D from q, Hkv, P and the pages from the
+    pools, the lengths from lengths.npy), the scale 1/sqrt(D) unless given; shape options that agree with the
+    files are taken (as the forward's are); a table entry past a sequence's pages is not read, so not refused.
+    Nothing is prepared."""
+    binary = repo.require_binary(chapter)
+    folder = write_decode(tmp_path / "in", int_dtype=int_dtype)
+    table = np.load(folder / "block_table.npy")
+    table[0, 2] = 99  # past sequence 0's two pages
+    np.save(folder / "block_table.npy", table)
+    agreeing = ["--batch", "2", "--heads", "4", "--kv-heads", "2", "--new", "2", "--headdim", "64", "--page-size", "16",
+                "--cache-len", "20,40"]
+    for extra, scale in (([], "0.125"), (agreeing, "0.125"), (["--scale", "0.5"], "0.5")):
+        args = ["--decode", "--input", str(folder), "--dry-run", *extra]
+        proc = run_binary(repo, binary, args, tmp_path / "cache")
+        shown = f"{chapter} {' '.join(args)}"
+        assert proc.returncode == 0, f"{shown}: exit {proc.returncode}: {proc.stderr.strip()}"
+        assert re.search(DECODE_INPUT_PLAN + rf", scale {scale}\n", proc.stdout), f"{shown}:\n{proc.stdout}"
+        # 2 x (20 + 40) tokens x 2 KV heads x 64 dims x 2 bytes
+        assert re.search(r"\b30\.0 KiB of K and V to read", proc.stdout), f"{shown}:\n{proc.stdout}"
+    assert not (tmp_path / "cache").exists(), "a dry run prepared a reference"
+
+
+@pytest.mark.parametrize("chapter", DECODE_CHAPTERS)
+def test_a_folder_reference_py_decode_wrote_is_a_valid_decode_input(repo, tmp_path, chapter):
+    """reference.py decode's files are --decode --input's: the same names, dtypes and shapes."""
+    import reference
+    folder = tmp_path / "written"
+    assert reference.main(["decode", "--out", str(folder), "--batch", "3", "--heads", "8", "--kv-heads", "2", "--new",
+                           "4", "--headdim", "128", "--page-size", "256", "--lengths", "4,300,1000", "--scale", "0.1",
+                           "--no-ref"]) == 0
+    proc = run_binary(repo, repo.require_binary(chapter), ["--decode", "--input", folder, "--dry-run"],
+                      tmp_path / "cache")
+    assert proc.returncode == 0, f"{chapter} --decode --input {folder} --dry-run: {proc.stderr.strip()}"
+    assert re.search(r"B=3 Hq=8 Hkv=2 \(groups of 4\) Nq=4 D=128, cache up to 1000 tokens in pages of 256 "
+                     r"\(7 pages\), scale 0\.0883883", proc.stdout), proc.stdout

@@ -53,3 +53,41 @@ def test_decode_matrix(repo, impl, build, b, hq, hkv, new, page, lengths, d):
     want = (b, hq, hkv, new, max(int(n) for n in lengths.split(",")), page, d)
     assert echoed == want, f"{shown}: the row reports {echoed}, expected {want}"
     assert row["kernels"] == "2", f"{shown}: {row['kernels']} kernels, expected 2 (the split and the merge)"
+
+
+def test_decode_input_folder_is_checked_against_its_own_reference(repo, tmp_path):
+    """--decode --input DIR, a folder of one's own: reference.py decode's files with the table and lengths as
+    int32, a page no sequence uses added to the pools and the table's pages moved to where it was. PASS
+    against reference.py decode --input's float64 reference of the folder, which the harness writes under
+    FA_CACHE/decode_input_<hash of the five files> (the scale 1/sqrt(D) = 0.125 names it)."""
+    import numpy as np
+    import reference
+    folder = tmp_path / "in"
+    assert reference.main(["decode", "--out", str(folder), "--batch", "3", "--heads", "16", "--kv-heads", "4", "--new",
+                           "4", "--headdim", "64", "--page-size", "16", "--lengths", "4,257,1000", "--scale", "0.125",
+                           "--no-ref"]) == 0
+    arrays = {name: np.load(folder / f"{name}.npy") for name in reference.DECODE_INPUTS}
+    rng = np.random.default_rng(5)
+    for name in ("k_pool", "v_pool"):  # page 0 moves to the end; a new page 0 no sequence reads
+        pool = arrays[name]
+        arrays[name] = np.concatenate([rng.standard_normal(pool[:1].shape).astype(np.float16), pool[1:], pool[:1]])
+    table = arrays["block_table"]
+    table = np.where(table == 0, len(arrays["k_pool"]) - 1, table)
+    arrays["block_table"], arrays["lengths"] = table.astype(np.int32), arrays["lengths"].astype(np.int32)
+    for name, array in arrays.items():
+        np.save(folder / f"{name}.npy", array)
+    cache = tmp_path / "cache"
+    binary = repo.require_binary(DECODE_CHAPTERS[0])
+    proc = repo.run([binary, "--decode", "--input", str(folder), "--warmup", "0", "--iters", "1", "--csv"],
+                    env={"FA_CACHE": str(cache)}, timeout=300)
+    if proc.returncode == 77:
+        pytest.skip(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "exit 77")
+    rows = [dict(zip(DECODE_FIELDS, next(csv.reader([line])))) for line in proc.stdout.splitlines()
+            if line.startswith(DECODE_CHAPTERS[0] + ",")]
+    assert proc.returncode == 0 and rows and rows[-1]["status"] == "PASS", (
+        f"--decode --input: exit {proc.returncode}, rows {rows}, stderr {proc.stderr.strip()[-500:]!r}")
+    echoed = tuple(int(rows[-1][k]) for k in ("batch", "q_heads", "kv_heads", "new", "max_length", "page_size"))
+    assert echoed == (3, 16, 4, 4, 1000, 16), f"the row reports {echoed}"
+    refs = sorted(p.relative_to(cache).as_posix() for p in cache.glob("decode_input_*/*"))
+    assert len(refs) == 2 and all(r.endswith(("ref_decode_s0.125_lse.npy", "ref_decode_s0.125_o.npy")) for r in refs), (
+        f"the folder's reference in FA_CACHE: {refs}")
