@@ -307,6 +307,9 @@ def load_decode_inputs(folder):
         ndim, words = DECODE_FILE_TYPES[name]
         if a.dtype.name not in words.split(" or ") or a.ndim != ndim:
             raise ValueError(f"{paths[name]}: want a {ndim}-D {words} array, got {a.ndim}-D {a.dtype}")
+    if 0 in q.shape + k_pool.shape + table.shape:
+        raise ValueError(f"{folder}: q {q.shape}, k_pool {k_pool.shape}, block_table {table.shape}: every dimension "
+                         f"at least 1")
     batch, _, new, headdim = q.shape
     _, _, page_size, pool_dim = k_pool.shape
     if v_pool.shape != k_pool.shape or pool_dim != headdim:
@@ -327,11 +330,12 @@ def load_decode_inputs(folder):
     return q, k_pool, v_pool, table, lengths
 
 
-def write_decode_reference(folder, out, scale_text):
+def write_decode_reference(folder, out, scale_text, reuse=False):
     """decode_reference of the decoding folder `folder` (its pages gathered into caches) as O and LSE in `out`
-    (decode_paths), unless they are there."""
+    (decode_paths); reuse: not where they are there already (out holds that folder's inputs: the generated
+    path's cache)."""
     paths = decode_paths(out, scale_text)
-    if all(os.path.exists(path) for path in paths.values()):
+    if reuse and all(os.path.exists(path) for path in paths.values()):
         return
     q, k_pool, v_pool, table, lengths = load_decode_inputs(folder)
     o, lse = decode_reference(q, gather_cache(k_pool, table, lengths), gather_cache(v_pool, table, lengths), lengths,
@@ -355,7 +359,7 @@ def decode(args):
         for name, array in zip(DECODE_INPUTS, arrays):
             save_atomic(inputs[name], array)
     if not args.no_ref:
-        write_decode_reference(args.out, args.out, args.scale)
+        write_decode_reference(args.out, args.out, args.scale, reuse=True)
 
 
 # --- the backward pass: gradients of O given dO ----------------------------------------------

@@ -59,6 +59,14 @@ def with_special_value(folder, name, index, value):
     return folder
 
 
+def truncated(folder, name):
+    """folder (as a str) with its <name>.npy missing its last 3 bytes."""
+    path = os.path.join(folder, f"{name}.npy")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:-3])
+    return str(folder)
+
+
 def truncated_v(folder):
     """q, k, v with v.npy's last 10 bytes cut off."""
     write_qkv(folder)
@@ -547,6 +555,8 @@ DECODE_INPUT_BAD = [
             r"block_table\.npy", r"float32", r"'<i8'", r"\.astype\(np\.int64\)"),
     refusal("lengths uint8", lambda t: decode_input(t, lengths=np.array([20, 40], np.uint8)),
             r"lengths\.npy", r"'\|u1'", r"'<i8'"),
+    refusal("lengths int32, truncated", lambda t: ["--decode", "--input", truncated(write_decode(t / "in"), "lengths")],
+            r"lengths\.npy", r"truncated", unwanted=r"'<i8'"),
     refusal("q 3-D", lambda t: decode_input(t, q=np.zeros((2, 4, 64), np.float16)),
             r"q\.npy: 3-D array, expected 4-D \[B, Hq, Nq, D\]"),
     refusal("block_table 1-D", lambda t: decode_input(t, block_table=np.zeros(6, np.int32)),

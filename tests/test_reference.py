@@ -563,6 +563,13 @@ def test_decode_reference_of_a_folder_is_the_one_written_with_its_inputs(tmp_pat
         assert np.array_equal(got, want), f"{name}: differs by {np.abs(got - want).max():.3e} from the one written"
     assert sorted(p.name for p in folder.iterdir()) == sorted(f"{n}.npy" for n in reference.DECODE_INPUTS)
     assert sorted(p.name for p in out.iterdir()) == ["ref_decode_s0.125_lse.npy", "ref_decode_s0.125_o.npy"]
+    # Another folder's reference into the same --out replaces it: a reference is never reused for other inputs.
+    smaller = tmp_path / "smaller"
+    smaller.mkdir()
+    for name, array in arrays.items():
+        np.save(smaller / f"{name}.npy", array[:2] if name in ("q", "block_table", "lengths") else array)
+    assert reference.main(["decode", "--input", str(smaller), "--out", str(out), "--scale", "0.125"]) == 0
+    assert np.load(out / "ref_decode_s0.125_o.npy").shape[0] == 2, "the first folder's reference was kept"
 
 
 def _with(array, at, value):
@@ -591,6 +598,7 @@ DECODE_MISFITS = [
      r"block_table\.npy: sequence 1: entry 3 names page 11, past the pool of 11 pages"),
     ("a used entry of -1", "block_table", lambda a: _with(a["block_table"], (0, 0), -1),
      r"sequence 0: entry 0 names page -1\b"),
+    ("pages of 0 tokens", "k_pool", lambda a: np.zeros((11, 2, 0, 64), np.float16), r"every dimension at least 1"),
 ]
 
 
