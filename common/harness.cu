@@ -1287,13 +1287,16 @@ static void decode_shape_from_input(Options *o) {
     if (o->cache_len) refuse_cache_len(o->cache_len, lengths, d.batch);
     if (decode_cache_problem(&d, lengths, table, problem, sizeof problem))
         die(EXIT_USAGE, "%s: %s", shown(dir), problem);
+    for (int b = 0; b < d.batch; b++)  // entries past a sequence's pages are -1 on the device, as generated ones are
+        for (int i = (lengths[b] + d.page_size - 1) / d.page_size; i < d.max_pages; i++)
+            table[(size_t)b * d.max_pages + i] = -1;
     o->dshape = d;
     o->lengths = lengths;
     o->host.table = table;
 }
 
 // --decode --input DIR: q.npy and the pools, in the shape decode_shape_from_input took, refused where they hold
-// NaN or Inf (anywhere in a pool: a kernel reads whole pages, past a sequence's length too).
+// NaN or Inf anywhere in a pool, free pages too: a kernel (a student's) may read a page past a sequence's length.
 static void read_decode_input(Options *o) {
     const DecodeShape *d = &o->dshape;
     const long long q_shape[4] = {d->batch, d->q_heads, d->new_tokens, d->headdim};
