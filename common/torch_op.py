@@ -432,8 +432,61 @@ def backward_formula(ctx, grad_o, grad_lse):
     return dq, dk, dv, None, None, None, None, None
 
 
+# --- Decoding (11_decode's fa_decode): not differentiable, it is inference -----------------------------
+def check_decode_inputs(q, k_pool, v_pool, block_table, lengths):
+    """q [B, Hq, Nq, D] and the pools [pages, Hkv, P, D]: fp16 CUDA, contiguous, one device and D (64 or
+    128); block_table [B, max_pages] and lengths [B]: contiguous int32 on that device. No data is read."""
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
+        check_tensor(name, t)
+        check_contiguous(name, t)
+        if t.device != q.device:
+            raise ValueError(f"q is on {q.device} and {name} on {t.device}: expected one device")
+    if k_pool.shape != v_pool.shape or k_pool.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}: expected "
+                         f"q [B, Hq, Nq, D] and two pools [pages, Hkv, P, D] of one shape and q's D")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head dimension D = {q.shape[-1]}: the kernels are written for D = 64 or 128")
+    for name, t, dims in (("block_table", block_table, 2), ("lengths", lengths, 1)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != dims or not t.is_contiguous():
+            what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} is {what}: expected a contiguous torch.int32 tensor of {dims} dimension(s)")
+        if t.device != q.device:
+            raise ValueError(f"q is on {q.device} and {name} on {t.device}: expected one device")
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} has {t.shape[0]} rows, q {q.shape[0]} sequences: one per sequence")
+
+
+def decode_shape_of(q, k_pool, block_table, scale):
+    batch, q_heads, new_tokens, headdim = q.shape
+    pages, kv_heads, page_size, _ = k_pool.shape
+    return FaDecodeShape(batch, q_heads, kv_heads, new_tokens, headdim, page_size, pages, block_table.shape[1],
+                         float(scale))
+
+
+def decode_impl(q, k_pool, v_pool, block_table, lengths, max_length, scale, chapter):
+    check_decode_inputs(q, k_pool, v_pool, block_table, lengths)
+    check_aligned(q=q, k_pool=k_pool, v_pool=v_pool)
+    lib = library(chapter)
+    if not lib.has_decode:
+        raise RuntimeError(f"chapter={chapter!r}: {lib.name} has no decoding pass (fa_has_decode is 0): name a "
+                           f"chapter that has one, such as 11")
+    shape = decode_shape_of(q, k_pool, block_table, scale)
+    o, lse = q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    with torch.cuda.device(q.device):
+        pointer, size, held = scratch(lib.decode_workspace_bytes(shape, max_length), q.device)
+        lib.decode(shape, max_length, q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_table.data_ptr(),
+                   lengths.data_ptr(), o.data_ptr(), lse.data_ptr(), pointer, size, stream_of(q.device))
+    del held
+    return o, lse
+
+
+def decode_fake(q, k_pool, v_pool, block_table, lengths, max_length, scale, chapter):
+    check_decode_inputs(q, k_pool, v_pool, block_table, lengths)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
 def register():
-    """torch.ops.fa_tutorial.attention and .attention_backward, once per process."""
+    """torch.ops.fa_tutorial.attention, .attention_backward and .decode, once per process."""
     try:
         if hasattr(getattr(torch.ops, NAMESPACE), "attention"):
             return
@@ -457,6 +510,12 @@ def register():
     backward_op = torch.library.custom_op(f"{NAMESPACE}::attention_backward", mutates_args=())(attention_backward_op)
     backward_op.register_fake(backward_fake)
 
+    def decode_op(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, lengths: Tensor, max_length: int,
+                  scale: float, chapter: str) -> Tuple[Tensor, Tensor]:
+        return decode_impl(q, k_pool, v_pool, block_table, lengths, max_length, scale, chapter)
+
+    torch.library.custom_op(f"{NAMESPACE}::decode", mutates_args=())(decode_op).register_fake(decode_fake)
+
 
 def attention(q, k, v, causal=False, chapter="07", backward=AUTO, scale=None, return_lse=False, *,
               deterministic=False):
@@ -475,6 +534,22 @@ def attention(q, k, v, causal=False, chapter="07", backward=AUTO, scale=None, re
     o, lse = torch.ops.fa_tutorial.attention(q, k, v, bool(causal), float(scale), str(chapter), str(backward or ""),
                                              bool(deterministic))
     return (o, lse) if return_lse else o
+
+
+def decode(q, k_pool, v_pool, block_table, lengths, max_length=None, scale=None, chapter="11"):
+    """(O, LSE) of each sequence's Nq new queries against its paged KV cache, by a chapter's fa_decode:
+    q [B, Hq, Nq, D] and k_pool, v_pool [pages, Hkv, P, D] fp16, block_table [B, max_pages] and lengths
+    [B] int32, all on one GPU, the new tokens already written as each sequence's last Nq (docs/design.md,
+    decoding). max_length: the longest of lengths (None: read from the device, which waits for it; a
+    generation loop knows it). scale: 1/sqrt(D) unless given. Not differentiable."""
+    require_torch()
+    check_tensor("q", q)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if max_length is None:
+        max_length = int(lengths.max())
+    return torch.ops.fa_tutorial.decode(q, k_pool, v_pool, block_table, lengths, int(max_length), float(scale),
+                                        str(chapter))
 
 
 if torch is not None:

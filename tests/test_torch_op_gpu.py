@@ -13,6 +13,7 @@ a CUDA device it sees. The libraries it loads are `make lib`'s (make test builds
   compile    torch.compile(fullgraph=True) of a function calling the op, aot_eager and inductor:
              the same O and gradients as eager
   repeat     deterministic=True: dQ, dK, dV bitwise the same in two backward calls on the same inputs
+  decode     11's decoding through the op (grouped heads, ragged lengths, pages of 1 and 16) against float64
   errors     each refusal: its exception type and words
   training   50 steps of common/train.py's model with the op: finite losses that fall, from where the
              same run with SDPA starts, as far as it within a tenth of its fall; common/train.py end to
@@ -25,6 +26,7 @@ import re
 import numpy as np
 import pytest
 
+import reference
 import torch_op
 from chapters import runs_on
 from helpers import (BACKWARD_OUTPUT_SHAPES, BACKWARD_TOL, FP8_FLOOR_FACTOR, LSE_TOL, REL_L2_TOL, attention64,
@@ -242,6 +244,34 @@ def error_cases(torch):
 def backward_through(torch, backward):
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16, requires_grad=True)
     torch_op.attention(q, q.detach(), q.detach(), backward=backward).sum().backward()
+
+
+# --- Decoding -----------------------------------------------------------------------------------------------
+# (B, Hq, Hkv, Nq, D, page size, the sequences' cached lengths): grouped heads, ragged lengths, pages of 1 and 16
+DECODE_CASES = [(3, 8, 2, 1, 128, 16, (1, 77, 300)), (2, 16, 4, 4, 64, 1, (4, 1000))]
+
+
+@pytest.mark.parametrize("b, hq, hkv, nq, d, page, lengths", DECODE_CASES,
+                         ids=[f"B={c[0]} Hq={c[1]} Hkv={c[2]} Nq={c[3]} D={c[4]} P={c[5]}" for c in DECODE_CASES])
+def test_decode(op, b, hq, hkv, nq, d, page, lengths):
+    """fa_tutorial::decode on 11's library: O and LSE against the float64 reference on the gathered cache
+    (common/reference.py decode_reference), within 11's rule; max_length given, then read from the device."""
+    torch = op
+    runs_here(torch, "11")
+    q, k_pool, v_pool, table, lens = reference.make_decode_inputs(b, hq, hkv, nq, d, page, list(lengths), seed=0)
+    scale = 1 / math.sqrt(d)
+    k_cache, v_cache = (reference.gather_cache(pool, table, lens).astype(np.float64) for pool in (k_pool, v_pool))
+    want_o, want_lse = reference.decode_reference(q.astype(np.float64), k_cache, v_cache, lens, scale)
+    cuda = [torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in
+            (q, k_pool, v_pool, np.maximum(table, 0).astype(np.int32), lens.astype(np.int32))]  # -1: never read
+    shown = f"decode B={b} Hq={hq} Hkv={hkv} Nq={nq} D={d} P={page} lengths {lengths}"
+    torch.library.opcheck(torch.ops.fa_tutorial.decode, (*cuda, max(lengths), scale, "11"))  # schema, fake, dispatch
+    for max_length in (max(lengths), None):
+        o, lse = torch_op.decode(*cuda, max_length=max_length)
+        assert o.dtype == torch.float16 and tuple(o.shape) == q.shape, f"{shown}: O is {o.dtype} {tuple(o.shape)}"
+        rel, lse_err = rel_l2(to_numpy(o), want_o), float(np.abs(to_numpy(lse) - want_lse).max())
+        assert rel <= REL_L2_TOL[11], f"{shown}: O relative L2 error {rel:.3e}, expected <= {REL_L2_TOL[11]}"
+        assert lse_err <= LSE_TOL, f"{shown}: LSE max abs error {lse_err:.3e}, expected <= {LSE_TOL}"
 
 
 def test_errors(op):
