@@ -75,7 +75,7 @@ $(addprefix $(BUILD)/obj/,$(addsuffix .o,$(SM90A_BUILDS))) $(addprefix $(BUILD)/
     private GENCODE := -gencode=arch=compute_90a,code=sm_90a
 arch_of = $(if $(filter $(1),$(SM90A_BUILDS)),sm_90a,$(ARCH))
 
-.PHONY: all lib run test bench compare sanitize diff profile sass exercise grade handout ablation train peaks \
+.PHONY: all lib run test bench compare sanitize diff profile sass exercise grade handout ablation train generate peaks \
         help clean FORCE
 .DEFAULT_GOAL := all
 
@@ -275,6 +275,15 @@ train: $(PY_DEPS)
 	@$(foreach c,$(subst $(comma), ,$(TRAIN_CH)),test -n "$(call chapter_dir,$(firstword $(subst @, ,$(c))))" || $(call no_chapter,$(c),CH);) true
 	@$(PYTHON) common/train.py --chapter $(TRAIN_CH) --build $(BUILD)$(if $(SEEDS), --seeds $(SEEDS)) $(TRAIN_ARGS)
 
+# A model make train saved writes text (common/generate.py): the prompt by CH's forward (default 07),
+# every next token by 11's decoding from a paged KV cache, beside the same model on SDPA; the text,
+# whether both chose the same tokens, tokens/s. PROMPT="...": the text to continue; GEN_ARGS:
+# generate.py's options (--model, --tokens, --page-size). Without PyTorch or a GPU: one line, exit 77.
+GEN_CH = $(if $(filter file,$(origin CH)),07,$(CH))
+GEN_ARGS ?=
+generate: $(PY_DEPS)
+	@$(PYTHON) common/generate.py --chapter $(GEN_CH) --build $(BUILD)$(if $(PROMPT), --prompt "$(PROMPT)") $(GEN_ARGS)
+
 # The ceilings docs/design.md quotes, measured on this GPU by tools/peaks.cu: fp32 FFMA, fp16
 # mma.sync, wgmma fp16 and e4m3 (sm_90a: built so when ARCH is sm_90; skipped in one line on other
 # GPUs) and the device copy; the table also goes to docs/results/logs/common/peaks_<gpu>.log.
@@ -307,6 +316,7 @@ help:
 	@echo "make exercise CH=torch, make grade CH=torch   07 and 09 as a PyTorch op of your own -> exercises/torch/ (GPU, PyTorch)"
 	@echo "make ablation CH=07   each idea of 04 or 07 switched off, or the steps of 08 or 09 (its backward), checked and timed in one run (GPU)"
 	@echo "make train CH=07 [SEEDS=0,1,2] [TRAIN_ARGS=--quick]   a small GPT trained with SDPA, then with chapter CH's forward and 09's backward (GPU, PyTorch)"
+	@echo "make generate [PROMPT=...]   the model make train saved writes text: 07 for the prompt, 11 for each next token, beside SDPA (GPU, PyTorch)"
 	@echo "make peaks      this GPU's ceilings (FFMA, mma.sync, wgmma, copy) -> docs/results/logs/common/ (GPU)"
 	@echo "make clean      remove $(BUILD)/ and the input/reference cache (.cache/; the tools fetched into .cache/tools and .cache/python stay)"
 	@echo "(GPU): without a usable GPU (or PyTorch, where named) the target says why in one line and exits 77, the skip code"
