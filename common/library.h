@@ -75,8 +75,9 @@ FA_API int fa_backward(const FaShape *shape, int deterministic, const void *q, c
 // [B, Hq, Nq, D] against its paged cache: k_pool and v_pool [pages, Hkv, P, D] fp16, block_table
 // [B, max_pages] and lengths [B] int32 in device memory (4-byte aligned), the new tokens already the
 // last Nq of each sequence's lengths[b]. max_length is the longest length (the caller's host copy: it
-// sizes the grid and the workspace); the lengths and the block table are read on the device and are
-// the caller's to keep in range (the command line checks them: common/shape.h decode_cache_problem).
+// sizes the grid and the workspace; a smaller one than the device's longest misses keys and reads past
+// the workspace); the lengths and the block table are read on the device and are the caller's to keep
+// in range (the command line checks them: common/shape.h decode_cache_problem).
 // Enqueued only, as above.
 FA_API int fa_decode_workspace_bytes(const FaDecodeShape *shape, int max_length, size_t *bytes);
 FA_API int fa_decode(const FaDecodeShape *shape, int max_length, const void *q, const void *k_pool, const void *v_pool,

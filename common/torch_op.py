@@ -447,9 +447,13 @@ def check_decode_inputs(q, k_pool, v_pool, block_table, lengths):
     if q.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"head dimension D = {q.shape[-1]}: the kernels are written for D = 64 or 128")
     for name, t, dims in (("block_table", block_table, 2), ("lengths", lengths, 1)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != dims or not t.is_contiguous():
-            what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} is {what}: expected a contiguous torch.int32 tensor of {dims} dimension(s)")
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+            what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} is {what}: expected a torch.int32 tensor (the op does not cast behind the "
+                            f"caller's back)")
+        if t.dim() != dims or not t.is_contiguous():
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, strides {t.stride()}: expected a contiguous tensor of "
+                             f"{dims} dimension(s)")
         if t.device != q.device:
             raise ValueError(f"q is on {q.device} and {name} on {t.device}: expected one device")
         if t.shape[0] != q.shape[0]:
@@ -488,7 +492,7 @@ def decode_fake(q, k_pool, v_pool, block_table, lengths, max_length, scale, chap
 def register():
     """torch.ops.fa_tutorial.attention, .attention_backward and .decode, once per process."""
     try:
-        if hasattr(getattr(torch.ops, NAMESPACE), "attention"):
+        if hasattr(getattr(torch.ops, NAMESPACE), "decode"):  # registered last
             return
     except (AttributeError, RuntimeError):
         pass
@@ -541,9 +545,13 @@ def decode(q, k_pool, v_pool, block_table, lengths, max_length=None, scale=None,
     q [B, Hq, Nq, D] and k_pool, v_pool [pages, Hkv, P, D] fp16, block_table [B, max_pages] and lengths
     [B] int32, all on one GPU, the new tokens already written as each sequence's last Nq (docs/design.md,
     decoding). max_length: the longest of lengths (None: read from the device, which waits for it; a
-    generation loop knows it). scale: 1/sqrt(D) unless given. Not differentiable."""
+    generation loop knows it); it sizes the grid and the workspace and is not checked against the
+    device's lengths: a smaller one misses keys and reads past the workspace. scale: 1/sqrt(D) unless
+    given. Not differentiable."""
     require_torch()
     check_tensor("q", q)
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError(f"lengths is a {type(lengths).__name__}: expected a torch.int32 tensor on q's device")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if max_length is None:
