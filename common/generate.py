@@ -67,9 +67,10 @@ class PagedCache:
 
 
 class ContiguousCache:
-    """Per layer, K and V [1, H, CONTEXT, D] fp16: SDPA's side."""
+    """Per layer, K and V [1, H, CONTEXT, D] fp16: SDPA's side, on `backend` (None: the one PyTorch picks)."""
 
-    def __init__(self, layers, device):
+    def __init__(self, layers, device, backend=None):
+        self.backend = backend
         shape = (1, train.HEADS, train.CONTEXT, train.HEAD_DIM)
         self.k = [torch.zeros(shape, dtype=torch.float16, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=torch.float16, device=device) for _ in range(layers)]
@@ -83,7 +84,23 @@ class ContiguousCache:
 
     def attend(self, layer, q, chapter=None):
         k, v = self.k[layer][:, :, :self.length], self.v[layer][:, :, :self.length]
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v)  # one query: it sees every key
+        return sdpa(q, k, v, False, self.backend)  # one query: it sees every key
+
+
+def sdpa(q, k, v, causal, backend):
+    """PyTorch's SDPA, on one backend (an SDPBackend) or, None, the one it picks."""
+    if backend is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    with torch.nn.attention.sdpa_kernel(backend):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def sdpa_backends():
+    """[(name, backend)]: the one PyTorch picks, then each backend that decodes on its own: a backend
+    may be slow at one shape and not another (cuDNN plans a graph for each new cache length)."""
+    named = torch.nn.attention.SDPBackend
+    return [("SDPA", None), ("SDPA flash", named.FLASH_ATTENTION), ("SDPA cuDNN", named.CUDNN_ATTENTION),
+            ("SDPA efficient", named.EFFICIENT_ATTENTION)]
 
 
 # --- The model, a step at a time --------------------------------------------------------------------------
@@ -217,26 +234,32 @@ def main(argv=None):
     def chapter_prompt(q, k, v):
         return torch_op.attention(q, k, v, causal=True, chapter=args.chapter, backward=None)
 
-    def sdpa_prompt(q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
     layers = len(model.blocks)
     paged = lambda: PagedCache(layers, args.page_size, "cuda")  # noqa: E731
-    contiguous = lambda: ContiguousCache(layers, "cuda")  # noqa: E731
-    for cache, attend, chapter in ((paged(), chapter_prompt, args.decode), (contiguous(), sdpa_prompt, None)):
-        generate(model, prompt, 2, cache, attend, chapter)  # untimed: both paths' first launches (module loads)
+    generate(model, prompt, 2, paged(), chapter_prompt, args.decode)  # untimed: the first launches (module loads)
     ours = generate(model, prompt, args.tokens, paged(), chapter_prompt, chapter=args.decode)
-    theirs = generate(model, prompt, args.tokens, contiguous(), sdpa_prompt)
     new = len(ours[0]) - len(prompt)
     print(f"--- {names[0]} (the prompt), then {names[1]} (every next token; pages of {args.page_size}):")
     print(shown(ours[0]))
-    print("--- SDPA:")
-    print(shown(theirs[0]))
-    print("---")
-    difference = first_difference(ours[0], theirs[0], ours[1], theirs[1], len(prompt))
-    print(f"the same {new} tokens" if difference is None else f"they differ first at {difference}")
-    print(f"decoding: {names[1]} {new / ours[2]:.0f} tokens/s, SDPA {new / theirs[2]:.0f} tokens/s (one sequence, {new} "
-          f"tokens after a prompt of {len(prompt)}; the whole model's step, Python and launches included)")
+    rates = [f"{names[1]} {new / ours[2]:.0f}"]
+    for name, backend in sdpa_backends():
+        cache = lambda: ContiguousCache(layers, "cuda", backend)  # noqa: E731
+        attend = lambda q, k, v: sdpa(q, k, v, True, backend)  # noqa: E731
+        try:
+            generate(model, prompt, 2, cache(), attend)  # untimed, as above
+            theirs = generate(model, prompt, args.tokens, cache(), attend)
+        except RuntimeError as exc:  # a backend that cannot run this shape here
+            rates.append(f"{name} did not run ({str(exc).splitlines()[0][:80]})")
+            continue
+        rates.append(f"{name} {new / theirs[2]:.0f}")
+        if backend is None:
+            print(f"--- {name} (contiguous cache):")
+            print(shown(theirs[0]))
+            print("---")
+        difference = first_difference(ours[0], theirs[0], ours[1], theirs[1], len(prompt))
+        print(f"{name}: the same {new} tokens" if difference is None else f"{name}: they differ first at {difference}")
+    print(f"decoding, tokens/s: {', '.join(rates)} (one sequence, {new} tokens after a prompt of {len(prompt)}; the "
+          "whole model's step, Python and launches included)")
     return 0
 
 
