@@ -66,7 +66,7 @@ NVFLAGS := -O3 -std=c++17 -lineinfo -Xcompiler -Wall,-Wextra -Xptxas -v $(EXTRA_
 # Every chapter object is position-independent, so that one compile serves its executable and its
 # library (make lib) alike; only the library's fa_* functions are exported (common/library.map).
 PIC := -Xcompiler -fPIC,-fvisibility=hidden
-HEADERS := common/harness.h common/npy.h common/shape.h
+HEADERS := common/harness.h common/npy.h common/shape.h common/gpu_files.h
 # The harness, compiled once per build folder (it has no kernels: it links with any chapter).
 COMMON_OBJ := $(BUILD)/common/harness.o $(BUILD)/common/npy.o
 LIB_OBJ := $(BUILD)/common/library.o
@@ -291,7 +291,7 @@ generate: $(PY_DEPS)
 ifneq ($(filter sm_90 sm_90a,$(ARCH)),)
 $(BUILD)/peaks: private GENCODE := -gencode=arch=compute_90a,code=sm_90a
 endif
-$(BUILD)/peaks: tools/peaks.cu $(BUILD)/.flags
+$(BUILD)/peaks: tools/peaks.cu common/gpu_files.h $(BUILD)/.flags
 	@echo "nvcc  $< -> $@ ($(if $(filter sm_90 sm_90a,$(ARCH)),sm_90a,$(ARCH)))"
 	@$(call compile,-o $@ $<,$@.log)
 

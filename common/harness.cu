@@ -3,6 +3,7 @@
 // A reader may skip this file: the chapters' ideas live in their attention.cu.
 #define HARNESS_SOURCE  // harness.h: the exercise stub's variable and reader belong to the chapter
 #include "harness.h"
+#include "gpu_files.h"
 #include "npy.h"
 
 #include <errno.h>
@@ -1711,6 +1712,22 @@ static void print_decode_shape(const Options *o, int max_length) {
         d->page_size, d->pages, d->scale);
 }
 
+// This GPU's device-to-device copy bandwidth in TB/s as `make peaks` measured it, read from its log
+// (path: where it is, or would be); 0 where make peaks has not run on this GPU.
+static double measured_copy_tbps(const char *gpu, char *path, size_t len) {
+    char name[256], line[512];
+    gpu_file_name(gpu, name, sizeof name);
+    format_path(path, len, "%s/docs/results/logs/common/peaks_%s.log", FA_ROOT, name);
+    FILE *f = fopen(path, "r");
+    double tbps = 0.0;
+    while (f && fgets(line, sizeof line, f)) {  // "device-to-device copy (cudaMemcpyAsync)   4.24 TB/s ..."
+        const char *after = strchr(line, ')');
+        if (strncmp(line, "device-to-device copy", 21) == 0 && after && sscanf(after + 1, "%lf TB/s", &tbps) == 1) break;
+    }
+    if (f) fclose(f);
+    return tbps;
+}
+
 // The decoding step of the chapter: checked, timed, reported; its exit code.
 // One decoding step (median_time's RunOnce).
 static void run_decode_once(const void *what, cudaStream_t stream) {
@@ -1807,6 +1824,13 @@ static int run_decode(const Options *o) {
         print_decode_shape(o, max_length);
         printf("  time      %.4f ms (median of %d), %.1f GB/s of K and V (%s), %d kernel%s\n", median, o->iters, gbps,
                human_bytes(kv_bytes, a, sizeof a), kernels, kernels == 1 ? "" : "s");
+        char peaks[4096];
+        const double copy_tbps = measured_copy_tbps(prop.name, peaks, sizeof peaks);
+        if (copy_tbps > 0)
+            printf("  bandwidth %.0f%% of this GPU's device-to-device copy, %.2f TB/s (make peaks: %s)\n",
+                   gbps / 10.0 / copy_tbps, copy_tbps, peaks);
+        else
+            printf("  bandwidth against the copy: not measured on this GPU (make peaks writes %s)\n", peaks);
         if (o->check)
             printf("  check     O rel L2 %.3g (<= %.0e), max abs %.3g; LSE max abs %.3g (<= %.0e)%s: %s\n",
                    check.rel_l2, check.rel_l2_tol, check.max_abs, check.lse_err, check.lse_tol,

@@ -91,3 +91,28 @@ def test_decode_input_folder_is_checked_against_its_own_reference(repo, tmp_path
     refs = sorted(p.relative_to(cache).as_posix() for p in cache.glob("decode_input_*/*"))
     assert len(refs) == 2 and all(r.endswith(("ref_decode_s0.125_lse.npy", "ref_decode_s0.125_o.npy")) for r in refs), (
         f"the folder's reference in FA_CACHE: {refs}")
+
+
+def test_decode_says_its_share_of_the_copy(repo):
+    """The decoding report's bandwidth line: the GB/s of K and V against this GPU's device-to-device copy as
+    `make peaks` measured it (docs/results/logs/common/peaks_<gpu>.log, named as results.gpu_slug names a
+    GPU's files), or, where that log is absent, that it is not measured, naming the file make peaks writes."""
+    import re
+
+    import results
+    proc = repo.run([repo.require_binary(DECODE_CHAPTERS[0]), "--decode", "--batch", "1", "--heads", "8", "--kv-heads",
+                     "2", "--cache-len", "4096", "--headdim", "128", "--no-check", "--warmup", "1", "--iters", "3"],
+                    timeout=300)
+    if proc.returncode == 77:
+        pytest.skip(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "exit 77")
+    gbps = float(re.search(r"([\d.]+) GB/s of K and V", proc.stdout).group(1))
+    log = repo.root / "docs/results/logs/common" / f"peaks_{results.gpu_slug(results.gpu_name())}.log"
+    if not log.is_file():
+        assert f"  bandwidth against the copy: not measured on this GPU (make peaks writes {log})" in proc.stdout, (
+            proc.stdout)
+        return
+    copy = float(re.search(r"^device-to-device copy \([^)]*\)\s+([\d.]+) TB/s", log.read_text(), re.M).group(1))
+    said = re.search(r"^  bandwidth (\d+)% of this GPU's device-to-device copy, ([\d.]+) TB/s \(make peaks: (.*)\)$",
+                     proc.stdout, re.M)
+    assert said and said.group(3) == str(log) and float(said.group(2)) == copy, proc.stdout
+    assert abs(int(said.group(1)) - gbps / 10 / copy) <= 0.6, proc.stdout  # the GB/s printed to 0.1, the % to 1

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../common/gpu_files.h"
+
 #define WARMUP 2
 #define RUNS 7
 #define TARGET_MS 25.0
@@ -421,15 +423,7 @@ int main(int argc, char **argv) {
 
     if (argc == 2) {  // LOG_DIR/peaks_<gpu name>.log, named as docs/results names a GPU's files
         char name[256], path[1024];
-        int n = 0;
-        for (const char *p = prop.name; *p && n < (int)sizeof name - 1; p++) {
-            int keep = (*p >= 'A' && *p <= 'Z') || (*p >= 'a' && *p <= 'z') || (*p >= '0' && *p <= '9') || *p == '.' ||
-                       *p == '_' || *p == '-';
-            if (keep) name[n++] = *p;
-            else if (n > 0 && name[n - 1] != '_') name[n++] = '_';  // a run of others: one '_'
-        }
-        while (n > 0 && name[n - 1] == '_') n--;
-        name[n] = 0;
+        gpu_file_name(prop.name, name, sizeof name);
         snprintf(path, sizeof path, "%s/peaks_%s.log", argv[1], name);
         FILE *f = fopen(path, "w");
         if (!f || fwrite(report, 1, report_len, f) != report_len || fclose(f) != 0) {
