@@ -8,7 +8,8 @@ torch.export) and an autograd formula whose backward is 09's.
 
 q, k, v: torch.float16 CUDA tensors [B, H, N, D], contiguous, D = 64 or 128, one shape for all
 three (self-attention). backward="auto" (the default) is the fastest backward this GPU runs:
-the latest chapter with a backward pass whose library is built and runs here (auto_backward). The op runs on torch.cuda.current_stream(), takes its workspace from
+the latest chapter with a backward pass whose library is built and runs here, leaving out one
+not yet faster than the chapter before it (NOT_YET_FASTER; auto_backward). The op runs on torch.cuda.current_stream(), takes its workspace from
 PyTorch's allocator and returns O (fp16, [B, H, N, D]); return_lse=True also returns the LSE
 (fp32, [B, H, N], natural log), which is not differentiable. A chapter is named as the Makefile
 names it: 7, 07 or 07_async_pipeline; a step of 08 as 08.3 or 08_fp8.step3 (08.5 is 08_fp8).
@@ -350,10 +351,18 @@ def run_backward(lib, q, k, v, o, lse, d_o, causal, scale, deterministic):
 AUTO = "auto"
 
 
+# Backward chapters that "auto" passes over, with why: a chapter still being built that its own
+# measurements put behind the chapter before it. It stays callable by name.
+NOT_YET_FASTER = {
+    "10_backward_hopper": "slower than 09 so far (10.2 on an H100: 1.04-1.15x 09's time, 10_backward_hopper/README.md)",
+}
+
+
 def auto_backward(sm, build=None):
     """backward="auto": the latest chapter (the fastest, each being measured against the one
-    before) that has a backward pass, is built (make lib) and runs on sm_<sm>; RuntimeError naming
-    what was looked at where none does. Once per GPU kind and build folder."""
+    before) that has a backward pass, is built (make lib) and runs on sm_<sm>, leaving out those
+    NOT_YET_FASTER names; RuntimeError naming what was looked at where none does. Once per GPU kind
+    and build folder."""
     return find_auto_backward(sm, build_dir(build))
 
 
@@ -363,7 +372,9 @@ def find_auto_backward(sm, build):
     for chapter in reversed(chapters()):
         if not has_backward(os.path.join(ROOT, chapter, "attention.cu")):
             continue
-        if not os.path.isfile(library_path(chapter, build)):
+        if chapter in NOT_YET_FASTER:
+            looked.append(f"{chapter} (passed over: {NOT_YET_FASTER[chapter]})")
+        elif not os.path.isfile(library_path(chapter, build)):
             looked.append(f"{chapter} (not built: make lib)")
         elif not library(chapter, build).runs_on(sm):
             looked.append(f"{chapter} (does not run on sm_{sm})")
