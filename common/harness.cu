@@ -1722,7 +1722,8 @@ static double measured_copy_tbps(const char *gpu, char *path, size_t len) {
     double tbps = 0.0;
     while (f && fgets(line, sizeof line, f)) {  // "device-to-device copy (cudaMemcpyAsync)   4.24 TB/s ..."
         const char *after = strchr(line, ')');
-        if (strncmp(line, "device-to-device copy", 21) == 0 && after && sscanf(after + 1, "%lf TB/s", &tbps) == 1) break;
+        if (strncmp(line, "device-to-device copy", 21) == 0 && after && sscanf(after + 1, "%lf TB/s", &tbps) == 1)
+            break;
     }
     if (f) fclose(f);
     return tbps;
@@ -1822,6 +1823,7 @@ static int run_decode(const Options *o) {
                check.max_abs, check.lse_err, kernels, workspace, decode_device_bytes(d) + (double)workspace);
     } else {
         print_decode_shape(o, max_length);
+        printf("  gpu       %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
         printf("  time      %.4f ms (median of %d), %.1f GB/s of K and V (%s), %d kernel%s\n", median, o->iters, gbps,
                human_bytes(kv_bytes, a, sizeof a), kernels, kernels == 1 ? "" : "s");
         char peaks[4096];
@@ -1829,8 +1831,7 @@ static int run_decode(const Options *o) {
         if (copy_tbps > 0)
             printf("  bandwidth %.0f%% of this GPU's device-to-device copy, %.2f TB/s (make peaks: %s)\n",
                    gbps / 10.0 / copy_tbps, copy_tbps, peaks);
-        else
-            printf("  bandwidth against the copy: not measured on this GPU (make peaks writes %s)\n", peaks);
+        else printf("  bandwidth against the copy: not measured on this GPU (make peaks writes %s)\n", peaks);
         if (o->check)
             printf("  check     O rel L2 %.3g (<= %.0e), max abs %.3g; LSE max abs %.3g (<= %.0e)%s: %s\n",
                    check.rel_l2, check.rel_l2_tol, check.max_abs, check.lse_err, check.lse_tol,

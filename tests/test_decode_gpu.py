@@ -95,8 +95,9 @@ def test_decode_input_folder_is_checked_against_its_own_reference(repo, tmp_path
 
 def test_decode_says_its_share_of_the_copy(repo):
     """The decoding report's bandwidth line: the GB/s of K and V against this GPU's device-to-device copy as
-    `make peaks` measured it (docs/results/logs/common/peaks_<gpu>.log, named as results.gpu_slug names a
-    GPU's files), or, where that log is absent, that it is not measured, naming the file make peaks writes."""
+    `make peaks` measured it (docs/results/logs/common/peaks_<gpu>.log, the GPU the report's gpu line names,
+    as results.gpu_slug names its files), or, where that log is absent, that it is not measured, naming the
+    file make peaks writes."""
     import re
 
     import results
@@ -106,12 +107,15 @@ def test_decode_says_its_share_of_the_copy(repo):
     if proc.returncode == 77:
         pytest.skip(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "exit 77")
     gbps = float(re.search(r"([\d.]+) GB/s of K and V", proc.stdout).group(1))
-    log = repo.root / "docs/results/logs/common" / f"peaks_{results.gpu_slug(results.gpu_name())}.log"
-    if not log.is_file():
+    gpu = re.search(r"^  gpu       (.*) \(sm_\d+\)$", proc.stdout, re.M)
+    assert gpu, f"no gpu line in the decoding report:\n{proc.stdout}"
+    log = repo.root / "docs/results/logs/common" / f"peaks_{results.gpu_slug(gpu.group(1))}.log"
+    copy_line = re.search(r"^device-to-device copy \([^)]*\)\s+([\d.]+) TB/s", log.read_text(), re.M) if log.is_file() else None
+    if not copy_line:
         assert f"  bandwidth against the copy: not measured on this GPU (make peaks writes {log})" in proc.stdout, (
             proc.stdout)
         return
-    copy = float(re.search(r"^device-to-device copy \([^)]*\)\s+([\d.]+) TB/s", log.read_text(), re.M).group(1))
+    copy = float(copy_line.group(1))
     said = re.search(r"^  bandwidth (\d+)% of this GPU's device-to-device copy, ([\d.]+) TB/s \(make peaks: (.*)\)$",
                      proc.stdout, re.M)
     assert said and said.group(3) == str(log) and float(said.group(2)) == copy, proc.stdout

@@ -87,3 +87,26 @@ def test_peaks_without_gpu_exits_77(repo, gpu_state, tmp_path):
     assert proc.returncode == 77 and len(lines) == 1, (
         f"peaks without a GPU: exit {proc.returncode}, output {proc.stdout!r}{proc.stderr!r}; expected 77 and one line")
     assert not list(tmp_path.iterdir()), f"peaks wrote {sorted(p.name for p in tmp_path.iterdir())} without a GPU"
+
+
+def test_gpu_file_name_is_gpu_slug(repo, tmp_path):
+    """common/gpu_files.h's gpu_file_name (the name of peaks_<gpu>.log, as peaks writes it and the harness
+    reads it) gives what common/results.py's gpu_slug gives, for real names and for the edge cases (a literal
+    '_' beside others, leading ones, nothing left): a C program on the host compiler, skipped without one."""
+    import shutil
+    import subprocess
+
+    import results
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        pytest.skip("no host C compiler (cc, gcc) to build the check with")
+    names = ["NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "A_ B", "_x_", "-a.b-", "", "  "]
+    source = tmp_path / "names.c"
+    source.write_text(f'#include "{repo.root / "common" / "gpu_files.h"}"\n'
+                      "int main(int argc, char **argv) {\n    char name[256];\n"
+                      "    for (int i = 1; i < argc; i++) gpu_file_name(argv[i], name, sizeof name), puts(name);\n"
+                      "    return 0;\n}\n")
+    built = subprocess.run([compiler, "-o", str(tmp_path / "names"), str(source)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    got = subprocess.run([str(tmp_path / "names"), *names], capture_output=True, text=True, check=True).stdout
+    assert got.splitlines() == [results.gpu_slug(n) for n in names], got
