@@ -56,9 +56,10 @@ TIME_SHAPE = {1: (1, 16, 2048, 128, False)}
 DEFAULT_TIME_SHAPE = HEADLINE
 RUN_TIMEOUT_S = 300
 TIME_ROUNDS = 2  # the chapter and the copy timed alternately, best median of each
-# A copy that misses its gate by less than RETIME_WITHIN times the gate is timed again, a round at a
+# A ratio within a factor RETIME_WITHIN of its gate, on either side, is timed again, a round at a
 # time, up to MAX_TIME_ROUNDS: another program on the GPU (a class sharing a machine, make test's
-# other workers) slows whichever run it overlaps, not both alike.
+# other workers) slows whichever run it overlaps, not both alike, and a close call on either side
+# deserves the same number of rounds.
 RETIME_WITHIN, MAX_TIME_ROUNDS = 1.2, 4
 MATRIX_WORKERS = 4  # the matrix's runs at once: one (B, H, N, D) per worker, its cases in order (they share inputs)
 
@@ -357,18 +358,19 @@ def racecheck(student, chapter, pass_name="forward"):
     return "pass", f"compute-sanitizer racecheck finds no hazard at {case_text(case)}"
 
 
-def close_miss(best, gate, rounds):
-    """Whether a copy timed `rounds` rounds (best {who: ms}) missed its gate by little enough, and
-    few enough rounds ran, to be timed once more."""
+def close_call(best, gate, rounds):
+    """Whether a copy timed `rounds` rounds (best {who: ms}) is close enough to its gate, on either
+    side (gate / RETIME_WITHIN < ratio <= gate * RETIME_WITHIN), and few enough rounds ran, to be
+    timed once more."""
     if gate is None or "chapter" not in best or rounds >= MAX_TIME_ROUNDS:
         return False
-    return gate < best["yours"] / best["chapter"] <= gate * RETIME_WITHIN
+    return gate / RETIME_WITHIN < best["yours"] / best["chapter"] <= gate * RETIME_WITHIN
 
 
 def time_copy(student, solution, chapter, shape, column="ms", pass_name="forward", checked=True, gate=None):
     """{ratio, line, failed}: the copy's time (the row's `column`, of that pass) beside the chapter's,
-    the two run alternately TIME_ROUNDS times (more, up to MAX_TIME_ROUNDS, while the ratio misses
-    `gate` by a little: close_miss), the best median of each counting; ratio None when either could
+    the two run alternately TIME_ROUNDS times (more, up to MAX_TIME_ROUNDS, while the ratio is close
+    to `gate` on either side: close_call), the best median of each counting; ratio None when either could
     not be timed (failed: 'yours', 'chapter' or 'column'). solution None: the copy alone. checked
     False: the runs skip the reference check (--no-check), so no float64 reference of a large shape
     is made (the tests' timings of the chapter's own stubs, checked elsewhere)."""
@@ -376,7 +378,7 @@ def time_copy(student, solution, chapter, shape, column="ms", pass_name="forward
     runs = [("yours", student)] if solution is None else [("chapter", solution), ("yours", student)]
     args, ran = case_args(shape + (pass_name,)) + ([] if checked else ["--no-check"]), "PASS" if checked else "unchecked"
     rounds = 0
-    while rounds < TIME_ROUNDS or close_miss(best, gate, rounds):
+    while rounds < TIME_ROUNDS or close_call(best, gate, rounds):
         rounds += 1
         for who, binary in runs:
             status, row, note = run_case(binary, chapter, args)

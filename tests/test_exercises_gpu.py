@@ -27,8 +27,8 @@ The timed tests share the xdist group "exercise_timing": they run one after the 
 worker, each build made before its timing starts, the runs unchecked (--no-check: no float64 reference
 of a large shape to make; each stub's correctness is stub_correct's). Tests of other
 modules may use the GPU meanwhile; the gates they check are ratios of the copy and the chapter
-timed alternately in the same run (TIME_ROUNDS rounds, the best median of each), and a ratio that
-misses its gate by a little is timed again (up to MAX_TIME_ROUNDS), since a load slows whichever run
+timed alternately in the same run (TIME_ROUNDS rounds, the best median of each), and a ratio close
+to its gate on either side is timed again (up to MAX_TIME_ROUNDS), since a load slows whichever run
 it overlaps: the stubs must miss their gates after those rounds too.
 """
 import shlex
