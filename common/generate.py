@@ -9,11 +9,13 @@ memory-efficient forced. Greedy decoding: each chooses the most likely next byte
   generate.py [--model PT] [--prompt TEXT] [--tokens N] [--chapter 07] [--decode 11] [--page-size P]
               [--build DIR] [--make CMD] [--no-build]
 
-It prints the text each wrote, whether they chose the same tokens (where they do not, the two
-logits each run chose between at the first difference, against the rounding of fp16 at their size),
-and each one's decoding rate in tokens per second (the prompt excluded), timed on a second pass of
-the whole generation, the first pass's rate beside it (a cache length's first call pays for module
-loads and, on some backends, a plan for that shape). Without PyTorch or a CUDA
+It prints the text the chapters wrote and the text SDPA wrote on the backend PyTorch picks, whether
+each SDPA run chose the same tokens as the chapters (where one did not, the two logits each run
+chose between at the first difference, against the rounding of fp16 at their size), and each one's
+decoding rate in tokens per second (the prompt excluded), timed on a second pass of the whole
+generation. The first pass's rate is printed beside it (a cache length's first call pays for module
+loads and, on some backends, a plan for that shape); it depends on the order of the runs, since a
+later one may reuse what an earlier one loaded or planned: only the timed rate compares. Without PyTorch or a CUDA
 GPU it says so in one line and exits 77, as `make train` does.
 """
 import argparse

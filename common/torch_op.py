@@ -9,8 +9,8 @@ torch.export) and an autograd formula whose backward is 09's.
 q, k, v: torch.float16 CUDA tensors [B, H, N, D], contiguous, D = 64 or 128, one shape for all
 three (self-attention). backward="auto" (the default) is the fastest backward this GPU runs:
 the latest chapter with a backward pass whose library is built and runs here, leaving out one
-not yet faster than the chapter before it (NOT_YET_FASTER; auto_backward). The op runs on torch.cuda.current_stream(), takes its workspace from
-PyTorch's allocator and returns O (fp16, [B, H, N, D]); return_lse=True also returns the LSE
+not yet faster than the chapter before it (NOT_YET_FASTER; auto_backward). The op runs on
+torch.cuda.current_stream(), takes its workspace from PyTorch's allocator and returns O (fp16, [B, H, N, D]); return_lse=True also returns the LSE
 (fp32, [B, H, N], natural log), which is not differentiable. A chapter is named as the Makefile
 names it: 7, 07 or 07_async_pipeline; a step of 08 as 08.3 or 08_fp8.step3 (08.5 is 08_fp8).
 deterministic=True runs the backward in its deterministic mode (fa_backward's `deterministic`): dQ,
