@@ -935,3 +935,12 @@ def test_student_copies_of_this_checkout_are_ignored(repo):
     patterns = (repo.root / ".gitignore").read_text().split()
     assert "exercises/" in patterns or "/exercises/" in patterns, (
         "exercises/ (the student copies) should be in .gitignore")
+
+
+def test_docs_state_the_retiming_rule(repo):
+    """docs/README.md's account of make grade's timing states the rounds and band the grader uses."""
+    text = " ".join((repo.root / "docs" / "README.md").read_text().split())
+    words = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+    said = (f"{words[grader.TIME_ROUNDS]} rounds, and up to {words[grader.MAX_TIME_ROUNDS]} where the ratio is "
+            f"within {grader.RETIME_WITHIN:g}x of the gate on either side")
+    assert said in text, f"docs/README.md should say: {said}"
