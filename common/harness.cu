@@ -566,7 +566,7 @@ static DataPaths data_paths(const Options *o) {
 // The gradient reference files the check reads (reference.py backward writes them, the rows last).
 static const char *const GRAD_PARTS[5] = {"dq", "dk", "dv", "dq_rows", "dkv_rows"};
 
-static void run_reference(const char *const *argv);
+static void run_reference(const char *const *args);
 
 // Run common/reference.py to create whatever inputs and reference files are missing (with --backward,
 // its backward command: dO and the gradients besides the forward's files).
@@ -591,10 +591,7 @@ static void prepare_data(const Options *o, const DataPaths *p) {
     }
     if (!missing) return;
 
-    const char *python = getenv("FA_PYTHON");
-    if (!python || !*python) python = FA_PYTHON;
-    char script[4096], b[32], h[32], n[32], d[32], seed[32], scale[64];
-    format_path(script, sizeof script, "%s/common/reference.py", FA_ROOT);
+    char b[32], h[32], n[32], d[32], seed[32], scale[64];
     snprintf(b, sizeof b, "%d", o->shape.batch);
     snprintf(h, sizeof h, "%d", o->shape.heads);
     snprintf(n, sizeof n, "%d", o->shape.seqlen);
@@ -603,8 +600,6 @@ static void prepare_data(const Options *o, const DataPaths *p) {
     snprintf(scale, sizeof scale, "%.9g", o->shape.scale);
     const char *argv[32];
     int argc = 0;
-    argv[argc++] = python;
-    argv[argc++] = script;
     argv[argc++] = o->backward ? "backward" : "prepare";
     argv[argc++] = "--out";
     argv[argc++] = p->ref_dir;
@@ -634,8 +629,18 @@ static void prepare_data(const Options *o, const DataPaths *p) {
     run_reference(argv);
 }
 
-// Run argv (FA_PYTHON, common/reference.py, its command and options) and wait for it to succeed.
-static void run_reference(const char *const *argv) {
+// Run common/reference.py (under FA_PYTHON) with `args`, its command and options, NULL-terminated, and
+// wait for it to succeed.
+static void run_reference(const char *const *args) {
+    const char *argv[64];
+    char script[4096];
+    const char *python = getenv("FA_PYTHON");
+    format_path(script, sizeof script, "%s/common/reference.py", FA_ROOT);
+    int argc = 0;
+    argv[argc++] = python && *python ? python : FA_PYTHON;
+    argv[argc++] = script;
+    while (*args && argc < 63) argv[argc++] = *args++;
+    argv[argc] = NULL;
     pid_t pid;
     int rc = posix_spawnp(&pid, argv[0], NULL, NULL, (char *const *)argv, environ);
     int status = 0;
@@ -862,18 +867,6 @@ static cudaError_t enqueue(const AttnArgs *args, const BackwardArgs *grad, cudaS
     return err;
 }
 
-// Kernels one forward (or backward) launches: capture it into a graph and count its kernel nodes.
-static int kernels_in(cudaGraph_t graph);
-
-static int kernels_per_pass(const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream, Part part) {
-    cudaGraph_t graph;
-    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
-    cudaError_t launch = enqueue(args, grad, stream, part);
-    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    CUDA_CHECK(launch);
-    return kernels_in(graph);
-}
-
 // The kernel launches a captured graph holds (its other nodes, memsets and copies, are not counted); the
 // graph is destroyed.
 static int kernels_in(cudaGraph_t graph) {
@@ -968,6 +961,21 @@ typedef struct {
 static void run_pass_once(const void *what, cudaStream_t stream) {
     const PassRun *r = (const PassRun *)what;
     run_pass(r->args, r->grad, stream, r->part);
+}
+
+// The kernels one run launches: captured into a graph (nothing runs) and counted.
+static int kernels_of(cudaStream_t stream, RunOnce run, const void *what) {
+    cudaGraph_t graph;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+    run(what, stream);
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    return kernels_in(graph);
+}
+
+// Kernels one forward (or backward) launches.
+static int kernels_per_pass(const AttnArgs *args, const BackwardArgs *grad, cudaStream_t stream, Part part) {
+    const PassRun run = {args, grad, part};
+    return kernels_of(stream, run_pass_once, &run);
 }
 
 // The median time of a part (median_time).
@@ -1555,53 +1563,48 @@ static void decode_data_dir(const Options *o, char *dir, size_t len) {
                 o->seed);
 }
 
+// The decoding reference's files (reference.py decode writes them): O and LSE at a scale.
+static const char *const DECODE_REF_PARTS[2] = {"o", "lse"};
+static void decode_ref_file(char *file, size_t len, const char *scale, int part) {
+    snprintf(file, len, "ref_decode_s%s_%s.npy", scale, DECODE_REF_PARTS[part]);
+}
+
+// Whether dir lacks one of the decoding reference's files at this scale.
+static int decode_ref_missing(const char *dir, const char *scale) {
+    char path[4096], file[128];
+    int missing = 0;
+    for (int part = 0; part < 2; part++)
+        decode_ref_file(file, sizeof file, scale, part), join(path, sizeof path, dir, file),
+            missing |= !file_exists(path);
+    return missing;
+}
+
 // Run reference.py decode where its inputs, or (checking) its reference, are missing.
 static void prepare_decode_data(const Options *o, const char *dir, const char *scale) {
     const DecodeShape *d = &o->dshape;
-    char path[4096], o_file[128], lse_file[128];
-    int missing = 0;
+    char path[4096];
+    int missing = o->check && decode_ref_missing(dir, scale);
     for (int i = 0; i < 5; i++) join(path, sizeof path, dir, DECODE_INPUTS[i]), missing |= !file_exists(path);
-    snprintf(o_file, sizeof o_file, "ref_decode_s%s_o.npy", scale);
-    snprintf(lse_file, sizeof lse_file, "ref_decode_s%s_lse.npy", scale);
-    if (o->check) {
-        join(path, sizeof path, dir, o_file), missing |= !file_exists(path);
-        join(path, sizeof path, dir, lse_file), missing |= !file_exists(path);
-    }
     if (!missing) return;
-    const char *python = getenv("FA_PYTHON");
-    char script[4096], num[6][32], seed[32];
+    char num[6][32], seed[32];
     char *lengths = (char *)malloc((size_t)d->batch * 12 + 1);
     if (!lengths) die(EXIT_FAILED, "out of host memory");
     size_t at = 0;
     for (int b = 0; b < d->batch; b++) at += sprintf(lengths + at, b ? ",%d" : "%d", o->lengths[b]);
-    format_path(script, sizeof script, "%s/common/reference.py", FA_ROOT);
     const int values[6] = {d->batch, d->q_heads, d->kv_heads, d->new_tokens, d->headdim, d->page_size};
     for (int i = 0; i < 6; i++) snprintf(num[i], sizeof num[i], "%d", values[i]);
     snprintf(seed, sizeof seed, "%llu", o->seed);
-    const char *argv[] = {python && *python ? python : FA_PYTHON,
-                          script,
-                          "decode",
-                          "--out",
-                          dir,
-                          "--batch",
-                          num[0],
-                          "--heads",
-                          num[1],
-                          "--kv-heads",
-                          num[2],
-                          "--new",
-                          num[3],
-                          "--headdim",
-                          num[4],
-                          "--page-size",
-                          num[5],
-                          "--lengths",
-                          lengths,
-                          "--seed",
-                          seed,
-                          "--scale",
-                          scale,
-                          o->check ? NULL : "--no-ref",
+    const char *argv[] = {"decode", "--out",
+                          dir,      "--batch",
+                          num[0],   "--heads",
+                          num[1],   "--kv-heads",
+                          num[2],   "--new",
+                          num[3],   "--headdim",
+                          num[4],   "--page-size",
+                          num[5],   "--lengths",
+                          lengths,  "--seed",
+                          seed,     "--scale",
+                          scale,    o->check ? NULL : "--no-ref",
                           NULL};
     run_reference(argv);
     free(lengths);
@@ -1617,26 +1620,8 @@ static void decode_input_ref_dir(const Options *o, char *dir, size_t len) {
 
 // Run reference.py decode --input where the reference of an --input folder is missing from its cache (dir).
 static void prepare_decode_reference(const Options *o, const char *dir, const char *scale) {
-    char path[4096], file[128], script[4096];
-    int missing = 0;
-    const char *parts[2] = {"o", "lse"};
-    for (int i = 0; i < 2; i++) {
-        snprintf(file, sizeof file, "ref_decode_s%s_%s.npy", scale, parts[i]);
-        join(path, sizeof path, dir, file), missing |= !file_exists(path);
-    }
-    if (!missing) return;
-    const char *python = getenv("FA_PYTHON");
-    format_path(script, sizeof script, "%s/common/reference.py", FA_ROOT);
-    const char *argv[] = {python && *python ? python : FA_PYTHON,
-                          script,
-                          "decode",
-                          "--input",
-                          o->input_dir,
-                          "--out",
-                          dir,
-                          "--scale",
-                          scale,
-                          NULL};
+    if (!decode_ref_missing(dir, scale)) return;
+    const char *argv[] = {"decode", "--input", o->input_dir, "--out", dir, "--scale", scale, NULL};
     run_reference(argv);
 }
 
@@ -1674,8 +1659,8 @@ static CheckResult check_decode_outputs(const DecodeShape *d, const char *dir, c
     CheckResult r;
     memset(&r, 0, sizeof r);
     char o_file[128], lse_file[128];
-    snprintf(o_file, sizeof o_file, "ref_decode_s%s_o.npy", scale);
-    snprintf(lse_file, sizeof lse_file, "ref_decode_s%s_lse.npy", scale);
+    decode_ref_file(o_file, sizeof o_file, scale, 0);
+    decode_ref_file(lse_file, sizeof lse_file, scale, 1);
     const long long o_shape[4] = {d->batch, d->q_heads, d->new_tokens, d->headdim};
     const long long lse_shape[3] = {d->batch, d->q_heads, d->new_tokens};
     double *want = (double *)load_array(dir, o_file, NPY_F64, 4, o_shape, NULL);
@@ -1729,12 +1714,12 @@ static double measured_copy_tbps(const char *gpu, char *path, size_t len) {
     return tbps;
 }
 
-// The decoding step of the chapter: checked, timed, reported; its exit code.
-// One decoding step (median_time's RunOnce).
+// One decoding step (median_time's and kernels_of's RunOnce).
 static void run_decode_once(const void *what, cudaStream_t stream) {
     check_launch(chapter.decode->decode((const DecodeArgs *)what, stream), "decoding pass");
 }
 
+// The decoding step of the chapter: checked, timed, reported; its exit code.
 static int run_decode(const Options *o) {
     const DecodeShape *d = &o->dshape;
     const int max_length = decode_max_length(o);
@@ -1807,13 +1792,7 @@ static int run_decode(const Options *o) {
         check = check_decode_outputs(d, dir, scale, host_o, host_lse);
         free(host_o), free(host_lse);
     }
-    // Its kernels, counted in a captured graph (nothing runs), then the timed runs.
-    cudaGraph_t graph;
-    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
-    cudaError_t launched = chapter.decode->decode(&args, stream);
-    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    CUDA_CHECK(launched);
-    const int kernels = kernels_in(graph);
+    const int kernels = kernels_of(stream, run_decode_once, &args);
     const float median = median_time(o, stream, run_decode_once, &args);
     const double gbps = kv_bytes / (median * 1e-3) / 1e9;
     const char *status = !o->check ? "unchecked" : check.passed ? "PASS" : "FAIL";

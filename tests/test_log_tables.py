@@ -4,6 +4,8 @@ a measurement by hand is checked here, so that prose and log cannot drift apart.
 import csv
 import statistics
 
+import pytest
+
 
 README_09 = "09_backward/README.md"
 LOGS_09 = "docs/results/logs/09"
@@ -166,72 +168,56 @@ def first_run_10(repo, log):
     return times
 
 
-def test_10s_first_run_is_its_log(repo):
-    """10's README, 10.1's "Measured": 10.1 beside 09 in both modes, as its first run's log has them."""
-    log = first_run_10(repo, "first_run_h100.log")
-    table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| D | mask | 09 | 10.1 | 10.1 / 09 |")
-    assert len(table) * 4 == len(log), f"{len(table)} rows in the table, {len(log)} timings in the log"
-    for d, mask, *cells in table:
-        ms = {(b, det): log[(b, det, int(d), mask == "causal")]
-              for b in ("09_backward", "10_backward_hopper") for det in (False, True)}
-        want = [f"{ms[('09_backward', False)]:.2f}", f"{ms[('10_backward_hopper', False)]:.2f}",
-                f"{ms[('10_backward_hopper', False)] / ms[('09_backward', False)]:.2f}x",
-                f"{ms[('09_backward', True)]:.2f}", f"{ms[('10_backward_hopper', True)]:.2f}"]
-        assert cells == want, f"D={d} {mask}: the table has {cells}, the log {want}"
+# 10's README tables, each its first run's log: (log, the table's header, the builds of its columns; the
+# ratio is the last build's time over 09's).
+TABLES_10 = [("first_run_h100.log", "| D | mask | 09 | 10.1 | 10.1 / 09 |", ("09_backward", "10_backward_hopper")),
+             ("first_run_10_2_h100.log", "| D | mask | 09 | 10.1 | 10.2 |",
+              ("09_backward", "10_backward_hopper.step1", "10_backward_hopper"))]
 
 
-def test_10_2s_first_run_is_its_log(repo):
-    """10's README, 10.2's "Measured": 09, 10.1 and 10.2 in both modes, one call, as its log has them."""
-    log = first_run_10(repo, "first_run_10_2_h100.log")
-    table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| D | mask | 09 | 10.1 | 10.2 |")
-    builds = ("09_backward", "10_backward_hopper.step1", "10_backward_hopper")
-    assert len(table) * 6 == len(log), f"{len(table)} rows in the table, {len(log)} timings in the log"
+@pytest.mark.parametrize("log, header, builds", TABLES_10, ids=[t[0] for t in TABLES_10])
+def test_10s_tables_are_their_logs(repo, log, header, builds):
+    """A table of 10's README: each build in both modes, and the last's time over 09's, one call, as its log
+    has them."""
+    times = first_run_10(repo, log)
+    table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), header)
+    assert table and len(table) * 2 * len(builds) == len(times), (
+        f"{len(table)} rows in the table, {len(times)} timings in the log")
     for d, mask, *cells in table:
-        ms = {(b, det): log[(b, det, int(d), mask == "causal")] for b in builds for det in (False, True)}
+        ms = {(b, det): times[(b, det, int(d), mask == "causal")] for b in builds for det in (False, True)}
         want = [f"{ms[(b, False)]:.2f}" for b in builds] + [
-            f"{ms[('10_backward_hopper', False)] / ms[('09_backward', False)]:.2f}x"] + [
-            f"{ms[(b, True)]:.2f}" for b in builds]
+            f"{ms[(builds[-1], False)] / ms[('09_backward', False)]:.2f}x"] + [f"{ms[(b, True)]:.2f}" for b in builds]
         assert cells == want, f"D={d} {mask}: the table has {cells}, the log {want}"
 
 
-def test_11s_first_run_is_its_log(repo):
-    """11's README, "Measured": 11.1, 11.2 and SDPA's flash and cuDNN backends at each shape, one call,
-    as its first run's log has them."""
-    timed = {}
-    for line in (repo.root / "docs/results/logs/11/first_run_h100.log").read_text().splitlines():
-        words = line.split()
-        if len(words) == 5 and words[0] in ("build/11_decode.step1", "build/11_decode", "sdpa_flash", "sdpa_cudnn"):
-            ms, gbps = map(float, words[4].split(","))
-            timed[(words[0], int(words[1][1:]), int(words[2][3:]), int(words[3][1:]))] = (ms, gbps)
-    table = markdown_rows((repo.root / "11_decode/README.md").read_text(), "| B | KV heads | cache | 11.1 |")
-    assert len(table) * 4 == len(timed), f"{len(table)} rows in the table, {len(timed)} timings in the log"
-    for b, kv, cache, *cells in table:
-        got = {who: timed[(who, int(b), int(kv), int(cache))] for who in
-               ("build/11_decode.step1", "build/11_decode", "sdpa_flash", "sdpa_cudnn")}
-        want = [f"{got['build/11_decode.step1'][0]:.3f}", f"{got['build/11_decode'][0]:.3f}",
-                f"{got['build/11_decode'][1]:.0f}", f"{got['sdpa_flash'][0]:.3f}", f"{got['sdpa_cudnn'][0]:.3f}",
-                f"{got['build/11_decode'][0] / got['sdpa_cudnn'][0]:.2f}x"]
-        assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
+# 11's README tables, each its first run's log: (log, the table's header, the step beside the chapter).
+TABLES_11 = [("first_run_h100.log", "| B | KV heads | cache | 11.1 |", "build/11_decode.step1"),
+             ("first_run_11_3_h100.log", "| B | KV heads | cache | 11.2 | 11.3 |", "build/11_decode.step2")]
 
 
-def test_11_3s_first_run_is_its_log(repo):
-    """11's README, 11.3's table: 11.2, 11.3 and SDPA's flash and cuDNN backends at each shape, one
-    call, as 11.3's first run's log has them."""
+@pytest.mark.parametrize("log, header, step", TABLES_11, ids=[t[0] for t in TABLES_11])
+def test_11s_tables_are_their_logs(repo, log, header, step):
+    """A table of 11's README: the step before, the chapter (ms and GB/s), SDPA's flash and cuDNN backends at
+    each shape, and the chapter's time over cuDNN's, one call, as its log has them."""
+    builds = (step, "build/11_decode", "sdpa_flash", "sdpa_cudnn")
     timed = {}
-    for line in (repo.root / "docs/results/logs/11/first_run_11_3_h100.log").read_text().splitlines():
+    for line in (repo.root / "docs/results/logs/11" / log).read_text().splitlines():
         words = line.split()
-        if len(words) == 5 and words[0] in ("build/11_decode.step2", "build/11_decode", "sdpa_flash", "sdpa_cudnn"):
+        if len(words) == 5 and words[0] in builds:
             ms, gbps = map(float, words[4].split(","))
             timed[(words[0], int(words[1][1:]), int(words[2][3:]), int(words[3][1:]))] = (ms, gbps)
-    table = markdown_rows((repo.root / "11_decode/README.md").read_text(), "| B | KV heads | cache | 11.2 | 11.3 |")
+    table = markdown_rows((repo.root / "11_decode/README.md").read_text(), header)
     assert table and len(table) * 4 == len(timed), f"{len(table)} rows in the table, {len(timed)} timings in the log"
     for b, kv, cache, *cells in table:
-        got = {who: timed[(who, int(b), int(kv), int(cache))] for who in
-               ("build/11_decode.step2", "build/11_decode", "sdpa_flash", "sdpa_cudnn")}
-        want = [f"{got['build/11_decode.step2'][0]:.3f}", f"{got['build/11_decode'][0]:.3f}",
-                f"{got['build/11_decode'][1]:.0f}", f"{got['sdpa_flash'][0]:.3f}", f"{got['sdpa_cudnn'][0]:.3f}",
+        got = {who: timed[(who, int(b), int(kv), int(cache))] for who in builds}
+        want = [f"{got[step][0]:.3f}", f"{got['build/11_decode'][0]:.3f}", f"{got['build/11_decode'][1]:.0f}",
+                f"{got['sdpa_flash'][0]:.3f}", f"{got['sdpa_cudnn'][0]:.3f}",
                 f"{got['build/11_decode'][0] / got['sdpa_cudnn'][0]:.2f}x"]
         assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
+
+
+def test_11_3s_checks_passed_in_its_log(repo):
+    """11.3's first run: its 12 checks, each PASS, as the README's status says."""
     checks = [line.split(",") for line in (repo.root / "docs/results/logs/11/first_run_11_3_h100.log").read_text()
               .splitlines() if line.startswith("11_decode,")]
     assert len(checks) == 12 and all(row[11] == "PASS" for row in checks), f"11.3's checks in its log: {checks}"
