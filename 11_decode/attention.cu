@@ -1,8 +1,9 @@
-// 11.3, step 3 of 11_decode: deeper loads. A thread loads the K and V rows of KEYS_IN_FLIGHT keys
-// before it uses the first, so that more bytes are in flight to cover the memory's latency.
-// Otherwise 11.2 (grouped-query attention packed over a paged KV cache: split, then merge).
+// 11.4, step 4 of 11_decode: the split chosen from the GPU and the shape. A block reads a split of
+// KEYS_PER_STEP x k keys, k the largest power of two that still leaves MIN_WAVES waves of blocks on
+// this GPU, where 11.3 read 256 whatever the batch: fewer blocks, each a longer stream of loads, and
+// fewer partials for the merge. Otherwise 11.3.
 //
-// Two kernels: (1) one block per (split of KEYS_PER_SPLIT keys, KV head, sequence): the g x Nq query
+// Two kernels: (1) one block per (split of keys_per_split keys, KV head, sequence): the g x Nq query
 // rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each read the K and V
 // rows of KEYS_IN_FLIGHT keys, 16 bytes a thread a row, through the block table, then use them one
 // after another; each group keeps an online softmax per row over the keys it reads, and the block
@@ -15,7 +16,8 @@
 
 // --- Configuration -------------------------------------------------------------------------
 #define DECODE_THREADS 128
-#define KEYS_PER_SPLIT 256  // keys a block reads: a sequence of L tokens takes ceil(L / 256) blocks per head
+#define KEYS_PER_STEP 256   // a split is a multiple of this many keys (11.3's split)
+#define MIN_WAVES 2         // the splits leave at least this many waves of resident blocks, where they can
 #define QUERY_CHUNK 4       // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
 #define DIMS_PER_THREAD 8   // 16 bytes of a K or V row: one uint4 load
 #define KEYS_IN_FLIGHT 4    // keys a group loads before it uses the first: 4 x 32 bytes of K and V a thread
@@ -53,13 +55,14 @@ __device__ void unpack8(const uint4 raw, float (&x)[DIMS_PER_THREAD]) {
 
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(DECODE_THREADS)
-    split_kernel(DecodeArgs args, float *part_o, float *part_max, float *part_sum, int splits, float scale_log2) {
+    split_kernel(DecodeArgs args, float *part_o, float *part_max, float *part_sum, int splits, int keys_per_split,
+                 float scale_log2) {
     typedef DecodeConfig<HEAD_DIM> Cfg;
     extern __shared__ float states[];  // [group][row of the chunk][HEAD_DIM O, max, sum]
     const DecodeShape &s = args.shape;
     const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
     const int group_size = s.q_heads / s.kv_heads, rows = group_size * s.new_tokens, length = args.lengths[seq];
-    const int key0 = split * KEYS_PER_SPLIT, key_end = min(length, key0 + KEYS_PER_SPLIT);
+    const int key0 = split * keys_per_split, key_end = min(length, key0 + keys_per_split);
     if (key0 >= length) return;  // past this sequence's cache: the merge reads only its own splits
     const int group = threadIdx.x / Cfg::LANES_PER_KEY, lane = threadIdx.x % Cfg::LANES_PER_KEY;
     const int dim0 = lane * DIMS_PER_THREAD;
@@ -160,10 +163,11 @@ __global__ void __launch_bounds__(DECODE_THREADS)
 // rescaled to their common max and summed (03's algebra), then O = sum / total and LSE.
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(HEAD_DIM)
-    merge_kernel(DecodeArgs args, const float *part_o, const float *part_max, const float *part_sum, int splits) {
+    merge_kernel(DecodeArgs args, const float *part_o, const float *part_max, const float *part_sum, int splits,
+                 int keys_per_split) {
     const DecodeShape &s = args.shape;
     const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x, batch_head = seq * s.q_heads + head;
-    const int used = (args.lengths[seq] + KEYS_PER_SPLIT - 1) / KEYS_PER_SPLIT;  // this sequence's splits
+    const int used = ceil_div(args.lengths[seq], keys_per_split);  // this sequence's splits
     for (int query = 0; query < s.new_tokens; query++) {
         float merged_max = -INFINITY;
         for (int split = 0; split < used; split++)
@@ -182,26 +186,44 @@ __global__ void __launch_bounds__(HEAD_DIM)
 }
 
 // --- Launcher ----------------------------------------------------------------------------------
-static int splits_of(int max_length) { return (max_length + KEYS_PER_SPLIT - 1) / KEYS_PER_SPLIT; }
-
-// The partials: O (HEAD_DIM floats), max and sum for each (sequence, head, query, split).
+// The partials: O (HEAD_DIM floats), max and sum for each (sequence, head, query, split), sized for
+// the most splits a run can take (KEYS_PER_STEP keys each), whatever the rule below chooses.
 static size_t decode_workspace_bytes(const DecodeShape *shape, int max_length) {
-    const size_t partials = (size_t)shape->batch * shape->q_heads * shape->new_tokens * splits_of(max_length);
+    const size_t partials = (size_t)shape->batch * shape->q_heads * shape->new_tokens * ceil_div(max_length, KEYS_PER_STEP);
     return partials * (shape->headdim + 2) * sizeof(float);
+}
+
+// Keys per split: KEYS_PER_STEP x k, k the largest power of two for which the blocks (splits x KV
+// heads x sequences) still fill MIN_WAVES waves of the blocks this GPU holds at once; k = 1 where even
+// that does not (a short cache, a small batch: 11.3's split).
+template <int HEAD_DIM>
+static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_per_split) {
+    int device = 0, sms = 0, per_sm = 0;
+    RETURN_IF_ERROR(cudaGetDevice(&device));
+    RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_kernel<HEAD_DIM>, DECODE_THREADS,
+                                                                  DecodeConfig<HEAD_DIM>::SMEM_BYTES));
+    const long long wanted = (long long)MIN_WAVES * sms * per_sm, heads = (long long)s->batch * s->kv_heads;
+    *keys_per_split = KEYS_PER_STEP;
+    while (*keys_per_split < max_length && heads * ceil_div(max_length, 2 * *keys_per_split) >= wanted)
+        *keys_per_split *= 2;
+    return cudaSuccess;
 }
 
 template <int HEAD_DIM>
 static cudaError_t launch_decode(const DecodeArgs *args, cudaStream_t stream) {
     typedef DecodeConfig<HEAD_DIM> Cfg;
     const DecodeShape *s = &args->shape;
-    const int splits = splits_of(args->max_length);
+    int keys_per_split = KEYS_PER_STEP;
+    RETURN_IF_ERROR(plan_splits<HEAD_DIM>(s, args->max_length, &keys_per_split));
+    const int splits = ceil_div(args->max_length, keys_per_split);
     const size_t partials = (size_t)s->batch * s->q_heads * s->new_tokens * splits;
     float *part_o = (float *)args->workspace, *part_max = part_o + partials * HEAD_DIM, *part_sum = part_max + partials;
     split_kernel<HEAD_DIM><<<dim3(splits, s->kv_heads, s->batch), DECODE_THREADS, Cfg::SMEM_BYTES, stream>>>(
-        *args, part_o, part_max, part_sum, splits, s->scale * LOG2E);
+        *args, part_o, part_max, part_sum, splits, keys_per_split, s->scale * LOG2E);
     RETURN_IF_ERROR(cudaGetLastError());
-    merge_kernel<HEAD_DIM>
-        <<<dim3(s->q_heads, s->batch), HEAD_DIM, 0, stream>>>(*args, part_o, part_max, part_sum, splits);
+    merge_kernel<HEAD_DIM><<<dim3(s->q_heads, s->batch), HEAD_DIM, 0, stream>>>(*args, part_o, part_max, part_sum,
+                                                                                  splits, keys_per_split);
     return cudaGetLastError();
 }
 
