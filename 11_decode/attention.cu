@@ -16,11 +16,11 @@
 
 // --- Configuration -------------------------------------------------------------------------
 #define DECODE_THREADS 128
-#define KEYS_PER_STEP 256   // a split is a multiple of this many keys (11.3's split)
-#define MIN_WAVES 2         // the splits leave at least this many waves of resident blocks, where they can
-#define QUERY_CHUNK 4       // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
-#define DIMS_PER_THREAD 8   // 16 bytes of a K or V row: one uint4 load
-#define KEYS_IN_FLIGHT 4    // keys a group loads before it uses the first: 4 x 32 bytes of K and V a thread
+#define KEYS_PER_STEP 256  // a split is a multiple of this many keys (11.3's split)
+#define MIN_WAVES 2        // the splits leave at least this many waves of resident blocks, where they can
+#define QUERY_CHUNK 4      // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
+#define DIMS_PER_THREAD 8  // 16 bytes of a K or V row: one uint4 load
+#define KEYS_IN_FLIGHT 4   // keys a group loads before it uses the first: 4 x 32 bytes of K and V a thread
 
 template <int HEAD_DIM>
 struct DecodeConfig {
@@ -162,9 +162,8 @@ __global__ void __launch_bounds__(DECODE_THREADS)
 // One block per (query head, sequence), a thread per dim: for each query, the splits' partials
 // rescaled to their common max and summed (03's algebra), then O = sum / total and LSE.
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(HEAD_DIM)
-    merge_kernel(DecodeArgs args, const float *part_o, const float *part_max, const float *part_sum, int splits,
-                 int keys_per_split) {
+__global__ void __launch_bounds__(HEAD_DIM) merge_kernel(DecodeArgs args, const float *part_o, const float *part_max,
+                                                         const float *part_sum, int splits, int keys_per_split) {
     const DecodeShape &s = args.shape;
     const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x, batch_head = seq * s.q_heads + head;
     const int used = ceil_div(args.lengths[seq], keys_per_split);  // this sequence's splits
@@ -189,22 +188,26 @@ __global__ void __launch_bounds__(HEAD_DIM)
 // The partials: O (HEAD_DIM floats), max and sum for each (sequence, head, query, split), sized for
 // the most splits a run can take (KEYS_PER_STEP keys each), whatever the rule below chooses.
 static size_t decode_workspace_bytes(const DecodeShape *shape, int max_length) {
-    const size_t partials = (size_t)shape->batch * shape->q_heads * shape->new_tokens * ceil_div(max_length, KEYS_PER_STEP);
+    const size_t partials =
+        (size_t)shape->batch * shape->q_heads * shape->new_tokens * ceil_div(max_length, KEYS_PER_STEP);
     return partials * (shape->headdim + 2) * sizeof(float);
 }
 
 // Keys per split: KEYS_PER_STEP x k, k the largest power of two for which the blocks (splits x KV
-// heads x sequences) still fill MIN_WAVES waves of the blocks this GPU holds at once; k = 1 where even
-// that does not (a short cache, a small batch: 11.3's split).
+// heads x sequences, every sequence counted as the longest) still fill MIN_WAVES waves of the blocks
+// this GPU holds at once; k = 1 where even that does not (a short cache, a small batch: 11.3's
+// split), and where a block passes over its keys more than once (g x Nq rows over QUERY_CHUNK), so
+// that the later passes find the split's keys still in L2.
 template <int HEAD_DIM>
 static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_per_split) {
+    *keys_per_split = KEYS_PER_STEP;
+    if (s->q_heads / s->kv_heads * s->new_tokens > QUERY_CHUNK) return cudaSuccess;
     int device = 0, sms = 0, per_sm = 0;
     RETURN_IF_ERROR(cudaGetDevice(&device));
     RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_kernel<HEAD_DIM>, DECODE_THREADS,
                                                                   DecodeConfig<HEAD_DIM>::SMEM_BYTES));
     const long long wanted = (long long)MIN_WAVES * sms * per_sm, heads = (long long)s->batch * s->kv_heads;
-    *keys_per_split = KEYS_PER_STEP;
     while (*keys_per_split < max_length && heads * ceil_div(max_length, 2 * *keys_per_split) >= wanted)
         *keys_per_split *= 2;
     return cudaSuccess;
@@ -223,7 +226,7 @@ static cudaError_t launch_decode(const DecodeArgs *args, cudaStream_t stream) {
         *args, part_o, part_max, part_sum, splits, keys_per_split, s->scale * LOG2E);
     RETURN_IF_ERROR(cudaGetLastError());
     merge_kernel<HEAD_DIM><<<dim3(s->q_heads, s->batch), HEAD_DIM, 0, stream>>>(*args, part_o, part_max, part_sum,
-                                                                                  splits, keys_per_split);
+                                                                                splits, keys_per_split);
     return cudaGetLastError();
 }
 

@@ -4,7 +4,8 @@ pages in a random order of the pool).
 
   matrix   D {64, 128} x (group size g = Hq / Hkv, page size P, new tokens Nq, cache lengths): g 1, 4
            and 8; P 1, 16 and 256; Nq 1 and 4; ragged lengths (one sequence as short as its new tokens,
-           one a page and a token, one past a split of 256 keys): exit 0, PASS under the fp16 rule, the
+           one a page and a token, one past a split of 256 keys), and 48 sequences of ragged lengths whose
+           splits grow past 256 keys (11.4's rule): exit 0, PASS under the fp16 rule, the
            row's shape as given, two kernels (the split and the merge), the workspace the chapter says
 """
 import csv
@@ -26,6 +27,8 @@ CASES = [
     (3, 16, 4, 4, 1, "4,257,1000"),      # g = 4, pages of one token, four new ones seeing each other
     (2, 32, 4, 1, 256, "513,4096"),      # g = 8, whole splits and a ragged one
     (2, 8, 1, 4, 16, "600,33"),          # g = 8 over one KV head
+    # B x Hkv = 384 blocks a split: 11.4's splits grow past 256 keys (1,024 on an H100); ragged lengths
+    (48, 32, 8, 1, 16, ",".join(str(4096 - 85 * i) for i in range(48))),
 ]
 
 
@@ -42,7 +45,8 @@ def run_decode(repo, impl, build, b, hq, hkv, new, page, lengths, d):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("b, hq, hkv, new, page, lengths", CASES,
-                         ids=[f"B={c[0]} Hq={c[1]} Hkv={c[2]} Nq={c[3]} P={c[4]} L={c[5]}" for c in CASES])
+                         ids=[f"B={c[0]} Hq={c[1]} Hkv={c[2]} Nq={c[3]} P={c[4]} L={c[5] if len(c[5]) < 24 else c[5][:9] + '...'}"
+                              for c in CASES])
 @pytest.mark.parametrize("impl, build", DECODE_BUILDS, ids=[impl for impl, _ in DECODE_BUILDS])
 def test_decode_matrix(repo, impl, build, b, hq, hkv, new, page, lengths, d):
     proc, row = run_decode(repo, impl, build, b, hq, hkv, new, page, lengths, d)
