@@ -66,7 +66,7 @@ NVFLAGS := -O3 -std=c++17 -lineinfo -Xcompiler -Wall,-Wextra -Xptxas -v $(EXTRA_
 # Every chapter object is position-independent, so that one compile serves its executable and its
 # library (make lib) alike; only the library's fa_* functions are exported (common/library.map).
 PIC := -Xcompiler -fPIC,-fvisibility=hidden
-HEADERS := common/harness.h common/npy.h common/shape.h common/gpu_files.h
+HEADERS := common/harness.h common/npy.h common/shape.h common/gpu_files.h common/kv_cache_e4m3.h
 # The harness, compiled once per build folder (it has no kernels: it links with any chapter).
 COMMON_OBJ := $(BUILD)/common/harness.o $(BUILD)/common/npy.o
 LIB_OBJ := $(BUILD)/common/library.o

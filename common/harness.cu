@@ -4,6 +4,7 @@
 #define HARNESS_SOURCE  // harness.h: the exercise stub's variable and reader belong to the chapter
 #include "harness.h"
 #include "gpu_files.h"
+#include "kv_cache_e4m3.h"
 #include "npy.h"
 
 #include <errno.h>
@@ -136,8 +137,10 @@ typedef struct {
     int flush_l2;       // --flush-l2: L2 emptied of the inputs before each timed run and part
     const char *input_dir, *output_dir;
     int decode;               // --decode: the decoding problem (DecodeShape) instead
-    const char *decode_flag;  // the first decoding option given (--kv-heads, --new, --cache-len, --page-size)
+    const char *decode_flag;  // the first decoding option given (--kv-heads, --new, --cache-len, --page-size,
+                              // --kv-cache)
     int kv_heads, new_tokens, page_size;  // 0: not given
+    int kv_e4m3;                          // --kv-cache e4m3: the cache as e4m3 codes and a scale per KV head
     const char *cache_len;                // --cache-len: one length, or B of them comma-separated
     DecodeShape dshape;                   // --decode: the shape, checked (check_decode)
     int *lengths;                         // and its sequences' cache lengths [B]
@@ -197,7 +200,14 @@ static void print_help(void) {
         "  --page-size P   tokens per page of the cache, 1 to 256 (default 16); with --decode the\n"
         "                  report gives GB/s of K and V read, and --csv's row is impl,batch,\n"
         "                  q_heads,kv_heads,new,max_length,page_size,headdim,ms,gbps,rel_l2,\n"
-        "                  status,max_abs,lse_err,kernels,workspace_bytes,device_bytes\n"
+        "                  status,max_abs,lse_err,kernels,workspace_bytes,device_bytes,\n"
+        "                  cache_rel_l2 (--kv-cache e4m3's O against the fp16 cache's reference)\n"
+        "  --kv-cache C    with --decode: the cache's K and V as fp16 (default) or e4m3, one byte\n"
+        "                  an element and a scale per KV head (max |x| of the head / 448), quantised\n"
+        "                  from the fp16 cache by the harness (chapters whose decode pass reads it,\n"
+        "                  sm_89 on); checked against the float64 reference of the quantised cache,\n"
+        "                  O's rel L2 against the fp16 cache's reference reported beside; GB/s\n"
+        "                  count one byte an element; --csv's impl: %s.e4m3\n"
         "  --decode --input DIR\n"
         "                  decoding inputs of one's own, the shape and all from DIR (a shape\n"
         "                  option given too must agree): q.npy [B,Hq,Nq,D] and k_pool.npy,\n"
@@ -208,7 +218,7 @@ static void print_help(void) {
         "exit codes: 0 ran (and passed), 1 failed the check or a CUDA error,\n"
         "            2 bad usage or input, 77 skipped (no GPU, or a GPU this chapter cannot use)\n"
         "environment: FA_PYTHON (Python with NumPy), FA_CACHE (input/reference cache folder)\n",
-        chapter.name, chapter.adds, chapter.name);
+        chapter.name, chapter.adds, chapter.name, chapter.name);
 }
 
 // One rule for every number on the command line: decimal digits after an optional '-' (a value out
@@ -253,6 +263,13 @@ static float parse_scale(const char *text) {
     return v;
 }
 
+// --kv-cache: fp16 (0) or e4m3 (1).
+static int parse_kv_cache(const char *text) {
+    if (strcmp(text, "fp16") && strcmp(text, "e4m3"))
+        die(EXIT_USAGE, "--kv-cache expects fp16 or e4m3, got '%s'", shown(text));
+    return !strcmp(text, "e4m3");
+}
+
 static Options parse_args(int argc, char **argv) {
     Options o;
     memset(&o, 0, sizeof o);
@@ -263,12 +280,12 @@ static Options parse_args(int argc, char **argv) {
     o.warmup = 2;
     o.iters = 10;
     o.check = 1;
-    static const char *const with_value[] = {"--batch",    "--heads",  "--seqlen",    "--headdim",  "--scale",
-                                             "--seed",     "--warmup", "--iters",     "--input",    "--output",
-                                             "--kv-heads", "--new",    "--cache-len", "--page-size"};
+    static const char *const with_value[] = {"--batch",    "--heads",  "--seqlen",    "--headdim",   "--scale",
+                                             "--seed",     "--warmup", "--iters",     "--input",     "--output",
+                                             "--kv-heads", "--new",    "--cache-len", "--page-size", "--kv-cache"};
     static const char *const switches[] = {"--causal",        "--no-check", "--csv",      "--dry-run", "--backward",
                                            "--deterministic", "--decode",   "--flush-l2", "--help"};
-    static const char *const decode_flags[] = {"--kv-heads", "--new", "--cache-len", "--page-size"};
+    static const char *const decode_flags[] = {"--kv-heads", "--new", "--cache-len", "--page-size", "--kv-cache"};
     for (int i = 1; i < argc; i++) {
         char flag[64];
         const char *arg = strcmp(argv[i], "-h") == 0 ? "--help" : argv[i], *value = NULL, *eq = strchr(arg, '=');
@@ -316,6 +333,7 @@ static Options parse_args(int argc, char **argv) {
         else if (!strcmp(flag, "--new")) o.new_tokens = (int)parse_int(flag, value, 1, DECODE_MAX_NEW);
         else if (!strcmp(flag, "--page-size")) o.page_size = (int)parse_int(flag, value, 1, DECODE_MAX_PAGE);
         else if (!strcmp(flag, "--cache-len")) o.cache_len = value;
+        else if (!strcmp(flag, "--kv-cache")) o.kv_e4m3 = parse_kv_cache(value);
         else if (!strcmp(flag, "--help")) print_help(), exit(EXIT_PASS);
         for (size_t k = 0; k < sizeof decode_flags / sizeof *decode_flags; k++)  // the first decoding option given
             if (!o.decode_flag && !strcmp(flag, decode_flags[k])) o.decode_flag = decode_flags[k];
@@ -448,6 +466,9 @@ static void check_decode(Options *o) {
     if (!chapter.decode)
         die(EXIT_USAGE,
             "this chapter has no decode pass (--decode): drop it, or run it on a chapter that registers one");
+    if (o->kv_e4m3 && !chapter.decode->e4m3_cache)
+        die(EXIT_USAGE,
+            "this decode pass reads an fp16 cache only (--kv-cache e4m3): drop it, or run 11_decode (11.5 on)");
     if (o->input_dir) read_decode_input(o);
 }
 
@@ -1531,18 +1552,39 @@ static size_t decode_pool_elems(const DecodeShape *d) {
     return (size_t)d->pages * d->kv_heads * d->page_size * d->headdim;
 }
 
-// The bytes a decoding step must read: K and V of every cached token, each KV head's once.
-static double decode_kv_bytes(const DecodeShape *d, const int *lengths) {
+// Bytes of one cached K or V element: 2 (fp16) or 1 (--kv-cache e4m3).
+static size_t decode_elem_bytes(const Options *o) { return o->kv_e4m3 ? 1 : sizeof(__half); }
+
+// The bytes a decoding step must read: K and V of every cached token, each KV head's once, at the
+// cache's element size.
+static double decode_kv_bytes(const Options *o) {
+    const DecodeShape *d = &o->dshape;
     double tokens = 0;
-    for (int b = 0; b < d->batch; b++) tokens += lengths[b];
-    return 2.0 * tokens * d->kv_heads * d->headdim * sizeof(__half);
+    for (int b = 0; b < d->batch; b++) tokens += o->lengths[b];
+    return 2.0 * tokens * d->kv_heads * d->headdim * decode_elem_bytes(o);
 }
 
-// What the harness allocates: Q, the pools, the table and lengths, O and LSE.
-static double decode_device_bytes(const DecodeShape *d) {
-    return (2.0 * decode_q_elems(d) + 2.0 * decode_pool_elems(d)) * sizeof(__half) +
+// What the harness allocates: Q, the pools (and an e4m3 cache's scales), the table and lengths, O and LSE.
+static double decode_device_bytes(const Options *o) {
+    const DecodeShape *d = &o->dshape;
+    return 2.0 * decode_q_elems(d) * sizeof(__half) + 2.0 * decode_pool_elems(d) * decode_elem_bytes(o) +
+           (o->kv_e4m3 ? 2.0 * d->kv_heads * sizeof(float) : 0.0) +
            ((double)d->batch * d->max_pages + d->batch) * sizeof(int) +
            (double)d->batch * d->q_heads * d->new_tokens * sizeof(float);
+}
+
+// A decoding reference file: O or LSE ("o", "lse") of the fp16 cache, or of the e4m3 one
+// (reference.py decode_paths).
+static void decode_ref_file(char *out, size_t len, const char *scale, int e4m3, const char *part) {
+    snprintf(out, len, "ref_decode_s%s%s_%s.npy", scale, e4m3 ? "_e4m3" : "", part);
+}
+
+// The options that ask reference.py decode for the references a run checks against: none unchecked
+// (--no-ref), the e4m3 cache's beside the fp16 one with --kv-cache e4m3. argv ends in three NULLs.
+static void ask_for_references(const Options *o, const char **argv, size_t count) {
+    const size_t end = count - 3;
+    if (!o->check) argv[end] = "--no-ref";
+    else if (o->kv_e4m3) argv[end] = "--kv-cache", argv[end + 1] = "e4m3";
 }
 
 static int decode_max_length(const Options *o) {
@@ -1563,19 +1605,17 @@ static void decode_data_dir(const Options *o, char *dir, size_t len) {
                 o->seed);
 }
 
-// The decoding reference's files (reference.py decode writes them): O and LSE at a scale.
-static const char *const DECODE_REF_PARTS[2] = {"o", "lse"};
-static void decode_ref_file(char *file, size_t len, const char *scale, int part) {
-    snprintf(file, len, "ref_decode_s%s_%s.npy", scale, DECODE_REF_PARTS[part]);
-}
-
-// Whether dir lacks one of the decoding reference's files at this scale.
-static int decode_ref_missing(const char *dir, const char *scale) {
+// Whether dir lacks one of the decoding reference's files at this scale: the fp16 cache's, and with an e4m3
+// cache its own too.
+static int decode_ref_missing(const Options *o, const char *dir, const char *scale) {
     char path[4096], file[128];
+    const char *parts[2] = {"o", "lse"};
     int missing = 0;
-    for (int part = 0; part < 2; part++)
-        decode_ref_file(file, sizeof file, scale, part), join(path, sizeof path, dir, file),
-            missing |= !file_exists(path);
+    for (int e4m3 = 0; e4m3 <= o->kv_e4m3; e4m3++)
+        for (int i = 0; i < 2; i++) {
+            decode_ref_file(file, sizeof file, scale, e4m3, parts[i]);
+            join(path, sizeof path, dir, file), missing |= !file_exists(path);
+        }
     return missing;
 }
 
@@ -1583,7 +1623,7 @@ static int decode_ref_missing(const char *dir, const char *scale) {
 static void prepare_decode_data(const Options *o, const char *dir, const char *scale) {
     const DecodeShape *d = &o->dshape;
     char path[4096];
-    int missing = o->check && decode_ref_missing(dir, scale);
+    int missing = o->check && decode_ref_missing(o, dir, scale);
     for (int i = 0; i < 5; i++) join(path, sizeof path, dir, DECODE_INPUTS[i]), missing |= !file_exists(path);
     if (!missing) return;
     char num[6][32], seed[32];
@@ -1594,18 +1634,10 @@ static void prepare_decode_data(const Options *o, const char *dir, const char *s
     const int values[6] = {d->batch, d->q_heads, d->kv_heads, d->new_tokens, d->headdim, d->page_size};
     for (int i = 0; i < 6; i++) snprintf(num[i], sizeof num[i], "%d", values[i]);
     snprintf(seed, sizeof seed, "%llu", o->seed);
-    const char *argv[] = {"decode", "--out",
-                          dir,      "--batch",
-                          num[0],   "--heads",
-                          num[1],   "--kv-heads",
-                          num[2],   "--new",
-                          num[3],   "--headdim",
-                          num[4],   "--page-size",
-                          num[5],   "--lengths",
-                          lengths,  "--seed",
-                          seed,     "--scale",
-                          scale,    o->check ? NULL : "--no-ref",
-                          NULL};
+    const char *argv[] = {"decode", "--out",  dir,    "--batch",   num[0], "--heads",     num[1], "--kv-heads",
+                          num[2],   "--new",  num[3], "--headdim", num[4], "--page-size", num[5], "--lengths",
+                          lengths,  "--seed", seed,   "--scale",   scale,  NULL,          NULL,   NULL};
+    ask_for_references(o, argv, sizeof argv / sizeof *argv);
     run_reference(argv);
     free(lengths);
 }
@@ -1620,8 +1652,9 @@ static void decode_input_ref_dir(const Options *o, char *dir, size_t len) {
 
 // Run reference.py decode --input where the reference of an --input folder is missing from its cache (dir).
 static void prepare_decode_reference(const Options *o, const char *dir, const char *scale) {
-    if (!decode_ref_missing(dir, scale)) return;
-    const char *argv[] = {"decode", "--input", o->input_dir, "--out", dir, "--scale", scale, NULL};
+    if (!decode_ref_missing(o, dir, scale)) return;
+    const char *argv[] = {"decode", "--input", o->input_dir, "--out", dir, "--scale", scale, NULL, NULL, NULL};
+    ask_for_references(o, argv, sizeof argv / sizeof *argv);
     run_reference(argv);
 }
 
@@ -1652,24 +1685,33 @@ static void load_decode_inputs(const Options *o, const char *dir, DecodeHost *in
     free(lengths64);
 }
 
-// O against the float64 reference (rel L2 over every element, max abs), LSE's max abs error, and
-// what was left unwritten; passed by the chapter's precision rule.
-static CheckResult check_decode_outputs(const DecodeShape *d, const char *dir, const char *scale, const __half *out,
-                                        const float *lse) {
-    CheckResult r;
-    memset(&r, 0, sizeof r);
-    char o_file[128], lse_file[128];
-    decode_ref_file(o_file, sizeof o_file, scale, 0);
-    decode_ref_file(lse_file, sizeof lse_file, scale, 1);
+// Rel L2 of O against a reference file's O (every row), and its max abs error.
+static double decode_o_rel_l2(const DecodeShape *d, const char *dir, const char *o_file, const __half *out,
+                              double *max_abs) {
     const long long o_shape[4] = {d->batch, d->q_heads, d->new_tokens, d->headdim};
-    const long long lse_shape[3] = {d->batch, d->q_heads, d->new_tokens};
     double *want = (double *)load_array(dir, o_file, NPY_F64, 4, o_shape, NULL);
-    double *want_lse = (double *)load_array(dir, lse_file, NPY_F64, 3, lse_shape, NULL);
     // O as a [B, Hq, Nq, D] problem whose every row is checked.
     const AttnShape as_rows = {d->batch, d->q_heads, d->new_tokens, d->headdim, 0, d->scale};
     int64_t rows[DECODE_MAX_NEW];
     for (int i = 0; i < d->new_tokens; i++) rows[i] = i;
-    r.rel_l2 = rel_l2_over_rows(&as_rows, out, want, rows, d->new_tokens, &r.max_abs);
+    const double rel_l2 = rel_l2_over_rows(&as_rows, out, want, rows, d->new_tokens, max_abs);
+    free(want);
+    return rel_l2;
+}
+
+// O against the float64 reference of the cache the chapter read (fp16, or e4m3 with --kv-cache e4m3),
+// rel L2 over every element, max abs, LSE's max abs error, and what was left unwritten; passed by the
+// chapter's precision rule.
+static CheckResult check_decode_outputs(const DecodeShape *d, const char *dir, const char *scale, int e4m3,
+                                        const __half *out, const float *lse) {
+    CheckResult r;
+    memset(&r, 0, sizeof r);
+    char o_file[128], lse_file[128];
+    decode_ref_file(o_file, sizeof o_file, scale, e4m3, "o");
+    decode_ref_file(lse_file, sizeof lse_file, scale, e4m3, "lse");
+    const long long lse_shape[3] = {d->batch, d->q_heads, d->new_tokens};
+    double *want_lse = (double *)load_array(dir, lse_file, NPY_F64, 3, lse_shape, NULL);
+    r.rel_l2 = decode_o_rel_l2(d, dir, o_file, out, &r.max_abs);
     const size_t n_lse = (size_t)d->batch * d->q_heads * d->new_tokens;
     for (size_t i = 0; i < n_lse; i++) {
         const double e = fabs((double)lse[i] - want_lse[i]);
@@ -1682,7 +1724,6 @@ static CheckResult check_decode_outputs(const DecodeShape *d, const char *dir, c
     r.lse_tol = rule->lse_tol;
     r.rows_checked = d->new_tokens;
     r.passed = r.unwritten == 0 && r.rel_l2 <= r.rel_l2_tol && r.lse_err <= r.lse_tol;
-    free(want);
     free(want_lse);
     return r;
 }
@@ -1714,7 +1755,17 @@ static double measured_copy_tbps(const char *gpu, char *path, size_t len) {
     return tbps;
 }
 
-// One decoding step (median_time's and kernels_of's RunOnce).
+// An e4m3 cache's conversions (cvt ... e4m3x2) exist from sm_89: below, the run is skipped with its reason.
+static void require_e4m3_gpu(const cudaDeviceProp *prop) {
+    const int sm = prop->major * 10 + prop->minor;
+    if (sm >= 89) return;
+    printf("%s: skipped: --kv-cache e4m3 needs sm_89 or newer (e4m3 conversions), this GPU (%s) is sm_%d\n",
+           chapter.name, prop->name, sm);
+    exit(EXIT_SKIP);
+}
+
+// The decoding step of the chapter: checked, timed, reported; its exit code.
+// One decoding step (median_time's RunOnce).
 static void run_decode_once(const void *what, cudaStream_t stream) {
     check_launch(chapter.decode->decode((const DecodeArgs *)what, stream), "decoding pass");
 }
@@ -1724,18 +1775,20 @@ static int run_decode(const Options *o) {
     const DecodeShape *d = &o->dshape;
     const int max_length = decode_max_length(o);
     const size_t workspace = chapter.decode->workspace_bytes ? chapter.decode->workspace_bytes(d, max_length) : 0;
-    const double kv_bytes = decode_kv_bytes(d, o->lengths);
+    const double kv_bytes = decode_kv_bytes(o), device_bytes = decode_device_bytes(o);
+    const char *cache = o->kv_e4m3 ? "e4m3" : "fp16";
     char a[32], b[32];
     if (o->dry_run) {
         print_decode_shape(o, max_length);
-        printf("  work      %s of K and V to read\n", human_bytes(kv_bytes, a, sizeof a));
-        printf("  memory    inputs+outputs %s, workspace %s\n", human_bytes(decode_device_bytes(d), a, sizeof a),
+        printf("  work      %s of K and V to read (%s)\n", human_bytes(kv_bytes, a, sizeof a), cache);
+        printf("  memory    inputs+outputs %s, workspace %s\n", human_bytes(device_bytes, a, sizeof a),
                human_bytes((double)workspace, b, sizeof b));
         return EXIT_PASS;
     }
     cudaDeviceProp prop;
     require_gpu(&prop);
-    require_memory(decode_device_bytes(d) + (double)workspace, workspace, "");
+    if (o->kv_e4m3) require_e4m3_gpu(&prop);
+    require_memory(device_bytes + (double)workspace, workspace, "");
     char dir[4096], scale[64];
     snprintf(scale, sizeof scale, "%.9g", d->scale);
     DecodeHost in = o->host;  // --input: read and checked already (check_decode)
@@ -1748,29 +1801,55 @@ static int run_decode(const Options *o) {
         load_decode_inputs(o, dir, &in);
     }
 
-    // Device buffers (the harness owns every allocation).
-    const size_t q_bytes = decode_q_elems(d) * sizeof(__half), pool_bytes = decode_pool_elems(d) * sizeof(__half);
+    // --kv-cache e4m3: the pools quantised on the host, the fp16 ones then dropped.
+    const size_t scale_bytes = d->kv_heads * sizeof(float);
+    __nv_fp8_storage_t *host_pool8[2] = {NULL, NULL};
+    float *host_scales[2] = {NULL, NULL};
+    const __half *host_pool[2] = {in.k_pool, in.v_pool};
+    for (int i = 0; i < 2 && o->kv_e4m3; i++) {
+        host_pool8[i] = (__nv_fp8_storage_t *)malloc(decode_pool_elems(d));
+        host_scales[i] = (float *)malloc(scale_bytes);
+        if (!host_pool8[i] || !host_scales[i]) die(EXIT_FAILED, "out of host memory");
+        quantize_pool_e4m3(host_pool[i], d->pages, d->kv_heads, (size_t)d->page_size * d->headdim, host_pool8[i],
+                           host_scales[i]);
+    }
+
+    // Device buffers (the harness owns every allocation): the pools fp16, or e4m3 and their scales.
+    const size_t q_bytes = decode_q_elems(d) * sizeof(__half), pool_bytes = decode_pool_elems(d) * decode_elem_bytes(o);
     const size_t table_bytes = (size_t)d->batch * d->max_pages * sizeof(int), lengths_bytes = d->batch * sizeof(int);
     const size_t lse_bytes = (size_t)d->batch * d->q_heads * d->new_tokens * sizeof(float);
-    __half *q, *k_pool, *v_pool, *out;
+    __half *q, *out;
+    void *pools[2] = {NULL, NULL};
+    float *scales[2] = {NULL, NULL};
     int *table, *lengths;
     float *lse;
     void *work = NULL;
     CUDA_CHECK(cudaMalloc(&q, q_bytes));
-    CUDA_CHECK(cudaMalloc(&k_pool, pool_bytes));
-    CUDA_CHECK(cudaMalloc(&v_pool, pool_bytes));
+    for (int i = 0; i < 2; i++) {
+        CUDA_CHECK(cudaMalloc(&pools[i], pool_bytes));
+        CUDA_CHECK(cudaMemcpy(pools[i], o->kv_e4m3 ? (const void *)host_pool8[i] : (const void *)host_pool[i],
+                              pool_bytes, cudaMemcpyHostToDevice));
+        if (!o->kv_e4m3) continue;
+        CUDA_CHECK(cudaMalloc(&scales[i], scale_bytes));
+        CUDA_CHECK(cudaMemcpy(scales[i], host_scales[i], scale_bytes, cudaMemcpyHostToDevice));
+        free(host_pool8[i]), free(host_scales[i]);
+    }
     CUDA_CHECK(cudaMalloc(&table, table_bytes));
     CUDA_CHECK(cudaMalloc(&lengths, lengths_bytes));
     CUDA_CHECK(cudaMalloc(&out, q_bytes));
     CUDA_CHECK(cudaMalloc(&lse, lse_bytes));
     if (workspace) CUDA_CHECK(cudaMalloc(&work, workspace));
     CUDA_CHECK(cudaMemcpy(q, in.q, q_bytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(k_pool, in.k_pool, pool_bytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(v_pool, in.v_pool, pool_bytes, cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(table, in.table, table_bytes, cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(lengths, o->lengths, lengths_bytes, cudaMemcpyHostToDevice));
     free(in.q), free(in.k_pool), free(in.v_pool), free(in.table);
-    const DecodeArgs args = {*d, q, k_pool, v_pool, table, lengths, max_length, out, lse, work};
+    DecodeArgs args = {*d,  q,   (const __half *)pools[0], (const __half *)pools[1], table, lengths, max_length, out,
+                       lse, work};
+    if (o->kv_e4m3) {
+        args.k_pool = args.v_pool = NULL;
+        args.k_pool8 = (const __nv_fp8_e4m3 *)pools[0], args.v_pool8 = (const __nv_fp8_e4m3 *)pools[1];
+        args.k_scale = scales[0], args.v_scale = scales[1];
+    }
     cudaStream_t stream;
     CUDA_CHECK(cudaStreamCreate(&stream));
 
@@ -1783,28 +1862,37 @@ static int run_decode(const Options *o) {
     CheckResult check;
     memset(&check, 0, sizeof check);
     check.passed = 1;
+    double cache_rel_l2 = 0.0, cache_max_abs = 0.0;  // --kv-cache e4m3: O against the fp16 cache's reference
     if (o->check) {
         __half *host_o = (__half *)malloc(q_bytes);
         float *host_lse = (float *)malloc(lse_bytes);
         if (!host_o || !host_lse) die(EXIT_FAILED, "out of host memory");
         CUDA_CHECK(cudaMemcpy(host_o, out, q_bytes, cudaMemcpyDeviceToHost));
         CUDA_CHECK(cudaMemcpy(host_lse, lse, lse_bytes, cudaMemcpyDeviceToHost));
-        check = check_decode_outputs(d, dir, scale, host_o, host_lse);
+        check = check_decode_outputs(d, dir, scale, o->kv_e4m3, host_o, host_lse);
+        if (o->kv_e4m3) {
+            char fp16_o[128];
+            decode_ref_file(fp16_o, sizeof fp16_o, scale, 0, "o");
+            cache_rel_l2 = decode_o_rel_l2(d, dir, fp16_o, host_o, &cache_max_abs);
+        }
         free(host_o), free(host_lse);
     }
     const int kernels = kernels_of(stream, run_decode_once, &args);
     const float median = median_time(o, stream, run_decode_once, &args);
     const double gbps = kv_bytes / (median * 1e-3) / 1e9;
     const char *status = !o->check ? "unchecked" : check.passed ? "PASS" : "FAIL";
-    if (o->csv) {
-        printf("%s,%d,%d,%d,%d,%d,%d,%d,%.4f,%.1f,%.4g,%s,%.4g,%.4g,%d,%zu,%.0f\n", chapter.name, d->batch, d->q_heads,
-               d->kv_heads, d->new_tokens, max_length, d->page_size, d->headdim, median, gbps, check.rel_l2, status,
-               check.max_abs, check.lse_err, kernels, workspace, decode_device_bytes(d) + (double)workspace);
+    if (o->csv) {  // the impl names an e4m3 cache (11_decode.e4m3); cache_rel_l2 is its column alone
+        printf("%s%s,%d,%d,%d,%d,%d,%d,%d,%.4f,%.1f,%.4g,%s,%.4g,%.4g,%d,%zu,%.0f,", chapter.name,
+               o->kv_e4m3 ? ".e4m3" : "", d->batch, d->q_heads, d->kv_heads, d->new_tokens, max_length, d->page_size,
+               d->headdim, median, gbps, check.rel_l2, status, check.max_abs, check.lse_err, kernels, workspace,
+               device_bytes + (double)workspace);
+        if (o->kv_e4m3 && o->check) printf("%.4g", cache_rel_l2);
+        printf("\n");
     } else {
         print_decode_shape(o, max_length);
         printf("  gpu       %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
-        printf("  time      %.4f ms (median of %d), %.1f GB/s of K and V (%s), %d kernel%s\n", median, o->iters, gbps,
-               human_bytes(kv_bytes, a, sizeof a), kernels, kernels == 1 ? "" : "s");
+        printf("  time      %.4f ms (median of %d), %.1f GB/s of K and V (%s, %s), %d kernel%s\n", median, o->iters,
+               gbps, human_bytes(kv_bytes, a, sizeof a), cache, kernels, kernels == 1 ? "" : "s");
         char peaks[4096];
         const double copy_tbps = measured_copy_tbps(prop.name, peaks, sizeof peaks);
         if (copy_tbps > 0)
@@ -1815,9 +1903,14 @@ static int run_decode(const Options *o) {
             printf("  check     O rel L2 %.3g (<= %.0e), max abs %.3g; LSE max abs %.3g (<= %.0e)%s: %s\n",
                    check.rel_l2, check.rel_l2_tol, check.max_abs, check.lse_err, check.lse_tol,
                    check.unwritten ? ", elements left unwritten" : "", status);
+        if (o->check && o->kv_e4m3)
+            printf(
+                "  cache     e4m3, a scale per KV head: the check is against the e4m3 cache's reference; against "
+                "the fp16 cache's, O rel L2 %.3g, max abs %.3g (what e4m3 storage costs, not checked)\n",
+                cache_rel_l2, cache_max_abs);
     }
     CUDA_CHECK(cudaStreamDestroy(stream));
-    void *buffers[] = {q, k_pool, v_pool, table, lengths, out, lse, work};
+    void *buffers[] = {q, pools[0], pools[1], scales[0], scales[1], table, lengths, out, lse, work};
     for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) CUDA_CHECK(cudaFree(buffers[i]));
     return check.passed ? EXIT_PASS : EXIT_FAILED;
 }

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stddef.h>
 
@@ -106,6 +107,10 @@ typedef struct {
     __half *o;                      // [B, Hq, Nq, D]
     float *lse;                     // [B, Hq, Nq], natural log
     void *workspace;                // decode->workspace_bytes(shape, max_length) bytes, NULL when 0
+    // --kv-cache e4m3 (a Decode with e4m3_cache): the pools as e4m3 codes, [pages, Hkv, P, D] each, value
+    // = code x the KV head's scale; k_pool and v_pool are then NULL. All four NULL for an fp16 cache.
+    const __nv_fp8_e4m3 *k_pool8 = NULL, *v_pool8 = NULL;
+    const float *k_scale = NULL, *v_scale = NULL;  // [Hkv]
 } DecodeArgs;
 
 struct Decode {
@@ -113,6 +118,9 @@ struct Decode {
     size_t (*workspace_bytes)(const DecodeShape *shape, int max_length);
     // Enqueue one decoding step on `stream` alone; return the first CUDA error met.
     cudaError_t (*decode)(const DecodeArgs *args, cudaStream_t stream);
+    // 1: it reads an e4m3 cache too (DecodeArgs.k_pool8 ...: --kv-cache e4m3, sm_89 on); 0: fp16 only, and
+    // --kv-cache e4m3 is refused.
+    int e4m3_cache = 0;
 };
 
 extern const Chapter chapter;

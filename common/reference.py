@@ -42,11 +42,13 @@ computed in float64 from the very fp16 inputs the chapters get. Only NumPy is us
                       --page-size P --lengths L[,L...] [--seed S] --scale F [--no-ref]
       The decoding problem's inputs, DIR/q.npy, k_pool.npy, v_pool.npy, block_table.npy and
       lengths.npy (make_decode_inputs), then its float64 reference DIR/ref_decode_s<F>_o.npy and
-      _lse.npy (decode_paths), each kept where it exists.
-  reference.py decode --input SRC --out DIR --scale F
-      The reference alone, of the inputs in SRC (those five files, a folder of one's own: the
-      table and lengths int32 or int64), into DIR; a folder that does not fit together is
-      refused (load_decode_inputs).
+      _lse.npy (decode_paths), each kept where it exists. --kv-cache e4m3 also writes the
+      reference of the cache quantised to e4m3 as the harness's --kv-cache e4m3 quantises it
+      (quantize_cache_e4m3: a scale per KV head), DIR/ref_decode_s<F>_e4m3_o.npy and _lse.npy.
+  reference.py decode --input SRC --out DIR --scale F [--kv-cache e4m3]
+      The reference alone (with --kv-cache e4m3, the e4m3 cache's too), of the inputs in SRC
+      (those five files, a folder of one's own: the table and lengths int32 or int64), into DIR;
+      a folder that does not fit together is refused (load_decode_inputs).
 
 Small shapes are checked on every query row. Above FULL_PAIRS (query, key) pairs a
 deterministic sample of rows per (b, h) is used, so an N = 16k reference takes seconds.
@@ -291,9 +293,30 @@ def gather_cache(pool, table, lengths):
     return out
 
 
-def decode_paths(folder, scale_text):
-    """The reference files of decoding at a scale: O and LSE (written in that order)."""
-    return {part: os.path.join(folder, f"ref_decode_s{scale_text}_{part}.npy") for part in ("o", "lse")}
+def decode_paths(folder, scale_text, kv_cache="fp16"):
+    """The reference files of decoding at a scale, of the fp16 cache or of the e4m3 one: O and LSE (written in
+    that order)."""
+    tag = "" if kv_cache == "fp16" else f"_{kv_cache}"
+    return {part: os.path.join(folder, f"ref_decode_s{scale_text}{tag}_{part}.npy") for part in ("o", "lse")}
+
+
+def quantize_cache_e4m3(pool):
+    """An fp16 pool [pages, Hkv, P, D] as the harness's --kv-cache e4m3 quantises it: per KV head h, scale_h =
+    max |x| over h's rows of every page / 448 (1 where they are all zero), then e4m3_round(x / scale_h), both
+    in float32. Returns the e4m3 values (float64, before the scale) and the scales (float32 [Hkv])."""
+    x = np.asarray(pool).astype(np.float32)
+    amax = np.abs(x).max(axis=(0, 2, 3))
+    scales = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
+    return e4m3_round(x / scales[None, :, None, None]), scales
+
+
+def dequantize_cache(pool, kv_cache):
+    """The values a cache of this format holds for an fp16 pool: the pool itself (fp16), or its e4m3 values
+    times their KV head's scale, in float64 (e4m3)."""
+    if kv_cache == "fp16":
+        return pool
+    values, scales = quantize_cache_e4m3(pool)
+    return values * scales.astype(np.float64)[None, :, None, None]
 
 
 def load_decode_inputs(folder):
@@ -330,14 +353,15 @@ def load_decode_inputs(folder):
     return q, k_pool, v_pool, table, lengths
 
 
-def write_decode_reference(folder, out, scale_text, reuse=False):
-    """decode_reference of the decoding folder `folder` (its pages gathered into caches) as O and LSE in `out`
-    (decode_paths); reuse: not where they are there already (out holds that folder's inputs: the generated
-    path's cache)."""
-    paths = decode_paths(out, scale_text)
+def write_decode_reference(folder, out, scale_text, reuse=False, kv_cache="fp16"):
+    """decode_reference of the decoding folder `folder` (its pages, as the cache format kv_cache holds them,
+    gathered into caches) as O and LSE in `out` (decode_paths); reuse: not where they are there already (out
+    holds that folder's inputs: the generated path's cache)."""
+    paths = decode_paths(out, scale_text, kv_cache)
     if reuse and all(os.path.exists(path) for path in paths.values()):
         return
     q, k_pool, v_pool, table, lengths = load_decode_inputs(folder)
+    k_pool, v_pool = dequantize_cache(k_pool, kv_cache), dequantize_cache(v_pool, kv_cache)
     o, lse = decode_reference(q, gather_cache(k_pool, table, lengths), gather_cache(v_pool, table, lengths), lengths,
                               float(scale_text))
     os.makedirs(out, exist_ok=True)
@@ -346,10 +370,12 @@ def write_decode_reference(folder, out, scale_text, reuse=False):
 
 
 def decode(args):
-    """Decoding's inputs in args.out (generated once) and its float64 reference O and LSE; with args.input, the
-    reference alone, of that folder's inputs, in args.out."""
+    """Decoding's inputs in args.out (generated once) and its float64 reference O and LSE (with --kv-cache e4m3,
+    the e4m3 cache's too); with args.input, the reference alone, of that folder's inputs, in args.out."""
+    caches = ("fp16", "e4m3") if args.kv_cache == "e4m3" else ("fp16",)
     if args.input is not None:
-        write_decode_reference(args.input, args.out, args.scale)
+        for kv_cache in caches:
+            write_decode_reference(args.input, args.out, args.scale, kv_cache=kv_cache)
         return
     os.makedirs(args.out, exist_ok=True)
     inputs = {name: os.path.join(args.out, f"{name}.npy") for name in DECODE_INPUTS}
@@ -358,8 +384,8 @@ def decode(args):
                                     args.lengths, args.seed)
         for name, array in zip(DECODE_INPUTS, arrays):
             save_atomic(inputs[name], array)
-    if not args.no_ref:
-        write_decode_reference(args.out, args.out, args.scale, reuse=True)
+    for kv_cache in caches if not args.no_ref else ():
+        write_decode_reference(args.out, args.out, args.scale, reuse=True, kv_cache=kv_cache)
 
 
 # --- the backward pass: gradients of O given dO ----------------------------------------------
@@ -674,6 +700,8 @@ def parse_args(argv):
     dec.add_argument("--seed", type=int, default=0)
     dec.add_argument("--scale", required=True, help="softmax scale, as text (it names the files)")
     dec.add_argument("--no-ref", action="store_true", help="only the inputs")
+    dec.add_argument("--kv-cache", choices=("fp16", "e4m3"), default="fp16",
+                     help="e4m3: also the reference of the cache quantised to e4m3, a scale per KV head")
     floor = sub.choices["floor"]
     floor.add_argument("--input", required=True)
     floor.add_argument("--causal", action="store_true")
@@ -690,6 +718,8 @@ def parse_args(argv):
             parser.error(f"{given[0]} with --input: the folder gives the shape; drop it")
         if args.input is not None and args.no_ref:
             parser.error("--no-ref with --input: the reference is all that --input writes")
+        if args.no_ref and args.kv_cache == "e4m3":
+            parser.error("--kv-cache e4m3 with --no-ref: the e4m3 cache changes only the reference")
         if args.input is not None:
             return args
         if len(given) < len(DECODE_SHAPE_OPTIONS):

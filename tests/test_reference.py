@@ -444,6 +444,10 @@ BAD_ARGS = [
     (["decode", "--out", "OUT", "--input", "MISSING", "--heads", "4", "--scale", "0.1"], "--heads with --input"),
     (["decode", "--out", "OUT", "--input", "MISSING", "--scale", "0.1", "--no-ref"], "--no-ref with --input"),
     (["decode", "--out", "OUT", "--input", "MISSING", "--scale", "0.1"], "MISSING"),
+    (["decode", "--out", "OUT", "--input", "MISSING", "--scale", "0.1", "--kv-cache", "bf16"], "invalid choice"),
+    (["decode", "--out", "OUT", "--batch", "1", "--heads", "1", "--kv-heads", "1", "--new", "1", "--headdim", "64",
+      "--page-size", "16", "--lengths", "4", "--scale", "0.1", "--no-ref", "--kv-cache", "e4m3"],
+     "--kv-cache e4m3 with --no-ref"),
 ]
 
 
@@ -616,3 +620,69 @@ def test_decode_input_refuses_a_folder_that_does_not_fit(tmp_path, capsys, what,
     assert re.search(message, err) and len(err.splitlines()) == 1, (
         f"{what}: expected one line matching {message!r}: {err!r}")
     assert not out.exists(), f"refused, but wrote {sorted(p.name for p in out.iterdir())}"
+
+
+# --- an e4m3 KV cache (--kv-cache e4m3) --------------------------------------------------------
+def test_e4m3_cache_quantisation_is_the_harness_s(repo, tmp_path):
+    """reference.py quantize_cache_e4m3 against the harness's own quantisation (common/kv_cache_e4m3.h, compiled
+    here as a host program, tests/fixtures/kv_cache_e4m3.cu): the same float32 scales and the same e4m3 codes,
+    bit for bit, on a pool with a head of N(0, 1), one spanning 2^-20 to 2^14 (e4m3's subnormals after scaling,
+    ties among them) and one of zeros (scale 1)."""
+    nvcc = cuda_tools.nvcc()
+    if not nvcc:
+        pytest.skip("nvcc not found: no cuda_fp8.h to compare with")
+    exe = tmp_path / "kv_cache_e4m3"
+    proc = repo.run([nvcc, "-o", exe, repo.root / "tests" / "fixtures" / "kv_cache_e4m3.cu"], timeout=300)
+    assert proc.returncode == 0, f"nvcc failed on tests/fixtures/kv_cache_e4m3.cu:\n{proc.stderr}"
+    rng = np.random.default_rng(7)
+    pool = rng.standard_normal((5, 3, 16, 64))
+    pool[:, 1] *= np.exp2(rng.integers(-20, 12, pool[:, 1].shape))
+    pool[:, 1, 0, :8] = [2.0 ** 14, 3 * 2.0 ** -20, 5 * 2.0 ** -20, 2.0 ** -24, -(2.0 ** -24), 0.0, -0.0, -1.0]
+    pool[:, 2] = 0
+    pool = pool.astype(np.float16)
+    pool.tofile(tmp_path / "pool.bin")
+    run = repo.run([exe, tmp_path / "pool.bin", tmp_path / "codes.bin", tmp_path / "scales.bin", "5", "3",
+                    str(16 * 64)], timeout=60)
+    assert run.returncode == 0, f"kv_cache_e4m3 failed: {run.stderr}"
+    codes = np.fromfile(tmp_path / "codes.bin", np.uint8).reshape(pool.shape)
+    scales = np.fromfile(tmp_path / "scales.bin", np.float32)
+    values, want_scales = reference.quantize_cache_e4m3(pool)
+    assert want_scales.dtype == np.float32 and np.array_equal(want_scales.view(np.uint32), scales.view(np.uint32)), (
+        f"scales per KV head: numpy {want_scales.tolist()}, the harness's {scales.tolist()}")
+    assert want_scales[2] == 1, "a KV head of zeros has the scale 1"
+    ours = reference.e4m3_encode(values)
+    wrong = np.argwhere(ours != codes)
+    assert wrong.size == 0, (f"{len(wrong)} of {pool.size} codes differ, e.g. at {tuple(wrong[0])} "
+                             f"({pool[tuple(wrong[0])]!r}): numpy 0x{ours[tuple(wrong[0])]:02x}, "
+                             f"the harness's 0x{codes[tuple(wrong[0])]:02x}")
+    assert (np.abs(values) <= reference.E4M3_MAX).all() and np.abs(values).max(axis=(0, 2, 3))[:2].tolist() == [
+        reference.E4M3_MAX] * 2, "each KV head's largest |x| becomes 448"
+
+
+def test_decode_e4m3_reference_is_the_quantised_cache_s(tmp_path):
+    """reference.py decode --kv-cache e4m3: beside the fp16 cache's reference (the same files as without it),
+    ref_decode_s<F>_e4m3_o.npy and _lse.npy, decode_reference of the pools quantised per KV head and
+    dequantised (e4m3 x scale); it differs from the fp16 one by e4m3's rounding (rel L2 of O about 1e-2); with
+    --input, the same files from a folder of one's own."""
+    folder = tmp_path / "gen"
+    assert reference.main(["decode", "--out", str(folder), *DECODE_SHAPE, "--scale", "0.125", "--kv-cache",
+                           "e4m3"]) == 0
+    q, k_pool, v_pool, table, lengths = (np.load(folder / f"{n}.npy") for n in reference.DECODE_INPUTS)
+    refs = sorted(p.name for p in folder.glob("ref_*"))
+    assert refs == sorted(f"ref_decode_s0.125{tag}_{part}.npy" for tag in ("", "_e4m3") for part in ("lse", "o")), refs
+    caches = []
+    for pool in (k_pool, v_pool):
+        values, scales = reference.quantize_cache_e4m3(pool)
+        caches.append(reference.gather_cache(values * scales.astype(np.float64)[None, :, None, None], table, lengths))
+    want_o, want_lse = reference.decode_reference(q, *caches, lengths, 0.125)
+    got_o = np.load(folder / "ref_decode_s0.125_e4m3_o.npy")
+    got_lse = np.load(folder / "ref_decode_s0.125_e4m3_lse.npy")
+    assert np.array_equal(got_o, want_o) and np.array_equal(got_lse, want_lse), "the e4m3 cache's reference"
+    fp16_o = np.load(folder / "ref_decode_s0.125_o.npy")
+    rel = np.linalg.norm(got_o - fp16_o) / np.linalg.norm(fp16_o)
+    assert 1e-3 < rel < 5e-2, f"O of the e4m3 cache against the fp16 cache's: rel L2 {rel:.3e}"
+    out = tmp_path / "ref"
+    assert reference.main(["decode", "--input", str(folder), "--out", str(out), "--scale", "0.125", "--kv-cache",
+                           "e4m3"]) == 0
+    for name in refs:
+        assert np.array_equal(np.load(out / name), np.load(folder / name)), f"--input: {name} differs"
