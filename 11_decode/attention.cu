@@ -1,14 +1,17 @@
-// 11.4, step 4 of 11_decode: the split chosen from the GPU and the shape. A block reads a split of
-// KEYS_PER_STEP x k keys, k the largest power of two that still leaves MIN_WAVES waves of blocks on
-// this GPU, where 11.3 read 256 whatever the batch: fewer blocks, each a longer stream of loads, and
-// fewer partials for the merge. Otherwise 11.3.
+// 11.5, step 5 of 11_decode: an e4m3 cache as a measured option (--kv-cache e4m3). The split kernel
+// reads the cache's K and V as fp16 or as e4m3 (a template on the element): e4m3 is one byte an
+// element, a thread's 8 dims of a row one 8-byte load where fp16 took 16, so a decoding step reads
+// half the bytes. Each KV head's K and V carry a scale (DecodeArgs.k_scale, v_scale): K's is folded
+// into the pre-scaled queries, V's into the split's partial O when it is written (the merge is linear
+// in O). Otherwise 11.4.
 //
 // Two kernels: (1) one block per (split of keys_per_split keys, KV head, sequence): the g x Nq query
 // rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each read the K and V
-// rows of KEYS_IN_FLIGHT keys, 16 bytes a thread a row, through the block table, then use them one
+// rows of KEYS_IN_FLIGHT keys, 8 elements a thread a row, through the block table, then use them one
 // after another; each group keeps an online softmax per row over the keys it reads, and the block
 // combines its groups' states in shared memory into the split's partial per row; (2) per (query
 // head, sequence), the splits' partials merged into O and LSE.
+#include <cuda_fp8.h>
 #include <stdio.h>
 
 #include "../common/harness.h"
@@ -19,8 +22,8 @@
 #define KEYS_PER_STEP 256  // a split is a multiple of this many keys (11.3's split)
 #define MIN_WAVES 2        // the splits leave at least this many waves of resident blocks, where they can
 #define QUERY_CHUNK 4      // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
-#define DIMS_PER_THREAD 8  // 16 bytes of a K or V row: one uint4 load
-#define KEYS_IN_FLIGHT 4   // keys a group loads before it uses the first: 4 x 32 bytes of K and V a thread
+#define DIMS_PER_THREAD 8  // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
+#define KEYS_IN_FLIGHT 4   // keys a group loads before it uses the first: 4 x 32 (e4m3: 16) bytes of K and V a thread
 
 template <int HEAD_DIM>
 struct DecodeConfig {
@@ -37,9 +40,25 @@ __host__ __device__ inline size_t partial_index(int batch_head, int query, int n
 }
 
 // --- (1) a split of one sequence's keys, for the query heads of one KV head ----------------
+// A cache's element: a thread's DIMS_PER_THREAD elements of a row as one load (16 bytes of fp16, 8 of
+// e4m3), and the scale a KV head's values carry (fp16: none, a constant 1 the compiler folds away).
+template <typename Elem>
+struct CacheLoad;
+template <>
+struct CacheLoad<__half> {
+    typedef uint4 Raw;
+    static __device__ float scale(const float *, int) { return 1.0f; }
+};
+template <>
+struct CacheLoad<__nv_fp8_e4m3> {
+    typedef uint2 Raw;
+    static __device__ float scale(const float *scales, int kv_head) { return scales[kv_head]; }
+};
+
 // The cache row of key t of sequence `seq`, KV head kv_head: its page from the block table.
-__device__ const __half *cache_row(const __half *pool, const int *table, int max_pages, int seq, int t, int kv_heads,
-                                   int kv_head, int page_size, int head_dim) {
+template <typename Elem>
+__device__ const Elem *cache_row(const Elem *pool, const int *table, int max_pages, int seq, int t, int kv_heads,
+                                 int kv_head, int page_size, int head_dim) {
     const int page = table[(size_t)seq * max_pages + t / page_size];
     return pool + (((size_t)page * kv_heads + kv_head) * page_size + t % page_size) * head_dim;
 }
@@ -53,11 +72,23 @@ __device__ void unpack8(const uint4 raw, float (&x)[DIMS_PER_THREAD]) {
     }
 }
 
-template <int HEAD_DIM>
+// The same from e4m3: four pairs, each one e4m3x2 -> f16x2 conversion (an instruction from sm_89; the
+// sm_80 build has cuda_fp8.h's software conversion, never run: the harness skips e4m3 there).
+__device__ void unpack8(const uint2 raw, float (&x)[DIMS_PER_THREAD]) {
+    const __nv_fp8x2_storage_t *pairs = (const __nv_fp8x2_storage_t *)&raw;
+#pragma unroll
+    for (int i = 0; i < DIMS_PER_THREAD / 2; i++) {
+        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));
+        x[2 * i] = f.x, x[2 * i + 1] = f.y;
+    }
+}
+
+template <int HEAD_DIM, typename Elem>
 __global__ void __launch_bounds__(DECODE_THREADS)
-    split_kernel(DecodeArgs args, float *part_o, float *part_max, float *part_sum, int splits, int keys_per_split,
-                 float scale_log2) {
+    split_kernel(DecodeArgs args, const Elem *k_pool, const Elem *v_pool, float *part_o, float *part_max,
+                 float *part_sum, int splits, int keys_per_split, float scale_log2) {
     typedef DecodeConfig<HEAD_DIM> Cfg;
+    typedef typename CacheLoad<Elem>::Raw Raw;
     extern __shared__ float states[];  // [group][row of the chunk][HEAD_DIM O, max, sum]
     const DecodeShape &s = args.shape;
     const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
@@ -66,11 +97,13 @@ __global__ void __launch_bounds__(DECODE_THREADS)
     if (key0 >= length) return;  // past this sequence's cache: the merge reads only its own splits
     const int group = threadIdx.x / Cfg::LANES_PER_KEY, lane = threadIdx.x % Cfg::LANES_PER_KEY;
     const int dim0 = lane * DIMS_PER_THREAD;
+    const float q_scale = scale_log2 * CacheLoad<Elem>::scale(args.k_scale, kv_head);
+    const float v_scale = CacheLoad<Elem>::scale(args.v_scale, kv_head);
 
     // Row r of the KV head: query head kv_head * g + r / Nq, its new query r % Nq.
     for (int chunk0 = 0; chunk0 < rows; chunk0 += QUERY_CHUNK) {
-        // This thread's 8 dims of each row of the chunk, pre-scaled to the log2 domain, and the last key
-        // each row sees (its query's position: length - Nq + query).
+        // This thread's 8 dims of each row of the chunk, pre-scaled to the log2 domain and by K's scale, and
+        // the last key each row sees (its query's position: length - Nq + query).
         float q[QUERY_CHUNK][DIMS_PER_THREAD], o[QUERY_CHUNK][DIMS_PER_THREAD];
         float row_max[QUERY_CHUNK], row_sum[QUERY_CHUNK];
         int last_key[QUERY_CHUNK];
@@ -83,7 +116,7 @@ __global__ void __launch_bounds__(DECODE_THREADS)
                 *(const uint4 *)(args.q + (((size_t)seq * s.q_heads + head) * s.new_tokens + query) * HEAD_DIM + dim0),
                 q[j]);
 #pragma unroll
-            for (int d = 0; d < DIMS_PER_THREAD; d++) q[j][d] *= scale_log2, o[j][d] = 0.0f;
+            for (int d = 0; d < DIMS_PER_THREAD; d++) q[j][d] *= q_scale, o[j][d] = 0.0f;
             row_max[j] = -INFINITY, row_sum[j] = 0.0f;
         }
         // The group's keys: key0 + group, then every KEYS_AT_ONCE-th; every group takes the same number
@@ -91,16 +124,16 @@ __global__ void __launch_bounds__(DECODE_THREADS)
         // so that the lanes of a warp meet at each shuffle. A step loads KEYS_IN_FLIGHT keys, with no
         // branch between the loads, then uses them.
         for (int step0 = key0; step0 < key_end; step0 += KEYS_IN_FLIGHT * Cfg::KEYS_AT_ONCE) {
-            uint4 k_rows[KEYS_IN_FLIGHT], v_rows[KEYS_IN_FLIGHT];  // this thread's 16 bytes of each key's K and V
+            Raw k_rows[KEYS_IN_FLIGHT], v_rows[KEYS_IN_FLIGHT];  // this thread's 8 elements of each key's K and V
 #pragma unroll
             for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
                 const int t = min(step0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1);
-                k_rows[i] = *(const uint4 *)(cache_row(args.k_pool, args.block_table, s.max_pages, seq, t, s.kv_heads,
-                                                       kv_head, s.page_size, HEAD_DIM) +
-                                             dim0);
-                v_rows[i] = *(const uint4 *)(cache_row(args.v_pool, args.block_table, s.max_pages, seq, t, s.kv_heads,
-                                                       kv_head, s.page_size, HEAD_DIM) +
-                                             dim0);
+                k_rows[i] = *(const Raw *)(cache_row(k_pool, args.block_table, s.max_pages, seq, t, s.kv_heads, kv_head,
+                                                     s.page_size, HEAD_DIM) +
+                                           dim0);
+                v_rows[i] = *(const Raw *)(cache_row(v_pool, args.block_table, s.max_pages, seq, t, s.kv_heads, kv_head,
+                                                     s.page_size, HEAD_DIM) +
+                                           dim0);
             }
 #pragma unroll
             for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
@@ -125,7 +158,8 @@ __global__ void __launch_bounds__(DECODE_THREADS)
                 }
             }
         }
-        // The groups' states into shared memory, then the split's partial: thread d < HEAD_DIM combines dim d.
+        // The groups' states into shared memory, then the split's partial: thread d < HEAD_DIM combines dim d,
+        // its O times V's scale.
         float *mine = states + group * Cfg::STATE_FLOATS;
 #pragma unroll
         for (int j = 0; j < QUERY_CHUNK; j++) {
@@ -151,7 +185,7 @@ __global__ void __launch_bounds__(DECODE_THREADS)
                 value += state[d] * weight;
             }
             const size_t at = partial_index(batch_head, query, s.new_tokens, split, splits);
-            part_o[at * HEAD_DIM + d] = value;
+            part_o[at * HEAD_DIM + d] = value * v_scale;
             if (d == 0) part_max[at] = block_max, part_sum[at] = sum;
         }
         __syncthreads();  // the states are read before the next chunk writes them
@@ -198,14 +232,14 @@ static size_t decode_workspace_bytes(const DecodeShape *shape, int max_length) {
 // this GPU holds at once; k = 1 where even that does not (a short cache, a small batch: 11.3's
 // split), and where a block passes over its keys more than once (g x Nq rows over QUERY_CHUNK), so
 // that the later passes find the split's keys still in L2.
-template <int HEAD_DIM>
+template <int HEAD_DIM, typename Elem>
 static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_per_split) {
     *keys_per_split = KEYS_PER_STEP;
     if (s->q_heads / s->kv_heads * s->new_tokens > QUERY_CHUNK) return cudaSuccess;
     int device = 0, sms = 0, per_sm = 0;
     RETURN_IF_ERROR(cudaGetDevice(&device));
     RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_kernel<HEAD_DIM>, DECODE_THREADS,
+    RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_kernel<HEAD_DIM, Elem>, DECODE_THREADS,
                                                                   DecodeConfig<HEAD_DIM>::SMEM_BYTES));
     const long long wanted = (long long)MIN_WAVES * sms * per_sm, heads = (long long)s->batch * s->kv_heads;
     while (*keys_per_split < max_length && heads * ceil_div(max_length, 2 * *keys_per_split) >= wanted)
@@ -213,36 +247,43 @@ static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_p
     return cudaSuccess;
 }
 
-template <int HEAD_DIM>
-static cudaError_t launch_decode(const DecodeArgs *args, cudaStream_t stream) {
+// The split kernel on the pools of this cache's element (fp16: k_pool, v_pool; e4m3: k_pool8, v_pool8).
+template <int HEAD_DIM, typename Elem>
+static cudaError_t launch_decode(const DecodeArgs *args, const Elem *k_pool, const Elem *v_pool, cudaStream_t stream) {
     typedef DecodeConfig<HEAD_DIM> Cfg;
     const DecodeShape *s = &args->shape;
     int keys_per_split = KEYS_PER_STEP;
-    RETURN_IF_ERROR(plan_splits<HEAD_DIM>(s, args->max_length, &keys_per_split));
+    RETURN_IF_ERROR((plan_splits<HEAD_DIM, Elem>(s, args->max_length, &keys_per_split)));
     const int splits = ceil_div(args->max_length, keys_per_split);
     const size_t partials = (size_t)s->batch * s->q_heads * s->new_tokens * splits;
     float *part_o = (float *)args->workspace, *part_max = part_o + partials * HEAD_DIM, *part_sum = part_max + partials;
-    split_kernel<HEAD_DIM><<<dim3(splits, s->kv_heads, s->batch), DECODE_THREADS, Cfg::SMEM_BYTES, stream>>>(
-        *args, part_o, part_max, part_sum, splits, keys_per_split, s->scale * LOG2E);
+    split_kernel<HEAD_DIM, Elem><<<dim3(splits, s->kv_heads, s->batch), DECODE_THREADS, Cfg::SMEM_BYTES, stream>>>(
+        *args, k_pool, v_pool, part_o, part_max, part_sum, splits, keys_per_split, s->scale * LOG2E);
     RETURN_IF_ERROR(cudaGetLastError());
     merge_kernel<HEAD_DIM><<<dim3(s->q_heads, s->batch), HEAD_DIM, 0, stream>>>(*args, part_o, part_max, part_sum,
                                                                                 splits, keys_per_split);
     return cudaGetLastError();
 }
 
+// By head dim and by the cache's element: an e4m3 cache is one whose e4m3 pools are given.
 static cudaError_t decode(const DecodeArgs *args, cudaStream_t stream) {
+    const int e4m3 = args->k_pool8 != NULL;
     switch (args->shape.headdim) {
-    case 64: return launch_decode<64>(args, stream);
-    case 128: return launch_decode<128>(args, stream);
+    case 64:
+        return e4m3 ? launch_decode<64>(args, args->k_pool8, args->v_pool8, stream)
+                    : launch_decode<64>(args, args->k_pool, args->v_pool, stream);
+    case 128:
+        return e4m3 ? launch_decode<128>(args, args->k_pool8, args->v_pool8, stream)
+                    : launch_decode<128>(args, args->k_pool, args->v_pool, stream);
     default: return cudaErrorInvalidValue;
     }
 }
 
-static const Decode decode_pass = {decode_workspace_bytes, decode};
+static const Decode decode_pass = {decode_workspace_bytes, decode, 1};  // 1: it reads an e4m3 cache too
 
 const Chapter chapter = {
     "11_decode",
-    "decoding: a few new queries against a paged KV cache, its keys split across blocks and merged",
+    "decoding: a few new queries against a paged KV cache (fp16 or e4m3), its keys split across blocks and merged",
     PRECISION_FP16_TC,
     80,
     0,     // no upper bound

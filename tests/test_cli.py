@@ -16,7 +16,7 @@ import re
 import numpy as np
 import pytest
 
-from helpers import CHAPTERS, DECODE_CHAPTERS, WORKSPACE
+from helpers import CHAPTERS, DECODE_CHAPTERS, STEP_BUILDS, WORKSPACE
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 AT_LEAST_1 = r"(between 1 |>= ?1\b|at least 1\b|positive)"
@@ -295,6 +295,9 @@ BAD = [
     # Decoding (--decode, common/shape.h's DecodeShape): its options and rules, then the chapters that
     # solve the forward problem only refuse a decoding shape that is valid.
     refusal("decode option without --decode", lambda t: ["--kv-heads", "8"], r"--kv-heads", r"add --decode"),
+    refusal("kv-cache without --decode", lambda t: ["--kv-cache", "e4m3"], r"--kv-cache", r"add --decode"),
+    refusal("kv-cache of another type", lambda t: ["--decode", "--kv-cache", "bf16"], r"--kv-cache", r"fp16 or e4m3",
+            r"'bf16'"),
     refusal("decode group that does not divide", lambda t: ["--decode", "--heads", "32", "--kv-heads", "5"],
             r"\b32\b", r"\b5\b", r"multiple"),
     refusal("decode cache shorter than its new tokens",
@@ -468,6 +471,37 @@ def test_decode_dry_run_shows_the_shape_and_the_bytes_to_read(repo, tmp_path, ch
                      r"\(132 pages\)", proc.stdout), proc.stdout
     assert re.search(r"4\.1 MiB of K and V to read", proc.stdout), proc.stdout
     assert not any(tmp_path.iterdir()), "a dry run prepared inputs"
+
+
+# --kv-cache e4m3: the decoding steps before 11.5 read an fp16 cache only, and say so before any GPU work; a
+# chapter without a decode pass says that first.
+FP16_CACHE_BUILDS = [build for _, build, _ in STEP_BUILDS if build.split(".")[0] in DECODE_CHAPTERS]
+
+
+@pytest.mark.parametrize("build", FP16_CACHE_BUILDS + ["07_async_pipeline"])
+def test_a_build_without_an_e4m3_cache_refuses_it(repo, tmp_path, build):
+    patterns = [r"no decode pass"] if build == "07_async_pipeline" else [r"fp16 cache only", r"--kv-cache e4m3"]
+    assert_refused(repo, repo.require_binary(build), build, DECODE_ARGS + ["--kv-cache", "e4m3"], patterns, None,
+                   tmp_path)
+
+
+@pytest.mark.parametrize("chapter", DECODE_CHAPTERS)
+def test_decode_dry_run_with_an_e4m3_cache_reads_half_the_bytes(repo, tmp_path, chapter):
+    """--kv-cache e4m3's plan: one byte an element, 2 x 2100 tokens x 8 KV heads x 64 dims = 2.1 MiB (fp16's 4.1),
+    and --kv-cache fp16 is the default's plan; with --input too."""
+    env = {**NO_GPU, "FA_CACHE": str(tmp_path / "cache")}
+    plans = {}
+    for cache in ("e4m3", "fp16"):
+        proc = repo.run([repo.require_binary(chapter), *DECODE_ARGS, "--kv-cache", cache, "--dry-run"], env=env,
+                        timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        plans[cache] = proc.stdout
+    assert re.search(r"\b2\.1 MiB of K and V to read \(e4m3\)", plans["e4m3"]), plans["e4m3"]
+    assert re.search(r"\b4\.1 MiB of K and V to read \(fp16\)", plans["fp16"]), plans["fp16"]
+    proc = repo.run([repo.require_binary(chapter), *decode_input(tmp_path), "--kv-cache", "e4m3", "--dry-run"],
+                    env=env, timeout=60)
+    assert proc.returncode == 0 and re.search(r"of K and V to read \(e4m3\)", proc.stdout), (proc.stdout, proc.stderr)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir()), "a dry run prepared inputs"
 
 
 # --- decoding's --input DIR: the user's own queries, paged cache, block table and lengths --------------

@@ -7,6 +7,9 @@ pages in a random order of the pool).
            one a page and a token, one past a split of 256 keys), and 48 sequences of ragged lengths whose
            splits grow past 256 keys (11.4's rule): exit 0, PASS under the fp16 rule, the
            row's shape as given, two kernels (the split and the merge), the workspace the chapter says
+  e4m3     the same matrix with --kv-cache e4m3 on the builds that read an e4m3 cache (a GPU of sm_89 on;
+           below, the harness skips): PASS against the quantised cache's reference, and O against the fp16
+           cache's reference off by e4m3's rounding alone (cache_rel_l2 under 5e-2)
 """
 import csv
 
@@ -17,7 +20,7 @@ from helpers import DECODE_CHAPTERS, STEP_BUILDS
 pytestmark = pytest.mark.gpu
 
 DECODE_FIELDS = ("impl,batch,q_heads,kv_heads,new,max_length,page_size,headdim,ms,gbps,rel_l2,status,max_abs,lse_err,"
-                 "kernels,workspace_bytes,device_bytes").split(",")
+                 "kernels,workspace_bytes,device_bytes,cache_rel_l2").split(",")
 # Each decoding chapter, and its steps before the last: (the impl its CSV row names, the build).
 DECODE_BUILDS = [(c, c) for c in DECODE_CHAPTERS] + [(name, build) for name, build, _ in STEP_BUILDS
                                                     if build.split(".")[0] in DECODE_CHAPTERS]
@@ -32,10 +35,10 @@ CASES = [
 ]
 
 
-def run_decode(repo, impl, build, b, hq, hkv, new, page, lengths, d):
+def run_decode(repo, impl, build, b, hq, hkv, new, page, lengths, d, *extra):
     args = ["--decode", "--batch", str(b), "--heads", str(hq), "--kv-heads", str(hkv), "--new", str(new),
             "--page-size", str(page), "--cache-len", lengths, "--headdim", str(d), "--warmup", "0", "--iters", "1",
-            "--csv"]
+            "--csv", *extra]
     proc = repo.run([repo.require_binary(build), *args], timeout=300)
     if proc.returncode == 77:
         pytest.skip(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else f"{build}: exit 77")
@@ -57,6 +60,25 @@ def test_decode_matrix(repo, impl, build, b, hq, hkv, new, page, lengths, d):
     want = (b, hq, hkv, new, max(int(n) for n in lengths.split(",")), page, d)
     assert echoed == want, f"{shown}: the row reports {echoed}, expected {want}"
     assert row["kernels"] == "2", f"{shown}: {row['kernels']} kernels, expected 2 (the split and the merge)"
+
+
+# The builds that read an e4m3 cache (--kv-cache e4m3): the chapter, from 11.5; its CSV rows name it impl.e4m3.
+E4M3_BUILDS = [(c + ".e4m3", c) for c in DECODE_CHAPTERS]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("b, hq, hkv, new, page, lengths", CASES,
+                         ids=[f"B={c[0]} Hq={c[1]} Hkv={c[2]} Nq={c[3]} P={c[4]} L={c[5] if len(c[5]) < 24 else c[5][:9] + '...'}"
+                              for c in CASES])
+@pytest.mark.parametrize("impl, build", E4M3_BUILDS, ids=[impl for impl, _ in E4M3_BUILDS])
+def test_decode_matrix_e4m3_cache(repo, impl, build, b, hq, hkv, new, page, lengths, d):
+    proc, row = run_decode(repo, impl, build, b, hq, hkv, new, page, lengths, d, "--kv-cache", "e4m3")
+    shown = f"{build} --decode --kv-cache e4m3 B={b} Hq={hq} Hkv={hkv} Nq={new} P={page} L={lengths} D={d}"
+    assert proc.returncode == 0 and row and row["status"] == "PASS", (
+        f"{shown}: expected PASS, got exit {proc.returncode}, row {row}, stderr {proc.stderr.strip()[-500:]!r}")
+    assert row["kernels"] == "2", f"{shown}: {row['kernels']} kernels, expected 2 (the split and the merge)"
+    assert 0 < float(row["cache_rel_l2"]) < 5e-2, (
+        f"{shown}: O against the fp16 cache's reference, rel L2 {row['cache_rel_l2']}: e4m3's rounding is about 1e-2")
 
 
 def test_decode_input_folder_is_checked_against_its_own_reference(repo, tmp_path):
