@@ -1,7 +1,7 @@
 // 11.5, step 5 of 11_decode: an e4m3 cache as a measured option (--kv-cache e4m3). The split kernel
 // reads the cache's K and V as fp16 or as e4m3 (a template on the element): e4m3 is one byte an
 // element, a thread's 8 dims of a row one 8-byte load where fp16 took 16, so a decoding step reads
-// half the bytes. Each KV head's K and V carry a scale (DecodeArgs.k_scale, v_scale): K's is folded
+// half the bytes. Each KV head's K and V carry a scale (DecodeE4m3's k_scale, v_scale): K's is folded
 // into the pre-scaled queries, V's into the split's partial O when it is written (the merge is linear
 // in O). Otherwise 11.4.
 //
@@ -85,8 +85,8 @@ __device__ void unpack8(const uint2 raw, float (&x)[DIMS_PER_THREAD]) {
 
 template <int HEAD_DIM, typename Elem>
 __global__ void __launch_bounds__(DECODE_THREADS)
-    split_kernel(DecodeArgs args, const Elem *k_pool, const Elem *v_pool, float *part_o, float *part_max,
-                 float *part_sum, int splits, int keys_per_split, float scale_log2) {
+    split_kernel(DecodeArgs args, const Elem *k_pool, const Elem *v_pool, const float *k_scale, const float *v_scale,
+                 float *part_o, float *part_max, float *part_sum, int splits, int keys_per_split, float scale_log2) {
     typedef DecodeConfig<HEAD_DIM> Cfg;
     typedef typename CacheLoad<Elem>::Raw Raw;
     extern __shared__ float states[];  // [group][row of the chunk][HEAD_DIM O, max, sum]
@@ -97,8 +97,8 @@ __global__ void __launch_bounds__(DECODE_THREADS)
     if (key0 >= length) return;  // past this sequence's cache: the merge reads only its own splits
     const int group = threadIdx.x / Cfg::LANES_PER_KEY, lane = threadIdx.x % Cfg::LANES_PER_KEY;
     const int dim0 = lane * DIMS_PER_THREAD;
-    const float q_scale = scale_log2 * CacheLoad<Elem>::scale(args.k_scale, kv_head);
-    const float v_scale = CacheLoad<Elem>::scale(args.v_scale, kv_head);
+    const float q_scale = scale_log2 * CacheLoad<Elem>::scale(k_scale, kv_head);
+    const float o_scale = CacheLoad<Elem>::scale(v_scale, kv_head);
 
     // Row r of the KV head: query head kv_head * g + r / Nq, its new query r % Nq.
     for (int chunk0 = 0; chunk0 < rows; chunk0 += QUERY_CHUNK) {
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(DECODE_THREADS)
                 value += state[d] * weight;
             }
             const size_t at = partial_index(batch_head, query, s.new_tokens, split, splits);
-            part_o[at * HEAD_DIM + d] = value * v_scale;
+            part_o[at * HEAD_DIM + d] = value * o_scale;
             if (d == 0) part_max[at] = block_max, part_sum[at] = sum;
         }
         __syncthreads();  // the states are read before the next chunk writes them
@@ -247,9 +247,11 @@ static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_p
     return cudaSuccess;
 }
 
-// The split kernel on the pools of this cache's element (fp16: k_pool, v_pool; e4m3: k_pool8, v_pool8).
+// The split kernel on the pools of this cache's element (fp16: DecodeArgs' k_pool, v_pool and no scales;
+// e4m3: DecodeE4m3's pools and scales).
 template <int HEAD_DIM, typename Elem>
-static cudaError_t launch_decode(const DecodeArgs *args, const Elem *k_pool, const Elem *v_pool, cudaStream_t stream) {
+static cudaError_t launch_decode(const DecodeArgs *args, const Elem *k_pool, const Elem *v_pool, const float *k_scale,
+                                 const float *v_scale, cudaStream_t stream) {
     typedef DecodeConfig<HEAD_DIM> Cfg;
     const DecodeShape *s = &args->shape;
     int keys_per_split = KEYS_PER_STEP;
@@ -258,23 +260,25 @@ static cudaError_t launch_decode(const DecodeArgs *args, const Elem *k_pool, con
     const size_t partials = (size_t)s->batch * s->q_heads * s->new_tokens * splits;
     float *part_o = (float *)args->workspace, *part_max = part_o + partials * HEAD_DIM, *part_sum = part_max + partials;
     split_kernel<HEAD_DIM, Elem><<<dim3(splits, s->kv_heads, s->batch), DECODE_THREADS, Cfg::SMEM_BYTES, stream>>>(
-        *args, k_pool, v_pool, part_o, part_max, part_sum, splits, keys_per_split, s->scale * LOG2E);
+        *args, k_pool, v_pool, k_scale, v_scale, part_o, part_max, part_sum, splits, keys_per_split, s->scale * LOG2E);
     RETURN_IF_ERROR(cudaGetLastError());
     merge_kernel<HEAD_DIM><<<dim3(s->q_heads, s->batch), HEAD_DIM, 0, stream>>>(*args, part_o, part_max, part_sum,
                                                                                 splits, keys_per_split);
     return cudaGetLastError();
 }
 
-// By head dim and by the cache's element: an e4m3 cache is one whose e4m3 pools are given.
+// By head dim and by the cache's element: an e4m3 cache is one that DecodeArgs.e4m3 gives.
 static cudaError_t decode(const DecodeArgs *args, cudaStream_t stream) {
-    const int e4m3 = args->k_pool8 != NULL;
+    const DecodeE4m3 *c = args->e4m3;
     switch (args->shape.headdim) {
     case 64:
-        return e4m3 ? launch_decode<64>(args, args->k_pool8, args->v_pool8, stream)
-                    : launch_decode<64>(args, args->k_pool, args->v_pool, stream);
+        return c ? launch_decode<64>(args, c->k_pool, c->v_pool, c->k_scale, c->v_scale, stream)
+                 : launch_decode<64>(args, args->k_pool, args->v_pool, (const float *)NULL, (const float *)NULL,
+                                     stream);
     case 128:
-        return e4m3 ? launch_decode<128>(args, args->k_pool8, args->v_pool8, stream)
-                    : launch_decode<128>(args, args->k_pool, args->v_pool, stream);
+        return c ? launch_decode<128>(args, c->k_pool, c->v_pool, c->k_scale, c->v_scale, stream)
+                 : launch_decode<128>(args, args->k_pool, args->v_pool, (const float *)NULL, (const float *)NULL,
+                                      stream);
     default: return cudaErrorInvalidValue;
     }
 }

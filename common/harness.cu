@@ -1845,11 +1845,8 @@ static int run_decode(const Options *o) {
     free(in.q), free(in.k_pool), free(in.v_pool), free(in.table);
     DecodeArgs args = {*d,  q,   (const __half *)pools[0], (const __half *)pools[1], table, lengths, max_length, out,
                        lse, work};
-    if (o->kv_e4m3) {
-        args.k_pool = args.v_pool = NULL;
-        args.k_pool8 = (const __nv_fp8_e4m3 *)pools[0], args.v_pool8 = (const __nv_fp8_e4m3 *)pools[1];
-        args.k_scale = scales[0], args.v_scale = scales[1];
-    }
+    const DecodeE4m3 e4m3 = {(const __nv_fp8_e4m3 *)pools[0], (const __nv_fp8_e4m3 *)pools[1], scales[0], scales[1]};
+    if (o->kv_e4m3) args.k_pool = args.v_pool = NULL, args.e4m3 = &e4m3;
     cudaStream_t stream;
     CUDA_CHECK(cudaStreamCreate(&stream));
 

@@ -107,18 +107,26 @@ typedef struct {
     __half *o;                      // [B, Hq, Nq, D]
     float *lse;                     // [B, Hq, Nq], natural log
     void *workspace;                // decode->workspace_bytes(shape, max_length) bytes, NULL when 0
-    // --kv-cache e4m3 (a Decode with e4m3_cache): the pools as e4m3 codes, [pages, Hkv, P, D] each, value
-    // = code x the KV head's scale; k_pool and v_pool are then NULL. All four NULL for an fp16 cache.
-    const __nv_fp8_e4m3 *k_pool8 = NULL, *v_pool8 = NULL;
-    const float *k_scale = NULL, *v_scale = NULL;  // [Hkv]
+    // --kv-cache e4m3 (a Decode with e4m3_cache): the cache as e4m3 (DecodeE4m3, a host struct of device
+    // pointers), k_pool and v_pool then NULL; NULL for an fp16 cache. One pointer, not the four: a kernel
+    // that takes DecodeArgs by value compiles differently as the struct grows (11.4's split kernel: 128
+    // registers on sm_90 with this, 135 with the four).
+    const struct DecodeE4m3 *e4m3 = NULL;
 } DecodeArgs;
+
+// An e4m3 KV cache: the pools as e4m3 codes, [pages, Hkv, P, D] each, a value being its code times its
+// KV head's scale.
+struct DecodeE4m3 {
+    const __nv_fp8_e4m3 *k_pool, *v_pool;
+    const float *k_scale, *v_scale;  // [Hkv]
+};
 
 struct Decode {
     // Device scratch for a shape whose longest sequence caches max_length tokens. NULL: none.
     size_t (*workspace_bytes)(const DecodeShape *shape, int max_length);
     // Enqueue one decoding step on `stream` alone; return the first CUDA error met.
     cudaError_t (*decode)(const DecodeArgs *args, cudaStream_t stream);
-    // 1: it reads an e4m3 cache too (DecodeArgs.k_pool8 ...: --kv-cache e4m3, sm_89 on); 0: fp16 only, and
+    // 1: it reads an e4m3 cache too (DecodeArgs.e4m3: --kv-cache e4m3, sm_89 on); 0: fp16 only, and
     // --kv-cache e4m3 is refused.
     int e4m3_cache = 0;
 };
