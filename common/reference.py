@@ -39,7 +39,7 @@ computed in float64 from the very fp16 inputs the chapters get. Only NumPy is us
       Print the e4m3 input-quantisation floor of DIR's inputs, scales per (b, h) and per tile
       (R rows of Q, of K and V, Q and K to |x| <= R; default the FP8 chapter's).
   reference.py decode --out DIR --batch B --heads HQ --kv-heads HKV --new NQ --headdim D
-                      --page-size P --lengths L[,L...] [--seed S] --scale F [--no-ref]
+                      --page-size P --lengths L[,L...] [--seed S] --scale F [--no-ref] [--kv-cache e4m3]
       The decoding problem's inputs, DIR/q.npy, k_pool.npy, v_pool.npy, block_table.npy and
       lengths.npy (make_decode_inputs), then its float64 reference DIR/ref_decode_s<F>_o.npy and
       _lse.npy (decode_paths), each kept where it exists. --kv-cache e4m3 also writes the

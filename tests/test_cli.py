@@ -22,7 +22,7 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 AT_LEAST_1 = r"(between 1 |>= ?1\b|at least 1\b|positive)"
 OPTIONS = ["--batch", "--heads", "--seqlen", "--headdim", "--causal", "--seed", "--warmup", "--iters",
            "--no-check", "--input", "--output", "--backward", "--csv", "--dry-run", "--decode", "--kv-heads", "--new",
-           "--cache-len", "--page-size", "--flush-l2", "--help"]
+           "--cache-len", "--page-size", "--kv-cache", "--flush-l2", "--help"]
 
 
 # --- inputs and output folders, made in a test's temporary folder -----------------------------------

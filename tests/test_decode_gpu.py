@@ -9,7 +9,8 @@ pages in a random order of the pool).
            row's shape as given, two kernels (the split and the merge), the workspace the chapter says
   e4m3     the same matrix with --kv-cache e4m3 on the builds that read an e4m3 cache (a GPU of sm_89 on;
            below, the harness skips): PASS against the quantised cache's reference, and O against the fp16
-           cache's reference off by e4m3's rounding alone (cache_rel_l2 under 5e-2)
+           cache's reference off by e4m3's rounding alone (cache_rel_l2 under 8e-2: e4m3 rounds each
+           element by up to 2^-4; float64 references of these cases give 3-4e-2)
 """
 import csv
 
@@ -43,6 +44,7 @@ def run_decode(repo, impl, build, b, hq, hkv, new, page, lengths, d, *extra):
     if proc.returncode == 77:
         pytest.skip(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else f"{build}: exit 77")
     rows = [next(csv.reader([line])) for line in proc.stdout.splitlines() if line.startswith(impl + ",")]
+    assert all(len(row) == len(DECODE_FIELDS) for row in rows), f"{build}: rows of another width: {rows}"
     return proc, dict(zip(DECODE_FIELDS, rows[-1])) if rows else None
 
 
@@ -77,8 +79,8 @@ def test_decode_matrix_e4m3_cache(repo, impl, build, b, hq, hkv, new, page, leng
     assert proc.returncode == 0 and row and row["status"] == "PASS", (
         f"{shown}: expected PASS, got exit {proc.returncode}, row {row}, stderr {proc.stderr.strip()[-500:]!r}")
     assert row["kernels"] == "2", f"{shown}: {row['kernels']} kernels, expected 2 (the split and the merge)"
-    assert 0 < float(row["cache_rel_l2"]) < 5e-2, (
-        f"{shown}: O against the fp16 cache's reference, rel L2 {row['cache_rel_l2']}: e4m3's rounding is about 1e-2")
+    assert 0 < float(row["cache_rel_l2"]) < 8e-2, (
+        f"{shown}: O against the fp16 cache's reference, rel L2 {row['cache_rel_l2']}: e4m3's rounding gives about 3-4e-2")
 
 
 def test_decode_input_folder_is_checked_against_its_own_reference(repo, tmp_path):

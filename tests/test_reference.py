@@ -627,7 +627,9 @@ def test_e4m3_cache_quantisation_is_the_harness_s(repo, tmp_path):
     """reference.py quantize_cache_e4m3 against the harness's own quantisation (common/kv_cache_e4m3.h, compiled
     here as a host program, tests/fixtures/kv_cache_e4m3.cu): the same float32 scales and the same e4m3 codes,
     bit for bit, on a pool with a head of N(0, 1), one spanning 2^-20 to 2^14 (e4m3's subnormals after scaling,
-    ties among them) and one of zeros (scale 1)."""
+    ties among them), one of zeros (scale 1), and one whose maximum is alone in the last row of the last page
+    with a value that a float64 division would round differently (so that the amax must take every page and
+    row, and the division be float32's)."""
     nvcc = cuda_tools.nvcc()
     if not nvcc:
         pytest.skip("nvcc not found: no cuda_fp8.h to compare with")
@@ -635,13 +637,15 @@ def test_e4m3_cache_quantisation_is_the_harness_s(repo, tmp_path):
     proc = repo.run([nvcc, "-o", exe, repo.root / "tests" / "fixtures" / "kv_cache_e4m3.cu"], timeout=300)
     assert proc.returncode == 0, f"nvcc failed on tests/fixtures/kv_cache_e4m3.cu:\n{proc.stderr}"
     rng = np.random.default_rng(7)
-    pool = rng.standard_normal((5, 3, 16, 64))
+    pool = rng.standard_normal((5, 4, 16, 64))
     pool[:, 1] *= np.exp2(rng.integers(-20, 12, pool[:, 1].shape))
     pool[:, 1, 0, :8] = [2.0 ** 14, 3 * 2.0 ** -20, 5 * 2.0 ** -20, 2.0 ** -24, -(2.0 ** -24), 0.0, -0.0, -1.0]
     pool[:, 2] = 0
+    pool[:, 3] = np.clip(8 * pool[:, 3], -20, 20)
+    pool[-1, 3, -1, -1], pool[0, 3, 0, 0], pool[-1, 0, -1, -1] = 21.0625, 0.00096416, 9.0
     pool = pool.astype(np.float16)
     pool.tofile(tmp_path / "pool.bin")
-    run = repo.run([exe, tmp_path / "pool.bin", tmp_path / "codes.bin", tmp_path / "scales.bin", "5", "3",
+    run = repo.run([exe, tmp_path / "pool.bin", tmp_path / "codes.bin", tmp_path / "scales.bin", "5", "4",
                     str(16 * 64)], timeout=60)
     assert run.returncode == 0, f"kv_cache_e4m3 failed: {run.stderr}"
     codes = np.fromfile(tmp_path / "codes.bin", np.uint8).reshape(pool.shape)
@@ -655,14 +659,14 @@ def test_e4m3_cache_quantisation_is_the_harness_s(repo, tmp_path):
     assert wrong.size == 0, (f"{len(wrong)} of {pool.size} codes differ, e.g. at {tuple(wrong[0])} "
                              f"({pool[tuple(wrong[0])]!r}): numpy 0x{ours[tuple(wrong[0])]:02x}, "
                              f"the harness's 0x{codes[tuple(wrong[0])]:02x}")
-    assert (np.abs(values) <= reference.E4M3_MAX).all() and np.abs(values).max(axis=(0, 2, 3))[:2].tolist() == [
-        reference.E4M3_MAX] * 2, "each KV head's largest |x| becomes 448"
+    assert (np.abs(values) <= reference.E4M3_MAX).all() and np.abs(values).max(axis=(0, 2, 3))[[0, 1, 3]].tolist() == [
+        reference.E4M3_MAX] * 3, "each KV head's largest |x| becomes 448"
 
 
 def test_decode_e4m3_reference_is_the_quantised_cache_s(tmp_path):
     """reference.py decode --kv-cache e4m3: beside the fp16 cache's reference (the same files as without it),
     ref_decode_s<F>_e4m3_o.npy and _lse.npy, decode_reference of the pools quantised per KV head and
-    dequantised (e4m3 x scale); it differs from the fp16 one by e4m3's rounding (rel L2 of O about 1e-2); with
+    dequantised (e4m3 x scale); it differs from the fp16 one by e4m3's rounding (rel L2 of O about 3e-2); with
     --input, the same files from a folder of one's own."""
     folder = tmp_path / "gen"
     assert reference.main(["decode", "--out", str(folder), *DECODE_SHAPE, "--scale", "0.125", "--kv-cache",
@@ -680,7 +684,7 @@ def test_decode_e4m3_reference_is_the_quantised_cache_s(tmp_path):
     assert np.array_equal(got_o, want_o) and np.array_equal(got_lse, want_lse), "the e4m3 cache's reference"
     fp16_o = np.load(folder / "ref_decode_s0.125_o.npy")
     rel = np.linalg.norm(got_o - fp16_o) / np.linalg.norm(fp16_o)
-    assert 1e-3 < rel < 5e-2, f"O of the e4m3 cache against the fp16 cache's: rel L2 {rel:.3e}"
+    assert 1e-3 < rel < 8e-2, f"O of the e4m3 cache against the fp16 cache's: rel L2 {rel:.3e}"
     out = tmp_path / "ref"
     assert reference.main(["decode", "--input", str(folder), "--out", str(out), "--scale", "0.125", "--kv-cache",
                            "e4m3"]) == 0

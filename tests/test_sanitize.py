@@ -82,9 +82,13 @@ DECODE_ARGS = ["--decode", "--batch", "2", "--heads", "8", "--kv-heads", "2", "-
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("tool,extra", [("memcheck", ["--leak-check", "full"]), ("racecheck", []),
                                         ("synccheck", []), ("initcheck", [])])
+@pytest.mark.parametrize("cache", ["fp16", "e4m3"])
 @pytest.mark.parametrize("chapter", DECODE_CHAPTERS)
-def test_sanitizer_finds_nothing_in_decoding(repo, chapter, tool, extra, d):
-    sanitize(repo, tool, extra, chapter, DECODE_ARGS + ["--headdim", str(d)], ("sanitize-decode", d))
+def test_sanitizer_finds_nothing_in_decoding(repo, chapter, tool, extra, d, cache):
+    """The decoding shape under each tool, with the cache in fp16 and in e4m3 (--kv-cache: a GPU below sm_89
+    skips it)."""
+    sanitize(repo, tool, extra, chapter, DECODE_ARGS + ["--headdim", str(d), "--kv-cache", cache],
+             ("sanitize-decode", d, cache))
 
 
 @pytest.mark.parametrize("tool,text", [
