@@ -216,8 +216,48 @@ def test_11s_tables_are_their_logs(repo, log, header, step):
         assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
 
 
-def test_11_3s_checks_passed_in_its_log(repo):
-    """11.3's first run: its 12 checks, each PASS, as the README's status says."""
-    checks = [line.split(",") for line in (repo.root / "docs/results/logs/11/first_run_11_3_h100.log").read_text()
-              .splitlines() if line.startswith("11_decode,")]
-    assert len(checks) == 12 and all(row[11] == "PASS" for row in checks), f"11.3's checks in its log: {checks}"
+def decode_checks(repo, log, impl):
+    """A first run's check rows of one implementation (11_decode, 11_decode.e4m3), split at the commas."""
+    return [line.split(",") for line in (repo.root / "docs/results/logs/11" / log).read_text().splitlines()
+            if line.split(",")[0] == impl]
+
+
+@pytest.mark.parametrize("log, impl, count", [("first_run_11_3_h100.log", "11_decode", 12),
+                                              ("first_run_11_4_h100.log", "11_decode", 18),
+                                              ("first_run_11_4_h100.log", "11_decode.e4m3", 12)])
+def test_11s_checks_passed_in_their_logs(repo, log, impl, count):
+    """A first run's checks, each PASS, as many as the README's status counts."""
+    checks = decode_checks(repo, log, impl)
+    assert len(checks) == count and all(row[11] == "PASS" for row in checks), f"{impl}'s checks in {log}: {checks}"
+
+
+def test_11_4s_table_is_its_log(repo):
+    """11.4's table: 11.3, 11.4 (ms, GB/s), their ratio, and 11.4 built with MIN_WAVES 1 and 4, as its log has them."""
+    timed = {}
+    for line in (repo.root / "docs/results/logs/11/first_run_11_4_h100.log").read_text().splitlines():
+        words = line.split()
+        if len(words) == 5 and words[0].startswith("build/"):
+            timed[(words[0], int(words[1][1:]), int(words[2][3:]), int(words[3][1:]))] = tuple(
+                map(float, words[4].split(",")))
+    table = markdown_rows((repo.root / "11_decode/README.md").read_text(), "| B | KV heads | cache | 11.3 | 11.4 |")
+    assert len(table) == 5, table
+    for b, kv, cache, *cells in table:
+        step3, step4, waves1, waves4 = (timed[(who, int(b), int(kv), int(cache))] for who in (
+            "build/11_decode.step3", "build/11_decode.step4", "build/waves1", "build/waves4"))
+        want = [f"{step3[0]:.3f}", f"{step4[0]:.3f}", f"{step4[1]:.0f}", f"{step4[0] / step3[0]:.2f}x",
+                f"{waves1[0]:.3f}", f"{waves4[0]:.3f}"]
+        assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
+
+
+def test_11_5s_table_is_its_log(repo):
+    """11.5's table: the fp16 and e4m3 caches' check rows at the same shape, as its log has them."""
+    log = "first_run_11_4_h100.log"
+    rows = {(r[1], r[2], r[3], r[5], r[7]): r for r in decode_checks(repo, log, "11_decode")}
+    table = markdown_rows((repo.root / "11_decode/README.md").read_text(), "| B | cache | D | fp16 ms | e4m3 ms |")
+    assert len(table) == 4, table
+    for b, cache, d, *cells in table:
+        e4m3 = next(r for r in decode_checks(repo, log, "11_decode.e4m3") if (r[1], r[5], r[7]) == (b, cache, d))
+        fp16 = rows[(b, e4m3[2], e4m3[3], cache, d)]
+        want = [fp16[8], e4m3[8], f"{float(e4m3[8]) / float(fp16[8]):.2f}x", f"{float(fp16[9]):.0f}",
+                f"{float(e4m3[9]):.0f}", f"{float(e4m3[-1]):.4f}"]
+        assert cells == want, f"B={b} L={cache} D={d}: the table has {cells}, the log {want}"
