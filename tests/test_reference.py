@@ -296,16 +296,22 @@ def test_e4m3_rounding_and_saturation():
         assert float(reference.e4m3_round(-x)) == -want, f"e4m3_round({-x!r}) is not -e4m3_round({x!r})"
 
 
+def host_fixture(repo, tmp_path, name):
+    """tests/fixtures/<name>.cu built by nvcc as a host program (cuda_fp8.h's conversions), its path; a skip
+    without nvcc."""
+    nvcc = cuda_tools.nvcc()
+    if not nvcc:
+        pytest.skip("nvcc not found: no cuda_fp8.h to compare with")
+    proc = repo.run([nvcc, "-o", tmp_path / name, repo.root / "tests" / "fixtures" / f"{name}.cu"], timeout=300)
+    assert proc.returncode == 0, f"nvcc failed on tests/fixtures/{name}.cu:\n{proc.stderr}"
+    return tmp_path / name
+
+
 def test_e4m3_matches_cuda_fp8_conversion(repo, tmp_path):
     """The emulation against the toolkit's own conversion (cuda_fp8.h's __nv_cvt_float_to_fp8,
     satfinite, e4m3), compiled here as a host program: 200k random float32 values over the whole
     range, every tie point between neighbouring codes, and the edges."""
-    nvcc = cuda_tools.nvcc()
-    if not nvcc:
-        pytest.skip("nvcc not found: no cuda_fp8.h to compare with")
-    exe = tmp_path / "e4m3_codes"
-    proc = repo.run([nvcc, "-o", exe, repo.root / "tests" / "fixtures" / "e4m3_codes.cu"], timeout=300)
-    assert proc.returncode == 0, f"nvcc failed on tests/fixtures/e4m3_codes.cu:\n{proc.stderr}"
+    exe = host_fixture(repo, tmp_path, "e4m3_codes")
     rng = np.random.default_rng(5)
     values = reference.e4m3_decode(np.arange(0x7F, dtype=np.uint8))
     ties = (values[:-1] + values[1:]) / 2
@@ -630,12 +636,7 @@ def test_e4m3_cache_quantisation_is_the_harness_s(repo, tmp_path):
     ties among them), one of zeros (scale 1), and one whose maximum is alone in the last row of the last page
     with a value that a float64 division would round differently (so that the amax must take every page and
     row, and the division be float32's)."""
-    nvcc = cuda_tools.nvcc()
-    if not nvcc:
-        pytest.skip("nvcc not found: no cuda_fp8.h to compare with")
-    exe = tmp_path / "kv_cache_e4m3"
-    proc = repo.run([nvcc, "-o", exe, repo.root / "tests" / "fixtures" / "kv_cache_e4m3.cu"], timeout=300)
-    assert proc.returncode == 0, f"nvcc failed on tests/fixtures/kv_cache_e4m3.cu:\n{proc.stderr}"
+    exe = host_fixture(repo, tmp_path, "kv_cache_e4m3")
     rng = np.random.default_rng(7)
     pool = rng.standard_normal((5, 4, 16, 64))
     pool[:, 1] *= np.exp2(rng.integers(-20, 12, pool[:, 1].shape))
