@@ -49,20 +49,29 @@ class PagedCache:
         self.v = [torch.zeros(shape, dtype=torch.float16, device=device) for _ in range(layers)]
         order = torch.randperm(pages, generator=torch.Generator().manual_seed(seed))
         self.table = order.to(torch.int32).view(1, pages).to(device)
+        self.pages_in_order = order.tolist()  # the table on the host too: a new token's page without a GPU lookup
         self.lengths = torch.zeros(1, dtype=torch.int32, device=device)
         self.page_size = page_size
 
     def begin(self, start, count):
         """The next writes are of positions start .. start + count - 1: their pages and rows; the cache then
-        holds start + count tokens."""
-        positions = torch.arange(start, start + count, device=self.table.device)
-        self.where = (self.table[0, positions // self.page_size].long(), positions % self.page_size)
+        holds start + count tokens. One new token's page and row are numbers (its write is a plain copy);
+        the prompt's are index tensors (its write is a scatter)."""
+        if count == 1:
+            self.where = (self.pages_in_order[start // self.page_size], start % self.page_size)
+        else:
+            positions = torch.arange(start, start + count, device=self.table.device)
+            self.where = (self.table[0, positions // self.page_size].long(), positions % self.page_size)
         self.length = start + count
         self.lengths.fill_(self.length)
 
     def write(self, layer, k, v):
         """k, v [1, H, count, D] into their pages."""
         pages, rows = self.where
+        if isinstance(pages, int):  # one token: row `rows` of page `pages`, [H, D]
+            self.k[layer][pages, :, rows] = k[0, :, 0]
+            self.v[layer][pages, :, rows] = v[0, :, 0]
+            return
         self.k[layer][pages, :, rows] = k[0].transpose(0, 1)  # [count, H, D]
         self.v[layer][pages, :, rows] = v[0].transpose(0, 1)
 

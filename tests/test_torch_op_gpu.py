@@ -13,11 +13,13 @@ a CUDA device it sees. The libraries it loads are `make lib`'s (make test builds
   compile    torch.compile(fullgraph=True) of a function calling the op, aot_eager and inductor:
              the same O and gradients as eager
   repeat     deterministic=True: dQ, dK, dV bitwise the same in two backward calls on the same inputs
-  decode     11's decoding through the op (grouped heads, ragged lengths, pages of 1 and 16) against float64
+  decode     11's decoding through the op (grouped heads, ragged lengths, pages of 1 and 16) against float64;
+             make generate's paged cache (a prompt written at once, then a token at a time) against its
+             contiguous one
   errors     each refusal: its exception type and words
   training   50 steps of common/train.py's model with the op: finite losses that fall, from where the
              same run with SDPA starts, as far as it within a tenth of its fall; common/train.py end to
-             end (its CSV, its summary, its saved models)
+             end (its CSV, its summary, its saved models), then common/generate.py on a model it saved
 """
 import math
 import os
@@ -274,6 +276,36 @@ def test_decode(op, b, hq, hkv, nq, d, page, lengths):
         assert lse_err <= LSE_TOL, f"{shown}: LSE max abs error {lse_err:.3e}, expected <= {LSE_TOL}"
 
 
+@pytest.mark.parametrize("page", (1, 7, 16))
+def test_generate_paged_cache(op, page):
+    """make generate's PagedCache against its ContiguousCache: a prompt of 25 tokens written at once (a
+    scatter), then 40 tokens one at a time (a plain copy to a page the host looks up), each step attending
+    through 11's decoding: at every step within 11's rule of float64 attention over what the contiguous
+    cache holds (a token written to a wrong page or row is read by every later step)."""
+    torch = op
+    runs_here(torch, "11")
+    import generate
+    train = training_module()
+    paged, contiguous = generate.PagedCache(1, page, "cuda", seed=1), generate.ContiguousCache(1, "cuda")
+    shape = (1, train.HEADS, 1, train.HEAD_DIM)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    start = 0
+    for count in [25] + [1] * 40:
+        q, k, v = (torch.randn((*shape[:2], count, shape[3]), device="cuda", dtype=torch.float16, generator=generator)
+                   for _ in range(3))
+        for cache in (paged, contiguous):
+            cache.begin(start, count)
+            cache.write(0, k, v)
+        start += count
+        if count > 1:
+            continue
+        keys, values = (to_numpy(t[0][:, :, :start]) for t in (contiguous.k, contiguous.v))
+        want, _ = reference.decode_reference(to_numpy(q), keys, values, np.array([start]), 1 / math.sqrt(shape[3]))
+        rel = rel_l2(to_numpy(paged.attend(0, q, "11")), want)
+        assert rel <= REL_L2_TOL[11], (f"pages of {page}, {start} tokens cached: relative L2 {rel:.3e} from float64 "
+                                       f"over the contiguous cache")
+
+
 def test_errors(op):
     torch = op
     runs_here(torch, "07", "09")
@@ -348,3 +380,16 @@ def test_train_script(op, repo, tmp_path):
     saved = re.search(r"^the trained models \(make generate loads one\): (.*)$", proc.stdout, re.M)
     paths = [repo.root / p for p in saved.group(1).split(", ")] if saved else []
     assert len(paths) == 6 and all(p.is_file() for p in paths), f"train.py's models: {saved and saved.group(0)}"
+    # make generate on one of them: the prompt by 07, each next token by 11 from a paged cache, beside SDPA.
+    tokens = 24
+    proc = repo.run([repo.python, repo.root / "common" / "generate.py", "--model", paths[1], "--tokens", tokens,
+                     "--page-size", "7", "--build", repo.build, "--no-build"], timeout=600)
+    assert proc.returncode == 0, f"generate.py: exit {proc.returncode}:\n{(proc.stdout + proc.stderr).strip()[-2000:]}"
+    verdicts = re.findall(r"^(SDPA[\w ]*): (the same (\d+) tokens|they differ first at .*)$", proc.stdout, re.M)
+    assert [v[0] for v in verdicts] == ["SDPA", "SDPA flash", "SDPA cuDNN", "SDPA efficient"][:len(verdicts)] and verdicts, (
+        f"generate.py printed no verdict per SDPA backend:\n{proc.stdout}")
+    for name, verdict, count in verdicts:
+        steps = re.search(r"the chapter's gap \S+, ([\d.]+) fp16 rounding steps", verdict)
+        assert count == str(tokens) or (steps and float(steps.group(1)) <= 4), (
+            f"{name}: {verdict}: expected the same {tokens} tokens, or a choice between logits within a few fp16 steps")
+    assert re.search(r"^decoding, tokens/s: 11_decode \d+", proc.stdout, re.M), f"no rates:\n{proc.stdout}"
