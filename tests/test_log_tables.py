@@ -261,3 +261,13 @@ def test_11_5s_table_is_its_log(repo):
         want = [fp16[8], e4m3[8], f"{float(e4m3[8]) / float(fp16[8]):.2f}x", f"{float(fp16[9]):.0f}",
                 f"{float(e4m3[9]):.0f}", f"{float(e4m3[-1]):.4f}"]
         assert cells == want, f"B={b} L={cache} D={d}: the table has {cells}, the log {want}"
+
+
+def test_decode_overhead_table_is_its_log(repo):
+    """docs/pytorch.md's per-call costs: each cell is the log's line, in the table's column order."""
+    lines = (repo.root / "docs/results/logs/11/decode_overhead_h100.txt").read_text().splitlines()
+    measured = dict(line.strip().rsplit(None, 1) for line in lines if line.startswith("  "))
+    names = ["sdpa flash", "sdpa cudnn", "sdpa efficient", "op", "impl", "checks only", "raw", "write paged",
+             "write slice"]
+    table = markdown_rows((repo.root / "docs/pytorch.md").read_text(), "| SDPA flash | cuDNN | efficient |")
+    assert table == [[measured[name] for name in names]], f"the table {table}, the log {measured}"
