@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-SOURCES = ["[0-9][0-9]_*/attention.cu", "common/*.cu", "common/*.c", "common/*.h", "tests/*.c", "tests/fixtures/*.cu",
+SOURCES = ["[0-9][0-9]_*/*.cu", "[0-9][0-9]_*/*.h", "common/*.cu", "common/*.c", "common/*.h", "tests/*.c", "tests/fixtures/*.cu",
            "tests/fixtures/*.c", "tools/*.cu"]
 
 
