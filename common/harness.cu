@@ -1764,8 +1764,7 @@ static void require_e4m3_gpu(const cudaDeviceProp *prop) {
     exit(EXIT_SKIP);
 }
 
-// The decoding step of the chapter: checked, timed, reported; its exit code.
-// One decoding step (median_time's RunOnce).
+// One decoding step (median_time's and kernels_of's RunOnce).
 static void run_decode_once(const void *what, cudaStream_t stream) {
     check_launch(chapter.decode->decode((const DecodeArgs *)what, stream), "decoding pass");
 }

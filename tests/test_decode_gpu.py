@@ -36,6 +36,10 @@ CASES = [
 ]
 
 
+CASE_IDS = [f"B={c[0]} Hq={c[1]} Hkv={c[2]} Nq={c[3]} P={c[4]} L={c[5] if len(c[5]) < 24 else c[5][:9] + '...'}"
+            for c in CASES]
+
+
 def run_decode(repo, impl, build, b, hq, hkv, new, page, lengths, d, *extra):
     args = ["--decode", "--batch", str(b), "--heads", str(hq), "--kv-heads", str(hkv), "--new", str(new),
             "--page-size", str(page), "--cache-len", lengths, "--headdim", str(d), "--warmup", "0", "--iters", "1",
@@ -48,20 +52,24 @@ def run_decode(repo, impl, build, b, hq, hkv, new, page, lengths, d, *extra):
     return proc, dict(zip(DECODE_FIELDS, rows[-1])) if rows else None
 
 
+def assert_passed(proc, row, shown):
+    """Exit 0, a PASS row, and two kernels (the split and the merge)."""
+    assert proc.returncode == 0 and row and row["status"] == "PASS", (
+        f"{shown}: expected PASS, got exit {proc.returncode}, row {row}, stderr {proc.stderr.strip()[-500:]!r}")
+    assert row["kernels"] == "2", f"{shown}: {row['kernels']} kernels, expected 2 (the split and the merge)"
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("b, hq, hkv, new, page, lengths", CASES,
-                         ids=[f"B={c[0]} Hq={c[1]} Hkv={c[2]} Nq={c[3]} P={c[4]} L={c[5] if len(c[5]) < 24 else c[5][:9] + '...'}"
-                              for c in CASES])
+                         ids=CASE_IDS)
 @pytest.mark.parametrize("impl, build", DECODE_BUILDS, ids=[impl for impl, _ in DECODE_BUILDS])
 def test_decode_matrix(repo, impl, build, b, hq, hkv, new, page, lengths, d):
     proc, row = run_decode(repo, impl, build, b, hq, hkv, new, page, lengths, d)
     shown = f"{build} --decode B={b} Hq={hq} Hkv={hkv} Nq={new} P={page} L={lengths} D={d}"
-    assert proc.returncode == 0 and row and row["status"] == "PASS", (
-        f"{shown}: expected PASS, got exit {proc.returncode}, row {row}, stderr {proc.stderr.strip()[-500:]!r}")
+    assert_passed(proc, row, shown)
     echoed = tuple(int(row[k]) for k in ("batch", "q_heads", "kv_heads", "new", "max_length", "page_size", "headdim"))
     want = (b, hq, hkv, new, max(int(n) for n in lengths.split(",")), page, d)
     assert echoed == want, f"{shown}: the row reports {echoed}, expected {want}"
-    assert row["kernels"] == "2", f"{shown}: {row['kernels']} kernels, expected 2 (the split and the merge)"
 
 
 # The builds that read an e4m3 cache (--kv-cache e4m3): the chapter, from 11.5; its CSV rows name it impl.e4m3.
@@ -70,15 +78,12 @@ E4M3_BUILDS = [(c + ".e4m3", c) for c in DECODE_CHAPTERS]
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("b, hq, hkv, new, page, lengths", CASES,
-                         ids=[f"B={c[0]} Hq={c[1]} Hkv={c[2]} Nq={c[3]} P={c[4]} L={c[5] if len(c[5]) < 24 else c[5][:9] + '...'}"
-                              for c in CASES])
+                         ids=CASE_IDS)
 @pytest.mark.parametrize("impl, build", E4M3_BUILDS, ids=[impl for impl, _ in E4M3_BUILDS])
 def test_decode_matrix_e4m3_cache(repo, impl, build, b, hq, hkv, new, page, lengths, d):
     proc, row = run_decode(repo, impl, build, b, hq, hkv, new, page, lengths, d, "--kv-cache", "e4m3")
     shown = f"{build} --decode --kv-cache e4m3 B={b} Hq={hq} Hkv={hkv} Nq={new} P={page} L={lengths} D={d}"
-    assert proc.returncode == 0 and row and row["status"] == "PASS", (
-        f"{shown}: expected PASS, got exit {proc.returncode}, row {row}, stderr {proc.stderr.strip()[-500:]!r}")
-    assert row["kernels"] == "2", f"{shown}: {row['kernels']} kernels, expected 2 (the split and the merge)"
+    assert_passed(proc, row, shown)
     assert 0 < float(row["cache_rel_l2"]) < 8e-2, (
         f"{shown}: O against the fp16 cache's reference, rel L2 {row['cache_rel_l2']}: e4m3's rounding gives about 3-4e-2")
 
