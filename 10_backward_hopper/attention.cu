@@ -1,10 +1,12 @@
-// 10.2, step 2 of 10_backward_hopper: warp specialisation. A producer warpgroup only issues the
-// TMA copies; two consumer warpgroups of 64 keys each share every Q and dO tile, so a block holds
-// 128 keys and reads each query tile once for them. Otherwise 10.1.
+// 10.3, step 3 of 10_backward_hopper: LSE and D travel with Q and dO. The first kernel lays out
+// each query tile's 64 LSE and 64 D values side by side, and the producer brings them into the ring's
+// stage with the tile's Q and dO, on the same barrier: no consumer waits on a load of its own.
+// Otherwise 10.2.
 //
-// Three kernels, as 09: (1) D = rowsum(dO * O) and the fp32 dQ accumulator zeroed; (2) one block per
-// (128-key tile, b*h): the producer brings K and V once and Q and dO of each 64-query tile through a
-// ring of two stages (full and empty mbarriers); consumer c owns keys 64c..64c+63. Per query tile,
+// Three kernels, as 09: (1) D = rowsum(dO * O), each query tile's LSE and D as one 512-byte column
+// block, and the fp32 dQ accumulator zeroed; (2) one block per (128-key tile, b*h): the producer
+// brings K and V once and Q, dO and the column block of each 64-query tile through a ring of two
+// stages (full and empty mbarriers); consumer c owns keys 64c..64c+63. Per query tile,
 // each consumer: S^T = K Q^T and dP^T = V dO^T, P^T = exp(S^T * scale - LSE), dS^T = P^T * (dP^T - D),
 // dS^T to shared memory, dV += P^T dO and dK += dS^T Q; then, once both consumers' dS^T are in, dQ +=
 // dS K over the block's 128 keys, its 64-dim passes shared between the consumers, added into the fp32
@@ -30,6 +32,8 @@
 #define SLICE_BYTES 128                               // rows are stored as 128-byte slices (the 128-byte swizzle)
 #define SLICE_ELEMENTS (SLICE_BYTES / ELEMENT_BYTES)  // 64
 #define WORKSPACE_ALIGN 256
+#define COLUMN_FLOATS (2 * WG_ROWS)       // a query tile's LSE, then its D
+#define COLUMN_BYTES (COLUMN_FLOATS * 4)  // 512: one bulk copy a tile
 
 template <int HEAD_DIM>
 struct BwdConfig {
@@ -41,9 +45,8 @@ struct BwdConfig {
     static constexpr int KV_TILE_BYTES = SLICES * KV_SLICE_STRIDE;         // a 128 x HEAD_DIM tile
     static constexpr int DS_BYTES = TILE_KV * TILE_Q * ELEMENT_BYTES;      // dS^T, [key][query]
     static constexpr int BARRIERS = 2 + 2 * BWD_STAGES;                    // K/V full and empty, each stage's
-    static constexpr int COLUMN_FLOATS = CONSUMERS * 2 * 2 * TILE_Q;       // LSE and D, 2 buffers a consumer
     static constexpr int SMEM_BYTES = 1024 + 2 * KV_TILE_BYTES + 2 * BWD_STAGES * Q_TILE_BYTES + 2 * DS_BYTES +
-                                      COLUMN_FLOATS * (int)sizeof(float) + BARRIERS * 8;
+                                      BWD_STAGES * COLUMN_BYTES + BARRIERS * 8;
     static constexpr int SCORE_REGS = TILE_Q / 2;    // a thread's share of a 64 x 64 accumulator
     static constexpr int ACC_REGS_D = HEAD_DIM / 2;  // of a 64 x HEAD_DIM one
     static constexpr int DQ_PASSES = SLICES;         // dQ in passes of 64 dims: 32 registers each
@@ -60,7 +63,7 @@ struct Smem {
     unsigned char *k_tile, *v_tile;   // [slice][key][128 bytes], swizzled as TMA writes them
     unsigned char *q_ring, *do_ring;  // [stage][slice][query][128 bytes]
     unsigned char *ds_tiles;          // two dS^T [key][query], one 128-byte row per key, swizzled by hand
-    float *columns;                   // [consumer][buffer][LSE, D][query]: a query tile's LSE and D
+    float *column_ring;               // [stage][LSE, D][query]: the stage's query tile's LSE and D
     uint64_t *kv_full, *kv_empty;     // K and V landed; the consumers are done with them
     uint64_t *q_full, *q_empty;       // stage s's Q and dO landed; the consumers are done with stage s
 };
@@ -74,8 +77,8 @@ __device__ Smem smem_layout(unsigned char *raw) {
     smem.q_ring = smem.v_tile + Cfg::KV_TILE_BYTES;
     smem.do_ring = smem.q_ring + BWD_STAGES * Cfg::Q_TILE_BYTES;
     smem.ds_tiles = smem.do_ring + BWD_STAGES * Cfg::Q_TILE_BYTES;
-    smem.columns = (float *)(smem.ds_tiles + 2 * Cfg::DS_BYTES);
-    smem.kv_full = (uint64_t *)(smem.columns + Cfg::COLUMN_FLOATS);
+    smem.column_ring = (float *)(smem.ds_tiles + 2 * Cfg::DS_BYTES);
+    smem.kv_full = (uint64_t *)(smem.column_ring + BWD_STAGES * COLUMN_FLOATS);
     smem.kv_empty = smem.kv_full + 1;
     smem.q_full = smem.kv_empty + 1;
     smem.q_empty = smem.q_full + BWD_STAGES;
@@ -96,13 +99,23 @@ __device__ void load_tile(unsigned char *tile, int slice_stride, int rows, const
                      row0 + box * WG_ROWS, head);
 }
 
-// Q and dO of the ring's tile `ring_tile` (query0 on) into its stage.
+// `bytes` (a multiple of 16) from global to shared memory by the bulk-copy engine, completing on barrier.
+__device__ void bulk_load(void *dst, const void *src, int bytes, uint64_t *barrier) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     smem_address(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_address(barrier))
+                 : "memory");
+}
+
+// Q, dO and the LSE and D columns of the ring's tile `ring_tile` (query0 on) into its stage.
 template <int HEAD_DIM>
-__device__ void load_query_tile(const Smem &smem, const CUtensorMap *q_map, const CUtensorMap *do_map, int ring_tile,
-                                int query0, int head) {
+__device__ void load_query_tile(const Smem &smem, const CUtensorMap *q_map, const CUtensorMap *do_map,
+                                const float *columns_head, int ring_tile, int query0, int head) {
     typedef BwdConfig<HEAD_DIM> Cfg;
     const int stage = ring_tile % BWD_STAGES;
-    mbarrier_arrive_expect_bytes(&smem.q_full[stage], 2 * Cfg::Q_TILE_BYTES);
+    mbarrier_arrive_expect_bytes(&smem.q_full[stage], 2 * Cfg::Q_TILE_BYTES + COLUMN_BYTES);
+    bulk_load(smem.column_ring + stage * COLUMN_FLOATS, columns_head + query0 / Cfg::TILE_Q * COLUMN_FLOATS,
+              COLUMN_BYTES, &smem.q_full[stage]);
     load_tile<HEAD_DIM>(smem.q_ring + stage * Cfg::Q_TILE_BYTES, Cfg::Q_SLICE_STRIDE, WG_ROWS, q_map,
                         &smem.q_full[stage], query0, head);
     load_tile<HEAD_DIM>(smem.do_ring + stage * Cfg::Q_TILE_BYTES, Cfg::Q_SLICE_STRIDE, WG_ROWS, do_map,
@@ -243,13 +256,16 @@ __device__ void store_dk_dv(__half *dk_head, __half *dv_head, const float (&dk)[
 }
 
 // --- The kernels -------------------------------------------------------------------------------
-// (1) D_i = sum_d dO[i, d] * O[i, d] in fp32, and row i of each copy of the dQ accumulator zeroed
-// (09's). Grid: (row tiles, b*h); CHUNKS lanes per row, each with 8 of its D elements.
+// (1) D_i = sum_d dO[i, d] * O[i, d] in fp32, written beside LSE_i into the query tile's column block
+// ([tile][LSE, D][64], 0 past the end), and row i of each copy of the dQ accumulator zeroed. Grid:
+// (row tiles over the padded rows, b*h); CHUNKS lanes per row, each with 8 of its D elements.
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(THREADS) backward_preprocess_kernel(const __half *o, const __half *d_o, float *delta,
-                                                                      float *dq_acc, int copies, int seqlen) {
+__global__ void __launch_bounds__(THREADS)
+    backward_preprocess_kernel(const __half *o, const __half *d_o, const float *lse, float *columns, float *dq_acc,
+                               int copies, int seqlen) {
     constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS = THREADS / CHUNKS;
     const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    const int padded_rows = ceil_div(seqlen, WG_ROWS) * WG_ROWS;  // the grid's rows (a multiple of ROWS)
     const bool valid = row < seqlen;
     const size_t at = ((size_t)blockIdx.y * seqlen + (valid ? row : 0)) * HEAD_DIM + chunk * CHUNK_HALVES;
     float sum = 0.0f;
@@ -264,8 +280,9 @@ __global__ void __launch_bounds__(THREADS) backward_preprocess_kernel(const __ha
     }
 #pragma unroll
     for (int offset = CHUNKS / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+    float *column = columns + ((size_t)blockIdx.y * padded_rows + row) / WG_ROWS * COLUMN_FLOATS + row % WG_ROWS;
+    if (chunk == 0) column[0] = valid ? lse[(size_t)blockIdx.y * seqlen + row] : 0.0f, column[WG_ROWS] = sum;
     if (!valid) return;
-    if (chunk == 0) delta[(size_t)blockIdx.y * seqlen + row] = sum;
     const size_t copy_floats = (size_t)gridDim.y * seqlen * HEAD_DIM;
     for (int copy = 0; copy < copies; copy++) {
         float4 *to = (float4 *)(dq_acc + copy * copy_floats + at);
@@ -276,8 +293,8 @@ __global__ void __launch_bounds__(THREADS) backward_preprocess_kernel(const __ha
 // What a block works on, and where its tiles come from.
 struct Work {
     const CUtensorMap *q_map, *k_map, *v_map, *do_map;
-    const float *lse_head, *delta_head;
-    float *dq_head;  // the block's dQ accumulator (deterministic: its own copy)
+    const float *columns_head;  // the head's [query tile][LSE, D][64]
+    float *dq_head;             // the block's dQ accumulator (deterministic: its own copy)
     __half *dk_head, *dv_head;
     int head, seqlen, causal;
     float scale, scale_log2;
@@ -308,7 +325,8 @@ __device__ void produce_key_block(const Smem &smem, const Work &w, int key_tile,
         const int ring_tile = loaded + step;
         if (ring_tile >= BWD_STAGES)
             mbarrier_wait(&smem.q_empty[ring_tile % BWD_STAGES], (ring_tile / BWD_STAGES - 1) % 2);
-        load_query_tile<HEAD_DIM>(smem, w.q_map, w.do_map, ring_tile, (first_tile + step) * Cfg::TILE_Q, w.head);
+        load_query_tile<HEAD_DIM>(smem, w.q_map, w.do_map, w.columns_head, ring_tile, (first_tile + step) * Cfg::TILE_Q,
+                                  w.head);
     }
     loaded += q_tiles;
 }
@@ -318,19 +336,6 @@ __device__ void release(uint64_t *barrier) {
     __syncwarp();
     if (threadIdx.x % 32 == 0) mbarrier_arrive(barrier);
     __syncwarp();
-}
-
-// The query tile's LSE (threads 0-63 of the consumer) and D (64-127) into the consumer's buffer;
-// past the end 0 (those queries are masked). Then the consumer's warps wait for each other.
-template <int HEAD_DIM>
-__device__ float *load_columns(const Smem &smem, const Work &w, int consumer, int ring_tile, int query0) {
-    constexpr int TILE_Q = BwdConfig<HEAD_DIM>::TILE_Q;
-    float *columns = smem.columns + (consumer * 2 + ring_tile % 2) * 2 * TILE_Q;  // [LSE, D][query]
-    const int col = wg_thread() % TILE_Q, query = query0 + col;
-    const float *from = wg_thread() < TILE_Q ? w.lse_head : w.delta_head;
-    columns[wg_thread()] = query < w.seqlen ? from[query] : 0.0f;
-    bar_sync<WG_THREADS>(2 + consumer);  // (two buffers: every warp is past the tile before last's reads)
-    return columns;
 }
 
 // (2b) Consumer `consumer`: dK and dV of keys 64 consumer.. of the key tile, and its share of dQ.
@@ -354,7 +359,7 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
         const unsigned char *q_tile = smem.q_ring + stage * Cfg::Q_TILE_BYTES;
         const unsigned char *do_tile = smem.do_ring + stage * Cfg::Q_TILE_BYTES;
         unsigned char *ds_tile = smem.ds_tiles + ring_tile % 2 * Cfg::DS_BYTES;  // two: one barrier a tile
-        const float *columns = load_columns<HEAD_DIM>(smem, w, consumer, ring_tile, query0);
+        const float *columns = smem.column_ring + stage * COLUMN_FLOATS;         // [LSE, D][query], with Q and dO
         mbarrier_wait(&smem.q_full[stage], ring_tile / BWD_STAGES % 2);
 
         // S^T = K Q^T and dP^T = V dO^T, both 64 keys x 64 queries.
@@ -428,8 +433,8 @@ template <int HEAD_DIM, bool DETERMINISTIC>
 __global__ void __launch_bounds__(BLOCK_THREADS, 1)
     backward_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
-                    const float *lse, const float *delta, float *dq_acc, __half *dk, __half *dv, int seqlen,
-                    float scale, float scale_log2, int causal) {
+                    const float *columns, float *dq_acc, __half *dk, __half *dv, int seqlen, float scale,
+                    float scale_log2, int causal) {
     extern __shared__ unsigned char raw_smem[];
     const Smem smem = smem_layout<HEAD_DIM>(raw_smem);
     const int head = DETERMINISTIC || !causal ? blockIdx.y : blockIdx.x;
@@ -439,8 +444,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
               &k_map,
               &v_map,
               &do_map,
-              lse + (size_t)head * seqlen,
-              delta + (size_t)head * seqlen,
+              columns + (size_t)head * ceil_div(seqlen, WG_ROWS) * COLUMN_FLOATS,
               dq_acc + head_elements,
               dk + head_elements,
               dv + head_elements,
@@ -505,10 +509,10 @@ __global__ void __launch_bounds__(THREADS)
 }
 
 // --- The backward's launcher -----------------------------------------------------------------
-// The workspace: D, one float per query row, then the fp32 dQ accumulator's copies (one with
-// atomics), from a 256-byte boundary.
-static size_t delta_bytes(const AttnShape *s) {
-    size_t bytes = (size_t)s->batch * s->heads * s->seqlen * sizeof(float);
+// The workspace: the column blocks, LSE and D of each 64-query tile, then the fp32 dQ accumulator's
+// copies (one with atomics), from a 256-byte boundary.
+static size_t columns_bytes(const AttnShape *s) {
+    size_t bytes = (size_t)s->batch * s->heads * ceil_div(s->seqlen, WG_ROWS) * COLUMN_BYTES;
     return (bytes + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN;
 }
 
@@ -551,7 +555,7 @@ static size_t backward_workspace_bytes(const AttnShape *s, int deterministic) {
     if (deterministic)
         err = s->headdim == 64 ? plan_backward<64, true>(s, &copies) : plan_backward<128, true>(s, &copies);
     if (err != cudaSuccess) copies = 1;  // the launch reports it
-    return delta_bytes(s) + copies * dq_acc;
+    return columns_bytes(s) + copies * dq_acc;
 }
 
 template <int HEAD_DIM, bool DETERMINISTIC>
@@ -571,17 +575,19 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
         make_tensor_map(&v_map, (void *)args->v, row_bytes, s->seqlen, heads, SLICE_BYTES, WG_ROWS, chapter.name));
     RETURN_IF_ERROR(
         make_tensor_map(&do_map, (void *)args->d_o, row_bytes, s->seqlen, heads, SLICE_BYTES, WG_ROWS, chapter.name));
-    float *delta = (float *)args->workspace;
-    float *dq_acc = (float *)((char *)args->workspace + delta_bytes(s));
-    const dim3 row_grid(ceil_div(s->seqlen, THREADS / (HEAD_DIM / CHUNK_HALVES)), heads);
+    float *columns = (float *)args->workspace;
+    float *dq_acc = (float *)((char *)args->workspace + columns_bytes(s));
+    const int rows_per_block = THREADS / (HEAD_DIM / CHUNK_HALVES);
+    const dim3 row_grid(ceil_div(s->seqlen, rows_per_block), heads);
+    const dim3 padded_grid(ceil_div(ceil_div(s->seqlen, WG_ROWS) * WG_ROWS, rows_per_block), heads);
 
     backward_preprocess_kernel<HEAD_DIM>
-        <<<row_grid, THREADS, 0, stream>>>(args->o, args->d_o, delta, dq_acc, copies, s->seqlen);
+        <<<padded_grid, THREADS, 0, stream>>>(args->o, args->d_o, args->lse, columns, dq_acc, copies, s->seqlen);
     RETURN_IF_ERROR(cudaGetLastError());
     const dim3 grid = DETERMINISTIC ? dim3(copies, heads) : s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
-    backward_kernel<HEAD_DIM, DETERMINISTIC><<<grid, BLOCK_THREADS, Cfg::SMEM_BYTES, stream>>>(
-        q_map, k_map, v_map, do_map, args->lse, delta, dq_acc, args->dk, args->dv, s->seqlen, s->scale,
-        s->scale * LOG2E, s->causal);
+    backward_kernel<HEAD_DIM, DETERMINISTIC>
+        <<<grid, BLOCK_THREADS, Cfg::SMEM_BYTES, stream>>>(q_map, k_map, v_map, do_map, columns, dq_acc, args->dk,
+                                                           args->dv, s->seqlen, s->scale, s->scale * LOG2E, s->causal);
     RETURN_IF_ERROR(cudaGetLastError());
     convert_dq_kernel<HEAD_DIM><<<row_grid, THREADS, 0, stream>>>(dq_acc, copies, args->dq, s->seqlen, s->scale);
     return cudaGetLastError();
