@@ -1,16 +1,18 @@
-// 10.3, step 3 of 10_backward_hopper: LSE and D travel with Q and dO. The first kernel lays out
-// each query tile's 64 LSE and 64 D values side by side, and the producer brings them into the ring's
-// stage with the tile's Q and dO, on the same barrier: no consumer waits on a load of its own.
-// Otherwise 10.2.
+// 10.4, step 4 of 10_backward_hopper: dQ by the bulk-copy engine. A consumer's dQ partial goes to
+// shared memory, and one of its threads hands it to the bulk-copy engine, which adds it into the fp32
+// accumulator (cp.reduce.async.bulk ... .add.f32) while the warps compute on: 16 KiB in one
+// instruction where each thread issued sixteen float2 atomics. The accumulator is laid out as the
+// partials leave the registers. Otherwise 10.3.
 //
 // Three kernels, as 09: (1) D = rowsum(dO * O), each query tile's LSE and D as one 512-byte column
-// block, and the fp32 dQ accumulator zeroed; (2) one block per (128-key tile, b*h): the producer
-// brings K and V once and Q, dO and the column block of each 64-query tile through a ring of two
-// stages (full and empty mbarriers); consumer c owns keys 64c..64c+63. Per query tile,
-// each consumer: S^T = K Q^T and dP^T = V dO^T, P^T = exp(S^T * scale - LSE), dS^T = P^T * (dP^T - D),
-// dS^T to shared memory, dV += P^T dO and dK += dS^T Q; then, once both consumers' dS^T are in, dQ +=
-// dS K over the block's 128 keys, its 64-dim passes shared between the consumers, added into the fp32
-// accumulator by atomics; (3) dQ to fp16. The forward is 07's (09's forward.h).
+// block; (2) one block per (128-key tile, b*h): the producer brings K and V once and Q, dO and the
+// column block of each 64-query tile through a ring of two stages (full and empty mbarriers);
+// consumer c owns keys 64c..64c+63. Per query tile, each consumer: S^T = K Q^T and dP^T = V dO^T,
+// P^T = exp(S^T * scale - LSE), dS^T = P^T * (dP^T - D), dS^T to shared memory, dV += P^T dO and
+// dK += dS^T Q; then, once both consumers' dS^T are in, dQ += dS K over the block's 128 keys, its
+// 64-dim passes shared between the consumers, each pass staged in shared memory and added into the
+// fp32 accumulator by a bulk reduction; (3) dQ to fp16. The accumulator is zeroed before (2). The
+// forward is 07's (09's forward.h).
 #include <stdio.h>
 
 #include "../common/harness.h"
@@ -25,6 +27,7 @@
 #define PRODUCER_REGISTERS 24                         // setmaxnreg: the producer keeps few registers
 #define CONSUMER_REGISTERS 240                        // and the consumers take the rest
 #define DS_BARRIER 1                                  // named barrier: both consumers' dS^T stored
+#define DQ_BARRIER 2                                  // 2 + c: consumer c's dQ stage free, then written
 #define BWD_STAGES 2                                  // (Q, dO) tiles in the ring
 #define ELEMENT_BYTES 2                               // fp16
 #define KSTEP_BYTES 32                                // of the reduced dimension per wgmma
@@ -34,6 +37,8 @@
 #define WORKSPACE_ALIGN 256
 #define COLUMN_FLOATS (2 * WG_ROWS)       // a query tile's LSE, then its D
 #define COLUMN_BYTES (COLUMN_FLOATS * 4)  // 512: one bulk copy a tile
+#define DQ_CHUNK_FLOATS (WG_ROWS * SLICE_ELEMENTS)  // a pass's partial: 64 queries x 64 dims
+#define DQ_CHUNK_BYTES (DQ_CHUNK_FLOATS * 4)       // 16 KiB: one bulk reduction
 
 template <int HEAD_DIM>
 struct BwdConfig {
@@ -46,7 +51,7 @@ struct BwdConfig {
     static constexpr int DS_BYTES = TILE_KV * TILE_Q * ELEMENT_BYTES;      // dS^T, [key][query]
     static constexpr int BARRIERS = 2 + 2 * BWD_STAGES;                    // K/V full and empty, each stage's
     static constexpr int SMEM_BYTES = 1024 + 2 * KV_TILE_BYTES + 2 * BWD_STAGES * Q_TILE_BYTES + 2 * DS_BYTES +
-                                      BWD_STAGES * COLUMN_BYTES + BARRIERS * 8;
+                                      CONSUMERS * DQ_CHUNK_BYTES + BWD_STAGES * COLUMN_BYTES + BARRIERS * 8;
     static constexpr int SCORE_REGS = TILE_Q / 2;    // a thread's share of a 64 x 64 accumulator
     static constexpr int ACC_REGS_D = HEAD_DIM / 2;  // of a 64 x HEAD_DIM one
     static constexpr int DQ_PASSES = SLICES;         // dQ in passes of 64 dims: 32 registers each
@@ -63,6 +68,7 @@ struct Smem {
     unsigned char *k_tile, *v_tile;   // [slice][key][128 bytes], swizzled as TMA writes them
     unsigned char *q_ring, *do_ring;  // [stage][slice][query][128 bytes]
     unsigned char *ds_tiles;          // two dS^T [key][query], one 128-byte row per key, swizzled by hand
+    float *dq_stages;                 // [consumer][DQ_CHUNK_FLOATS]: a dQ partial on its way out
     float *column_ring;               // [stage][LSE, D][query]: the stage's query tile's LSE and D
     uint64_t *kv_full, *kv_empty;     // K and V landed; the consumers are done with them
     uint64_t *q_full, *q_empty;       // stage s's Q and dO landed; the consumers are done with stage s
@@ -77,7 +83,8 @@ __device__ Smem smem_layout(unsigned char *raw) {
     smem.q_ring = smem.v_tile + Cfg::KV_TILE_BYTES;
     smem.do_ring = smem.q_ring + BWD_STAGES * Cfg::Q_TILE_BYTES;
     smem.ds_tiles = smem.do_ring + BWD_STAGES * Cfg::Q_TILE_BYTES;
-    smem.column_ring = (float *)(smem.ds_tiles + 2 * Cfg::DS_BYTES);
+    smem.dq_stages = (float *)(smem.ds_tiles + 2 * Cfg::DS_BYTES);
+    smem.column_ring = smem.dq_stages + CONSUMERS * DQ_CHUNK_FLOATS;
     smem.kv_full = (uint64_t *)(smem.column_ring + BWD_STAGES * COLUMN_FLOATS);
     smem.kv_empty = smem.kv_full + 1;
     smem.q_full = smem.kv_empty + 1;
@@ -223,18 +230,36 @@ __device__ void store_ds(unsigned char *ds_tile, const unsigned (&ds)[4][4]) {
         }
 }
 
-// This pass's dQ partial (64 queries x 64 dims from dim0) added into the fp32 accumulator, two
-// floats per atomic.
-template <int HEAD_DIM>
-__device__ void add_dq(float *dq_head, const float (&dq)[32], int query0, int dim0, int seqlen) {
+// The dQ accumulator's layout: per head, per 64-query tile, per 64-dim pass, one 16 KiB chunk in the
+// order the partial leaves the registers: float4 j of thread t (its accumulator elements 4j..4j+3)
+// at float 512 j + 4 t. The threads' stores into shared memory are then conflict-free, and the
+// chunk goes out in one contiguous bulk reduction; the convert kernel reads it back (dq_chunk_index).
+__device__ int dq_chunk_index(int query, int dim) {  // query, dim within the chunk (0..63)
+    const int warp = query / 16, lane = query % 8 * 4 + dim % 8 / 2, t = warp * 32 + lane;
+    return dim / 8 * 512 + t * 4 + query % 16 / 8 * 2 + dim % 2;
+}
+
+// Thread 0 of a consumer: the bulk reductions it issued have read their source (.read), or are
+// complete (their adds made).
+__device__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// This pass's dQ partial into the consumer's stage, then added into its chunk of the accumulator by
+// the bulk-copy engine: the stage free (the last reduction has read it), the threads' float4s
+// written, made visible to the async proxy, then one thread issues the reduction.
+__device__ void reduce_dq(float *stage, float *chunk, const float (&dq)[32], int consumer) {
+    if (wg_thread() == 0) bulk_wait_read();
+    bar_sync<WG_THREADS>(DQ_BARRIER + consumer);
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int query = query0 + acc_row(r);
-        if (query >= seqlen) continue;
-#pragma unroll
-        for (int c = 0; c < 8; c++)
-            atomicAdd((float2 *)(dq_head + (size_t)query * HEAD_DIM + dim0 + acc_col(c, 0)),
-                      make_float2(dq[4 * c + 2 * r], dq[4 * c + 2 * r + 1]));
+    for (int j = 0; j < 8; j++)
+        *(float4 *)(stage + 512 * j + 4 * wg_thread()) = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+    fence_proxy_async();
+    bar_sync<WG_THREADS>(DQ_BARRIER + consumer);
+    if (wg_thread() == 0) {
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(chunk),
+                     "r"(smem_address(stage)), "n"(DQ_CHUNK_BYTES)
+                     : "memory");
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     }
 }
 
@@ -257,12 +282,11 @@ __device__ void store_dk_dv(__half *dk_head, __half *dv_head, const float (&dk)[
 
 // --- The kernels -------------------------------------------------------------------------------
 // (1) D_i = sum_d dO[i, d] * O[i, d] in fp32, written beside LSE_i into the query tile's column block
-// ([tile][LSE, D][64], 0 past the end), and row i of each copy of the dQ accumulator zeroed. Grid:
-// (row tiles over the padded rows, b*h); CHUNKS lanes per row, each with 8 of its D elements.
+// ([tile][LSE, D][64], 0 past the end). Grid: (row tiles over the padded rows, b*h); CHUNKS lanes per
+// row, each with 8 of its D elements.
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(THREADS)
-    backward_preprocess_kernel(const __half *o, const __half *d_o, const float *lse, float *columns, float *dq_acc,
-                               int copies, int seqlen) {
+    backward_preprocess_kernel(const __half *o, const __half *d_o, const float *lse, float *columns, int seqlen) {
     constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS = THREADS / CHUNKS;
     const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
     const int padded_rows = ceil_div(seqlen, WG_ROWS) * WG_ROWS;  // the grid's rows (a multiple of ROWS)
@@ -282,19 +306,13 @@ __global__ void __launch_bounds__(THREADS)
     for (int offset = CHUNKS / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
     float *column = columns + ((size_t)blockIdx.y * padded_rows + row) / WG_ROWS * COLUMN_FLOATS + row % WG_ROWS;
     if (chunk == 0) column[0] = valid ? lse[(size_t)blockIdx.y * seqlen + row] : 0.0f, column[WG_ROWS] = sum;
-    if (!valid) return;
-    const size_t copy_floats = (size_t)gridDim.y * seqlen * HEAD_DIM;
-    for (int copy = 0; copy < copies; copy++) {
-        float4 *to = (float4 *)(dq_acc + copy * copy_floats + at);
-        to[0] = to[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
 }
 
 // What a block works on, and where its tiles come from.
 struct Work {
     const CUtensorMap *q_map, *k_map, *v_map, *do_map;
     const float *columns_head;  // the head's [query tile][LSE, D][64]
-    float *dq_head;             // the block's dQ accumulator (deterministic: its own copy)
+    float *dq_head;             // the head's dQ chunks, [query tile][pass] (deterministic: the block's copy)
     __half *dk_head, *dv_head;
     int head, seqlen, causal;
     float scale, scale_log2;
@@ -400,7 +418,8 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
             wgmma_commit();
             wgmma_wait<0>();
             hold_registers(dq);
-            add_dq<HEAD_DIM>(w.dq_head, dq, query0, pass * SLICE_ELEMENTS, w.seqlen);
+            reduce_dq(smem.dq_stages + consumer * DQ_CHUNK_FLOATS,
+                      w.dq_head + ((size_t)query0 / Cfg::TILE_Q * Cfg::DQ_PASSES + pass) * DQ_CHUNK_FLOATS, dq, consumer);
         }
         wgmma_wait<0>();
         hold_registers(dv_acc);
@@ -410,6 +429,9 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
         release(&smem.q_empty[stage]);  // this stage's Q and dO are read
     }
     loaded += q_tiles;
+    // This round's dQ adds made: the next round's come after them (the deterministic mode's order),
+    // and the stage has been read before the block exits.
+    if (wg_thread() == 0) bulk_wait();
     release(smem.kv_empty);  // K and V are read (the last dQ pass was waited for)
     store_dk_dv<HEAD_DIM>(w.dk_head, w.dv_head, dk_acc, dv_acc, key0, w.seqlen, w.scale);
 }
@@ -418,9 +440,9 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
 // key tile (grid (key tiles, b*h); causal (b*h, key tiles), the heaviest first). Deterministic
 // (09.8's): grid (copies, b*h); block `copy` takes one of every `copies` key tiles, one after the
 // other, back and forth (copy, 2 copies - 1 - copy, ...), into a dQ copy that no other block
-// writes. An address of it is added to by one thread per round, the rounds ordered by the consumers'
-// named barrier (at D = 64 the two consumers take a round's dQ in turn), and the convert kernel sums
-// the copies in order, so dQ comes out the same on every run.
+// writes. A chunk of it is added to once per round, by one bulk reduction, and a round's reductions
+// are complete before the next round's begin (bulk_wait, then the consumers' named barrier); the
+// convert kernel sums the copies in order, so dQ comes out the same on every run.
 template <bool DETERMINISTIC>
 __device__ int round_key_tile(int round, int key_tiles, int causal) {
     if constexpr (!DETERMINISTIC) return round > 0 ? -1 : (int)(causal ? blockIdx.y : blockIdx.x);
@@ -440,12 +462,13 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
     const int head = DETERMINISTIC || !causal ? blockIdx.y : blockIdx.x;
     const int heads = DETERMINISTIC || !causal ? gridDim.y : gridDim.x;
     const size_t head_elements = (size_t)head * seqlen * HEAD_DIM;
+    const size_t head_acc_floats = (size_t)ceil_div(seqlen, WG_ROWS) * WG_ROWS * HEAD_DIM;  // whole query tiles
     Work w = {&q_map,
               &k_map,
               &v_map,
               &do_map,
               columns + (size_t)head * ceil_div(seqlen, WG_ROWS) * COLUMN_FLOATS,
-              dq_acc + head_elements,
+              dq_acc + head * head_acc_floats,
               dk + head_elements,
               dv + head_elements,
               head,
@@ -453,7 +476,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
               causal,
               scale,
               scale_log2};
-    if constexpr (DETERMINISTIC) w.dq_head += (size_t)blockIdx.x * heads * seqlen * HEAD_DIM;  // the block's copy
+    if constexpr (DETERMINISTIC) w.dq_head += (size_t)blockIdx.x * heads * head_acc_floats;  // the block's copy
 
     constexpr int CONSUMER_WARPS = CONSUMERS * WG_THREADS / 32;
     if (threadIdx.x == 0) {
@@ -484,33 +507,36 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
     }
 }
 
-// (3) dQ = scale * the fp32 accumulator (the sum of its copies, in order), as fp16 (09's).
+// (3) dQ = scale * the fp32 accumulator (the sum of its copies, in order), as fp16: 8 dims of a row a
+// thread, read from their chunk (dq_chunk_index), two floats at a time.
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(THREADS)
     convert_dq_kernel(const float *dq_acc, int copies, __half *dq, int seqlen, float scale) {
     constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS = THREADS / CHUNKS;
-    const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    constexpr int PASSES = HEAD_DIM / SLICE_ELEMENTS;
+    const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, dim0 = threadIdx.x % CHUNKS * CHUNK_HALVES;
     if (row >= seqlen) return;
-    const size_t at = ((size_t)blockIdx.y * seqlen + row) * HEAD_DIM + chunk * CHUNK_HALVES;
-    const size_t copy_floats = (size_t)gridDim.y * seqlen * HEAD_DIM;
-    float4 lo = *(const float4 *)(dq_acc + at), hi = *(const float4 *)(dq_acc + at + 4);
-    for (int copy = 1; copy < copies; copy++) {
-        const float4 l = *(const float4 *)(dq_acc + copy * copy_floats + at);
-        const float4 h = *(const float4 *)(dq_acc + copy * copy_floats + at + 4);
-        lo = make_float4(lo.x + l.x, lo.y + l.y, lo.z + l.z, lo.w + l.w);
-        hi = make_float4(hi.x + h.x, hi.y + h.y, hi.z + h.z, hi.w + h.w);
+    const size_t head_acc_floats = (size_t)ceil_div(seqlen, WG_ROWS) * WG_ROWS * HEAD_DIM;
+    const float *chunk = dq_acc + blockIdx.y * head_acc_floats +
+                         ((size_t)row / WG_ROWS * PASSES + dim0 / SLICE_ELEMENTS) * DQ_CHUNK_FLOATS;
+    const size_t copy_floats = gridDim.y * head_acc_floats;
+    unsigned out[CHUNK_HALVES / 2];
+#pragma unroll
+    for (int k = 0; k < CHUNK_HALVES / 2; k++) {
+        const int at = dq_chunk_index(row % WG_ROWS, dim0 % SLICE_ELEMENTS + 2 * k);
+        float2 sum = *(const float2 *)(chunk + at);
+        for (int copy = 1; copy < copies; copy++) {
+            const float2 more = *(const float2 *)(chunk + copy * copy_floats + at);
+            sum = make_float2(sum.x + more.x, sum.y + more.y);
+        }
+        out[k] = pack_half2(sum.x * scale, sum.y * scale);
     }
-    uint4 out;
-    out.x = pack_half2(lo.x * scale, lo.y * scale);
-    out.y = pack_half2(lo.z * scale, lo.w * scale);
-    out.z = pack_half2(hi.x * scale, hi.y * scale);
-    out.w = pack_half2(hi.z * scale, hi.w * scale);
-    *(uint4 *)(dq + at) = out;
+    *(uint4 *)(dq + ((size_t)blockIdx.y * seqlen + row) * HEAD_DIM + dim0) = make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 // --- The backward's launcher -----------------------------------------------------------------
 // The workspace: the column blocks, LSE and D of each 64-query tile, then the fp32 dQ accumulator's
-// copies (one with atomics), from a 256-byte boundary.
+// copies (one with atomics), each of whole query tiles, from a 256-byte boundary.
 static size_t columns_bytes(const AttnShape *s) {
     size_t bytes = (size_t)s->batch * s->heads * ceil_div(s->seqlen, WG_ROWS) * COLUMN_BYTES;
     return (bytes + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN;
@@ -548,14 +574,18 @@ static cudaError_t plan_backward(const AttnShape *s, int *copies) {
     return cudaSuccess;
 }
 
+// One copy of the dQ accumulator: every head's query tiles, whole.
+static size_t dq_acc_bytes(const AttnShape *s) {
+    return (size_t)s->batch * s->heads * ceil_div(s->seqlen, WG_ROWS) * WG_ROWS * s->headdim * sizeof(float);
+}
+
 static size_t backward_workspace_bytes(const AttnShape *s, int deterministic) {
-    const size_t dq_acc = (size_t)s->batch * s->heads * s->seqlen * s->headdim * sizeof(float);
     int copies = 1;
     cudaError_t err = cudaSuccess;
     if (deterministic)
         err = s->headdim == 64 ? plan_backward<64, true>(s, &copies) : plan_backward<128, true>(s, &copies);
     if (err != cudaSuccess) copies = 1;  // the launch reports it
-    return columns_bytes(s) + copies * dq_acc;
+    return columns_bytes(s) + copies * dq_acc_bytes(s);
 }
 
 template <int HEAD_DIM, bool DETERMINISTIC>
@@ -581,8 +611,9 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
     const dim3 row_grid(ceil_div(s->seqlen, rows_per_block), heads);
     const dim3 padded_grid(ceil_div(ceil_div(s->seqlen, WG_ROWS) * WG_ROWS, rows_per_block), heads);
 
+    RETURN_IF_ERROR(cudaMemsetAsync(dq_acc, 0, copies * dq_acc_bytes(s), stream));
     backward_preprocess_kernel<HEAD_DIM>
-        <<<padded_grid, THREADS, 0, stream>>>(args->o, args->d_o, args->lse, columns, dq_acc, copies, s->seqlen);
+        <<<padded_grid, THREADS, 0, stream>>>(args->o, args->d_o, args->lse, columns, s->seqlen);
     RETURN_IF_ERROR(cudaGetLastError());
     const dim3 grid = DETERMINISTIC ? dim3(copies, heads) : s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
     backward_kernel<HEAD_DIM, DETERMINISTIC>

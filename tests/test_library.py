@@ -49,11 +49,13 @@ def exported_names(repo):
 
 def backward_workspace(b, h, n, d, deterministic=False, build="09_backward"):
     """A backward's scratch, then the fp32 dQ accumulator; the same in the deterministic mode where no GPU
-    is visible (the copies of dQ are the GPU's to decide: one without it). The scratch: 09's and 10's
-    first two steps', D (a float per query row, to 256 bytes); 10's (10.3 on), each 64-query tile's LSE
-    and D side by side (512 bytes a tile)."""
-    scratch = b * h * -(-n // 64) * 512 if build == "10_backward_hopper" else -(-b * h * n * 4 // 256) * 256
-    return scratch + b * h * n * d * 4
+    is visible (the copies of dQ are the GPU's to decide: one without it). 09's (and 10's first two
+    steps'): D, a float per query row, to 256 bytes, then the accumulator of n rows. 10's: each 64-query
+    tile's LSE and D side by side (512 bytes a tile), then the accumulator of whole 64-query tiles."""
+    tiles = -(-n // 64)
+    if build == "10_backward_hopper":
+        return b * h * tiles * 512 + b * h * tiles * 64 * d * 4
+    return -(-b * h * n * 4 // 256) * 256 + b * h * n * d * 4
 
 
 def decode_workspace(b, q_heads, new_tokens, d, max_length):
