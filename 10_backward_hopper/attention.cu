@@ -251,8 +251,10 @@ __device__ void reduce_dq(float *stage, float *chunk, const float (&dq)[32], int
     if (wg_thread() == 0) bulk_wait_read();
     bar_sync<WG_THREADS>(DQ_BARRIER + consumer);
 #pragma unroll
-    for (int j = 0; j < 8; j++)
-        *(float4 *)(stage + 512 * j + 4 * wg_thread()) = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+    for (int j = 0; j < 8; j++)  // st.shared: the compiler cannot tell the stage is shared memory
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_address(stage + 512 * j + 4 * wg_thread())),
+                     "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
+                     : "memory");
     fence_proxy_async();
     bar_sync<WG_THREADS>(DQ_BARRIER + consumer);
     if (wg_thread() == 0) {
@@ -429,11 +431,11 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
         release(&smem.q_empty[stage]);  // this stage's Q and dO are read
     }
     loaded += q_tiles;
+    release(smem.kv_empty);  // K and V are read (the last dQ pass was waited for)
+    store_dk_dv<HEAD_DIM>(w.dk_head, w.dv_head, dk_acc, dv_acc, key0, w.seqlen, w.scale);
     // This round's dQ adds made: the next round's come after them (the deterministic mode's order),
     // and the stage has been read before the block exits.
     if (wg_thread() == 0) bulk_wait();
-    release(smem.kv_empty);  // K and V are read (the last dQ pass was waited for)
-    store_dk_dv<HEAD_DIM>(w.dk_head, w.dv_head, dk_acc, dv_acc, key0, w.seqlen, w.scale);
 }
 
 // The key tile of a block's round `round`, -1 past its last. Default: one round, the block's own
