@@ -35,10 +35,10 @@
 #define SLICE_BYTES 128                               // rows are stored as 128-byte slices (the 128-byte swizzle)
 #define SLICE_ELEMENTS (SLICE_BYTES / ELEMENT_BYTES)  // 64
 #define WORKSPACE_ALIGN 256
-#define COLUMN_FLOATS (2 * WG_ROWS)       // a query tile's LSE, then its D
-#define COLUMN_BYTES (COLUMN_FLOATS * 4)  // 512: one bulk copy a tile
+#define COLUMN_FLOATS (2 * WG_ROWS)                 // a query tile's LSE, then its D
+#define COLUMN_BYTES (COLUMN_FLOATS * 4)            // 512: one bulk copy a tile
 #define DQ_CHUNK_FLOATS (WG_ROWS * SLICE_ELEMENTS)  // a pass's partial: 64 queries x 64 dims
-#define DQ_CHUNK_BYTES (DQ_CHUNK_FLOATS * 4)       // 16 KiB: one bulk reduction
+#define DQ_CHUNK_BYTES (DQ_CHUNK_FLOATS * 4)        // 16 KiB: one bulk reduction
 
 template <int HEAD_DIM>
 struct BwdConfig {
@@ -252,9 +252,10 @@ __device__ void reduce_dq(float *stage, float *chunk, const float (&dq)[32], int
     bar_sync<WG_THREADS>(DQ_BARRIER + consumer);
 #pragma unroll
     for (int j = 0; j < 8; j++)  // st.shared: the compiler cannot tell the stage is shared memory
-        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_address(stage + 512 * j + 4 * wg_thread())),
-                     "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
-                     : "memory");
+        asm volatile(
+            "st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_address(stage + 512 * j + 4 * wg_thread())),
+            "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
+            : "memory");
     fence_proxy_async();
     bar_sync<WG_THREADS>(DQ_BARRIER + consumer);
     if (wg_thread() == 0) {
@@ -421,7 +422,8 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
             wgmma_wait<0>();
             hold_registers(dq);
             reduce_dq(smem.dq_stages + consumer * DQ_CHUNK_FLOATS,
-                      w.dq_head + ((size_t)query0 / Cfg::TILE_Q * Cfg::DQ_PASSES + pass) * DQ_CHUNK_FLOATS, dq, consumer);
+                      w.dq_head + ((size_t)query0 / Cfg::TILE_Q * Cfg::DQ_PASSES + pass) * DQ_CHUNK_FLOATS, dq,
+                      consumer);
         }
         wgmma_wait<0>();
         hold_registers(dv_acc);
