@@ -1,8 +1,7 @@
-// 10.4, step 4 of 10_backward_hopper: dQ by the bulk-copy engine. A consumer's dQ partial goes to
-// shared memory, and one of its threads hands it to the bulk-copy engine, which adds it into the fp32
-// accumulator (cp.reduce.async.bulk ... .add.f32) while the warps compute on: 16 KiB in one
-// instruction where each thread issued sixteen float2 atomics. The accumulator is laid out as the
-// partials leave the registers. Otherwise 10.3.
+// 10.5, step 5 of 10_backward_hopper: the products in an order that keeps the tensor cores fed. S^T
+// and dP^T are committed apart, so that the exponentials of P^T run while dP^T is computed; dQ is
+// issued between dV and dK, and each wait lets one product still run: the dQ partial goes out while
+// dK is computed. Otherwise 10.4.
 //
 // Three kernels, as 09: (1) D = rowsum(dO * O), each query tile's LSE and D as one 512-byte column
 // block; (2) one block per (128-key tile, b*h): the producer brings K and V once and Q, dO and the
@@ -184,23 +183,37 @@ __device__ int wg_thread() { return threadIdx.x % WG_THREADS; }
 __device__ int acc_row(int r) { return wg_thread() / 32 * 16 + wg_thread() % 32 / 4 + 8 * r; }
 __device__ int acc_col(int c, int e) { return 8 * c + 2 * (wg_thread() % 4) + e; }
 
-// P^T = exp(S^T * scale - LSE), masked entries (key past the end, query past the end, or, causal,
-// key after query) 0; then dS^T = P^T * (dP^T - D) in place of dP^T. LSE and D per column.
-__device__ void softmax_gradient(float (&s)[32], float (&dp)[32], const float *lse_tile, const float *delta_tile,
-                                 int key0, int query0, int seqlen, int causal, bool masked, float scale_log2) {
+// P^T = exp(S^T * scale - LSE) in place of S^T, masked entries (key past the end, query past the
+// end, or, causal, key after query) 0. LSE per column.
+__device__ void probabilities(float (&s)[32], const float *lse_tile, int key0, int query0, int seqlen, int causal,
+                              bool masked, float scale_log2) {
 #pragma unroll
     for (int c = 0; c < 8; c++)
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int col = acc_col(c, e), query = query0 + col;
-            const float lse_log2 = lse_tile[col] * LOG2E, delta = delta_tile[col];
+            const float lse_log2 = lse_tile[col] * LOG2E;
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 const int i = 4 * c + 2 * r + e, key = key0 + acc_row(r);
                 float p = exp2_approx(fmaf(s[i], scale_log2, -lse_log2));
                 if (masked && (key >= seqlen || query >= seqlen || (causal && key > query))) p = 0.0f;
                 s[i] = p;
-                dp[i] = p * (dp[i] - delta);
+            }
+        }
+}
+
+// dS^T = P^T * (dP^T - D) in place of dP^T. D per column.
+__device__ void score_gradient(float (&dp)[32], const float (&p)[32], const float *delta_tile) {
+#pragma unroll
+    for (int c = 0; c < 8; c++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const float delta = delta_tile[acc_col(c, e)];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int i = 4 * c + 2 * r + e;
+                dp[i] = p[i] * (dp[i] - delta);
             }
         }
 }
@@ -359,6 +372,16 @@ __device__ void release(uint64_t *barrier) {
     __syncwarp();
 }
 
+// The dQ pass of ring tile `ring_tile` that falls to consumer `consumer`, -1 if none: pass k of the
+// tile goes to consumer (tile's passes + k) % 2 (D = 128: pass c to consumer c; D = 64: the tiles in turn).
+template <int HEAD_DIM>
+__device__ int dq_pass(int ring_tile, int consumer) {
+#pragma unroll
+    for (int pass = 0; pass < BwdConfig<HEAD_DIM>::DQ_PASSES; pass++)
+        if ((ring_tile * BwdConfig<HEAD_DIM>::DQ_PASSES + pass) % CONSUMERS == consumer) return pass;
+    return -1;
+}
+
 // (2b) Consumer `consumer`: dK and dV of keys 64 consumer.. of the key tile, and its share of dQ.
 template <int HEAD_DIM>
 __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer, int key_tile, int round, int &loaded) {
@@ -383,52 +406,59 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
         const float *columns = smem.column_ring + stage * COLUMN_FLOATS;         // [LSE, D][query], with Q and dO
         mbarrier_wait(&smem.q_full[stage], ring_tile / BWD_STAGES % 2);
 
-        // S^T = K Q^T and dP^T = V dO^T, both 64 keys x 64 queries.
+        // S^T = K Q^T, then dP^T = V dO^T (64 keys x 64 queries each), committed apart: P^T is computed
+        // from S^T while dP^T is still on the tensor cores. The mask only on a ragged tile or (causal) one
+        // that reaches past the diagonal.
         float s[Cfg::SCORE_REGS], dp[Cfg::SCORE_REGS];
         wgmma_fence();
         issue_transposed_scores<HEAD_DIM>(s, k_rows, q_tile);
+        wgmma_commit();
         issue_transposed_scores<HEAD_DIM>(dp, v_rows, do_tile);
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<1>();
         hold_registers(s);
-        hold_registers(dp);
-
-        // P^T and dS^T; the mask only on a ragged tile or (causal) one that reaches past the diagonal.
         const bool masked =
             query0 + Cfg::TILE_Q > w.seqlen || key0 + WG_ROWS > w.seqlen || (w.causal && key0 + WG_ROWS - 1 > query0);
-        softmax_gradient(s, dp, columns, columns + Cfg::TILE_Q, key0, query0, w.seqlen, w.causal, masked, w.scale_log2);
+        probabilities(s, columns, key0, query0, w.seqlen, w.causal, masked, w.scale_log2);
+        wgmma_wait<0>();
+        hold_registers(dp);
+        score_gradient(dp, s, columns + Cfg::TILE_Q);
         unsigned p_frag[4][4], ds_frag[4][4];
         pack_operand(p_frag, s);
         pack_operand(ds_frag, dp);
         store_ds(ds_tile + consumer * WG_ROWS * SLICE_BYTES, ds_frag);  // before the wgmmas below read ds_frag
         fence_proxy_async();
 
-        // dV += P^T dO and dK += dS^T Q, from registers.
+        // dV += P^T dO; then, once both consumers' dS^T are in, this consumer's dQ pass if the tile has one
+        // for it (dQ = dS K over the block's 128 keys, 64 dims: D = 128, pass c to consumer c; D = 64, the
+        // tiles to the consumers in turn); then dK += dS^T Q. Each wait lets the last product issued run
+        // on: dK is issued once dV is done (P^T's registers free), and the dQ partial goes out while dK
+        // is computed.
+        const int pass = dq_pass<HEAD_DIM>(ring_tile, consumer);
+        // D = 128: a pass for each consumer in every tile, known at compile time, so that no branch
+        // surrounds its wgmmas (around one, ptxas serialises every wgmma of the kernel: no registers left).
+        const bool has_pass = Cfg::DQ_PASSES == CONSUMERS || pass >= 0;
+        float dq[32];
         wgmma_fence();
         issue_key_gradient<HEAD_DIM>(dv_acc, p_frag, do_tile);
-        issue_key_gradient<HEAD_DIM>(dk_acc, ds_frag, q_tile);
         wgmma_commit();
         bar_sync<CONSUMERS * WG_THREADS>(DS_BARRIER);  // both consumers' dS^T are in
-
-        // dQ += dS K over the block's 128 keys, 64 dims a pass: pass k of the tile goes to consumer
-        // (tile's passes + k) % 2 (D = 128: one pass each; D = 64: the tiles in turn).
-#pragma unroll
-        for (int pass = 0; pass < Cfg::DQ_PASSES; pass++) {
-            if ((ring_tile * Cfg::DQ_PASSES + pass) % CONSUMERS != consumer) continue;
-            float dq[32];
-            wgmma_fence();
-            issue_dq<HEAD_DIM>(dq, ds_tile, smem.k_tile, pass);
-            wgmma_commit();
-            wgmma_wait<0>();
+        if (has_pass) issue_dq<HEAD_DIM>(dq, ds_tile, smem.k_tile, pass);
+        wgmma_commit();   // empty where the tile has no pass for this consumer: the waits below are the same
+        wgmma_wait<1>();  // dV done
+        hold_registers(dv_acc);
+        hold_registers(p_frag);
+        issue_key_gradient<HEAD_DIM>(dk_acc, ds_frag, q_tile);
+        wgmma_commit();
+        wgmma_wait<1>();  // dQ done; dK still running
+        if (has_pass) {
             hold_registers(dq);
             reduce_dq(smem.dq_stages + consumer * DQ_CHUNK_FLOATS,
                       w.dq_head + ((size_t)query0 / Cfg::TILE_Q * Cfg::DQ_PASSES + pass) * DQ_CHUNK_FLOATS, dq,
                       consumer);
         }
         wgmma_wait<0>();
-        hold_registers(dv_acc);
         hold_registers(dk_acc);
-        hold_registers(p_frag);
         hold_registers(ds_frag);
         release(&smem.q_empty[stage]);  // this stage's Q and dO are read
     }
@@ -494,7 +524,10 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
     }
     __syncthreads();  // the barriers are initialised before anyone waits on them
     const int key_tiles = ceil_div(seqlen, BwdConfig<HEAD_DIM>::TILE_KV);
-    const int warpgroup = threadIdx.x / WG_THREADS;
+    // Read from lane 0, the warpgroup is a value ptxas knows is the same across the warp: D = 64's branch
+    // around a consumer's dQ wgmmas is then not divergent to it (from threadIdx.x directly, it serialises
+    // every wgmma of the kernel, ptxas's C7520).
+    const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / WG_THREADS, 0);
     int loaded = 0;
     // Warp specialisation: warpgroup 0 only copies, with few registers; the consumers only compute.
     if (warpgroup == 0) {
