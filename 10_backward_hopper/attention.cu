@@ -443,8 +443,15 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
         issue_key_gradient<HEAD_DIM>(dv_acc, p_frag, do_tile);
         wgmma_commit();
         bar_sync<CONSUMERS * WG_THREADS>(DS_BARRIER);  // both consumers' dS^T are in
-        if (has_pass) issue_dq<HEAD_DIM>(dq, ds_tile, smem.k_tile, pass);
-        wgmma_commit();   // empty where the tile has no pass for this consumer: the waits below are the same
+        // The group committed on each path: one commit after the branch would close the dQ group inside
+        // it and add an empty one behind (D = 64's SASS), so that "dV done" would wait for dQ too. Where
+        // the tile has no pass for this consumer, the group is empty: the waits below are the same.
+        if (has_pass) {
+            issue_dq<HEAD_DIM>(dq, ds_tile, smem.k_tile, pass);
+            wgmma_commit();
+        } else {
+            wgmma_commit();
+        }
         wgmma_wait<1>();  // dV done
         hold_registers(dv_acc);
         hold_registers(p_frag);
