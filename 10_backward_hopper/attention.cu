@@ -1,7 +1,9 @@
-// 10.5, step 5 of 10_backward_hopper: the products in an order that keeps the tensor cores fed. S^T
-// and dP^T are committed apart, so that the exponentials of P^T run while dP^T is computed; dQ is
-// issued between dV and dK, and each wait lets one product still run: the dQ partial goes out while
-// dK is computed. Otherwise 10.4.
+// 10.6, step 6 of 10_backward_hopper: the mask only where a tile has one. Through 10.5 the mask's
+// comparisons (32 entries a thread, three tests each) sat in the exponentials' loop behind a flag,
+// and ptxas hoisted all of them, predicated off where the flag was false, between the fence and the
+// first wgmma of every tile: about 340 instructions a warp issued before the tensor cores started.
+// Now the exponentials run unmasked and a branch that the warpgroup takes alike zeroes the masked
+// entries, only on a ragged tile or (causal) one reaching past the diagonal. Otherwise 10.5.
 //
 // Three kernels, as 09: (1) D = rowsum(dO * O), each query tile's LSE and D as one 512-byte column
 // block; (2) one block per (128-key tile, b*h): the producer brings K and V once and Q, dO and the
@@ -183,22 +185,30 @@ __device__ int wg_thread() { return threadIdx.x % WG_THREADS; }
 __device__ int acc_row(int r) { return wg_thread() / 32 * 16 + wg_thread() % 32 / 4 + 8 * r; }
 __device__ int acc_col(int c, int e) { return 8 * c + 2 * (wg_thread() % 4) + e; }
 
-// P^T = exp(S^T * scale - LSE) in place of S^T, masked entries (key past the end, query past the
-// end, or, causal, key after query) 0. LSE per column.
-__device__ void probabilities(float (&s)[32], const float *lse_tile, int key0, int query0, int seqlen, int causal,
-                              bool masked, float scale_log2) {
+// P^T = exp(S^T * scale - LSE) in place of S^T, LSE per column.
+__device__ void probabilities(float (&s)[32], const float *lse_tile, float scale_log2) {
 #pragma unroll
     for (int c = 0; c < 8; c++)
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            const int col = acc_col(c, e), query = query0 + col;
-            const float lse_log2 = lse_tile[col] * LOG2E;
+            const float lse_log2 = lse_tile[acc_col(c, e)] * LOG2E;
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+                s[4 * c + 2 * r + e] = exp2_approx(fmaf(s[4 * c + 2 * r + e], scale_log2, -lse_log2));
+        }
+}
+
+// P^T's masked entries 0: a key past the end, a query past the end, or, causal, a key after its query.
+__device__ void mask_probabilities(float (&p)[32], int key0, int query0, int seqlen, int causal) {
+#pragma unroll
+    for (int c = 0; c < 8; c++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int query = query0 + acc_col(c, e);
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                const int i = 4 * c + 2 * r + e, key = key0 + acc_row(r);
-                float p = exp2_approx(fmaf(s[i], scale_log2, -lse_log2));
-                if (masked && (key >= seqlen || query >= seqlen || (causal && key > query))) p = 0.0f;
-                s[i] = p;
+                const int key = key0 + acc_row(r);
+                if (key >= seqlen || query >= seqlen || (causal && key > query)) p[4 * c + 2 * r + e] = 0.0f;
             }
         }
 }
@@ -407,8 +417,7 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
         mbarrier_wait(&smem.q_full[stage], ring_tile / BWD_STAGES % 2);
 
         // S^T = K Q^T, then dP^T = V dO^T (64 keys x 64 queries each), committed apart: P^T is computed
-        // from S^T while dP^T is still on the tensor cores. The mask only on a ragged tile or (causal) one
-        // that reaches past the diagonal.
+        // from S^T while dP^T is still on the tensor cores.
         float s[Cfg::SCORE_REGS], dp[Cfg::SCORE_REGS];
         wgmma_fence();
         issue_transposed_scores<HEAD_DIM>(s, k_rows, q_tile);
@@ -417,9 +426,11 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
         wgmma_commit();
         wgmma_wait<1>();
         hold_registers(s);
-        const bool masked =
-            query0 + Cfg::TILE_Q > w.seqlen || key0 + WG_ROWS > w.seqlen || (w.causal && key0 + WG_ROWS - 1 > query0);
-        probabilities(s, columns, key0, query0, w.seqlen, w.causal, masked, w.scale_log2);
+        probabilities(s, columns, w.scale_log2);
+        // Only a ragged tile or (causal) one that reaches past the diagonal has entries to zero: a branch
+        // the whole warpgroup takes alike, so that no other tile issues the mask's comparisons.
+        if (query0 + Cfg::TILE_Q > w.seqlen || key0 + WG_ROWS > w.seqlen || (w.causal && key0 + WG_ROWS - 1 > query0))
+            mask_probabilities(s, key0, query0, w.seqlen, w.causal);
         wgmma_wait<0>();
         hold_registers(dp);
         score_gradient(dp, s, columns + Cfg::TILE_Q);

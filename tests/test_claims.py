@@ -182,3 +182,46 @@ def test_fp8_scores_in_fp16(repo, step, dim):
         assert 0.1 < share < 0.3, f"{shown}: {polys} exp2 polynomials beside {mufu_pairs:.0f} MUFU pairs"
     else:
         assert polys == 0, f"{shown}: {polys} HMUL2 with fp32 scores"
+
+
+def backward_kernels_10(repo, name):
+    """{(D, deterministic): its instructions} of the backward_kernels of a 10 build (BUILD/obj/<name>.o, else
+    the binary), read once per worker."""
+    binary = repo.require_binary(name)
+    cuobjdump, env = sass_tools(repo)
+
+    def read():
+        code = repo.build / "obj" / f"{name}.o"
+        dump = repo.run([cuobjdump, "--dump-sass", "-arch", "sm_90a", code if code.is_file() else binary], env=env,
+                        timeout=300)
+        assert dump.returncode == 0, f"cuobjdump failed on {name}:\n{dump.stderr}"
+        kernels = {}
+        for text in re.split(r"Function : ", dump.stdout)[1:]:
+            function = text.split()[0]
+            if kernel_base_name(function) == "backward_kernel":
+                dim, deterministic = re.search(r"ILi(\d+)ELb([01])E", function).groups()
+                kernels[(int(dim), deterministic == "1")] = [
+                    line.split("*/", 1)[1].split(";")[0].strip() for line in text.splitlines()
+                    if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+        assert len(kernels) == 4, f"{name}: backward_kernel for {sorted(kernels)}, expected D 64 and 128 in both modes"
+        return kernels
+    return repo.once(("10 sass", name), read)
+
+
+def before_first_wgmma(instructions):
+    """The instructions between a tile's fence (the first WARPGROUP.ARRIVE) and its first HGMMA."""
+    fence = next(i for i, op in enumerate(instructions) if op.startswith("WARPGROUP.ARRIVE"))
+    return next(i for i, op in enumerate(instructions) if op.startswith("HGMMA")) - fence - 1
+
+
+@pytest.mark.xdist_group("claims-10")
+def test_10_6_issues_a_tiles_first_wgmma_without_the_mask(repo):
+    """10.6 (10_backward_hopper) keeps the mask out of the way of a tile's first wgmma: at most 20
+    instructions between the fence and the first HGMMA in each backward kernel, where 10.5's
+    non-deterministic kernels had the mask's predicates there (over 300); 10.6's mask is a branch."""
+    for name, check in (("10_backward_hopper", lambda gap, det: gap <= 20),
+                        ("10_backward_hopper.step5", lambda gap, det: det or gap > 300)):
+        for (dim, det), instructions in sorted(backward_kernels_10(repo, name).items()):
+            gap = before_first_wgmma(instructions)
+            assert check(gap, det), f"{name} D={dim} {'deterministic' if det else 'default'}: {gap} instructions " \
+                                    f"between the fence and the first HGMMA"
