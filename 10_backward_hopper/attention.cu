@@ -1,9 +1,10 @@
 // 10.6, step 6 of 10_backward_hopper: the mask only where a tile has one. Through 10.5 the mask's
 // comparisons (32 entries a thread, three tests each) sat in the exponentials' loop behind a flag,
 // and ptxas hoisted all of them, predicated off where the flag was false, between the fence and the
-// first wgmma of every tile: about 340 instructions a warp issued before the tensor cores started.
-// Now the exponentials run unmasked and a branch that the warpgroup takes alike zeroes the masked
-// entries, only on a ragged tile or (causal) one reaching past the diagonal. Otherwise 10.5.
+// first wgmma of every tile: in the default mode about 340 instructions a warp issued before the
+// tensor cores started. Now the exponentials run unmasked, and a branch that the warpgroup takes
+// alike zeroes the masked entries, only on a ragged tile or (causal) one reaching past the
+// diagonal. Otherwise 10.5.
 //
 // Three kernels, as 09: (1) D = rowsum(dO * O), each query tile's LSE and D as one 512-byte column
 // block; (2) one block per (128-key tile, b*h): the producer brings K and V once and Q, dO and the

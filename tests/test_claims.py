@@ -218,7 +218,7 @@ def before_first_wgmma(instructions):
 def test_10_6_issues_a_tiles_first_wgmma_without_the_mask(repo):
     """10.6 (10_backward_hopper) keeps the mask out of the way of a tile's first wgmma: at most 20
     instructions between the fence and the first HGMMA in each backward kernel, where 10.5's
-    non-deterministic kernels had the mask's predicates there (over 300); 10.6's mask is a branch."""
+    non-deterministic kernels had the mask's predicates there (over 300)."""
     for name, check in (("10_backward_hopper", lambda gap, det: gap <= 20),
                         ("10_backward_hopper.step5", lambda gap, det: det or gap > 300)):
         for (dim, det), instructions in sorted(backward_kernels_10(repo, name).items()):
