@@ -1,10 +1,7 @@
-// 10.6, step 6 of 10_backward_hopper: the mask only where a tile has one. Through 10.5 the mask's
-// comparisons (32 entries a thread, three tests each) sat in the exponentials' loop behind a flag,
-// and ptxas hoisted all of them, predicated off where the flag was false, between the fence and the
-// first wgmma of every tile: in the default mode about 340 instructions a warp issued before the
-// tensor cores started. Now the exponentials run unmasked, and a branch that the warpgroup takes
-// alike zeroes the masked entries, only on a ragged tile or (causal) one reaching past the
-// diagonal. Otherwise 10.5.
+// 10.7, step 7 of 10_backward_hopper: shared memory addressed as shared memory. The consumers reach
+// the stage's LSE and D and the dS^T tile through the Smem struct's pointers, and the compiler,
+// unable to tell that they point into shared memory, made generic loads and stores of them (LD.E,
+// ST.E, with 64-bit address arithmetic); ld.shared and st.shared (LDS, STS) say it. Otherwise 10.6.
 //
 // Three kernels, as 09: (1) D = rowsum(dO * O), each query tile's LSE and D as one 512-byte column
 // block; (2) one block per (128-key tile, b*h): the producer brings K and V once and Q, dO and the
@@ -186,17 +183,30 @@ __device__ int wg_thread() { return threadIdx.x % WG_THREADS; }
 __device__ int acc_row(int r) { return wg_thread() / 32 * 16 + wg_thread() % 32 / 4 + 8 * r; }
 __device__ int acc_col(int c, int e) { return 8 * c + 2 * (wg_thread() % 4) + e; }
 
-// P^T = exp(S^T * scale - LSE) in place of S^T, LSE per column.
+// Shared memory through the Smem struct's pointers, which the compiler cannot tell from global ones:
+// two floats (8-byte aligned) by ld.shared, and 4 bytes by st.shared.
+__device__ float2 ld_shared_float2(const float *p) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(smem_address(p)));
+    return v;
+}
+__device__ void st_shared_u32(void *p, unsigned v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_address(p)), "r"(v) : "memory");
+}
+
+// P^T = exp(S^T * scale - LSE) in place of S^T, LSE per column (a thread's columns in pairs).
 __device__ void probabilities(float (&s)[32], const float *lse_tile, float scale_log2) {
 #pragma unroll
-    for (int c = 0; c < 8; c++)
+    for (int c = 0; c < 8; c++) {
+        const float2 lse = ld_shared_float2(lse_tile + acc_col(c, 0));
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            const float lse_log2 = lse_tile[acc_col(c, e)] * LOG2E;
+            const float lse_log2 = (e ? lse.y : lse.x) * LOG2E;
 #pragma unroll
             for (int r = 0; r < 2; r++)
                 s[4 * c + 2 * r + e] = exp2_approx(fmaf(s[4 * c + 2 * r + e], scale_log2, -lse_log2));
         }
+    }
 }
 
 // P^T's masked entries 0: a key past the end, a query past the end, or, causal, a key after its query.
@@ -217,16 +227,16 @@ __device__ void mask_probabilities(float (&p)[32], int key0, int query0, int seq
 // dS^T = P^T * (dP^T - D) in place of dP^T. D per column.
 __device__ void score_gradient(float (&dp)[32], const float (&p)[32], const float *delta_tile) {
 #pragma unroll
-    for (int c = 0; c < 8; c++)
+    for (int c = 0; c < 8; c++) {
+        const float2 delta = ld_shared_float2(delta_tile + acc_col(c, 0));
 #pragma unroll
-        for (int e = 0; e < 2; e++) {
-            const float delta = delta_tile[acc_col(c, e)];
+        for (int e = 0; e < 2; e++)
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 const int i = 4 * c + 2 * r + e;
-                dp[i] = p[i] * (dp[i] - delta);
+                dp[i] = p[i] * (dp[i] - (e ? delta.y : delta.x));
             }
-        }
+    }
 }
 
 // A 64 x 64 accumulator as the A operand of four k16 steps, fp16 (08's pack_p): register i of
@@ -250,7 +260,7 @@ __device__ void store_ds(unsigned char *ds_tile, const unsigned (&ds)[4][4]) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int key = acc_row(i % 2), chunk = 2 * kk + i / 2;
-            *(unsigned *)(ds_tile + key * SLICE_BYTES + (chunk ^ key % 8) * 16 + 4 * (wg_thread() % 4)) = ds[kk][i];
+            st_shared_u32(ds_tile + key * SLICE_BYTES + (chunk ^ key % 8) * 16 + 4 * (wg_thread() % 4), ds[kk][i]);
         }
 }
 
@@ -275,7 +285,7 @@ __device__ void reduce_dq(float *stage, float *chunk, const float (&dq)[32], int
     if (wg_thread() == 0) bulk_wait_read();
     bar_sync<WG_THREADS>(DQ_BARRIER + consumer);
 #pragma unroll
-    for (int j = 0; j < 8; j++)  // st.shared: the compiler cannot tell the stage is shared memory
+    for (int j = 0; j < 8; j++)  // st.shared, as st_shared_u32
         asm volatile(
             "st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_address(stage + 512 * j + 4 * wg_thread())),
             "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])

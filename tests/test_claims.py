@@ -216,12 +216,34 @@ def before_first_wgmma(instructions):
 
 @pytest.mark.xdist_group("claims-10")
 def test_10_6_issues_a_tiles_first_wgmma_without_the_mask(repo):
-    """10.6 (10_backward_hopper) keeps the mask out of the way of a tile's first wgmma: at most 20
-    instructions between the fence and the first HGMMA in each backward kernel, where 10.5's
-    non-deterministic kernels had the mask's predicates there (over 300)."""
-    for name, check in (("10_backward_hopper", lambda gap, det: gap <= 20),
+    """10.6 (10_backward_hopper.step6) keeps the mask out of the way of a tile's first wgmma, and 10.7
+    (10_backward_hopper) as well: at most 20 instructions between the fence and the first HGMMA in each
+    backward kernel, where 10.5's non-deterministic kernels had the mask's predicates there (over 300)."""
+    for name, check in (("10_backward_hopper.step6", lambda gap, det: gap <= 20),
+                        ("10_backward_hopper", lambda gap, det: gap <= 20),
                         ("10_backward_hopper.step5", lambda gap, det: det or gap > 300)):
         for (dim, det), instructions in sorted(backward_kernels_10(repo, name).items()):
             gap = before_first_wgmma(instructions)
             assert check(gap, det), f"{name} D={dim} {'deterministic' if det else 'default'}: {gap} instructions " \
                                     f"between the fence and the first HGMMA"
+
+
+def memory_ops(instructions, generic):
+    """The loads and stores among instructions, shared ones (LDS, STS) or generic ones (LD, ST), by opcode."""
+    found = {}
+    for op in (i.split()[1] if i.startswith("@") else i.split()[0] for i in instructions):
+        if re.fullmatch(r"(LD|ST)(\.\w+)*" if generic else r"(LDS|STS)(\.\w+)*", op):
+            found[op] = found.get(op, 0) + 1
+    return found
+
+
+@pytest.mark.xdist_group("claims-10")
+def test_10_7_reaches_shared_memory_as_shared(repo):
+    """10.7 (10_backward_hopper) reads LSE and D and writes dS^T with LDS and STS: no generic load or store
+    is left in its backward kernels, where 10.6's made generic ones of them (LD.E, ST.E)."""
+    for (dim, det), instructions in sorted(backward_kernels_10(repo, "10_backward_hopper").items()):
+        shown = f"10.7 D={dim} {'deterministic' if det else 'default'}"
+        assert not memory_ops(instructions, generic=True), f"{shown}: {memory_ops(instructions, generic=True)}"
+        assert memory_ops(instructions, generic=False).get("LDS.64") == 16, f"{shown}: {memory_ops(instructions, False)}"
+    for (dim, det), instructions in sorted(backward_kernels_10(repo, "10_backward_hopper.step6").items()):
+        assert memory_ops(instructions, generic=True), f"10.6 D={dim}: no generic loads or stores; the claim is stale"
