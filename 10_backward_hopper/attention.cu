@@ -1,7 +1,9 @@
-// 10.7, step 7 of 10_backward_hopper: shared memory addressed as shared memory. The consumers reach
-// the stage's LSE and D and the dS^T tile through the Smem struct's pointers, and the compiler,
-// unable to tell that they point into shared memory, made generic loads and stores of them (LD.E,
-// ST.E, with 64-bit address arithmetic); ld.shared and st.shared (LDS, STS) say it. Otherwise 10.6.
+// 10.7, step 7 of 10_backward_hopper: shared memory the compiler knows as shared. Through 10.6 the
+// block's shared memory was aligned to 1024 bytes on an integer, (uintptr_t)raw rounded up and cast
+// back, and a pointer that has been an integer has lost its address space: every access through
+// the layout's pointers that was not PTX of our own (the LSE and D reads, the dS^T stores) became a
+// generic load or store (LD.E, ST.E) with 64-bit address arithmetic. Rounding the pointer itself
+// keeps it shared: LDS and STS, and the dQ stage needs no st.shared of its own. Otherwise 10.6.
 //
 // Three kernels, as 09: (1) D = rowsum(dO * O), each query tile's LSE and D as one 512-byte column
 // block; (2) one block per (128-key tile, b*h): the producer brings K and V once and Q, dO and the
@@ -77,7 +79,9 @@ template <int HEAD_DIM>
 __device__ Smem smem_layout(unsigned char *raw) {
     typedef BwdConfig<HEAD_DIM> Cfg;
     Smem smem;
-    smem.k_tile = (unsigned char *)(((uintptr_t)raw + 1023) & ~(uintptr_t)1023);
+    // Rounded up to 1024 bytes (the 128-byte swizzle's period) as a pointer: the compiler then knows
+    // every pointer below for shared memory, which an integer round trip would hide from it.
+    smem.k_tile = raw + (1024 - smem_address(raw) % 1024) % 1024;
     smem.v_tile = smem.k_tile + Cfg::KV_TILE_BYTES;
     smem.q_ring = smem.v_tile + Cfg::KV_TILE_BYTES;
     smem.do_ring = smem.q_ring + BWD_STAGES * Cfg::Q_TILE_BYTES;
@@ -183,22 +187,12 @@ __device__ int wg_thread() { return threadIdx.x % WG_THREADS; }
 __device__ int acc_row(int r) { return wg_thread() / 32 * 16 + wg_thread() % 32 / 4 + 8 * r; }
 __device__ int acc_col(int c, int e) { return 8 * c + 2 * (wg_thread() % 4) + e; }
 
-// Shared memory through the Smem struct's pointers, which the compiler cannot tell from global ones:
-// two floats (8-byte aligned) by ld.shared, and 4 bytes by st.shared.
-__device__ float2 ld_shared_float2(const float *p) {
-    float2 v;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(smem_address(p)));
-    return v;
-}
-__device__ void st_shared_u32(void *p, unsigned v) {
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_address(p)), "r"(v) : "memory");
-}
-
-// P^T = exp(S^T * scale - LSE) in place of S^T, LSE per column (a thread's columns in pairs).
+// P^T = exp(S^T * scale - LSE) in place of S^T, LSE per column: a thread's columns 8c + 2 (t % 4) and
+// the next, one 8-byte load.
 __device__ void probabilities(float (&s)[32], const float *lse_tile, float scale_log2) {
 #pragma unroll
     for (int c = 0; c < 8; c++) {
-        const float2 lse = ld_shared_float2(lse_tile + acc_col(c, 0));
+        const float2 lse = *(const float2 *)(lse_tile + acc_col(c, 0));
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const float lse_log2 = (e ? lse.y : lse.x) * LOG2E;
@@ -228,7 +222,7 @@ __device__ void mask_probabilities(float (&p)[32], int key0, int query0, int seq
 __device__ void score_gradient(float (&dp)[32], const float (&p)[32], const float *delta_tile) {
 #pragma unroll
     for (int c = 0; c < 8; c++) {
-        const float2 delta = ld_shared_float2(delta_tile + acc_col(c, 0));
+        const float2 delta = *(const float2 *)(delta_tile + acc_col(c, 0));
 #pragma unroll
         for (int e = 0; e < 2; e++)
 #pragma unroll
@@ -260,7 +254,7 @@ __device__ void store_ds(unsigned char *ds_tile, const unsigned (&ds)[4][4]) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int key = acc_row(i % 2), chunk = 2 * kk + i / 2;
-            st_shared_u32(ds_tile + key * SLICE_BYTES + (chunk ^ key % 8) * 16 + 4 * (wg_thread() % 4), ds[kk][i]);
+            *(unsigned *)(ds_tile + key * SLICE_BYTES + (chunk ^ key % 8) * 16 + 4 * (wg_thread() % 4)) = ds[kk][i];
         }
 }
 
@@ -285,11 +279,9 @@ __device__ void reduce_dq(float *stage, float *chunk, const float (&dq)[32], int
     if (wg_thread() == 0) bulk_wait_read();
     bar_sync<WG_THREADS>(DQ_BARRIER + consumer);
 #pragma unroll
-    for (int j = 0; j < 8; j++)  // st.shared, as st_shared_u32
-        asm volatile(
-            "st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_address(stage + 512 * j + 4 * wg_thread())),
-            "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
-            : "memory");
+    for (int j = 0; j < 8; j++)
+        *(float4 *)(stage + 512 * j + 4 * wg_thread()) =
+            make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
     fence_proxy_async();
     bar_sync<WG_THREADS>(DQ_BARRIER + consumer);
     if (wg_thread() == 0) {

@@ -217,10 +217,10 @@ def before_first_wgmma(instructions):
 @pytest.mark.xdist_group("claims-10")
 def test_10_6_issues_a_tiles_first_wgmma_without_the_mask(repo):
     """10.6 (10_backward_hopper.step6) keeps the mask out of the way of a tile's first wgmma, and 10.7
-    (10_backward_hopper) as well: at most 20 instructions between the fence and the first HGMMA in each
+    (10_backward_hopper) as well: at most 32 instructions between the fence and the first HGMMA in each
     backward kernel, where 10.5's non-deterministic kernels had the mask's predicates there (over 300)."""
-    for name, check in (("10_backward_hopper.step6", lambda gap, det: gap <= 20),
-                        ("10_backward_hopper", lambda gap, det: gap <= 20),
+    for name, check in (("10_backward_hopper.step6", lambda gap, det: gap <= 32),
+                        ("10_backward_hopper", lambda gap, det: gap <= 32),
                         ("10_backward_hopper.step5", lambda gap, det: det or gap > 300)):
         for (dim, det), instructions in sorted(backward_kernels_10(repo, name).items()):
             gap = before_first_wgmma(instructions)
@@ -239,11 +239,13 @@ def memory_ops(instructions, generic):
 
 @pytest.mark.xdist_group("claims-10")
 def test_10_7_reaches_shared_memory_as_shared(repo):
-    """10.7 (10_backward_hopper) reads LSE and D and writes dS^T with LDS and STS: no generic load or store
-    is left in its backward kernels, where 10.6's made generic ones of them (LD.E, ST.E)."""
+    """10.7 (10_backward_hopper), its shared memory aligned on the pointer and not on an integer, reads LSE and
+    D as LDS.64 and writes dS^T and the dQ stage as STS and STS.128, with no PTX of its own for them: no
+    generic load or store is left in its backward kernels, where 10.6's made generic ones (LD.E, ST.E)."""
     for (dim, det), instructions in sorted(backward_kernels_10(repo, "10_backward_hopper").items()):
         shown = f"10.7 D={dim} {'deterministic' if det else 'default'}"
+        shared = memory_ops(instructions, generic=False)
         assert not memory_ops(instructions, generic=True), f"{shown}: {memory_ops(instructions, generic=True)}"
-        assert memory_ops(instructions, generic=False).get("LDS.64") == 16, f"{shown}: {memory_ops(instructions, False)}"
+        assert (shared.get("LDS.64"), shared.get("STS"), shared.get("STS.128")) == (16, 16, 8), f"{shown}: {shared}"
     for (dim, det), instructions in sorted(backward_kernels_10(repo, "10_backward_hopper.step6").items()):
         assert memory_ops(instructions, generic=True), f"10.6 D={dim}: no generic loads or stores; the claim is stale"
