@@ -1,9 +1,8 @@
-// 10.7, step 7 of 10_backward_hopper: shared memory the compiler knows as shared. Through 10.6 the
-// block's shared memory was aligned to 1024 bytes on an integer, (uintptr_t)raw rounded up and cast
-// back, and a pointer that has been an integer has lost its address space: every access through
-// the layout's pointers that was not PTX of our own (the LSE and D reads, the dS^T stores) became a
-// generic load or store (LD.E, ST.E) with 64-bit address arithmetic. Rounding the pointer itself
-// keeps it shared: LDS and STS, and the dQ stage needs no st.shared of its own. Otherwise 10.6.
+// 10.8, step 8 of 10_backward_hopper: wgmma descriptors by addition. Through 10.7 each of a tile's
+// wgmmas (32 at D = 128) built its shared-memory descriptors from an address (mask, shift, or with
+// the fixed fields), about seven instructions between one wgmma and the next; now each operand's
+// descriptor is built once a tile and the k-steps add their offset to its address field, one add a
+// descriptor, as CUTLASS's descriptor iterators do. Otherwise 10.7.
 //
 // Three kernels, as 09: (1) D = rowsum(dO * O), each query tile's LSE and D as one 512-byte column
 // block; (2) one block per (128-key tile, b*h): the producer brings K and V once and Q, dO and the
@@ -133,10 +132,15 @@ __device__ void load_query_tile(const Smem &smem, const CUtensorMap *q_map, cons
 }
 
 // --- The products ----------------------------------------------------------------------------
-// Where k-step ks (32 bytes of every row) of a K-major tile starts: in slice ks * 32 / 128.
-__device__ unsigned kstep_address(const unsigned char *tile, int slice_stride, int ks) {
-    return smem_address(tile) + ks * KSTEP_BYTES / SLICE_BYTES * slice_stride + ks * KSTEP_BYTES % SLICE_BYTES;
+// Where k-step ks (32 bytes of every row) of a K-major tile starts, from the tile's start: in slice
+// ks * 32 / 128.
+__host__ __device__ constexpr unsigned kstep_offset(int slice_stride, int ks) {
+    return ks * KSTEP_BYTES / SLICE_BYTES * slice_stride + ks * KSTEP_BYTES % SLICE_BYTES;
 }
+
+// A descriptor `bytes` further on in shared memory: its start-address field (bits 0-13, the address
+// >> 4) plus bytes >> 4, one add. No carry leaves the field: every tile lies below 256 KiB.
+__device__ uint64_t descriptor_plus(uint64_t descriptor, unsigned bytes) { return descriptor + (bytes >> 4); }
 
 // acc (64 rows of `rows_tile` x 64 rows of `cols_tile`) = rows_tile cols_tile^T, both [row][dim]
 // (K-major): S^T = K Q^T and dP^T = V dO^T, the keys a consumer's 64 rows of the block's K or V.
@@ -145,11 +149,11 @@ template <int HEAD_DIM>
 __device__ void issue_transposed_scores(float (&acc)[32], const unsigned char *rows_tile,
                                         const unsigned char *cols_tile) {
     typedef BwdConfig<HEAD_DIM> Cfg;
+    const uint64_t rows = smem_descriptor(rows_tile, SLICE_BYTES), cols = smem_descriptor(cols_tile, SLICE_BYTES);
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / WG_K; ks++)
-        wgmma_m64n64k16_f16_ss(acc, smem_descriptor_at(kstep_address(rows_tile, Cfg::KV_SLICE_STRIDE, ks), SLICE_BYTES),
-                               smem_descriptor_at(kstep_address(cols_tile, Cfg::Q_SLICE_STRIDE, ks), SLICE_BYTES),
-                               ks > 0);
+        wgmma_m64n64k16_f16_ss(acc, descriptor_plus(rows, kstep_offset(Cfg::KV_SLICE_STRIDE, ks)),
+                               descriptor_plus(cols, kstep_offset(Cfg::Q_SLICE_STRIDE, ks)), ks > 0);
 }
 
 // acc (64 keys x HEAD_DIM) += a (64 keys x 64 queries, from registers) tile (64 queries x HEAD_DIM,
@@ -157,12 +161,11 @@ __device__ void issue_transposed_scores(float (&acc)[32], const unsigned char *r
 template <int HEAD_DIM>
 __device__ void issue_key_gradient(float (&acc)[HEAD_DIM / 2], const unsigned (&a)[WG_ROWS / WG_K][4],
                                    const unsigned char *tile) {
+    const uint64_t b = smem_descriptor_mn_major(tile, BwdConfig<HEAD_DIM>::Q_SLICE_STRIDE);
 #pragma unroll
     for (int kk = 0; kk < WG_ROWS / WG_K; kk++) {
-        const uint64_t b =
-            smem_descriptor_mn_major(tile + kk * WG_K * SLICE_BYTES, BwdConfig<HEAD_DIM>::Q_SLICE_STRIDE);
-        if constexpr (HEAD_DIM == 128) wgmma_m64n128k16_f16_rs(acc, a[kk], b);
-        else wgmma_m64n64k16_f16_rs(acc, a[kk], b);
+        if constexpr (HEAD_DIM == 128) wgmma_m64n128k16_f16_rs(acc, a[kk], descriptor_plus(b, kk * WG_K * SLICE_BYTES));
+        else wgmma_m64n64k16_f16_rs(acc, a[kk], descriptor_plus(b, kk * WG_K * SLICE_BYTES));
     }
 }
 
@@ -171,13 +174,15 @@ __device__ void issue_key_gradient(float (&acc)[HEAD_DIM / 2], const unsigned (&
 template <int HEAD_DIM>
 __device__ void issue_dq(float (&dq)[32], const unsigned char *ds_tile, const unsigned char *k_tile, int slice) {
     typedef BwdConfig<HEAD_DIM> Cfg;
+    const uint64_t ds = smem_descriptor_mn_major(ds_tile, Cfg::DS_BYTES);
+    // The pass's slice added to the descriptor too: from the pointer (k_tile + slice * stride), ptxas built
+    // the D = 64 kernel's descriptors in vector registers and moved each to the uniform ones (R2UR).
+    const uint64_t k = smem_descriptor_mn_major(k_tile, Cfg::KV_SLICE_STRIDE);
 #pragma unroll
     for (int kk = 0; kk < Cfg::TILE_KV / WG_K; kk++)
-        wgmma_m64n64k16_f16_ss_mn_major(
-            dq, smem_descriptor_mn_major(ds_tile + kk * WG_K * SLICE_BYTES, Cfg::DS_BYTES),
-            smem_descriptor_mn_major(k_tile + slice * Cfg::KV_SLICE_STRIDE + kk * WG_K * SLICE_BYTES,
-                                     Cfg::KV_SLICE_STRIDE),
-            kk > 0);
+        wgmma_m64n64k16_f16_ss_mn_major(dq, descriptor_plus(ds, kk * WG_K * SLICE_BYTES),
+                                        descriptor_plus(k, slice * Cfg::KV_SLICE_STRIDE + kk * WG_K * SLICE_BYTES),
+                                        kk > 0);
 }
 
 // --- The softmax gradient on the accumulators ---------------------------------------------------
