@@ -138,8 +138,9 @@ __host__ __device__ constexpr unsigned kstep_offset(int slice_stride, int ks) {
     return ks * KSTEP_BYTES / SLICE_BYTES * slice_stride + ks * KSTEP_BYTES % SLICE_BYTES;
 }
 
-// A descriptor `bytes` further on in shared memory: its start-address field (bits 0-13, the address
-// >> 4) plus bytes >> 4, one add. No carry leaves the field: every tile lies below 256 KiB.
+// A descriptor `bytes` further on in shared memory (a non-negative multiple of 16): its start-address
+// field (bits 0-13, the address >> 4) plus bytes >> 4, one add. No carry leaves the field: every tile
+// lies below 256 KiB.
 __device__ uint64_t descriptor_plus(uint64_t descriptor, unsigned bytes) { return descriptor + (bytes >> 4); }
 
 // acc (64 rows of `rows_tile` x 64 rows of `cols_tile`) = rows_tile cols_tile^T, both [row][dim]
