@@ -352,12 +352,9 @@ __device__ void produce_key_block(const Smem &smem, const Work &w, int key_tile,
     loaded += q_tiles;
 }
 
-// A consumer is done with a barrier's resource: each of its warps arrives once.
-__device__ void release(uint64_t *barrier) {
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) mbarrier_arrive(barrier);
-    __syncwarp();
-}
+// A consumer is done with a barrier's resource: each of its threads arrives, so that each thread's own
+// reads of the stage (LSE and D) are released by its own arrive, the order racecheck can follow.
+__device__ void release(uint64_t *barrier) { mbarrier_arrive(barrier); }
 
 // (2b) Consumer `consumer`: dK and dV of keys 64 consumer.. of the key tile, and its share of dQ.
 template <int HEAD_DIM>
@@ -482,13 +479,13 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
               scale_log2};
     if constexpr (DETERMINISTIC) w.dq_head += (size_t)blockIdx.x * heads * head_acc_floats;  // the block's copy
 
-    constexpr int CONSUMER_WARPS = CONSUMERS * WG_THREADS / 32;
+    constexpr int CONSUMER_THREADS = CONSUMERS * WG_THREADS;
     if (threadIdx.x == 0) {
         mbarrier_init(smem.kv_full, 1);
-        mbarrier_init(smem.kv_empty, CONSUMER_WARPS);
+        mbarrier_init(smem.kv_empty, CONSUMER_THREADS);
         for (int s = 0; s < BWD_STAGES; s++) {
             mbarrier_init(&smem.q_full[s], 1);
-            mbarrier_init(&smem.q_empty[s], CONSUMER_WARPS);
+            mbarrier_init(&smem.q_empty[s], CONSUMER_THREADS);
         }
         fence_mbarrier_init();
     }
