@@ -1,8 +1,9 @@
-// 10.8, step 8 of 10_backward_hopper: wgmma descriptors by addition. Through 10.7 each of a tile's
-// wgmmas (32 at D = 128) built its shared-memory descriptors from an address (mask, shift, or with
-// the fixed fields), about seven instructions between one wgmma and the next; now each operand's
-// descriptor is built once a tile and the k-steps add their offset to its address field, one add a
-// descriptor, as CUTLASS's descriptor iterators do. Otherwise 10.7.
+// 10.9, step 9 of 10_backward_hopper: a head's key tiles side by side under the causal mask too.
+// Through 10.8 the causal grid was (b*h, key tiles): the blocks running at once were the same key
+// tile of every head, 64 heads' Q, dO and dQ streaming through L2 together, and the faster the
+// consumers the more of it came from memory. Now both masks use (key tiles, b*h): the blocks of a
+// head run together and share its tiles in L2 (each still starts at its diagonal, the heaviest key
+// tile of a head first). Otherwise 10.8.
 //
 // Three kernels, as 09: (1) D = rowsum(dO * O), each query tile's LSE and D as one 512-byte column
 // block; (2) one block per (128-key tile, b*h): the producer brings K and V once and Q, dO and the
@@ -495,15 +496,15 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
 }
 
 // The key tile of a block's round `round`, -1 past its last. Default: one round, the block's own
-// key tile (grid (key tiles, b*h); causal (b*h, key tiles), the heaviest first). Deterministic
+// key tile (grid (key tiles, b*h), whatever the mask: a head's blocks side by side). Deterministic
 // (09.8's): grid (copies, b*h); block `copy` takes one of every `copies` key tiles, one after the
 // other, back and forth (copy, 2 copies - 1 - copy, ...), into a dQ copy that no other block
 // writes. A chunk of it is added to once per round, by one bulk reduction, and a round's reductions
 // are complete before the next round's begin (bulk_wait, then the consumers' named barrier); the
 // convert kernel sums the copies in order, so dQ comes out the same on every run.
 template <bool DETERMINISTIC>
-__device__ int round_key_tile(int round, int key_tiles, int causal) {
-    if constexpr (!DETERMINISTIC) return round > 0 ? -1 : (int)(causal ? blockIdx.y : blockIdx.x);
+__device__ int round_key_tile(int round, int key_tiles) {
+    if constexpr (!DETERMINISTIC) return round > 0 ? -1 : (int)blockIdx.x;
     const int copies = gridDim.x, copy = blockIdx.x;
     const int key_tile = round * copies + (round % 2 ? copies - 1 - copy : copy);
     return key_tile < key_tiles ? key_tile : -1;
@@ -517,8 +518,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
                     float scale_log2, int causal) {
     extern __shared__ unsigned char raw_smem[];
     const Smem smem = smem_layout<HEAD_DIM>(raw_smem);
-    const int head = DETERMINISTIC || !causal ? blockIdx.y : blockIdx.x;
-    const int heads = DETERMINISTIC || !causal ? gridDim.y : gridDim.x;
+    const int head = blockIdx.y, heads = gridDim.y;
     const size_t head_elements = (size_t)head * seqlen * HEAD_DIM;
     const size_t head_acc_floats = (size_t)ceil_div(seqlen, WG_ROWS) * WG_ROWS * HEAD_DIM;  // whole query tiles
     Work w = {&q_map,
@@ -557,13 +557,11 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGISTERS>();
         if (threadIdx.x != 0) return;
-        for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles, causal)) >= 0;
-             round++)
+        for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles)) >= 0; round++)
             produce_key_block<HEAD_DIM>(smem, w, key_tile, round, loaded);
     } else {
         setmaxnreg_inc<CONSUMER_REGISTERS>();
-        for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles, causal)) >= 0;
-             round++)
+        for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles)) >= 0; round++)
             consume_key_block<HEAD_DIM>(smem, w, warpgroup - 1, key_tile, round, loaded);
     }
 }
@@ -676,7 +674,7 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
     backward_preprocess_kernel<HEAD_DIM>
         <<<padded_grid, THREADS, 0, stream>>>(args->o, args->d_o, args->lse, columns, s->seqlen);
     RETURN_IF_ERROR(cudaGetLastError());
-    const dim3 grid = DETERMINISTIC ? dim3(copies, heads) : s->causal ? dim3(heads, key_tiles) : dim3(key_tiles, heads);
+    const dim3 grid = DETERMINISTIC ? dim3(copies, heads) : dim3(key_tiles, heads);
     backward_kernel<HEAD_DIM, DETERMINISTIC>
         <<<grid, BLOCK_THREADS, Cfg::SMEM_BYTES, stream>>>(q_map, k_map, v_map, do_map, columns, dq_acc, args->dk,
                                                            args->dv, s->seqlen, s->scale, s->scale * LOG2E, s->causal);
