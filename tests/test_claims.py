@@ -182,3 +182,97 @@ def test_fp8_scores_in_fp16(repo, step, dim):
         assert 0.1 < share < 0.3, f"{shown}: {polys} exp2 polynomials beside {mufu_pairs:.0f} MUFU pairs"
     else:
         assert polys == 0, f"{shown}: {polys} HMUL2 with fp32 scores"
+
+
+def backward_kernels_10(repo, name):
+    """{(D, deterministic): its instructions} of the backward_kernels of a 10 build (BUILD/obj/<name>.o, else
+    the binary), read once per worker."""
+    binary = repo.require_binary(name)
+    cuobjdump, env = sass_tools(repo)
+
+    def read():
+        code = repo.build / "obj" / f"{name}.o"
+        dump = repo.run([cuobjdump, "--dump-sass", "-arch", "sm_90a", code if code.is_file() else binary], env=env,
+                        timeout=300)
+        assert dump.returncode == 0, f"cuobjdump failed on {name}:\n{dump.stderr}"
+        kernels = {}
+        for text in re.split(r"Function : ", dump.stdout)[1:]:
+            function = text.split()[0]
+            if kernel_base_name(function) == "backward_kernel":
+                dim, deterministic = re.search(r"ILi(\d+)ELb([01])E", function).groups()
+                kernels[(int(dim), deterministic == "1")] = [
+                    line.split("*/", 1)[1].split(";")[0].strip() for line in text.splitlines()
+                    if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+        assert len(kernels) == 4, f"{name}: backward_kernel for {sorted(kernels)}, expected D 64 and 128 in both modes"
+        return kernels
+    return repo.once(("10 sass", name), read)
+
+
+def before_first_wgmma(instructions):
+    """The instructions between a tile's fence (the first WARPGROUP.ARRIVE) and its first HGMMA."""
+    fence = next(i for i, op in enumerate(instructions) if op.startswith("WARPGROUP.ARRIVE"))
+    return next(i for i, op in enumerate(instructions) if op.startswith("HGMMA")) - fence - 1
+
+
+@pytest.mark.xdist_group("claims-10")
+def test_10_6_issues_a_tiles_first_wgmma_without_the_mask(repo):
+    """10.6 (10_backward_hopper.step6) keeps the mask out of the way of a tile's first wgmma, and 10.7
+    (10_backward_hopper.step7), 10.8 (.step8) and 10.9 (10_backward_hopper) as well: at most 32 instructions between the fence and the first HGMMA in each
+    backward kernel, where 10.5's non-deterministic kernels had the mask's predicates there (over 300)."""
+    for name, check in (("10_backward_hopper.step6", lambda gap, det: gap <= 32),
+                        ("10_backward_hopper.step7", lambda gap, det: gap <= 32),
+                        ("10_backward_hopper.step8", lambda gap, det: gap <= 32),
+                        ("10_backward_hopper", lambda gap, det: gap <= 32),
+                        ("10_backward_hopper.step5", lambda gap, det: det or gap > 300)):
+        for (dim, det), instructions in sorted(backward_kernels_10(repo, name).items()):
+            gap = before_first_wgmma(instructions)
+            assert check(gap, det), f"{name} D={dim} {'deterministic' if det else 'default'}: {gap} instructions " \
+                                    f"between the fence and the first HGMMA"
+
+
+def memory_ops(instructions, generic):
+    """The loads and stores among instructions, shared ones (LDS, STS) or generic ones (LD, ST), by opcode."""
+    found = {}
+    for op in (i.split()[1] if i.startswith("@") else i.split()[0] for i in instructions):
+        if re.fullmatch(r"(LD|ST)(\.\w+)*" if generic else r"(LDS|STS)(\.\w+)*", op):
+            found[op] = found.get(op, 0) + 1
+    return found
+
+
+@pytest.mark.xdist_group("claims-10")
+def test_10_7_reaches_shared_memory_as_shared(repo):
+    """10.7 (10_backward_hopper.step7), its shared memory aligned on the pointer and not on an integer, reads
+    LSE and D as LDS.64 and writes dS^T and the dQ stage as STS and STS.128, with no PTX of its own for them,
+    and so do 10.8 and 10.9: no generic load or store is left in their backward kernels, where 10.6's made generic
+    ones (LD.E, ST.E)."""
+    for name in ("10_backward_hopper.step7", "10_backward_hopper.step8", "10_backward_hopper"):
+        for (dim, det), instructions in sorted(backward_kernels_10(repo, name).items()):
+            shown = f"{name} D={dim} {'deterministic' if det else 'default'}"
+            shared = memory_ops(instructions, generic=False)
+            assert not memory_ops(instructions, generic=True), f"{shown}: {memory_ops(instructions, generic=True)}"
+            assert (shared.get("LDS.64"), shared.get("STS"), shared.get("STS.128")) == (16, 16, 8), f"{shown}: {shared}"
+    for (dim, det), instructions in sorted(backward_kernels_10(repo, "10_backward_hopper.step6").items()):
+        assert memory_ops(instructions, generic=True), f"10.6 D={dim}: no generic loads or stores; the claim is stale"
+
+
+def hgmma_gaps(instructions):
+    """The instructions between consecutive HGMMAs, sorted."""
+    at = [i for i, op in enumerate(instructions) if op.startswith("HGMMA")]
+    return sorted(b - a - 1 for a, b in zip(at, at[1:]))
+
+
+@pytest.mark.xdist_group("claims-10")
+def test_10_8_builds_descriptors_by_addition(repo):
+    """10.8 (10_backward_hopper.step8) builds each operand's wgmma descriptor once a tile and adds the
+    k-step's offset, and 10.9 (10_backward_hopper) too: the median gap between consecutive HGMMAs is at
+    most 4 instructions in every backward kernel, where 10.7's, building each descriptor afresh, is at
+    least 7; and their descriptors stay in the uniform datapath (at most 4 R2UR a kernel)."""
+    for name in ("10_backward_hopper.step8", "10_backward_hopper"):
+        for (dim, det), instructions in sorted(backward_kernels_10(repo, name).items()):
+            gaps, shown = hgmma_gaps(instructions), f"{name} D={dim} {'deterministic' if det else 'default'}"
+            assert gaps[len(gaps) // 2] <= 4, f"{shown}: median gap {gaps[len(gaps) // 2]} between HGMMAs"
+            r2ur = sum(1 for op in instructions if "R2UR" in op.split()[:2])
+            assert r2ur <= 4, f"{shown}: {r2ur} R2UR (descriptors built in vector registers?)"
+    for (dim, det), instructions in sorted(backward_kernels_10(repo, "10_backward_hopper.step7").items()):
+        gaps = hgmma_gaps(instructions)
+        assert gaps[len(gaps) // 2] >= 7, f"10.7 D={dim}: median gap {gaps[len(gaps) // 2]}; the claim is stale"

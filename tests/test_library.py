@@ -47,9 +47,14 @@ def exported_names(repo):
     return set(re.findall(r"^FA_API [^;(]*?\b(fa_\w+)\(", header(repo), re.M))
 
 
-def backward_workspace(b, h, n, d, deterministic=False):
-    """09's backward scratch: D (a float per query row, to 256 bytes), then the fp32 dQ accumulator; the same in
-    its deterministic mode where no GPU is visible (the copies of dQ are the GPU's to decide: one without it)."""
+def backward_workspace(b, h, n, d, deterministic=False, build="09_backward"):
+    """A backward's scratch, then the fp32 dQ accumulator; the same in the deterministic mode where no GPU
+    is visible (the copies of dQ are the GPU's to decide: one without it). 09's (and 10's first two
+    steps'): D, a float per query row, to 256 bytes, then the accumulator of n rows. 10's: each 64-query
+    tile's LSE and D side by side (512 bytes a tile), then the accumulator of whole 64-query tiles."""
+    tiles = -(-n // 64)
+    if build == "10_backward_hopper":
+        return b * h * tiles * 512 + b * h * tiles * 64 * d * 4
     return -(-b * h * n * 4 // 256) * 256 + b * h * n * d * 4
 
 
@@ -155,7 +160,7 @@ def test_step_library_refuses_the_deterministic_mode(repo, build):
     step named and the chapter's pointed to; with 0, its workspace (no GPU needed for either)."""
     lib = torch_op.Library(str(library(repo, build)))
     shape = torch_op.make_shape(*BASE, False, 0.125)
-    assert lib.backward_workspace_bytes(shape, deterministic=False) == backward_workspace(*BASE)
+    assert lib.backward_workspace_bytes(shape, deterministic=False) == backward_workspace(*BASE, build=build)
     with pytest.raises(torch_op.LibraryError) as refused:
         lib.backward_workspace_bytes(shape, deterministic=True)
     message = str(refused.value)
@@ -225,8 +230,8 @@ def expected_cases(repo, chapter):
     """{label: (code name, [patterns])}: what each of the probe's calls must answer on this chapter."""
     backward = has_backward(repo, chapter)
     need = WORKSPACE[int(chapter[:2])](*BASE)
-    grad_need = backward_workspace(*BASE) if backward else 0
-    deterministic_need = backward_workspace(*BASE, deterministic=True) if backward else 0
+    grad_need = backward_workspace(*BASE, build=chapter) if backward else 0
+    deterministic_need = backward_workspace(*BASE, deterministic=True, build=chapter) if backward else 0
     bad = "ERR_INVALID_ARGUMENT"
     no_bwd = ("ERR_NO_BACKWARD", NO_BACKWARD)
     want = {}
@@ -315,7 +320,7 @@ def test_library_refuses_bad_calls_before_gpu_work(repo, gpu_state, chapter, hid
             f"{shown}: fa_workspace_bytes of B={b} H={h} N={n} D={d}: {info[f'workspace {b} {h} {n} {d}']} "
             f"(code, bytes), expected 0 {forward}")
         for mode, deterministic in (("backward_workspace", False), ("deterministic_backward_workspace", True)):
-            grad = (f"0 {backward_workspace(b, h, n, d, deterministic)}" if backward
+            grad = (f"0 {backward_workspace(b, h, n, d, deterministic, chapter)}" if backward
                     else f"{code['ERR_NO_BACKWARD']} 0")
             assert info[f"{mode} {b} {h} {n} {d}"] == grad, (
                 f"{shown}: fa_backward_workspace_bytes of B={b} H={h} N={n} D={d}, deterministic "

@@ -2,6 +2,7 @@
 regenerated): each row is what its log holds, formatted as the table shows it. A table that lists
 a measurement by hand is checked here, so that prose and log cannot drift apart."""
 import csv
+import re
 import statistics
 
 import pytest
@@ -161,33 +162,69 @@ def first_run_10(repo, log):
     times = {}
     for line in (repo.root / "docs/results/logs/10" / log).read_text().splitlines():
         words = line.split()
-        if not (words and words[0] in ("09_backward", "10_backward_hopper.step1", "10_backward_hopper") and "," in words[-1]):
+        if not (words and (words[0] in ("09_backward", "10_backward_hopper") or
+                           re.fullmatch(r"10_backward_hopper\.step\d", words[0]))
+                and re.fullmatch(r"[\d.]+,[\d.]+", words[-1])):
             continue
         d = next(int(w[2:]) for w in words if w.startswith("D="))
         times[(words[0], "--deterministic" in words, d, "--causal" in words)] = float(words[-1].split(",")[0])
     return times
 
 
-# 10's README tables, each its first run's log: (log, the table's header, the builds of its columns; the
-# ratio is the last build's time over 09's).
-TABLES_10 = [("first_run_h100.log", "| D | mask | 09 | 10.1 | 10.1 / 09 |", ("09_backward", "10_backward_hopper")),
+# 10's README tables, each its first run's log: (log, the table's header, the builds of its columns, the
+# modes timed: the default, then the deterministic where the table has it; the ratio is the last build's
+# time over 09's, in the default mode).
+BOTH_MODES, DEFAULT_MODE = (False, True), (False,)
+TABLES_10 = [("first_run_h100.log", "| D | mask | 09 | 10.1 | 10.1 / 09 |", ("09_backward", "10_backward_hopper"),
+              BOTH_MODES),
              ("first_run_10_2_h100.log", "| D | mask | 09 | 10.1 | 10.2 |",
-              ("09_backward", "10_backward_hopper.step1", "10_backward_hopper"))]
+              ("09_backward", "10_backward_hopper.step1", "10_backward_hopper"), BOTH_MODES),
+             ("first_run_10_3_h100.log", "| D | mask | 09 | 10.2 | 10.3 |",
+              ("09_backward", "10_backward_hopper.step2", "10_backward_hopper"), BOTH_MODES),
+             ("first_run_10_5_h100.log", "| D | mask | 09 | 10.3 | 10.4 | 10.5 |",
+              ("09_backward", "10_backward_hopper.step3", "10_backward_hopper.step4", "10_backward_hopper"),
+              DEFAULT_MODE),
+             ("first_run_10_8_h100.log", "| D | mask | 09 | 10.5 | 10.6 | 10.7 | 10.8 |",
+              ("09_backward", "10_backward_hopper.step5", "10_backward_hopper.step6", "10_backward_hopper.step7",
+               "10_backward_hopper"), DEFAULT_MODE)]
 
 
-@pytest.mark.parametrize("log, header, builds", TABLES_10, ids=[t[0] for t in TABLES_10])
-def test_10s_tables_are_their_logs(repo, log, header, builds):
-    """A table of 10's README: each build in both modes, and the last's time over 09's, one call, as its log
-    has them."""
-    times = first_run_10(repo, log)
+@pytest.mark.parametrize("log, header, builds, modes", TABLES_10, ids=[t[0] for t in TABLES_10])
+def test_10s_tables_are_their_logs(repo, log, header, builds, modes):
+    """A table of 10's README: each build in each mode its run timed, and the last's time over 09's, one call,
+    as its log has them."""
+    times = {key: ms for key, ms in first_run_10(repo, log).items() if key[0] in builds and key[1] in modes}
     table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), header)
-    assert table and len(table) * 2 * len(builds) == len(times), (
+    assert table and len(table) * len(modes) * len(builds) == len(times), (
         f"{len(table)} rows in the table, {len(times)} timings in the log")
     for d, mask, *cells in table:
-        ms = {(b, det): times[(b, det, int(d), mask == "causal")] for b in builds for det in (False, True)}
+        ms = {(b, det): times[(b, det, int(d), mask == "causal")] for b in builds for det in modes}
         want = [f"{ms[(b, False)]:.2f}" for b in builds] + [
-            f"{ms[(builds[-1], False)] / ms[('09_backward', False)]:.2f}x"] + [f"{ms[(b, True)]:.2f}" for b in builds]
+            f"{ms[(builds[-1], False)] / ms[('09_backward', False)]:.2f}x"]
+        if True in modes:
+            want += [f"{ms[(b, True)]:.2f}" for b in builds]
         assert cells == want, f"D={d} {mask}: the table has {cells}, the log {want}"
+
+
+def test_10_9s_table_is_its_log(repo):
+    """10.9's table: 09, 10.8, 10.9 (the log's grid8) and SDPA's cuDNN backward at each shape and mask, and
+    10.9's time over cuDNN's and over 09's, one call, as run_10_9_h100.log has them."""
+    text = (repo.root / "docs/results/logs/10/run_10_9_h100.log").read_text()
+    # "B4 H16 N4096 D128 none|--causal", then 09, 10.5, grid5, 10.8, grid8, stagger8
+    ours = {(int(b), int(h), int(n), int(d), mask == "--causal"): [float(t) for t in times.split()]
+            for b, h, n, d, mask, times in re.findall(r"^B(\d+) H(\d+) N(\d+) D(\d+) (none|--causal) ([\d. ]+)$", text, re.M)}
+    cudnn = {(int(b), int(h), int(n), int(d), bool(mask)): float(t)
+             for b, h, n, d, mask, t in re.findall(r"^sdpa_cudnn B(\d+) H(\d+) N(\d+) D=(\d+) (--causal)? *([\d.]+)$",
+                                                   text, re.M)}
+    table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(),
+                          "| B | H | N | D | mask | 09 | 10.8 | 10.9 | cuDNN |")
+    assert table and len(table) == len(ours) == len(cudnn), f"{len(table)} rows, {len(ours)} and {len(cudnn)} in the log"
+    for b, h, n, d, mask, *cells in table:
+        key = (int(b), int(h), int(n), int(d), mask == "causal")
+        t09, _, _, t108, t109, _ = ours[key]
+        want = [f"{t09:.2f}", f"{t108:.2f}", f"{t109:.2f}", f"{cudnn[key]:.2f}", f"{t109 / cudnn[key]:.2f}x",
+                f"{t109 / t09:.2f}x"]
+        assert cells == want, f"{key}: the table has {cells}, the log {want}"
 
 
 # 11's README tables, each its first run's log: (log, the table's header, the step beside the chapter).

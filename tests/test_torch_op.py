@@ -457,10 +457,10 @@ def test_binding_without_gpu(repo):
             key = f"{b} {h} {n} {d}"
             if facts["workspace"][key] != WORKSPACE[int(chapter[:2])](b, h, n, d):
                 wrong.append(f"{chapter}: workspace of {key} is {facts['workspace'][key]}")
-            if backward and facts["backward_workspace"][key] != backward_workspace(b, h, n, d):
+            if backward and facts["backward_workspace"][key] != backward_workspace(b, h, n, d, build=chapter):
                 wrong.append(f"{chapter}: backward workspace of {key} is {facts['backward_workspace'][key]}")
             deterministic = facts["deterministic_backward_workspace"].get(key)
-            if backward and deterministic != backward_workspace(b, h, n, d, deterministic=True):
+            if backward and deterministic != backward_workspace(b, h, n, d, deterministic=True, build=chapter):
                 wrong.append(f"{chapter}: deterministic backward workspace of {key} is {deterministic}")
         no_backward = ("ERR_NO_BACKWARD", r"fa_backward: this chapter has no backward pass")
         no_gpu = ("ERR_NO_GPU", r"fa_backward: no usable CUDA GPU") if backward else no_backward
