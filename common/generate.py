@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`make generate`: a model that `make train` trained writes text. The prompt goes through a forward
 chapter (07: its causal forward over the prompt's tokens), and every next token through 11's decoding
-(`torch_op.decode`) against a paged KV cache: per layer, pools of pages of P tokens and a block table
+(a `torch_op.DecodePlan` a step, run at each layer) against a paged KV cache: per layer, pools of pages of P tokens and a block table
 that gives the sequence its pages in a shuffled order of the pool. Beside it, the same model on
 PyTorch's SDPA with a contiguous cache, on the backend PyTorch picks and on each of flash, cuDNN and
 memory-efficient forced. Greedy decoding: each chooses the most likely next byte.
@@ -64,6 +64,7 @@ class PagedCache:
             self.where = (self.table[0, positions // self.page_size].long(), positions % self.page_size)
         self.length = start + count
         self.lengths.fill_(self.length)
+        self.plan = None  # the step's decoding plan: made at its first layer, run at every layer
 
     def write(self, layer, k, v):
         """k, v [1, H, count, D] into their pages."""
@@ -76,8 +77,10 @@ class PagedCache:
         self.v[layer][pages, :, rows] = v[0].transpose(0, 1)
 
     def attend(self, layer, q, chapter):
-        o, _ = torch_op.decode(q, self.k[layer], self.v[layer], self.table, self.lengths, max_length=self.length,
-                               chapter=chapter)
+        if self.plan is None:
+            self.plan = torch_op.DecodePlan(q, self.k[layer], self.v[layer], self.table, self.lengths, self.length,
+                                            chapter=chapter)
+        o, _ = self.plan.run(q, self.k[layer], self.v[layer])
         return o
 
 

@@ -495,6 +495,47 @@ def decode_impl(q, k_pool, v_pool, block_table, lengths, max_length, scale, chap
     return o, lse
 
 
+class DecodePlan:
+    """One decoding step planned once and run once a layer, the split FlashInfer's decode wrappers make.
+    The op (`decode`) pays on every call for the dispatcher, every check, two new tensors, the
+    workspace and a second library call for its size: about 100 us of Python where the library call
+    takes 14 (docs/pytorch.md). A plan does the checks of the block table and lengths, the shape, the
+    library and the workspace once, from the first layer's q and pools; `run` then checks only that
+    q and the pools it is given are shaped, typed and placed as those, and calls fa_decode. The block
+    table and lengths are the plan's: write a step's lengths before planning it, and plan again when
+    max_length changes. Not differentiable, not an op (torch.compile sees through `decode`, not this)."""
+
+    def __init__(self, q, k_pool, v_pool, block_table, lengths, max_length, scale=None, chapter="11"):
+        require_torch()
+        check_tensor("q", q)
+        check_decode_inputs(q, k_pool, v_pool, block_table, lengths)
+        self.lib = library(chapter)
+        if not self.lib.has_decode:
+            raise RuntimeError(f"chapter={chapter!r}: {self.lib.name} has no decoding pass (fa_has_decode is 0)")
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        self.shape, self.max_length = decode_shape_of(q, k_pool, block_table, scale), int(max_length)
+        self.q_shape, self.pool_shape, self.device = q.shape, k_pool.shape, q.device
+        self.table, self.lengths = block_table, lengths  # held, so that their memory outlives the plan
+        with torch.cuda.device(self.device):
+            self.workspace_bytes = self.lib.decode_workspace_bytes(self.shape, self.max_length)
+            self.workspace = torch.empty(max(self.workspace_bytes, 1), dtype=torch.uint8, device=self.device)
+
+    def run(self, q, k_pool, v_pool):
+        """(O, LSE) of q against one layer's pools, on the current stream."""
+        for name, t, shape in (("q", q, self.q_shape), ("k_pool", k_pool, self.pool_shape),
+                               ("v_pool", v_pool, self.pool_shape)):
+            if t.shape != shape or t.dtype != torch.float16 or t.device != self.device or not t.is_contiguous():
+                raise ValueError(f"{name}: {t.dtype} {tuple(t.shape)} on {t.device}, contiguous {t.is_contiguous()}: "
+                                 f"the plan was made for contiguous torch.float16 {tuple(shape)} on {self.device}")
+        check_aligned(q=q, k_pool=k_pool, v_pool=v_pool)
+        o, lse = q.new_empty(self.q_shape), q.new_empty(self.q_shape[:3], dtype=torch.float32)
+        with torch.cuda.device(self.device):
+            self.lib.decode(self.shape, self.max_length, q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                            self.table.data_ptr(), self.lengths.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                            self.workspace.data_ptr(), self.workspace_bytes, stream_of(self.device))
+        return o, lse
+
+
 def decode_fake(q, k_pool, v_pool, block_table, lengths, max_length, scale, chapter):
     check_decode_inputs(q, k_pool, v_pool, block_table, lengths)
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)

@@ -13,7 +13,8 @@ a CUDA device it sees. The libraries it loads are `make lib`'s (make test builds
   compile    torch.compile(fullgraph=True) of a function calling the op, aot_eager and inductor:
              the same O and gradients as eager
   repeat     deterministic=True: dQ, dK, dV bitwise the same in two backward calls on the same inputs
-  decode     11's decoding through the op (grouped heads, ragged lengths, pages of 1 and 16) against float64;
+  decode     11's decoding through the op (grouped heads, ragged lengths, pages of 1 and 16) against float64,
+             and through a DecodePlan (bitwise the op's);
              make generate's paged cache (a prompt written at once, then a token at a time) against its
              contiguous one
   errors     each refusal: its exception type and words
@@ -274,6 +275,13 @@ def test_decode(op, b, hq, hkv, nq, d, page, lengths):
         rel, lse_err = rel_l2(to_numpy(o), want_o), float(np.abs(to_numpy(lse) - want_lse).max())
         assert rel <= REL_L2_TOL[11], f"{shown}: O relative L2 error {rel:.3e}, expected <= {REL_L2_TOL[11]}"
         assert lse_err <= LSE_TOL, f"{shown}: LSE max abs error {lse_err:.3e}, expected <= {LSE_TOL}"
+    # The same call planned once and run twice (generate's path): bitwise the op's O and LSE.
+    plan = torch_op.DecodePlan(*cuda, max(lengths))
+    for _ in range(2):
+        planned = plan.run(*cuda[:3])
+        assert all(torch.equal(a, b) for a, b in zip(planned, (o, lse))), f"{shown}: DecodePlan.run differs from the op"
+    with pytest.raises(ValueError, match=r"q: .*the plan was made for"):
+        plan.run(cuda[0][:, :, :1].contiguous() if nq > 1 else torch.cat([cuda[0]] * 2, 2), *cuda[1:3])
 
 
 @pytest.mark.parametrize("page", (1, 7, 16))
