@@ -67,7 +67,7 @@ except ImportError:
 ROOT = os.path.dirname(HERE)
 NAMESPACE = "fa_tutorial"
 HEAD_DIMS = (64, 128)
-ABI_VERSION = 3  # common/library.h's FA_ABI_VERSION
+ABI_VERSION = 4  # common/library.h's FA_ABI_VERSION
 ALIGNMENT = 16   # bytes, FA_ALIGNMENT
 # common/library.h's return codes and precisions (tests/test_torch_op.py checks them against it).
 (FA_OK, FA_ERR_INVALID_ARGUMENT, FA_ERR_NO_BACKWARD, FA_ERR_NO_GPU, FA_ERR_UNSUPPORTED_GPU, FA_ERR_CUDA,
@@ -168,6 +168,7 @@ SIGNATURES = {  # name: (restype, argtypes), as common/library.h declares them
                                                  ctypes.POINTER(ctypes.c_size_t)]),
     "fa_decode": (ctypes.c_int, [ctypes.POINTER(FaDecodeShape), ctypes.c_int] + [POINTER] * 8
                   + [ctypes.c_size_t, POINTER]),
+    "fa_decode_append": (ctypes.c_int, [ctypes.POINTER(FaDecodeShape)] + [POINTER] * 7),
 }
 
 
@@ -229,6 +230,10 @@ class Library:
         size = ctypes.c_size_t(0)
         self.check(self.dll.fa_decode_workspace_bytes(ctypes.byref(shape), int(max_length), ctypes.byref(size)))
         return size.value
+
+    def decode_append(self, shape, k_new, v_new, block_table, lengths, k_pool, v_pool, stream):
+        self.check(self.dll.fa_decode_append(ctypes.byref(shape), k_new, v_new, block_table, lengths, k_pool, v_pool,
+                                             stream))
 
     def decode(self, shape, max_length, q, k_pool, v_pool, block_table, lengths, o, lse, workspace, workspace_bytes,
                stream):
@@ -515,21 +520,33 @@ class DecodePlan:
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         self.shape, self.max_length = decode_shape_of(q, k_pool, block_table, scale), int(max_length)
         self.q_shape, self.pool_shape, self.device = q.shape, k_pool.shape, q.device
+        self.new_shape = torch.Size((q.shape[0], k_pool.shape[1], q.shape[2], q.shape[3]))  # [B, Hkv, Nq, D]
         self.table, self.lengths = block_table, lengths  # held, so that their memory outlives the plan
         with torch.cuda.device(self.device):
             self.workspace_bytes = self.lib.decode_workspace_bytes(self.shape, self.max_length)
             self.workspace = torch.empty(max(self.workspace_bytes, 1), dtype=torch.uint8, device=self.device)
 
-    def run(self, q, k_pool, v_pool):
-        """(O, LSE) of q against one layer's pools, on the current stream."""
-        for name, t, shape in (("q", q, self.q_shape), ("k_pool", k_pool, self.pool_shape),
-                               ("v_pool", v_pool, self.pool_shape)):
+    def run(self, q, k_pool, v_pool, k_new=None, v_new=None):
+        """(O, LSE) of q against one layer's pools, on the current stream; with k_new and v_new
+        [B, Hkv, Nq, D], the step's new keys and values are first written into the pools as each
+        sequence's last Nq tokens (fa_decode_append), in the same stream."""
+        checked = [("q", q, self.q_shape), ("k_pool", k_pool, self.pool_shape), ("v_pool", v_pool, self.pool_shape)]
+        if (k_new is None) != (v_new is None):
+            raise ValueError("k_new and v_new: both or neither")
+        if k_new is not None:
+            checked += [(name, t, self.new_shape) for name, t in (("k_new", k_new), ("v_new", v_new))]
+        for name, t, shape in checked:
             if t.shape != shape or t.dtype != torch.float16 or t.device != self.device or not t.is_contiguous():
                 raise ValueError(f"{name}: {t.dtype} {tuple(t.shape)} on {t.device}, contiguous {t.is_contiguous()}: "
                                  f"the plan was made for contiguous torch.float16 {tuple(shape)} on {self.device}")
         check_aligned(q=q, k_pool=k_pool, v_pool=v_pool)
         o, lse = q.new_empty(self.q_shape), q.new_empty(self.q_shape[:3], dtype=torch.float32)
         with torch.cuda.device(self.device):
+            if k_new is not None:
+                check_aligned(k_new=k_new, v_new=v_new)
+                self.lib.decode_append(self.shape, k_new.data_ptr(), v_new.data_ptr(), self.table.data_ptr(),
+                                       self.lengths.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                                       stream_of(self.device))
             self.lib.decode(self.shape, self.max_length, q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
                             self.table.data_ptr(), self.lengths.data_ptr(), o.data_ptr(), lse.data_ptr(),
                             self.workspace.data_ptr(), self.workspace_bytes, stream_of(self.device))

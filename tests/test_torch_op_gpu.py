@@ -280,6 +280,8 @@ def test_decode(op, b, hq, hkv, nq, d, page, lengths):
     for _ in range(2):
         planned = plan.run(*cuda[:3])
         assert all(torch.equal(a, b) for a, b in zip(planned, (o, lse))), f"{shown}: DecodePlan.run differs from the op"
+    with pytest.raises(ValueError, match=r"k_new and v_new: both or neither"):
+        plan.run(*cuda[:3], k_new=cuda[0])
     with pytest.raises(ValueError, match=r"q: .*the plan was made for"):
         plan.run(cuda[0][:, :, :1].contiguous() if nq > 1 else torch.cat([cuda[0]] * 2, 2), *cuda[1:3])
 
@@ -287,9 +289,9 @@ def test_decode(op, b, hq, hkv, nq, d, page, lengths):
 @pytest.mark.parametrize("page", (1, 7, 16))
 def test_generate_paged_cache(op, page):
     """make generate's PagedCache against its ContiguousCache: a prompt of 25 tokens written at once (a
-    scatter), then 40 tokens one at a time (a plain copy to a page the host looks up), each step attending
-    through 11's decoding: at every step within 11's rule of float64 attention over what the contiguous
-    cache holds (a token written to a wrong page or row is read by every later step)."""
+    scatter), then 40 tokens one at a time, each appended and attended to by one DecodePlan run (11):
+    at every step within 11's rule of float64 attention over what the contiguous cache holds, and at
+    the end every position's K and V, read through the block table, bitwise the contiguous cache's."""
     torch = op
     runs_here(torch, "11")
     import generate
@@ -303,15 +305,22 @@ def test_generate_paged_cache(op, page):
                    for _ in range(3))
         for cache in (paged, contiguous):
             cache.begin(start, count)
-            cache.write(0, k, v)
         start += count
         if count > 1:
+            paged.write(0, k, v)
+            contiguous.write(0, k, v)
             continue
+        ours = paged.step(0, q, k, v, "11")
+        contiguous.step(0, q, k, v)
         keys, values = (to_numpy(t[0][:, :, :start]) for t in (contiguous.k, contiguous.v))
         want, _ = reference.decode_reference(to_numpy(q), keys, values, np.array([start]), 1 / math.sqrt(shape[3]))
-        rel = rel_l2(to_numpy(paged.attend(0, q, "11")), want)
+        rel = rel_l2(to_numpy(ours), want)
         assert rel <= REL_L2_TOL[11], (f"pages of {page}, {start} tokens cached: relative L2 {rel:.3e} from float64 "
                                        f"over the contiguous cache")
+    positions = torch.arange(start, device="cuda")
+    pages, rows = paged.table[0, positions // page].long(), positions % page
+    for name, pool, flat in (("K", paged.k[0], contiguous.k[0]), ("V", paged.v[0], contiguous.v[0])):
+        assert torch.equal(pool[pages, :, rows], flat[0, :, :start].transpose(0, 1)), f"pages of {page}: {name} differs"
 
 
 def test_errors(op):
