@@ -19,8 +19,7 @@
 extern "C" {
 #endif
 
-#define FA_ABI_VERSION 4  // fa_abi_version() of a library built from this header (2: `deterministic`; 3: decoding;
-                          // 4: fa_decode_append)
+#define FA_ABI_VERSION 4  // fa_abi_version() of a library built from this header (3: decoding; 4: its append)
 #define FA_ALIGNMENT 16   // bytes: every device pointer (the kernels load 16 bytes at once; TMA)
 
 typedef AttnShape FaShape;          // scale: positive and normal (the CLI's 1/sqrt(D) is not implied)
