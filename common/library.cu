@@ -124,7 +124,9 @@ static __global__ void append_kernel(FaDecodeShape s, const uint4 *k_new, const 
                                      const int *lengths, uint4 *k_pool, uint4 *v_pool) {
     const int j = blockIdx.x, head = blockIdx.y, b = blockIdx.z, chunks = s.headdim / 8;  // 8 halves = 16 bytes
     const int pos = lengths[b] - s.new_tokens + j;
+    if (pos < 0 || pos >= s.max_pages * s.page_size) return;  // lengths out of range: nothing written
     const long long page = block_table[(long long)b * s.max_pages + pos / s.page_size];
+    if (page < 0 || page >= s.pages) return;  // a table entry outside the pool: nothing written
     const long long from = (((long long)b * s.kv_heads + head) * s.new_tokens + j) * chunks + threadIdx.x;
     const long long to = ((page * s.kv_heads + head) * s.page_size + pos % s.page_size) * chunks + threadIdx.x;
     k_pool[to] = k_new[from];
@@ -307,7 +309,7 @@ FA_API int fa_decode_append(const FaDecodeShape *shape, const void *k_new, const
     append_kernel<<<dim3(shape->new_tokens, shape->kv_heads, shape->batch), shape->headdim / 8, 0,
                     (cudaStream_t)stream>>>(*shape, (const uint4 *)k_new, (const uint4 *)v_new, block_table, lengths,
                                             (uint4 *)k_pool, (uint4 *)v_pool);
-    return enqueued(function, cudaSuccess, "the append");
+    return enqueued(function, cudaGetLastError(), "the append's launch");
 }
 
 }  // extern "C"

@@ -88,7 +88,7 @@ FA_API int fa_decode(const FaDecodeShape *shape, int max_length, const void *q, 
 // written into its pages as its last Nq tokens (positions lengths[b] - Nq .. lengths[b] - 1: the
 // lengths already count them), where fa_decode then reads them; one small kernel on `stream`, so that
 // a generation step appends and decodes a layer in two calls and no copies of its own. The block table
-// and the lengths as fa_decode's. Enqueued only, as above.
+// and the lengths as fa_decode's (a position or a page out of range is not written). Enqueued only.
 FA_API int fa_decode_append(const FaDecodeShape *shape, const void *k_new, const void *v_new, const int *block_table,
                             const int *lengths, void *k_pool, void *v_pool, void *stream);
 

@@ -280,10 +280,31 @@ def test_decode(op, b, hq, hkv, nq, d, page, lengths):
     for _ in range(2):
         planned = plan.run(*cuda[:3])
         assert all(torch.equal(a, b) for a, b in zip(planned, (o, lse))), f"{shown}: DecodePlan.run differs from the op"
+    # Appended by the plan (fa_decode_append): the new tokens' K and V taken out of copies of the pools
+    # (their rows set to 7) and given as k_new, v_new: both pools come back bitwise whole (each row where
+    # fa_decode reads it, nothing else written), and O and LSE are the op's.
+    where = [(s, j, int(table[s, (lengths[s] - nq + j) // page]), (lengths[s] - nq + j) % page)
+             for s in range(b) for j in range(nq)]
+    news, holes = [], []
+    for pool in cuda[1:3]:
+        new, hole = pool.new_empty((b, hkv, nq, d)), pool.clone()
+        for s, j, at, row in where:
+            new[s, :, j] = pool[at, :, row]
+            hole[at, :, row] = 7.0
+        news.append(new)
+        holes.append(hole)
+    appended = plan.run(cuda[0], *holes, k_new=news[0], v_new=news[1])
+    for name, hole, pool in (("K", holes[0], cuda[1]), ("V", holes[1], cuda[2])):
+        assert torch.equal(hole, pool), f"{shown}: the appended {name} pool differs from the whole one"
+    assert all(torch.equal(a, b) for a, b in zip(appended, (o, lse))), f"{shown}: O or LSE after the append differs"
     with pytest.raises(ValueError, match=r"k_new and v_new: both or neither"):
-        plan.run(*cuda[:3], k_new=cuda[0])
+        plan.run(*cuda[:3], k_new=news[0])
+    with pytest.raises(ValueError, match=r"k_new: .*the plan was made for"):
+        plan.run(*cuda[:3], k_new=cuda[0], v_new=cuda[0])
     with pytest.raises(ValueError, match=r"q: .*the plan was made for"):
         plan.run(cuda[0][:, :, :1].contiguous() if nq > 1 else torch.cat([cuda[0]] * 2, 2), *cuda[1:3])
+    with pytest.raises(TypeError, match=r"q is torch.float32: the plan takes torch.float16"):
+        plan.run(cuda[0].float(), *cuda[1:3])
 
 
 @pytest.mark.parametrize("page", (1, 7, 16))
