@@ -1,13 +1,14 @@
 // 11.5, step 5 of 11_decode: an e4m3 cache as a measured option (--kv-cache e4m3). The split kernel
 // reads the cache's K and V as fp16 or as e4m3 (a template on the element): e4m3 is one byte an
 // element, a thread's 8 dims of a row one 8-byte load where fp16 took 16, so a decoding step reads
-// half the bytes. Each KV head's K and V carry a scale (DecodeE4m3's k_scale, v_scale): K's is folded
+// half the bytes; a thread keeps as many bytes in flight as fp16's (BYTES_IN_FLIGHT), twice the keys,
+// or the loads in flight would halve with the bytes and the time would stay. Each KV head's K and V carry a scale (DecodeE4m3's k_scale, v_scale): K's is folded
 // into the pre-scaled queries, V's into the split's partial O when it is written (the merge is linear
 // in O). Otherwise 11.4.
 //
 // Two kernels: (1) one block per (split of keys_per_split keys, KV head, sequence): the g x Nq query
 // rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each read the K and V
-// rows of KEYS_IN_FLIGHT keys, 8 elements a thread a row, through the block table, then use them one
+// rows of BYTES_IN_FLIGHT's keys, 8 elements a thread a row, through the block table, then use them one
 // after another; each group keeps an online softmax per row over the keys it reads, and the block
 // combines its groups' states in shared memory into the split's partial per row; (2) per (query
 // head, sequence), the splits' partials merged into O and LSE.
@@ -23,7 +24,7 @@
 #define MIN_WAVES 2        // the splits leave at least this many waves of resident blocks, where they can
 #define QUERY_CHUNK 4      // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
 #define DIMS_PER_THREAD 8  // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
-#define KEYS_IN_FLIGHT 4   // keys a group loads before it uses the first: 4 x 32 (e4m3: 16) bytes of K and V a thread
+#define BYTES_IN_FLIGHT 128  // of K and V a thread loads before it uses the first key: 4 keys of fp16, 8 of e4m3
 
 template <int HEAD_DIM>
 struct DecodeConfig {
@@ -47,11 +48,13 @@ struct CacheLoad;
 template <>
 struct CacheLoad<__half> {
     typedef uint4 Raw;
+    static constexpr int KEYS_IN_FLIGHT = BYTES_IN_FLIGHT / (2 * sizeof(Raw));  // 4
     static __device__ float scale(const float *, int) { return 1.0f; }
 };
 template <>
 struct CacheLoad<__nv_fp8_e4m3> {
     typedef uint2 Raw;
+    static constexpr int KEYS_IN_FLIGHT = BYTES_IN_FLIGHT / (2 * sizeof(Raw));  // 8: half the bytes a key, twice the keys
     static __device__ float scale(const float *scales, int kv_head) { return scales[kv_head]; }
 };
 
@@ -89,6 +92,7 @@ __global__ void __launch_bounds__(DECODE_THREADS)
                  float *part_o, float *part_max, float *part_sum, int splits, int keys_per_split, float scale_log2) {
     typedef DecodeConfig<HEAD_DIM> Cfg;
     typedef typename CacheLoad<Elem>::Raw Raw;
+    constexpr int KEYS_IN_FLIGHT = CacheLoad<Elem>::KEYS_IN_FLIGHT;
     extern __shared__ float states[];  // [group][row of the chunk][HEAD_DIM O, max, sum]
     const DecodeShape &s = args.shape;
     const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
