@@ -21,7 +21,7 @@
 // --- Configuration -------------------------------------------------------------------------
 #define DECODE_THREADS 128
 #define KEYS_PER_STEP 256  // a split is a multiple of this many keys (11.3's split)
-#define MIN_WAVES 2        // the splits leave at least this many waves of resident blocks, where they can
+#define MIN_WAVES 1        // the splits leave at least this many waves of resident blocks, where they can
 #define QUERY_CHUNK 4      // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
 #define DIMS_PER_THREAD 8  // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
 #define BYTES_IN_FLIGHT 128  // of K and V a thread loads before it uses the first key: 4 keys of fp16, 8 of e4m3

@@ -17,7 +17,7 @@
 // --- Configuration -------------------------------------------------------------------------
 #define DECODE_THREADS 128
 #define KEYS_PER_STEP 256  // a split is a multiple of this many keys (11.3's split)
-#define MIN_WAVES 2        // the splits leave at least this many waves of resident blocks, where they can
+#define MIN_WAVES 1        // the splits leave at least this many waves of resident blocks, where they can
 #define QUERY_CHUNK 4      // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
 #define DIMS_PER_THREAD 8  // 16 bytes of a K or V row: one uint4 load
 #define KEYS_IN_FLIGHT 4   // keys a group loads before it uses the first: 4 x 32 bytes of K and V a thread
