@@ -20,11 +20,11 @@
 
 // --- Configuration -------------------------------------------------------------------------
 #define DECODE_THREADS 128
-#define KEYS_PER_STEP 256  // a split is a multiple of this many keys (11.3's split)
-#define MIN_WAVES 1        // the splits leave at least this many waves of resident blocks, where they can
-#define QUERY_CHUNK 4      // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
-#define DIMS_PER_THREAD 8  // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
-#define BYTES_IN_FLIGHT 128  // of K and V a thread loads before it uses the first key: 4 keys of fp16, 8 of e4m3
+#define KEYS_PER_STEP 256    // a split is a multiple of this many keys (11.3's split)
+#define MIN_WAVES 1          // the splits leave at least this many waves of resident blocks, where they can
+#define QUERY_CHUNK 4        // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
+#define DIMS_PER_THREAD 8    // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
+#define BYTES_IN_FLIGHT 128  // of K and V a thread loads before it uses the first key (4 keys of fp16)
 
 template <int HEAD_DIM>
 struct DecodeConfig {
@@ -54,7 +54,8 @@ struct CacheLoad<__half> {
 template <>
 struct CacheLoad<__nv_fp8_e4m3> {
     typedef uint2 Raw;
-    static constexpr int KEYS_IN_FLIGHT = BYTES_IN_FLIGHT / (2 * sizeof(Raw));  // 8: half the bytes a key, twice the keys
+    // 8: half the bytes a key, twice the keys
+    static constexpr int KEYS_IN_FLIGHT = BYTES_IN_FLIGHT / (2 * sizeof(Raw));
     static __device__ float scale(const float *scales, int kv_head) { return scales[kv_head]; }
 };
 
