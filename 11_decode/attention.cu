@@ -1,16 +1,16 @@
-// 11.5, step 5 of 11_decode: an e4m3 cache as a measured option (--kv-cache e4m3). The split kernel
-// reads the cache's K and V as fp16 or as e4m3 (a template on the element): e4m3 is one byte an
-// element, a thread's 8 dims of a row one 8-byte load where fp16 took 16, so a decoding step reads
-// half the bytes. Each KV head's K and V carry a scale (DecodeE4m3's k_scale, v_scale): K's is folded
-// into the pre-scaled queries, V's into the split's partial O when it is written (the merge is linear
-// in O). Otherwise 11.4.
+// 11.6, step 6 of 11_decode: the merge over many threads. Through 11.5 the merge gave each query
+// head one block of HEAD_DIM threads, and each thread read every split's partial in turn: at b = 1
+// that is 32 blocks for the whole GPU, each walking 128 splits one load after another (36 us of a
+// 100 us step at 32k tokens on an H100). Now a block of MERGE_THREADS threads takes the splits
+// PARTS at a time: the common max by the whole block, then each part sums its splits, and the
+// parts are added in shared memory. Otherwise 11.5.
 //
 // Two kernels: (1) one block per (split of keys_per_split keys, KV head, sequence): the g x Nq query
 // rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each read the K and V
 // rows of KEYS_IN_FLIGHT keys, 8 elements a thread a row, through the block table, then use them one
 // after another; each group keeps an online softmax per row over the keys it reads, and the block
 // combines its groups' states in shared memory into the split's partial per row; (2) per (query
-// head, sequence), the splits' partials merged into O and LSE.
+// head, sequence), the splits' partials merged into O and LSE by MERGE_THREADS threads.
 #include <cuda_fp8.h>
 #include <stdio.h>
 
@@ -20,10 +20,11 @@
 // --- Configuration -------------------------------------------------------------------------
 #define DECODE_THREADS 128
 #define KEYS_PER_STEP 256  // a split is a multiple of this many keys (11.3's split)
-#define MIN_WAVES 2        // the splits leave at least this many waves of resident blocks, where they can
+#define MIN_WAVES 1        // the splits leave at least this many waves of resident blocks, where they can
 #define QUERY_CHUNK 4      // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
 #define DIMS_PER_THREAD 8  // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
 #define KEYS_IN_FLIGHT 4   // keys a group loads before it uses the first: 4 x 32 (e4m3: 16) bytes of K and V a thread
+#define MERGE_THREADS 512  // the merge's block: HEAD_DIM dims x (MERGE_THREADS / HEAD_DIM) parts of the splits
 
 template <int HEAD_DIM>
 struct DecodeConfig {
@@ -193,28 +194,52 @@ __global__ void __launch_bounds__(DECODE_THREADS)
 }
 
 // --- (2) the splits merged: O and LSE ------------------------------------------------------
-// One block per (query head, sequence), a thread per dim: for each query, the splits' partials
-// rescaled to their common max and summed (03's algebra), then O = sum / total and LSE.
+// One block per (query head, sequence) of MERGE_THREADS threads: HEAD_DIM dims x PARTS parts, part p
+// summing splits p, p + PARTS, ... so that many partials are read at once; the parts then added in
+// shared memory. The splits' common max first, by the whole block.
+// The largest x of the block: each warp's by shuffles, then the warps' through shared memory.
+__device__ float block_max(float x, float *scratch) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+    __syncthreads();
+    x = -INFINITY;
+    for (int w = 0; w < MERGE_THREADS / 32; w++) x = fmaxf(x, scratch[w]);
+    return x;
+}
+
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(HEAD_DIM) merge_kernel(DecodeArgs args, const float *part_o, const float *part_max,
-                                                         const float *part_sum, int splits, int keys_per_split) {
+__global__ void __launch_bounds__(MERGE_THREADS)
+    merge_kernel(DecodeArgs args, const float *part_o, const float *part_max, const float *part_sum, int splits,
+                 int keys_per_split) {
+    constexpr int PARTS = MERGE_THREADS / HEAD_DIM;
+    __shared__ float scratch[MERGE_THREADS / 32], values[PARTS][HEAD_DIM], sums[PARTS];
     const DecodeShape &s = args.shape;
-    const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x, batch_head = seq * s.q_heads + head;
+    const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x % HEAD_DIM, part = threadIdx.x / HEAD_DIM;
+    const int batch_head = seq * s.q_heads + head;
     const int used = ceil_div(args.lengths[seq], keys_per_split);  // this sequence's splits
     for (int query = 0; query < s.new_tokens; query++) {
-        float merged_max = -INFINITY;
-        for (int split = 0; split < used; split++)
-            merged_max = fmaxf(merged_max, part_max[partial_index(batch_head, query, s.new_tokens, split, splits)]);
+        const size_t first = partial_index(batch_head, query, s.new_tokens, 0, splits);
+        float mine = -INFINITY;
+        for (int split = threadIdx.x; split < used; split += MERGE_THREADS) mine = fmaxf(mine, part_max[first + split]);
+        const float merged_max = block_max(mine, scratch);
         float sum = 0.0f, value = 0.0f;
-        for (int split = 0; split < used; split++) {
-            const size_t at = partial_index(batch_head, query, s.new_tokens, split, splits);
-            const float weight = exp2f(part_max[at] - merged_max);  // a split that saw no key: exp2(-inf) = 0
-            sum += part_sum[at] * weight;
-            value += part_o[at * HEAD_DIM + d] * weight;
+#pragma unroll 4
+        for (int split = part; split < used; split += PARTS) {
+            const float weight = exp2f(part_max[first + split] - merged_max);  // a split that saw no key: 0
+            sum += part_sum[first + split] * weight;
+            value += part_o[(first + split) * HEAD_DIM + d] * weight;
         }
-        const size_t row = (size_t)batch_head * s.new_tokens + query;
-        args.o[row * HEAD_DIM + d] = __float2half_rn(value / sum);
-        if (d == 0) args.lse[row] = (merged_max + log2f(sum)) * LN2;
+        values[part][d] = value;
+        if (d == 0) sums[part] = sum;
+        __syncthreads();
+        if (part == 0) {
+            for (int p = 1; p < PARTS; p++) value += values[p][d], sum += sums[p];
+            const size_t row = (size_t)batch_head * s.new_tokens + query;
+            args.o[row * HEAD_DIM + d] = __float2half_rn(value / sum);
+            if (d == 0) args.lse[row] = (merged_max + log2f(sum)) * LN2;
+        }
+        __syncthreads();  // scratch, values and sums are read before the next query writes them
     }
 }
 
@@ -227,6 +252,24 @@ static size_t decode_workspace_bytes(const DecodeShape *shape, int max_length) {
     return partials * (shape->headdim + 2) * sizeof(float);
 }
 
+// The split blocks this GPU holds at once (SMs x blocks an SM), asked of the runtime once per device and
+// kept: decode runs at every layer of every generated token, and the answer does not change.
+#define MAX_DEVICES 64
+template <int HEAD_DIM, typename Elem>
+static cudaError_t resident_blocks(int *blocks) {
+    static int known[MAX_DEVICES];  // 0: not asked yet (read and written atomically: any host thread may decode)
+    int device = 0, sms = 0, per_sm = 0;
+    RETURN_IF_ERROR(cudaGetDevice(&device));
+    const int slot = device < MAX_DEVICES ? device : -1;
+    if (slot >= 0 && (*blocks = __atomic_load_n(&known[slot], __ATOMIC_RELAXED))) return cudaSuccess;
+    RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_kernel<HEAD_DIM, Elem>, DECODE_THREADS,
+                                                                  DecodeConfig<HEAD_DIM>::SMEM_BYTES));
+    *blocks = sms * per_sm;
+    if (slot >= 0) __atomic_store_n(&known[slot], *blocks, __ATOMIC_RELAXED);
+    return cudaSuccess;
+}
+
 // Keys per split: KEYS_PER_STEP x k, k the largest power of two for which the blocks (splits x KV
 // heads x sequences, every sequence counted as the longest) still fill MIN_WAVES waves of the blocks
 // this GPU holds at once; k = 1 where even that does not (a short cache, a small batch: 11.3's
@@ -236,12 +279,9 @@ template <int HEAD_DIM, typename Elem>
 static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_per_split) {
     *keys_per_split = KEYS_PER_STEP;
     if (s->q_heads / s->kv_heads * s->new_tokens > QUERY_CHUNK) return cudaSuccess;
-    int device = 0, sms = 0, per_sm = 0;
-    RETURN_IF_ERROR(cudaGetDevice(&device));
-    RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_kernel<HEAD_DIM, Elem>, DECODE_THREADS,
-                                                                  DecodeConfig<HEAD_DIM>::SMEM_BYTES));
-    const long long wanted = (long long)MIN_WAVES * sms * per_sm, heads = (long long)s->batch * s->kv_heads;
+    int resident = 0;
+    RETURN_IF_ERROR((resident_blocks<HEAD_DIM, Elem>(&resident)));
+    const long long wanted = (long long)MIN_WAVES * resident, heads = (long long)s->batch * s->kv_heads;
     while (*keys_per_split < max_length && heads * ceil_div(max_length, 2 * *keys_per_split) >= wanted)
         *keys_per_split *= 2;
     return cudaSuccess;
@@ -262,8 +302,8 @@ static cudaError_t launch_decode(const DecodeArgs *args, const Elem *k_pool, con
     split_kernel<HEAD_DIM, Elem><<<dim3(splits, s->kv_heads, s->batch), DECODE_THREADS, Cfg::SMEM_BYTES, stream>>>(
         *args, k_pool, v_pool, k_scale, v_scale, part_o, part_max, part_sum, splits, keys_per_split, s->scale * LOG2E);
     RETURN_IF_ERROR(cudaGetLastError());
-    merge_kernel<HEAD_DIM><<<dim3(s->q_heads, s->batch), HEAD_DIM, 0, stream>>>(*args, part_o, part_max, part_sum,
-                                                                                splits, keys_per_split);
+    merge_kernel<HEAD_DIM><<<dim3(s->q_heads, s->batch), MERGE_THREADS, 0, stream>>>(*args, part_o, part_max, part_sum,
+                                                                                     splits, keys_per_split);
     return cudaGetLastError();
 }
 

@@ -17,7 +17,7 @@
 // --- Configuration -------------------------------------------------------------------------
 #define DECODE_THREADS 128
 #define KEYS_PER_STEP 256  // a split is a multiple of this many keys (11.3's split)
-#define MIN_WAVES 2        // the splits leave at least this many waves of resident blocks, where they can
+#define MIN_WAVES 1        // the splits leave at least this many waves of resident blocks, where they can
 #define QUERY_CHUNK 4      // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
 #define DIMS_PER_THREAD 8  // 16 bytes of a K or V row: one uint4 load
 #define KEYS_IN_FLIGHT 4   // keys a group loads before it uses the first: 4 x 32 bytes of K and V a thread
@@ -193,6 +193,24 @@ static size_t decode_workspace_bytes(const DecodeShape *shape, int max_length) {
     return partials * (shape->headdim + 2) * sizeof(float);
 }
 
+// The split blocks this GPU holds at once (SMs x blocks an SM), asked of the runtime once per device and
+// kept: decode runs at every layer of every generated token, and the answer does not change.
+#define MAX_DEVICES 64
+template <int HEAD_DIM>
+static cudaError_t resident_blocks(int *blocks) {
+    static int known[MAX_DEVICES];  // 0: not asked yet (read and written atomically: any host thread may decode)
+    int device = 0, sms = 0, per_sm = 0;
+    RETURN_IF_ERROR(cudaGetDevice(&device));
+    const int slot = device < MAX_DEVICES ? device : -1;
+    if (slot >= 0 && (*blocks = __atomic_load_n(&known[slot], __ATOMIC_RELAXED))) return cudaSuccess;
+    RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_kernel<HEAD_DIM>, DECODE_THREADS,
+                                                                  DecodeConfig<HEAD_DIM>::SMEM_BYTES));
+    *blocks = sms * per_sm;
+    if (slot >= 0) __atomic_store_n(&known[slot], *blocks, __ATOMIC_RELAXED);
+    return cudaSuccess;
+}
+
 // Keys per split: KEYS_PER_STEP x k, k the largest power of two for which the blocks (splits x KV
 // heads x sequences, every sequence counted as the longest) still fill MIN_WAVES waves of the blocks
 // this GPU holds at once; k = 1 where even that does not (a short cache, a small batch: 11.3's
@@ -202,12 +220,9 @@ template <int HEAD_DIM>
 static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_per_split) {
     *keys_per_split = KEYS_PER_STEP;
     if (s->q_heads / s->kv_heads * s->new_tokens > QUERY_CHUNK) return cudaSuccess;
-    int device = 0, sms = 0, per_sm = 0;
-    RETURN_IF_ERROR(cudaGetDevice(&device));
-    RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_kernel<HEAD_DIM>, DECODE_THREADS,
-                                                                  DecodeConfig<HEAD_DIM>::SMEM_BYTES));
-    const long long wanted = (long long)MIN_WAVES * sms * per_sm, heads = (long long)s->batch * s->kv_heads;
+    int resident = 0;
+    RETURN_IF_ERROR(resident_blocks<HEAD_DIM>(&resident));
+    const long long wanted = (long long)MIN_WAVES * resident, heads = (long long)s->batch * s->kv_heads;
     while (*keys_per_split < max_length && heads * ceil_div(max_length, 2 * *keys_per_split) >= wanted)
         *keys_per_split *= 2;
     return cudaSuccess;

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """`make generate`: a model that `make train` trained writes text. The prompt goes through a forward
 chapter (07: its causal forward over the prompt's tokens), and every next token through 11's decoding
-(`torch_op.decode`) against a paged KV cache: per layer, pools of pages of P tokens and a block table
+(a `torch_op.DecodePlan` a step, whose run at each layer appends the token's K and V to its page and
+decodes) against a paged KV cache: per layer, pools of pages of P tokens and a block table
 that gives the sequence its pages in a shuffled order of the pool. Beside it, the same model on
 PyTorch's SDPA with a contiguous cache, on the backend PyTorch picks and on each of flash, cuDNN and
 memory-efficient forced. Greedy decoding: each chooses the most likely next byte.
@@ -39,8 +40,10 @@ FP16_STEP = 2.0 ** -10  # fp16's relative rounding step (10 bits of mantissa)
 # --- The KV caches -----------------------------------------------------------------------------------
 class PagedCache:
     """Per layer, K and V pools [pages, H, P, D] fp16, and one block table [1, pages] int32 naming the
-    sequence's pages in a shuffled order of the pool: token t is row t % P of page table[t // P]. A
-    step's positions are located once (begin), then written layer by layer."""
+    sequence's pages in a shuffled order of the pool: token t is row t % P of page table[t // P]. The
+    prompt's K and V are written by a scatter (write); each new token's, layer by layer, by the run
+    that attends with it (step: a DecodePlan made at the step's first layer, whose run appends the
+    token's K and V to its page, then decodes)."""
 
     def __init__(self, layers, page_size, device, seed=0):
         pages = -(-train.CONTEXT // page_size)
@@ -49,35 +52,29 @@ class PagedCache:
         self.v = [torch.zeros(shape, dtype=torch.float16, device=device) for _ in range(layers)]
         order = torch.randperm(pages, generator=torch.Generator().manual_seed(seed))
         self.table = order.to(torch.int32).view(1, pages).to(device)
-        self.pages_in_order = order.tolist()  # the table on the host too: a new token's page without a GPU lookup
         self.lengths = torch.zeros(1, dtype=torch.int32, device=device)
         self.page_size = page_size
 
     def begin(self, start, count):
-        """The next writes are of positions start .. start + count - 1: their pages and rows; the cache then
-        holds start + count tokens. One new token's page and row are numbers (its write is a plain copy);
-        the prompt's are index tensors (its write is a scatter)."""
-        if count == 1:
-            self.where = (self.pages_in_order[start // self.page_size], start % self.page_size)
-        else:
-            positions = torch.arange(start, start + count, device=self.table.device)
-            self.where = (self.table[0, positions // self.page_size].long(), positions % self.page_size)
-        self.length = start + count
+        """The next writes are of positions start .. start + count - 1; the cache then holds start + count
+        tokens."""
+        self.start, self.length = start, start + count
         self.lengths.fill_(self.length)
+        self.plan = None  # the step's decoding plan: made at its first layer, run at every layer
 
     def write(self, layer, k, v):
-        """k, v [1, H, count, D] into their pages."""
-        pages, rows = self.where
-        if isinstance(pages, int):  # one token: row `rows` of page `pages`, [H, D]
-            self.k[layer][pages, :, rows] = k[0, :, 0]
-            self.v[layer][pages, :, rows] = v[0, :, 0]
-            return
+        """k, v [1, H, count, D] into their pages (the prompt's: a scatter)."""
+        positions = torch.arange(self.start, self.length, device=self.table.device)
+        pages, rows = self.table[0, positions // self.page_size].long(), positions % self.page_size
         self.k[layer][pages, :, rows] = k[0].transpose(0, 1)  # [count, H, D]
         self.v[layer][pages, :, rows] = v[0].transpose(0, 1)
 
-    def attend(self, layer, q, chapter):
-        o, _ = torch_op.decode(q, self.k[layer], self.v[layer], self.table, self.lengths, max_length=self.length,
-                               chapter=chapter)
+    def step(self, layer, q, k, v, chapter):
+        """The new token's k, v [1, H, 1, D] appended to its page, then q's attention over the cache."""
+        if self.plan is None:
+            self.plan = torch_op.DecodePlan(q, self.k[layer], self.v[layer], self.table, self.lengths, self.length,
+                                            chapter=chapter)
+        o, _ = self.plan.run(q, self.k[layer], self.v[layer], k_new=k, v_new=v)
         return o
 
 
@@ -96,7 +93,9 @@ class ContiguousCache:
         self.k[layer][:, :, self.start:self.length] = k
         self.v[layer][:, :, self.start:self.length] = v
 
-    def attend(self, layer, q, chapter=None):
+    def step(self, layer, q, k, v, chapter=None):
+        """The new token's k, v [1, H, 1, D] written, then q's attention over the cache by SDPA."""
+        self.write(layer, k, v)
         k, v = self.k[layer][:, :, :self.length], self.v[layer][:, :, :self.length]
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)  # one query: it sees every key
 
@@ -133,7 +132,7 @@ def logits_of(model, tokens, start, attend):
 def generate(model, prompt, count, cache, prompt_attend, chapter=None):
     """Greedy decoding: (every token, the logits [VOCAB] each new one was chosen from, the seconds the
     new tokens took after the prompt's). The prompt's K and V go into the cache, its attention through
-    prompt_attend(q, k, v) (causal); each new token's through cache.attend."""
+    prompt_attend(q, k, v) (causal); each new token's through cache.step (which writes its K and V too)."""
     device = model.tokens.weight.device
     tokens = list(prompt)
 
@@ -142,8 +141,7 @@ def generate(model, prompt, count, cache, prompt_attend, chapter=None):
         return prompt_attend(q, k, v)
 
     def step_layer(layer, q, k, v):
-        cache.write(layer, k, v)
-        return cache.attend(layer, q, chapter)
+        return cache.step(layer, q, k, v, chapter)
 
     with torch.no_grad():
         cache.begin(0, len(tokens))

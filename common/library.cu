@@ -118,6 +118,21 @@ static int enqueued(const char *function, cudaError_t err, const char *part) {
         if (code_ != FA_OK) return code_; \
     } while (0)
 
+// One new token of one KV head a block, 16 bytes of its K row and of its V row a thread: into row
+// pos % P of page block_table[b][pos / P], pos = lengths[b] - Nq + j.
+static __global__ void append_kernel(FaDecodeShape s, const uint4 *k_new, const uint4 *v_new, const int *block_table,
+                                     const int *lengths, uint4 *k_pool, uint4 *v_pool) {
+    const int j = blockIdx.x, head = blockIdx.y, b = blockIdx.z, chunks = s.headdim / 8;  // 8 halves = 16 bytes
+    const int pos = lengths[b] - s.new_tokens + j;
+    if (pos < 0 || pos >= s.max_pages * s.page_size) return;  // lengths out of range: nothing written
+    const long long page = block_table[(long long)b * s.max_pages + pos / s.page_size];
+    if (page < 0 || page >= s.pages) return;  // a table entry outside the pool: nothing written
+    const long long from = (((long long)b * s.kv_heads + head) * s.new_tokens + j) * chunks + threadIdx.x;
+    const long long to = ((page * s.kv_heads + head) * s.page_size + pos % s.page_size) * chunks + threadIdx.x;
+    k_pool[to] = k_new[from];
+    v_pool[to] = v_new[from];
+}
+
 extern "C" {
 
 FA_API int fa_abi_version(void) { return FA_ABI_VERSION; }
@@ -278,6 +293,23 @@ FA_API int fa_decode(const FaDecodeShape *shape, int max_length, const void *q, 
                           workspace_bytes, &args.workspace));
     CHECK(check_gpu(function));
     return enqueued(function, chapter.decode->decode(&args, (cudaStream_t)stream), "the chapter's decode");
+}
+
+FA_API int fa_decode_append(const FaDecodeShape *shape, const void *k_new, const void *v_new, const int *block_table,
+                            const int *lengths, void *k_pool, void *v_pool, void *stream) {
+    const char *function = "fa_decode_append";
+    CHECK(check_decode(function));
+    CHECK(check_decode_shape(function, shape, shape ? shape->new_tokens : 0));
+    const char *names[4] = {"k_new", "v_new", "k_pool", "v_pool"};
+    const void *pointers[4] = {k_new, v_new, k_pool, v_pool};
+    for (int i = 0; i < 4; i++) CHECK(check_pointer(function, names[i], pointers[i]));
+    CHECK(check_int_pointer(function, "block_table", block_table));
+    CHECK(check_int_pointer(function, "lengths", lengths));
+    CHECK(check_gpu(function));
+    append_kernel<<<dim3(shape->new_tokens, shape->kv_heads, shape->batch), shape->headdim / 8, 0,
+                    (cudaStream_t)stream>>>(*shape, (const uint4 *)k_new, (const uint4 *)v_new, block_table, lengths,
+                                            (uint4 *)k_pool, (uint4 *)v_pool);
+    return enqueued(function, cudaGetLastError(), "the append's launch");
 }
 
 }  // extern "C"

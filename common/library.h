@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define FA_ABI_VERSION 3  // fa_abi_version() of a library built from this header (2: `deterministic`; 3: decoding)
+#define FA_ABI_VERSION 4  // fa_abi_version() of a library built from this header (3: decoding; 4: its append)
 #define FA_ALIGNMENT 16   // bytes: every device pointer (the kernels load 16 bytes at once; TMA)
 
 typedef AttnShape FaShape;          // scale: positive and normal (the CLI's 1/sqrt(D) is not implied)
@@ -83,6 +83,14 @@ FA_API int fa_decode_workspace_bytes(const FaDecodeShape *shape, int max_length,
 FA_API int fa_decode(const FaDecodeShape *shape, int max_length, const void *q, const void *k_pool, const void *v_pool,
                      const int *block_table, const int *lengths, void *o, float *lse, void *workspace,
                      size_t workspace_bytes, void *stream);
+
+// Appending to the cache: each sequence's Nq new keys and values k_new, v_new [B, Hkv, Nq, D] fp16
+// written into its pages as its last Nq tokens (positions lengths[b] - Nq .. lengths[b] - 1: the
+// lengths already count them), where fa_decode then reads them; one small kernel on `stream`, so that
+// a generation step appends and decodes a layer in two calls and no copies of its own. The block table
+// and the lengths as fa_decode's (a position or a page out of range is not written). Enqueued only.
+FA_API int fa_decode_append(const FaDecodeShape *shape, const void *k_new, const void *v_new, const int *block_table,
+                            const int *lengths, void *k_pool, void *v_pool, void *stream);
 
 // The last failure of this thread's calls, in one line ("" before any): "<chapter>: <function>: <what>".
 FA_API const char *fa_last_error(void);

@@ -67,7 +67,7 @@ except ImportError:
 ROOT = os.path.dirname(HERE)
 NAMESPACE = "fa_tutorial"
 HEAD_DIMS = (64, 128)
-ABI_VERSION = 3  # common/library.h's FA_ABI_VERSION
+ABI_VERSION = 4  # common/library.h's FA_ABI_VERSION
 ALIGNMENT = 16   # bytes, FA_ALIGNMENT
 # common/library.h's return codes and precisions (tests/test_torch_op.py checks them against it).
 (FA_OK, FA_ERR_INVALID_ARGUMENT, FA_ERR_NO_BACKWARD, FA_ERR_NO_GPU, FA_ERR_UNSUPPORTED_GPU, FA_ERR_CUDA,
@@ -168,6 +168,7 @@ SIGNATURES = {  # name: (restype, argtypes), as common/library.h declares them
                                                  ctypes.POINTER(ctypes.c_size_t)]),
     "fa_decode": (ctypes.c_int, [ctypes.POINTER(FaDecodeShape), ctypes.c_int] + [POINTER] * 8
                   + [ctypes.c_size_t, POINTER]),
+    "fa_decode_append": (ctypes.c_int, [ctypes.POINTER(FaDecodeShape)] + [POINTER] * 7),
 }
 
 
@@ -229,6 +230,10 @@ class Library:
         size = ctypes.c_size_t(0)
         self.check(self.dll.fa_decode_workspace_bytes(ctypes.byref(shape), int(max_length), ctypes.byref(size)))
         return size.value
+
+    def decode_append(self, shape, k_new, v_new, block_table, lengths, k_pool, v_pool, stream):
+        self.check(self.dll.fa_decode_append(ctypes.byref(shape), k_new, v_new, block_table, lengths, k_pool, v_pool,
+                                             stream))
 
     def decode(self, shape, max_length, q, k_pool, v_pool, block_table, lengths, o, lse, workspace, workspace_bytes,
                stream):
@@ -491,6 +496,63 @@ def decode_impl(q, k_pool, v_pool, block_table, lengths, max_length, scale, chap
                    lengths.data_ptr(), o.data_ptr(), lse.data_ptr(), pointer, size, stream_of(q.device))
     del held
     return o, lse
+
+
+class DecodePlan:
+    """One decoding step planned once and run once a layer, the split FlashInfer's decode wrappers make.
+    The op (`decode`) pays on every call for the dispatcher, every check, the workspace and a second
+    library call for its size: about 100 us of Python where the library call takes 14
+    (docs/pytorch.md). A plan does once, from the first layer's q and pools, the checks of the block
+    table and the lengths (their types, shapes and device; their values are the caller's, as for the
+    op), the shape, the library, the workspace and the stream; `run` then checks only that q and the
+    pools it is given are typed, shaped and placed as those, allocates O and LSE and calls the
+    library, on the stream that was current when the plan was made (which the workspace belongs to).
+    The block table and lengths are the plan's: write a step's lengths before planning it, and plan
+    again when max_length changes. Not differentiable, not an op (torch.compile sees `decode`)."""
+
+    def __init__(self, q, k_pool, v_pool, block_table, lengths, max_length, scale=None, chapter="11"):
+        require_torch()
+        check_tensor("q", q)
+        check_decode_inputs(q, k_pool, v_pool, block_table, lengths)
+        self.lib = library(chapter)
+        if not self.lib.has_decode:
+            raise RuntimeError(f"chapter={chapter!r}: {self.lib.name} has no decoding pass (fa_has_decode is 0)")
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        self.shape, self.max_length = decode_shape_of(q, k_pool, block_table, scale), int(max_length)
+        self.q_shape, self.pool_shape, self.device = q.shape, k_pool.shape, q.device
+        self.new_shape = torch.Size((q.shape[0], k_pool.shape[1], q.shape[2], q.shape[3]))  # [B, Hkv, Nq, D]
+        self.table, self.lengths = block_table, lengths  # held, so that their memory outlives the plan
+        with torch.cuda.device(self.device):
+            self.workspace_bytes = self.lib.decode_workspace_bytes(self.shape, self.max_length)
+            self.workspace = torch.empty(max(self.workspace_bytes, 1), dtype=torch.uint8, device=self.device)
+            self.stream = stream_of(self.device)
+
+    def run(self, q, k_pool, v_pool, k_new=None, v_new=None):
+        """(O, LSE) of q against one layer's pools; with k_new and v_new [B, Hkv, Nq, D], the step's new
+        keys and values are first written into the pools as each sequence's last Nq tokens
+        (fa_decode_append), in the same stream."""
+        checked = [("q", q, self.q_shape), ("k_pool", k_pool, self.pool_shape), ("v_pool", v_pool, self.pool_shape)]
+        if (k_new is None) != (v_new is None):
+            raise ValueError("k_new and v_new: both or neither")
+        if k_new is not None:
+            checked += [(name, t, self.new_shape) for name, t in (("k_new", k_new), ("v_new", v_new))]
+        for name, t, shape in checked:
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float16:
+                raise TypeError(f"{name} is {getattr(t, 'dtype', type(t).__name__)}: the plan takes torch.float16")
+            if t.shape != shape or t.device != self.device or not t.is_contiguous():
+                raise ValueError(f"{name}: {tuple(t.shape)} on {t.device}, contiguous {t.is_contiguous()}: the plan "
+                                 f"was made for contiguous {tuple(shape)} on {self.device}")
+        check_aligned(q=q, k_pool=k_pool, v_pool=v_pool)
+        o, lse = q.new_empty(self.q_shape), q.new_empty(self.q_shape[:3], dtype=torch.float32)
+        with torch.cuda.device(self.device):
+            if k_new is not None:
+                check_aligned(k_new=k_new, v_new=v_new)
+                self.lib.decode_append(self.shape, k_new.data_ptr(), v_new.data_ptr(), self.table.data_ptr(),
+                                       self.lengths.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), self.stream)
+            self.lib.decode(self.shape, self.max_length, q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                            self.table.data_ptr(), self.lengths.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                            self.workspace.data_ptr(), self.workspace_bytes, self.stream)
+        return o, lse
 
 
 def decode_fake(q, k_pool, v_pool, block_table, lengths, max_length, scale, chapter):

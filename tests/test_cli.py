@@ -16,7 +16,9 @@ import re
 import numpy as np
 import pytest
 
-from helpers import CHAPTERS, DECODE_CHAPTERS, STEP_BUILDS, WORKSPACE
+import runner
+from chapters import read_steps
+from helpers import CHAPTERS, DECODE_CHAPTERS, WORKSPACE
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 AT_LEAST_1 = r"(between 1 |>= ?1\b|at least 1\b|positive)"
@@ -474,8 +476,11 @@ def test_decode_dry_run_shows_the_shape_and_the_bytes_to_read(repo, tmp_path, ch
 
 
 # --kv-cache e4m3: the decoding steps before 11.5 read an fp16 cache only, and say so before any GPU work; a
-# chapter without a decode pass says that first.
-FP16_CACHE_BUILDS = [build for _, build, _ in STEP_BUILDS if build.split(".")[0] in DECODE_CHAPTERS]
+# chapter without a decode pass says that first. A step whose Decode pass ends in 1 reads e4m3 too.
+READS_E4M3 = re.compile(r"static const Decode \w+ = \{[^}]*,\s*1\s*\}")
+FP16_CACHE_BUILDS = [f"{c}.step{s['step']}" for c in DECODE_CHAPTERS
+                     for s in read_steps(os.path.join(runner.ROOT, c, "attention.cu"))[:-1]
+                     if not READS_E4M3.search(open(s["source"]).read())]
 
 
 @pytest.mark.parametrize("build", FP16_CACHE_BUILDS + ["07_async_pipeline"])

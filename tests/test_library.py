@@ -283,12 +283,17 @@ def expected_cases(repo, chapter):
         want[f"decode: {label}"] = (bad, patterns) if decoding else no_dec
     want["decode_workspace_bytes: bytes NULL"] = (bad, [r"bytes is NULL"]) if decoding else no_dec
     want["decode: valid, the int arrays 4-byte aligned"] = fine if decoding else no_dec
+    for label, patterns in {"shape NULL": [r"shape is NULL"], "groups 8 over 3": DECODE_REFUSED["groups 8 over 3"],
+                            "k_new NULL": [r"\bk_new is NULL"], "v_pool misaligned": [r"\bv_pool \(0x", r"16-byte"],
+                            "lengths misaligned": [r"\blengths \(0x", r"not 4-byte aligned"]}.items():
+        want[f"append: {label}"] = (bad, [r"fa_decode_append", *patterns]) if decoding else no_dec
+    want["append: valid"] = fine if decoding else no_dec
     return want
 
 
 FUNCTION_OF = {"forward": "fa_forward", "backward": "fa_backward", "workspace_bytes": "fa_workspace_bytes",
                "backward_workspace_bytes": "fa_backward_workspace_bytes", "decode": "fa_decode",
-               "decode_workspace_bytes": "fa_decode_workspace_bytes"}
+               "decode_workspace_bytes": "fa_decode_workspace_bytes", "append": "fa_decode_append"}
 
 
 @pytest.mark.parametrize("hide_gpus", [True, False], ids=["GPUs hidden", "plain environment"])

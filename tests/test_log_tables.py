@@ -300,11 +300,29 @@ def test_11_5s_table_is_its_log(repo):
         assert cells == want, f"B={b} L={cache} D={d}: the table has {cells}, the log {want}"
 
 
+def test_11_6s_table_is_its_log(repo):
+    """11.6's table: 11.5 and 11.6 (ms, and 11.6's GB/s), SDPA's flash and cuDNN backends at each shape, and
+    11.6's time over cuDNN's, one call, as run_11_6_h100.log has them (its rows: 11.5, then 11.6, as ms,GB/s)."""
+    text = (repo.root / "docs/results/logs/11/run_11_6_h100.log").read_text()
+    ours = {(int(b), int(h), int(n)): (float(t5), float(t6), float(g6)) for b, h, n, t5, _, t6, g6 in
+            re.findall(r"^b(\d+) hkv(\d+) L(\d+) ([\d.]+),([\d.]+) ([\d.]+),([\d.]+)$", text, re.M)}
+    sdpa = {(who, int(b), int(h), int(n)): float(t) for who, b, h, n, t in
+            re.findall(r"^sdpa_(flash|cudnn) b(\d+) hkv(\d+) L(\d+) ([\d.]+),", text, re.M)}
+    table = markdown_rows((repo.root / "11_decode/README.md").read_text(), "| B | KV heads | cache | 11.5 | 11.6 |")
+    assert table and len(table) == len(ours) == len(sdpa) // 2, f"{len(table)} rows, {len(ours)} in the log"
+    for b, kv, cache, *cells in table:
+        key = (int(b), int(kv), int(cache))
+        t5, t6, g6 = ours[key]
+        want = [f"{t5:.3f}", f"{t6:.3f}", f"{g6:.0f}", f"{sdpa[('flash', *key)]:.3f}", f"{sdpa[('cudnn', *key)]:.3f}",
+                f"{t6 / sdpa[('cudnn', *key)]:.2f}x"]
+        assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
+
+
 def test_decode_overhead_table_is_its_log(repo):
     """docs/pytorch.md's per-call costs: each cell is the log's line, in the table's column order."""
     lines = (repo.root / "docs/results/logs/11/decode_overhead_h100.txt").read_text().splitlines()
     measured = dict(line.strip().rsplit(None, 1) for line in lines if line.startswith("  "))
-    names = ["sdpa flash", "sdpa cudnn", "sdpa efficient", "op", "impl", "checks only", "raw", "write paged",
-             "write slice"]
+    names = ["sdpa flash", "sdpa cudnn", "sdpa efficient", "op", "impl", "checks only", "raw", "plan run",
+             "plan append+run", "write paged", "write slice"]
     table = markdown_rows((repo.root / "docs/pytorch.md").read_text(), "| SDPA flash | cuDNN | efficient |")
     assert table == [[measured[name] for name in names]], f"the table {table}, the log {measured}"

@@ -13,7 +13,8 @@ a CUDA device it sees. The libraries it loads are `make lib`'s (make test builds
   compile    torch.compile(fullgraph=True) of a function calling the op, aot_eager and inductor:
              the same O and gradients as eager
   repeat     deterministic=True: dQ, dK, dV bitwise the same in two backward calls on the same inputs
-  decode     11's decoding through the op (grouped heads, ragged lengths, pages of 1 and 16) against float64;
+  decode     11's decoding through the op (grouped heads, ragged lengths, pages of 1 and 16) against float64,
+             and through a DecodePlan (bitwise the op's);
              make generate's paged cache (a prompt written at once, then a token at a time) against its
              contiguous one
   errors     each refusal: its exception type and words
@@ -274,14 +275,44 @@ def test_decode(op, b, hq, hkv, nq, d, page, lengths):
         rel, lse_err = rel_l2(to_numpy(o), want_o), float(np.abs(to_numpy(lse) - want_lse).max())
         assert rel <= REL_L2_TOL[11], f"{shown}: O relative L2 error {rel:.3e}, expected <= {REL_L2_TOL[11]}"
         assert lse_err <= LSE_TOL, f"{shown}: LSE max abs error {lse_err:.3e}, expected <= {LSE_TOL}"
+    # The same call planned once and run twice (generate's path): bitwise the op's O and LSE.
+    plan = torch_op.DecodePlan(*cuda, max(lengths))
+    for _ in range(2):
+        planned = plan.run(*cuda[:3])
+        assert all(torch.equal(a, b) for a, b in zip(planned, (o, lse))), f"{shown}: DecodePlan.run differs from the op"
+    # Appended by the plan (fa_decode_append): the new tokens' K and V taken out of copies of the pools
+    # (their rows set to 7) and given as k_new, v_new: both pools come back bitwise whole (each row where
+    # fa_decode reads it, nothing else written), and O and LSE are the op's.
+    where = [(s, j, int(table[s, (lengths[s] - nq + j) // page]), (lengths[s] - nq + j) % page)
+             for s in range(b) for j in range(nq)]
+    news, holes = [], []
+    for pool in cuda[1:3]:
+        new, hole = pool.new_empty((b, hkv, nq, d)), pool.clone()
+        for s, j, at, row in where:
+            new[s, :, j] = pool[at, :, row]
+            hole[at, :, row] = 7.0
+        news.append(new)
+        holes.append(hole)
+    appended = plan.run(cuda[0], *holes, k_new=news[0], v_new=news[1])
+    for name, hole, pool in (("K", holes[0], cuda[1]), ("V", holes[1], cuda[2])):
+        assert torch.equal(hole, pool), f"{shown}: the appended {name} pool differs from the whole one"
+    assert all(torch.equal(a, b) for a, b in zip(appended, (o, lse))), f"{shown}: O or LSE after the append differs"
+    with pytest.raises(ValueError, match=r"k_new and v_new: both or neither"):
+        plan.run(*cuda[:3], k_new=news[0])
+    with pytest.raises(ValueError, match=r"k_new: .*the plan was made for"):
+        plan.run(*cuda[:3], k_new=cuda[0], v_new=cuda[0])
+    with pytest.raises(ValueError, match=r"q: .*the plan was made for"):
+        plan.run(cuda[0][:, :, :1].contiguous() if nq > 1 else torch.cat([cuda[0]] * 2, 2), *cuda[1:3])
+    with pytest.raises(TypeError, match=r"q is torch.float32: the plan takes torch.float16"):
+        plan.run(cuda[0].float(), *cuda[1:3])
 
 
 @pytest.mark.parametrize("page", (1, 7, 16))
 def test_generate_paged_cache(op, page):
     """make generate's PagedCache against its ContiguousCache: a prompt of 25 tokens written at once (a
-    scatter), then 40 tokens one at a time (a plain copy to a page the host looks up), each step attending
-    through 11's decoding: at every step within 11's rule of float64 attention over what the contiguous
-    cache holds (a token written to a wrong page or row is read by every later step)."""
+    scatter), then 40 tokens one at a time, each appended and attended to by one DecodePlan run (11):
+    at every step within 11's rule of float64 attention over what the contiguous cache holds, and at
+    the end every position's K and V, read through the block table, bitwise the contiguous cache's."""
     torch = op
     runs_here(torch, "11")
     import generate
@@ -295,15 +326,22 @@ def test_generate_paged_cache(op, page):
                    for _ in range(3))
         for cache in (paged, contiguous):
             cache.begin(start, count)
-            cache.write(0, k, v)
         start += count
         if count > 1:
+            paged.write(0, k, v)
+            contiguous.write(0, k, v)
             continue
+        ours = paged.step(0, q, k, v, "11")
+        contiguous.step(0, q, k, v)
         keys, values = (to_numpy(t[0][:, :, :start]) for t in (contiguous.k, contiguous.v))
         want, _ = reference.decode_reference(to_numpy(q), keys, values, np.array([start]), 1 / math.sqrt(shape[3]))
-        rel = rel_l2(to_numpy(paged.attend(0, q, "11")), want)
+        rel = rel_l2(to_numpy(ours), want)
         assert rel <= REL_L2_TOL[11], (f"pages of {page}, {start} tokens cached: relative L2 {rel:.3e} from float64 "
                                        f"over the contiguous cache")
+    positions = torch.arange(start, device="cuda")
+    pages, rows = paged.table[0, positions // page].long(), positions % page
+    for name, pool, flat in (("K", paged.k[0], contiguous.k[0]), ("V", paged.v[0], contiguous.v[0])):
+        assert torch.equal(pool[pages, :, rows], flat[0, :, :start].transpose(0, 1)), f"pages of {page}: {name} differs"
 
 
 def test_errors(op):

@@ -4,6 +4,8 @@ queued back to back, one synchronisation at the end; the GPU is mostly idle at t
   sdpa        SDPA on a contiguous cache (each backend)
   op          torch_op.decode (the registered op: dispatcher, checks, allocation, ctypes, two kernels)
   impl        torch_op.decode_impl (the same without the dispatcher)
+  plan run    a torch_op.DecodePlan's run (the checks of q and the pools, two outputs, fa_decode)
+  plan append+run   the same, the step's new K and V appended first (fa_decode_append)
   raw         the library's fa_decode through ctypes alone, outputs and workspace allocated once
   write       a step's cache write: the paged cache's index_put, and the contiguous cache's slice copy
 Run: python3 docs/results/logs/11/decode_overhead.py (from the repo root, after make lib; the
@@ -47,6 +49,10 @@ for name, be in (("sdpa default", None), ("sdpa flash", SDPBackend.FLASH_ATTENTI
 scale = D ** -0.5
 rows.append(("op", per_call(lambda: torch_op.decode(q, k_pool, v_pool, table, lengths, max_length=L, chapter="11"))))
 rows.append(("impl", per_call(lambda: torch_op.decode_impl(q, k_pool, v_pool, table, lengths, L, scale, "11"))))
+plan = torch_op.DecodePlan(q, k_pool, v_pool, table, lengths, L)
+rows.append(("plan run", per_call(lambda: plan.run(q, k_pool, v_pool))))
+kv_new = torch.randn(1, H, 1, D, device=dev, dtype=torch.float16)
+rows.append(("plan append+run", per_call(lambda: plan.run(q, k_pool, v_pool, k_new=kv_new, v_new=kv_new))))
 lib = torch_op.library("11")
 shape = torch_op.decode_shape_of(q, k_pool, table, scale)
 o, lse = torch.empty_like(q), torch.empty(1, H, 1, dtype=torch.float32, device=dev)
