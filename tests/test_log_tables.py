@@ -227,6 +227,23 @@ def test_10_9s_table_is_its_log(repo):
         assert cells == want, f"{key}: the table has {cells}, the log {want}"
 
 
+def test_10s_steps_table_is_its_log(repo):
+    """10's table of every step: 09, 10.1-10.9, and SDPA's cuDNN and flash backward where the log has them, one
+    call, as steps_h100.log has them."""
+    text = (repo.root / "docs/results/logs/10/steps_h100.log").read_text()
+    ours = {(int(d), mask == "--causal"): [float(t) for t in times.split()]
+            for d, mask, times in re.findall(r"^D(\d+) (none|--causal) ([\d. ]+)$", text, re.M)}
+    sdpa = {(who, int(d), bool(mask)): float(t) for who, d, mask, t in
+            re.findall(r"^sdpa_(cudnn|flash)_backward D=(\d+) (--causal)? *([\d.]+)$", text, re.M)}
+    table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| D | mask | FA2 | cuDNN | 09 |")
+    assert table and len(table) == len(ours), f"{len(table)} rows, {len(ours)} in the log"
+    for d, mask, *cells in table:
+        key = (int(d), mask == "causal")
+        want = [f"{sdpa[(who, *key)]:.2f}" if (who, *key) in sdpa else "" for who in ("flash", "cudnn")] + [
+            f"{t:.2f}" for t in ours[key]]
+        assert cells == want, f"D={d} {mask}: the table has {cells}, the log {want}"
+
+
 # 11's README tables, each its first run's log: (log, the table's header, the step beside the chapter).
 TABLES_11 = [("first_run_h100.log", "| B | KV heads | cache | 11.1 |", "build/11_decode.step1"),
              ("first_run_11_3_h100.log", "| B | KV heads | cache | 11.2 | 11.3 |", "build/11_decode.step2")]
