@@ -65,6 +65,8 @@ def test_figure_code_checks(repo):
     p = figures.pingpong_source()
     assert p["block_kv"] > 0 and p["stages"] > 0 and p["smem_bytes"] <= 227 * 1024, f"08's constants as drawn: {p}"
     figures.heaviest_first("05_causal")
+    h = figures.hopper_backward_constants()
+    assert h["block_kv"] == h["consumers"] * h["wg_keys"] and h["smem_kib"] <= 227, f"10's constants as drawn: {h}"
     assert figures.const_expr({}, "(1 && !0 ? 192 : 128)") == 192, "the C expression reader lost && or !"
 
 

@@ -2276,6 +2276,87 @@ def backward_09(ctx):
     return fig
 
 
+def hopper_backward_constants():
+    """10's block at D = 128 (10_backward_hopper/attention.cu): keys per consumer and per block, queries per
+    tile, ring stages, the roles' registers, dQ's passes and its stage, shared memory."""
+    c = text_constants(raw_source("10_backward_hopper"))
+    return {"consumers": const(c, "CONSUMERS"), "wg_keys": const(c, "WG_ROWS"),
+            "block_kv": const(c, "TILE_KV", HEAD_DIM=128), "block_q": const(c, "TILE_Q", HEAD_DIM=128),
+            "stages": const(c, "BWD_STAGES"), "producer_regs": const(c, "PRODUCER_REGISTERS"),
+            "consumer_regs": const(c, "CONSUMER_REGISTERS"), "passes": const(c, "DQ_PASSES", HEAD_DIM=128),
+            "chunk_kib": const(c, "DQ_CHUNK_BYTES") // 1024, "smem_kib": const(c, "SMEM_BYTES", HEAD_DIM=128) / 1024}
+
+
+def backward_hopper_10(ctx):
+    """10, one block of the backward at D = 128 (key tile j of one head) over its loop of query tiles: the
+    producer's copies through the ring and its barriers, what each consumer warpgroup computes and keeps,
+    and dQ's way out through a shared-memory stage and the bulk reduce-add. Sizes from attention.cu."""
+    b = hopper_backward_constants()
+    kv, bq, wk, n = b["block_kv"], b["block_q"], b["wg_keys"], b["consumers"]
+    fig, ax = plt.subplots(figsize=(13.2, 7.4))
+    blank_axes(ax, (-0.2, 15.6), (-1.0, 8.8))
+    ax.set_aspect("auto")
+    cols = ((0.0, 3.7, "device memory (one head)", COLORS["hbm"]),
+            (5.0, 4.3, f"shared memory of the block ({b['smem_kib']:.0f} KiB)", COLORS["smem"]),
+            (10.6, 5.0, "warpgroups: registers", COLORS["reg"]))
+    for x, w, title, color in cols:
+        rect(ax, x - 0.1, -0.55, w + 0.2, 9.15, color, edge="none", alpha=0.45)
+        ax.text(x + w / 2, -0.3, title, ha="center", va="center", size=10.5, style="italic")
+    boxes = {
+        "qdo": (0.0, 0.4, 3.7, 0.75, "Q, dO  [N × D] fp16"),
+        "cols": (0.0, 1.45, 3.7, 0.9, f"LSE and D, per query tile\n[tile][LSE, D][{bq}] fp32 (kernel 1)"),
+        "kv": (0.0, 2.9, 3.7, 0.75, "K, V  [N × D] fp16"),
+        "dkdv": (0.0, 3.85, 3.7, 0.75, "dK, dV  [N × D] fp16"),
+        "acc": (0.0, 5.95, 3.7, 0.95, "dQ accumulator  [N × D] fp32\n(zeroed by cudaMemsetAsync)"),
+        "dq": (0.0, 7.55, 3.7, 0.65, "dQ  [N × D] fp16"),
+        "ring": (5.0, 0.4, 4.3, 1.95, f"ring of {b['stages']} stages, one per query tile i:\nQ_i, dO_i  [{bq} × D], "
+                                      f"LSE_i, D_i\nfull barrier: the copies landed\nempty: every consumer thread "
+                                      "arrived"),
+        "kvj": (5.0, 2.9, 4.3, 0.75, f"K_j, V_j  [{kv} × D]: the whole loop"),
+        "ds": (5.0, 4.55, 4.3, 0.95, f"dSᵀ of tile i  [{kv} keys × {bq} queries]\nboth consumers' rows (two buffers)"),
+        "stage": (5.0, 5.95, 4.3, 0.95, f"dQ stage, one per consumer\n{bq} queries × 64 dims fp32 ({b['chunk_kib']} KiB)"),
+        "prod": (10.6, 0.4, 5.0, 0.95, f"producer warpgroup ({b['producer_regs']} registers):\none thread issues every "
+                                      "copy, TMA and bulk"),
+        "cons": (10.6, 1.6, 5.0, 2.05, f"consumer c of {n} ({b['consumer_regs']} registers),\nkeys {wk}c to {wk}c + {wk - 1}:\n"
+                                      f"Sᵀ = K Q_iᵀ, dPᵀ = V dO_iᵀ (wgmma)\nPᵀ = exp(Sᵀ·scale − LSE_i), "
+                                      f"dSᵀ = Pᵀ ∘ (dPᵀ − D_i)\ndV += Pᵀ dO_i, dK += dSᵀ Q_i (wgmma)"),
+        "dkv": (10.6, 3.85, 5.0, 0.75, f"dK, dV of its {wk} keys × D, fp32: the whole loop"),
+        "dqp": (10.6, 5.95, 5.0, 0.95, f"dQ_i's pass c = dS K_j over the {kv} keys\n64 dims a pass, {b['passes']} "
+                                      "passes: one per consumer"),
+    }
+    colors = {"qdo": COLORS["q"], "cols": COLORS["q"], "kv": COLORS["k"], "dkdv": COLORS["k"], "acc": COLORS["s"],
+              "dq": COLORS["q"], "ring": COLORS["q"], "kvj": COLORS["k"], "ds": COLORS["s"], "stage": COLORS["s"],
+              "prod": COLORS["hi"], "cons": COLORS["s"], "dkv": COLORS["k"], "dqp": COLORS["q"]}
+    for name, (x, y, w, h, text) in boxes.items():
+        box(ax, x, y, w, h, text, colors[name], size=9)
+
+    def side(name, where, frac=0.5):
+        x, y, w, h, _ = boxes[name]
+        return {"r": (x + w, y + h * frac), "l": (x, y + h * frac), "t": (x + w * frac, y),
+                "b": (x + w * frac, y + h)}[where]
+
+    arrow(ax, side("qdo", "r"), side("ring", "l", 0.2), text="TMA, every tile", size=8)
+    arrow(ax, side("cols", "r"), side("ring", "l", 0.75), text="bulk copy,\nwith Q and dO", size=8)
+    arrow(ax, side("kv", "r"), side("kvj", "l"), text="TMA, once", size=8)
+    arrow(ax, side("prod", "l", 0.3), side("ring", "r", 0.15), text="issues", size=8, offset=(0.0, -0.05))
+    arrow(ax, side("ring", "r", 0.8), side("cons", "l", 0.3), text="wgmma reads", size=8)
+    arrow(ax, side("kvj", "r"), side("cons", "l", 0.85), size=8)
+    arrow(ax, side("cons", "b", 0.2), side("dkv", "t", 0.2), size=8)
+    arrow(ax, side("cons", "l", 0.97), side("ds", "r", 0.3), text="stores", size=8, offset=(0.0, 0.25))
+    arrow(ax, side("ds", "r", 0.85), side("dqp", "l", 0.3), text="after both\nconsumers' barrier", size=8,
+          offset=(0.0, -0.3))
+    arrow(ax, side("dqp", "l", 0.8), side("stage", "r", 0.8), text="stores", size=8, offset=(0.0, -0.2))
+    arrow(ax, side("stage", "l"), side("acc", "r"), color=COLORS["hi"], text="cp.reduce.async.bulk\n.add.f32,\none thread",
+          size=8, offset=(0.0, -0.75))
+    arrow(ax, side("dkv", "l", 0.5), side("dkdv", "r", 0.5), color="#606060", text="once, after\nthe loop", size=8,
+          offset=(-2.8, 0.0))
+    arrow(ax, side("acc", "b", 0.15), side("dq", "t", 0.15), text="kernel 3: × scale, fp16", size=8,
+          offset=(1.05, 0.0))
+    ax.set_title(f"10, kernel 2 at D = 128: one block = key tile j ({kv} keys: {n} consumers of {wk}) and a producer, "
+                 f"looping over query tiles i of {bq}", size=11.5)
+    return fig
+
+
 # --- Main -------------------------------------------------------------------------------------------
 
 FIGURES = [("memory_hierarchy", memory_hierarchy), ("tiling_02", tiling_02), ("online_softmax", online_softmax),
@@ -2283,7 +2364,7 @@ FIGURES = [("memory_hierarchy", memory_hierarchy), ("tiling_02", tiling_02), ("o
            ("mma_fragments", mma_fragments), ("cp_async_ring", cp_async_ring), ("bank_maps", bank_maps),
            ("staircase", staircase), ("pingpong_08", pingpong_08), ("wgmma_fragments_08", wgmma_fragments_08),
            ("swizzle_128b_08", swizzle_128b_08), ("mbarrier_ring_08", mbarrier_ring_08),
-           ("backward_09", backward_09)]
+           ("backward_09", backward_09), ("backward_hopper_10", backward_hopper_10)]
 
 
 def main():
