@@ -2187,6 +2187,12 @@ def mbarrier_ring_08(ctx):
 
 # --- 15. 09's plain backward: one block's data flow ---------------------------------------------------
 
+def box_side(spec, where, frac=0.5):
+    """A point on the edge of box spec (x, y, w, h, text): its right, left, top or bottom side, frac along it."""
+    x, y, w, h, _ = spec
+    return {"r": (x + w, y + h * frac), "l": (x, y + h * frac), "t": (x + w * frac, y), "b": (x + w * frac, y + h)}[where]
+
+
 def backward_constants():
     """09.1's block (09_backward/step1_plain.cu, with forward.h's MMA_M): keys per block and per warp,
     queries per tile, ring slots."""
@@ -2244,9 +2250,7 @@ def backward_09(ctx):
         box(ax, x, y, w, h, text, colors[name], size=9)
 
     def side(name, where, frac=0.5):
-        x, y, w, h, _ = boxes[name]
-        return {"r": (x + w, y + h * frac), "l": (x, y + h * frac), "t": (x + w * frac, y),
-                "b": (x + w * frac, y + h)}[where]
+        return box_side(boxes[name], where, frac)
 
     def path(points, color, text=None, at=None):
         """A polyline ending in an arrow head, with optional text at `at`."""
@@ -2331,9 +2335,7 @@ def backward_hopper_10(ctx):
         box(ax, x, y, w, h, text, colors[name], size=9)
 
     def side(name, where, frac=0.5):
-        x, y, w, h, _ = boxes[name]
-        return {"r": (x + w, y + h * frac), "l": (x, y + h * frac), "t": (x + w * frac, y),
-                "b": (x + w * frac, y + h)}[where]
+        return box_side(boxes[name], where, frac)
 
     arrow(ax, side("qdo", "r"), side("ring", "l", 0.2), text="TMA, every tile", size=8)
     arrow(ax, side("cols", "r"), side("ring", "l", 0.75), text="bulk copy,\nwith Q and dO", size=8)
