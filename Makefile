@@ -28,7 +28,8 @@ endif
 PYTHON_SYS ?= python3
 has_modules = $(shell $(PYTHON_SYS) -c 'import $(1)' >/dev/null 2>&1 && echo yes)
 ifeq ($(call has_modules,numpy),yes)
-  PYTHON  := $(shell command -v $(PYTHON_SYS))
+  # the interpreter itself (sys.executable), not a shim that resolves differently under another PATH
+  PYTHON  := $(shell $(PYTHON_SYS) -c 'import sys; print(sys.executable)')
   PY_DEPS :=
 else
   PYTHON  := $(CURDIR)/.venv/bin/python
