@@ -42,8 +42,9 @@ class PagedCache:
     """Per layer, K and V pools [pages, H, P, D] fp16, and one block table [1, pages] int32 naming the
     sequence's pages in a shuffled order of the pool: token t is row t % P of page table[t // P]. The
     prompt's K and V are written by a scatter (write); each new token's, layer by layer, by the run
-    that attends with it (step: a DecodePlan made at the step's first layer, whose run appends the
-    token's K and V to its page, then decodes)."""
+    that attends with it (step: one DecodePlan for the whole generation, made at the first step's
+    first layer for the cache's capacity, CONTEXT tokens; it reads each step's length from the
+    lengths tensor that begin fills; its run appends the token's K and V to its page, then decodes)."""
 
     def __init__(self, layers, page_size, device, seed=0):
         pages = -(-train.CONTEXT // page_size)
@@ -54,13 +55,13 @@ class PagedCache:
         self.table = order.to(torch.int32).view(1, pages).to(device)
         self.lengths = torch.zeros(1, dtype=torch.int32, device=device)
         self.page_size = page_size
+        self.plan = None  # made at the first step, for every step after it
 
     def begin(self, start, count):
         """The next writes are of positions start .. start + count - 1; the cache then holds start + count
         tokens."""
         self.start, self.length = start, start + count
         self.lengths.fill_(self.length)
-        self.plan = None  # the step's decoding plan: made at its first layer, run at every layer
 
     def write(self, layer, k, v):
         """k, v [1, H, count, D] into their pages (the prompt's: a scatter)."""
@@ -71,8 +72,8 @@ class PagedCache:
 
     def step(self, layer, q, k, v, chapter):
         """The new token's k, v [1, H, 1, D] appended to its page, then q's attention over the cache."""
-        if self.plan is None:
-            self.plan = torch_op.DecodePlan(q, self.k[layer], self.v[layer], self.table, self.lengths, self.length,
+        if self.plan is None:  # planned for the longest cache, so that no later step plans again
+            self.plan = torch_op.DecodePlan(q, self.k[layer], self.v[layer], self.table, self.lengths, train.CONTEXT,
                                             chapter=chapter)
         o, _ = self.plan.run(q, self.k[layer], self.v[layer], k_new=k, v_new=v)
         return o
