@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """`make generate`: a model that `make train` trained writes text. The prompt goes through a forward
 chapter (07: its causal forward over the prompt's tokens), and every next token through 11's decoding
-(a `torch_op.DecodePlan` a step, whose run at each layer appends the token's K and V to its page and
-decodes) against a paged KV cache: per layer, pools of pages of P tokens and a block table
+(one `torch_op.DecodePlan` for the whole generation, whose run at each layer appends the token's K
+and V to its page and decodes) against a paged KV cache: per layer, pools of pages of P tokens and a block table
 that gives the sequence its pages in a shuffled order of the pool. Beside it, the same model on
 PyTorch's SDPA with a contiguous cache, on the backend PyTorch picks and on each of flash, cuDNN and
 memory-efficient forced. Greedy decoding: each chooses the most likely next byte.
@@ -56,17 +56,21 @@ class PagedCache:
         self.lengths = torch.zeros(1, dtype=torch.int32, device=device)
         self.page_size = page_size
         self.plan = None  # made at the first step, for every step after it
+        self.where = None  # the pages and rows of the positions begin named, found by the first write
 
     def begin(self, start, count):
         """The next writes are of positions start .. start + count - 1; the cache then holds start + count
         tokens."""
         self.start, self.length = start, start + count
         self.lengths.fill_(self.length)
+        self.where = None
 
     def write(self, layer, k, v):
         """k, v [1, H, count, D] into their pages (the prompt's: a scatter)."""
-        positions = torch.arange(self.start, self.length, device=self.table.device)
-        pages, rows = self.table[0, positions // self.page_size].long(), positions % self.page_size
+        if self.where is None:  # once for all the layers
+            positions = torch.arange(self.start, self.length, device=self.table.device)
+            self.where = (self.table[0, positions // self.page_size].long(), positions % self.page_size)
+        pages, rows = self.where
         self.k[layer][pages, :, rows] = k[0].transpose(0, 1)  # [count, H, D]
         self.v[layer][pages, :, rows] = v[0].transpose(0, 1)
 

@@ -499,7 +499,7 @@ def decode_impl(q, k_pool, v_pool, block_table, lengths, max_length, scale, chap
 
 
 class DecodePlan:
-    """One decoding step planned once and run once a layer, the split FlashInfer's decode wrappers make.
+    """Decoding planned once and run once a layer of each step, the split FlashInfer's decode wrappers make.
     The op (`decode`) pays on every call for the dispatcher, every check, the workspace and a second
     library call for its size: about 100 us of Python where the library call takes 14
     (docs/pytorch.md). A plan does once, from the first layer's q and pools, the checks of the block
@@ -507,8 +507,10 @@ class DecodePlan:
     op), the shape, the library, the workspace and the stream; `run` then checks only that q and the
     pools it is given are typed, shaped and placed as those, allocates O and LSE and calls the
     library, on the stream that was current when the plan was made (which the workspace belongs to).
-    The block table and lengths are the plan's: write a step's lengths before planning it, and plan
-    again when max_length changes. Not differentiable, not an op (torch.compile sees `decode`)."""
+    The block table and lengths tensors are the plan's, read by each run's kernels: a generation loop
+    fills the lengths in place each step and keeps the plan, made with a max_length that bounds every
+    step's lengths (the cache's capacity); plan again only for other tensors or a longer cache. Not
+    differentiable, not an op (torch.compile sees `decode`)."""
 
     def __init__(self, q, k_pool, v_pool, block_table, lengths, max_length, scale=None, chapter="11"):
         require_torch()
