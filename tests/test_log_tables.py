@@ -343,3 +343,24 @@ def test_decode_overhead_table_is_its_log(repo):
              "plan append+run", "write paged", "write slice"]
     table = markdown_rows((repo.root / "docs/pytorch.md").read_text(), "| SDPA flash | cuDNN | efficient |")
     assert table == [[measured[name] for name in names]], f"the table {table}, the log {measured}"
+
+
+def test_generate_rates_are_their_log(repo):
+    """docs/pytorch.md's make generate rates: each run's tokens/s as generate_rates_h100.log has it. The
+    prose names every run's rate of 11, the fastest SDPA backend's, the range of the backends, or their
+    ratio; each such number (3-digit rates, ranges, and "N.NNx the fastest") must be the log's."""
+    runs = [dict(re.findall(r"(11_decode|SDPA(?: \w+)?) (\d+) \(first pass", line))
+            for line in (repo.root / "docs/results/logs/11/generate_rates_h100.log").read_text().splitlines()
+            if line.startswith("decoding, tokens/s:")]
+    assert len(runs) >= 6 and all(len(run) == 5 for run in runs), f"the log's runs: {runs}"
+    text = " ".join((repo.root / "docs/pytorch.md").read_text().split())
+    prose = text[text.index("In a call of two runs one after the other"):text.index("## Exercises")]
+    rates = {int(r) for run in runs for r in run.values()}
+    quoted = {int(n) for n in re.findall(r"(?<![\d.])(\d{3})(?![\d.]| us| MB| tokens,| new| cached)", prose)}
+    assert quoted and quoted <= rates | {200, 225, 512}, f"rates in docs/pytorch.md not in the log: {quoted - rates}"
+    fastest = [int(run["11_decode"]) / max(int(r) for k, r in run.items() if k != "11_decode") for run in runs]
+    for ratio in re.findall(r"(\d\.\d\d)x the fastest", prose):
+        assert any(f"{f:.2f}" == ratio for f in fastest), f"{ratio}x the fastest: the log's runs give {fastest}"
+    for low, high in re.findall(r"(\d{3})-(\d{3})", prose):
+        assert any(sorted(int(r) for k, r in run.items() if k != "11_decode")[::3] == [int(low), int(high)]
+                   for run in runs), f"SDPA's {low}-{high}: no run of the log has that range"
