@@ -276,7 +276,7 @@ __device__ int dq_chunk_index(int query, int dim) {  // query, dim within the ch
     return dim / 8 * 512 + t * 4 + query % 16 / 8 * 2 + dim % 2;
 }
 
-// Thread 0 of a consumer: the bulk reductions it issued have read their source (.read), or are
+// Lane 0 of the writer warp: the bulk reductions it issued have read their source (.read), or are
 // complete (their adds made).
 __device__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
