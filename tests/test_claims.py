@@ -231,10 +231,16 @@ def test_10_6_issues_a_tiles_first_wgmma_without_the_mask(repo):
                                     f"between the fence and the first HGMMA"
 
 
+def opcode(instruction):
+    """An instruction's opcode, past its predicate if it has one."""
+    words = instruction.split()
+    return words[1] if words[0].startswith("@") else words[0]
+
+
 def memory_ops(instructions, generic):
     """The loads and stores among instructions, shared ones (LDS, STS) or generic ones (LD, ST), by opcode."""
     found = {}
-    for op in (i.split()[1] if i.startswith("@") else i.split()[0] for i in instructions):
+    for op in map(opcode, instructions):
         if re.fullmatch(r"(LD|ST)(\.\w+)*" if generic else r"(LDS|STS)(\.\w+)*", op):
             found[op] = found.get(op, 0) + 1
     return found
@@ -281,12 +287,6 @@ def test_10_8_builds_descriptors_by_addition(repo):
     for (dim, det), instructions in sorted(backward_kernels_10(repo, "10_backward_hopper.step7").items()):
         gaps = hgmma_gaps(instructions)
         assert gaps[len(gaps) // 2] >= 7, f"10.7 D={dim}: median gap {gaps[len(gaps) // 2]}; the claim is stale"
-
-
-def opcode(instruction):
-    """An instruction's opcode, past its predicate if it has one."""
-    words = instruction.split()
-    return words[1] if words[0].startswith("@") else words[0]
 
 
 @pytest.mark.xdist_group("claims-10")
