@@ -378,3 +378,20 @@ def test_generate_rates_are_their_log(repo):
     for low, high in re.findall(r"(\d{3})-(\d{3})", prose):
         assert any(sorted(int(r) for k, r in run.items() if k != "11_decode")[::3] == [int(low), int(high)]
                    for run in runs), f"SDPA's {low}-{high}: no run of the log has that range"
+
+
+def test_10s_errors_table_is_its_log(repo):
+    """10's errors beside PyTorch's: each row is errors_vs_pytorch_h100.log's row of 10 (its default mode and its
+    deterministic mode, which the table says are the same), PyTorch's and their ratios."""
+    rows = {}
+    for line in (repo.root / "docs/results/logs/10/errors_vs_pytorch_h100.log").read_text().splitlines():
+        m = re.fullmatch(r"(\d+) (\d+) (\d+) (\d+) (none|causal) 10_backward_hopper (default|deterministic) "
+                         r"\| ([^|]+) \| ([^|]+) \| ([^|]+)", line)
+        if m:
+            rows[(*m.groups()[:5], m[6])] = [", ".join(cell.split()) for cell in m.groups()[6:]]
+    table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| B | H | N | D | mask | 10 (")
+    assert table and len(table) * 2 == len(rows), f"{len(table)} rows, {len(rows)} in the log"
+    for b, h, n, d, mask, *cells in table:
+        key = (b, h, n, d, "none" if mask == "non-causal" else "causal")
+        assert cells == rows[(*key, "default")] == rows[(*key, "deterministic")], f"{key}: {cells}, the log {rows}"
+        assert all(float(r) <= 2.0 for r in cells[2].split(", ")), f"{key}: a ratio over FlashAttention's 2"
