@@ -136,10 +136,11 @@ def bench_shape(headdim, seqlen, causal):
             "headdim": headdim, "causal": causal}
 
 
-def bench_shapes(quick=False):
-    """Every bench shape, N ascending within each (D, causal), as the skip rule needs."""
+def bench_shapes(quick=False, headdim=None):
+    """Every bench shape (of one D where headdim is given), N ascending within each (D, causal), as the
+    skip rule needs."""
     ns = QUICK_NS if quick else BENCH_NS
-    return [bench_shape(d, n, c) for d in BENCH_DS for c in (0, 1) for n in ns]
+    return [bench_shape(d, n, c) for d in BENCH_DS if headdim in (None, d) for c in (0, 1) for n in ns]
 
 
 # --- Result rows ---------------------------------------------------------------------------

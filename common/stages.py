@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import (fmt_ms, fmt_rel, fmt_tflops, print_backward_summary, print_summary, plot_results,  # noqa: E402
                     regenerate_tables, run_stage_table, say)
-from results import (BENCH_ITERS, BENCH_WARMUP, GRAD_FIELDS, HEADLINE_D, HEADLINE_N, PASSES,  # noqa: E402
+from results import (BENCH_DS, BENCH_ITERS, BENCH_WARMUP, GRAD_FIELDS, HEADLINE_D, HEADLINE_N, PASSES,  # noqa: E402
                      QUICK_NS, backward_runs, chapter_dtypes, chapter_pass, bench_shape, bench_shapes, collect_env,
                      csv_pass, env_path, gpu_name, gpu_slug, impl_command, is_anchor, make_row, pass_csv, read_env,
                      read_results, row_key, shape_label, step_binary, steps, work, write_env, write_results)
@@ -285,7 +285,7 @@ def passes_of(args):
 
 def command_bench(args):
     """`make bench`: each pass's sweep, its anchors, its results files, and every table."""
-    shapes = bench_shapes(args.quick)
+    shapes = bench_shapes(args.quick, args.headdim)
     chapters = [c.rstrip("/") for c in args.chapters]
     if args.pass_ == "backward" and not backward_binaries(args.build, chapters):
         print(f"stages.py bench --pass backward: none of {', '.join(chapters)} has a backward pass "
@@ -337,7 +337,7 @@ def bench_pass(args, chapters, shapes, pass_):
 
 def rows_not_measured(out_dir, rows, pass_="forward"):
     """The rows of out_dir's results CSV of the pass for this GPU that `rows` do not replace (other
-    chapters, other shapes: a bench of a few chapters or --quick keeps the rest of the file)."""
+    chapters, other shapes: a bench of a few chapters, --quick or --headdim keeps the rest of the file)."""
     csv_path = results_csv(out_dir, pass_)
     if not os.path.exists(csv_path):
         return []
@@ -351,8 +351,8 @@ def command_compare(args):
         return 77
     for pass_ in passes_of(args):
         if pass_ == "backward":
-            prepare_references(bench_shapes(args.quick))
-        rows = measure_anchors(bench_shapes(args.quick), pass_)
+            prepare_references(bench_shapes(args.quick, args.headdim))
+        rows = measure_anchors(bench_shapes(args.quick, args.headdim), pass_)
         csv_path = results_csv(args.out, pass_)
         kept = [r for r in read_results(csv_path) if not is_anchor(r["impl"])] if os.path.exists(csv_path) else []
         env = read_env(env_path(csv_path)) or dict(collect_env("(none: make compare only)"), **{"pass": pass_})
@@ -435,6 +435,8 @@ def parse_args(argv):
                        help="the forward's sweep, the backward's (chapters with a backward pass, in each of "
                             "their modes, PyTorch's backward), or both (default)")
         p.add_argument("--quick", action="store_true", help=f"only N in {QUICK_NS}")
+        p.add_argument("--headdim", type=int, choices=BENCH_DS, help="only this D (a sweep split in two runs, "
+                                                                      "each with its anchors)")
         p.add_argument("--out", default=os.path.join("docs", "results"), help="results folder")
     for p in (table, memory):
         p.add_argument("--csv", help="results CSV (default: the newest docs/results/*.csv; table: the "

@@ -380,6 +380,8 @@ def test_bench_shapes():
             ns = [s["seqlen"] for s in shapes if (s["headdim"], s["causal"]) == (d, c)]
             assert ns == [512, 1024, 2048, 4096, 8192, 16384], ns
     assert sorted({s["seqlen"] for s in results.bench_shapes(quick=True)}) == [1024, 4096]
+    half = results.bench_shapes(headdim=64)  # a sweep split by D: each half's shapes, in the sweep's order
+    assert half == [s for s in shapes if s["headdim"] == 64] and len(half) == 12
 
 
 def test_gpu_slug():
