@@ -20,7 +20,8 @@
       The device memory of each chapter (the harness's device_bytes) and each PyTorch anchor (its
       peak) at the headline shapes, merged into the results CSV; `bench` records it for every row.
   stages.py table   [--csv FILE] [--readme FILE]
-      Regenerate the Markdown from a results CSV (default: the newest docs/results/*.csv):
+      Regenerate the Markdown from a results CSV (default: the one the README's stage table
+      names, else the newest docs/results/*.csv):
       <gpu>.md beside it, the stage table in the README (default: the repository's), the
       measured table in every NN_name/README.md beside that README, and every measured number
       quoted in the prose of those READMEs and of docs/*.md (inline markers, common/report.py);
@@ -38,6 +39,7 @@ import datetime
 import glob
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -46,7 +48,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
-from report import (fmt_ms, fmt_rel, fmt_tflops, print_backward_summary, print_summary, plot_results,  # noqa: E402
+from report import (STAGE_BEGIN, STAGE_END, fmt_ms, fmt_rel, fmt_tflops, print_backward_summary,  # noqa: E402
+                    print_summary, plot_results,
                     regenerate_tables, run_stage_table, say)
 from results import (BENCH_DS, BENCH_ITERS, BENCH_WARMUP, GRAD_FIELDS, HEADLINE_D, HEADLINE_N, PASSES,  # noqa: E402
                      QUICK_NS, backward_runs, chapter_dtypes, chapter_pass, bench_shape, bench_shapes, collect_env,
@@ -392,14 +395,32 @@ def command_memory(args):
     return 0
 
 
-def default_csv(folder=os.path.join(ROOT, "docs", "results")):
-    """The newest forward results CSV in folder (`table` reads the backward's beside it), or None; a
-    backward CSV where no forward one is beside it."""
+def default_csv(folder=os.path.join(ROOT, "docs", "results"), readme=os.path.join(ROOT, "README.md")):
+    """The results CSV the READMEs quote: the one the README's stage table names, where it is in folder
+    (the published GPU's, whichever other GPU's files lie beside it); else the newest forward results
+    CSV in folder (`table` reads the backward's beside it), or a backward CSV where no forward one is
+    beside it; None if there is none."""
     found = [p for p in glob.glob(os.path.join(folder, "*.csv")) if not p.endswith(".notes.csv")]
+    named = published_csv(readme)
+    for path in found:
+        if named and os.path.basename(path) == named:
+            return path
     forward = [p for p in found if csv_pass(p) == "forward"]
     alone = [p for p in found if csv_pass(p) == "backward" and pass_csv(p, "forward") not in found]
     found = forward or alone
     return max(found, key=os.path.getmtime) if found else None
+
+
+def published_csv(readme):
+    """The file name of the results CSV that the README's stage table says it comes from, or None."""
+    try:
+        with open(readme) as f:
+            text = f.read()
+    except OSError:
+        return None
+    table = text.partition(STAGE_BEGIN)[2].partition(STAGE_END)[0]
+    match = re.search(r"docs/results/([\w.-]+\.csv)", table)
+    return match.group(1) if match else None
 
 
 def command_table(args):
@@ -439,7 +460,8 @@ def parse_args(argv):
                                                                       "each with its anchors)")
         p.add_argument("--out", default=os.path.join("docs", "results"), help="results folder")
     for p in (table, memory):
-        p.add_argument("--csv", help="results CSV (default: the newest docs/results/*.csv; table: the "
+        p.add_argument("--csv", help="results CSV (default: the one the README's stage table names, else the newest "
+                                     "docs/results/*.csv; table: the "
                                      "<gpu>.backward.csv beside it too)")
     for p in (bench, compare, table, memory):
         p.add_argument("--readme", default=os.path.join(ROOT, "README.md"),

@@ -384,6 +384,32 @@ def test_bench_shapes():
     assert half == [s for s in shapes if s["headdim"] == 64] and len(half) == 12
 
 
+def test_default_csv_is_the_one_the_readme_names(tmp_path):
+    """With two GPUs' results side by side, `table` reads the one the README's stage table names
+    (the published GPU's), not whichever file is newest; without a name, the newest."""
+    for name, mtime in (("OLD_GPU.csv", 1), ("NEW_GPU.csv", 2)):
+        shutil.copyfile(FIXTURE_CSV, tmp_path / name)
+        os.utime(tmp_path / name, (mtime, mtime))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{report.STAGE_BEGIN}\n*from `docs/results/OLD_GPU.csv`*\n{report.STAGE_END}\n")
+    assert stages.default_csv(str(tmp_path), str(readme)) == str(tmp_path / "OLD_GPU.csv")
+    readme.write_text("no stage table\n")
+    assert stages.default_csv(str(tmp_path), str(readme)) == str(tmp_path / "NEW_GPU.csv")
+
+
+def test_every_gpus_results_markdown_is_its_csv():
+    """Each GPU's <gpu>.md and <gpu>.backward.md in docs/results is what its CSV writes (also the GPUs
+    whose files the READMEs do not quote)."""
+    paths = [p for p in glob.glob(str(ROOT / "docs" / "results" / "*.csv")) if not p.endswith(".notes.csv")]
+    if not paths:
+        pytest.skip("no docs/results/*.csv")
+    for path in paths:
+        rows, env, name = results.read_results(path), results.read_env(results.env_path(path)), os.path.basename(path)
+        write = report.backward_results_markdown if results.csv_pass(path) == "backward" else report.results_markdown
+        md = os.path.splitext(path)[0] + ".md"
+        assert read(md) == write(rows, env, name), f"{md} is not what {name} writes (run common/stages.py table)"
+
+
 def test_gpu_slug():
     assert results.gpu_slug("NVIDIA H200") == "NVIDIA_H200"
     assert results.gpu_slug("NVIDIA GeForce RTX 4090\nNVIDIA GeForce RTX 4090\n") == "NVIDIA_GeForce_RTX_4090"
