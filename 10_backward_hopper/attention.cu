@@ -515,14 +515,13 @@ __device__ void pass_turn(int *turn) {
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
     cuda::atomic_ref<int, cuda::thread_scope_device>(*turn).fetch_add(1, cuda::memory_order_release);
 }
-__device__ void bulk_wait_all_but_last() { asm volatile("cp.async.bulk.wait_group 1;\n" ::: "memory"); }
 
 // (2c) The dQ writer, warp 1 of the producer warpgroup: for each consumer's pass, in the consumers'
 // order of tiles, it waits until the partial is in the stage, has lane 0 add it into its chunk of the
 // accumulator (one bulk reduction), and hands the stage back once the reduction has read it, except
 // after the consumer's last pass, which no consumer waits for. Deterministic: lane 0 first waits for
-// its turn at the chunk; it passes the turn on once the add is complete, checked when the next add
-// has been issued (so that the writer never waits on its own add's round trip), the last at the end.
+// its turn at the chunk, and passes the turn on once the add is complete. (Waiting for the add to be
+// complete, not only read, costs nothing more: both waits are the same DEPBAR in the SASS.)
 template <int HEAD_DIM, bool DETERMINISTIC>
 __device__ void write_dq(const Smem &smem, const Work &w, int key_tile) {
     typedef BwdConfig<HEAD_DIM> Cfg;
@@ -536,7 +535,6 @@ __device__ void write_dq(const Smem &smem, const Work &w, int key_tile) {
             passes_left[c] += dq_pass<HEAD_DIM>(ring_tile, c) >= 0;
         if (passes_left[c] > 0) bar_arrive<STAGE_PAIR_THREADS>(DQ_EMPTY_BARRIER + c);  // the stage starts free
     }
-    int *pending = NULL;  // deterministic: the turn of the add issued last, passed on once that add is complete
     for (int step = 0; step < q_tiles; step++) {
         const int query_tile = first_tile + step;
         for (int c = 0; c < CONSUMERS; c++) {
@@ -552,19 +550,17 @@ __device__ void write_dq(const Smem &smem, const Work &w, int key_tile) {
                              : "memory");
                 asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
                 if constexpr (DETERMINISTIC) {
-                    if (pending) bulk_wait_all_but_last(), pass_turn(pending);
-                    pending = w.turns_head + at;
+                    bulk_wait();  // the add made
+                    pass_turn(w.turns_head + at);
+                } else {
+                    bulk_wait_read();  // the stage read
                 }
-                bulk_wait_read();
             }
             __syncwarp();
             if (--passes_left[c] > 0) bar_arrive<STAGE_PAIR_THREADS>(DQ_EMPTY_BARRIER + c);
         }
     }
-    if (leader) {
-        bulk_wait();  // the adds made before the block exits
-        if (DETERMINISTIC && pending) pass_turn(pending);
-    }
+    if (leader) bulk_wait();  // the adds made before the block exits
     __syncwarp();
 }
 
