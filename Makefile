@@ -50,7 +50,7 @@ endif
 SM90A_CHAPTERS := 08_fp8 10_backward_hopper
 # A chapter of ordered steps (08, 09) holds one file per step, NN_name/stepK_<idea>.cu, a program of its
 # own: BUILD/NN_name.stepK (its attention.cu is the last step, BUILD/NN_name). Each is a bench row.
-STEP_SOURCES := $(sort $(wildcard [0-9][0-9]_*/step[0-9]_*.cu))
+STEP_SOURCES := $(sort $(wildcard [0-9][0-9]_*/step[0-9]_*.cu [0-9][0-9]_*/step[0-9][0-9]_*.cu))
 step_build = $(patsubst %/,%,$(dir $(1))).step$(patsubst step%,%,$(firstword $(subst _, ,$(notdir $(1)))))
 STEP_BUILDS := $(foreach s,$(STEP_SOURCES),$(call step_build,$(s)))
 BUILDS := $(CHAPTERS) $(STEP_BUILDS)

@@ -1,9 +1,14 @@
-// 10.10, step 10 of 10_backward_hopper: a dQ writer warp. Through 10.9 each consumer added its own
-// dQ partial: it waited until the bulk-copy engine had read its stage's last partial, met its other
-// threads twice at a named barrier, and one of its threads issued the reduction, while its
-// warpgroup's next products waited. Now warp 1 of the producer warpgroup, idle until here, does the
-// adding (FlashAttention-3's dQ writer): a consumer waits only until its stage is free, writes its
-// partial, says so, and goes on to its next tile. Otherwise 10.9.
+// 10.11, step 11 of 10_backward_hopper: the deterministic mode's adds in order, into one accumulator.
+// Through 10.10 that mode gave each block a copy of dQ of its own, added the copies in order at the
+// end, and had each block take several key tiles one after another; the copies, 256 MiB at B4 H16
+// N4096 against a 50 MiB L2, cost 11 GB of DRAM traffic (Nsight Compute on 10.9). Now both modes
+// run the same grid, one key tile a block, into one accumulator; in the deterministic mode the
+// writer warp waits, for each (query tile, pass) of dQ, until a counter says that every block
+// before it in a fixed order has added, adds, and moves the counter on once its add is complete.
+// The order: ascending key tiles without the mask (every block starts at query tile 0, so block j
+// trails block j - 1 by one add); descending under it, where blocks start at their diagonal and the
+// higher key tiles reach a tile first, and the grid then takes a head's key tiles highest first, so
+// that a block only ever waits for blocks dispatched before it. Otherwise 10.10.
 //
 // Three kernels, as 09: (1) D = rowsum(dO * O), each query tile's LSE and D as one 512-byte column
 // block; (2) one block per (128-key tile, b*h): the producer brings K and V once and Q, dO and the
@@ -14,6 +19,7 @@
 // 64-dim passes shared between the consumers, each pass staged in shared memory and added into the
 // fp32 accumulator by a bulk reduction; (3) dQ to fp16. The accumulator is zeroed before (2). The
 // forward is 07's (09's forward.h).
+#include <cuda/atomic>
 #include <stdio.h>
 
 #include "../common/harness.h"
@@ -52,7 +58,7 @@ struct BwdConfig {
     static constexpr int Q_TILE_BYTES = SLICES * Q_SLICE_STRIDE;           // a 64 x HEAD_DIM tile
     static constexpr int KV_TILE_BYTES = SLICES * KV_SLICE_STRIDE;         // a 128 x HEAD_DIM tile
     static constexpr int DS_BYTES = TILE_KV * TILE_Q * ELEMENT_BYTES;      // dS^T, [key][query]
-    static constexpr int BARRIERS = 2 + 2 * BWD_STAGES;                    // K/V full and empty, each stage's
+    static constexpr int BARRIERS = 1 + 2 * BWD_STAGES;                    // K/V full, each stage's full and empty
     static constexpr int SMEM_BYTES = 1024 + 2 * KV_TILE_BYTES + 2 * BWD_STAGES * Q_TILE_BYTES + 2 * DS_BYTES +
                                       CONSUMERS * DQ_CHUNK_BYTES + BWD_STAGES * COLUMN_BYTES + BARRIERS * 8;
     static constexpr int SCORE_REGS = TILE_Q / 2;    // a thread's share of a 64 x 64 accumulator
@@ -73,7 +79,7 @@ struct Smem {
     unsigned char *ds_tiles;          // two dS^T [key][query], one 128-byte row per key, swizzled by hand
     float *dq_stages;                 // [consumer][DQ_CHUNK_FLOATS]: a dQ partial on its way out
     float *column_ring;               // [stage][LSE, D][query]: the stage's query tile's LSE and D
-    uint64_t *kv_full, *kv_empty;     // K and V landed; the consumers are done with them
+    uint64_t *kv_full;                // K and V landed
     uint64_t *q_full, *q_empty;       // stage s's Q and dO landed; the consumers are done with stage s
 };
 
@@ -91,8 +97,7 @@ __device__ Smem smem_layout(unsigned char *raw) {
     smem.dq_stages = (float *)(smem.ds_tiles + 2 * Cfg::DS_BYTES);
     smem.column_ring = smem.dq_stages + CONSUMERS * DQ_CHUNK_FLOATS;
     smem.kv_full = (uint64_t *)(smem.column_ring + BWD_STAGES * COLUMN_FLOATS);
-    smem.kv_empty = smem.kv_full + 1;
-    smem.q_full = smem.kv_empty + 1;
+    smem.q_full = smem.kv_full + 1;
     smem.q_empty = smem.q_full + BWD_STAGES;
     return smem;
 }
@@ -343,7 +348,8 @@ __global__ void __launch_bounds__(THREADS)
 struct Work {
     const CUtensorMap *q_map, *k_map, *v_map, *do_map;
     const float *columns_head;  // the head's [query tile][LSE, D][64]
-    float *dq_head;             // the head's dQ chunks, [query tile][pass] (deterministic: the block's copy)
+    float *dq_head;             // the head's dQ chunks, [query tile][pass]
+    int *turns_head;            // deterministic: the adds made so far to each chunk, [query tile][pass]
     __half *dk_head, *dv_head;
     int head, seqlen, causal;
     float scale, scale_log2;
@@ -356,28 +362,25 @@ __device__ int first_query_tile(const Work &w, int key_tile) {
     return w.causal ? key_tile * BwdConfig<HEAD_DIM>::TILE_KV / BwdConfig<HEAD_DIM>::TILE_Q : 0;
 }
 
-// (2a) The producer (one thread): K and V of each key tile the block takes, and Q and dO of its query
-// tiles through the ring, each stage refilled once the consumers have released it. `loaded`: the
-// ring's tiles so far, over every key tile before (each stage's barriers complete once per tile).
+// (2a) The producer (one thread): K and V of the block's key tile, and Q and dO of its query tiles
+// through the ring, each stage refilled once the consumers have released it.
 template <int HEAD_DIM>
-__device__ void produce_key_block(const Smem &smem, const Work &w, int key_tile, int round, int &loaded) {
+__device__ void produce_key_block(const Smem &smem, const Work &w, int key_tile) {
     typedef BwdConfig<HEAD_DIM> Cfg;
     const int first_tile = first_query_tile<HEAD_DIM>(w, key_tile);
     const int q_tiles = ceil_div(w.seqlen, Cfg::TILE_Q) - first_tile;
-    if (round > 0) mbarrier_wait(smem.kv_empty, (round - 1) % 2);  // the consumers are done with the last K, V
     mbarrier_arrive_expect_bytes(smem.kv_full, 2 * Cfg::KV_TILE_BYTES);
     load_tile<HEAD_DIM>(smem.k_tile, Cfg::KV_SLICE_STRIDE, Cfg::TILE_KV, w.k_map, smem.kv_full, key_tile * Cfg::TILE_KV,
                         w.head);
     load_tile<HEAD_DIM>(smem.v_tile, Cfg::KV_SLICE_STRIDE, Cfg::TILE_KV, w.v_map, smem.kv_full, key_tile * Cfg::TILE_KV,
                         w.head);
     for (int step = 0; step < q_tiles; step++) {
-        const int ring_tile = loaded + step;
+        const int ring_tile = step;
         if (ring_tile >= BWD_STAGES)
             mbarrier_wait(&smem.q_empty[ring_tile % BWD_STAGES], (ring_tile / BWD_STAGES - 1) % 2);
         load_query_tile<HEAD_DIM>(smem, w.q_map, w.do_map, w.columns_head, ring_tile, (first_tile + step) * Cfg::TILE_Q,
                                   w.head);
     }
-    loaded += q_tiles;
 }
 
 // A consumer is done with a barrier's resource: each of its threads arrives, so that each thread's own
@@ -396,7 +399,7 @@ __device__ int dq_pass(int ring_tile, int consumer) {
 
 // (2b) Consumer `consumer`: dK and dV of keys 64 consumer.. of the key tile, and its share of dQ.
 template <int HEAD_DIM>
-__device__ void consume_key_block(const Smem &smem, const Work &w, int consumer, int key_tile, int round, int &loaded) {
+__device__ void consume_key_block(const Smem &smem, const Work &w, int consumer, int key_tile) {
     typedef BwdConfig<HEAD_DIM> Cfg;
     const int key0 = key_tile * Cfg::TILE_KV + consumer * WG_ROWS;  // this consumer's keys
     const int first_tile = first_query_tile<HEAD_DIM>(w, key_tile);
@@ -407,10 +410,10 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
     // On chip for the whole loop: dK and dV of the consumer's 64 keys.
     float dk_acc[Cfg::ACC_REGS_D], dv_acc[Cfg::ACC_REGS_D];
     for (int i = 0; i < Cfg::ACC_REGS_D; i++) dk_acc[i] = dv_acc[i] = 0.0f;
-    mbarrier_wait(smem.kv_full, round % 2);
+    mbarrier_wait(smem.kv_full, 0);
 
     for (int step = 0; step < q_tiles; step++) {
-        const int ring_tile = loaded + step, stage = ring_tile % BWD_STAGES;
+        const int ring_tile = step, stage = ring_tile % BWD_STAGES;
         const int query0 = (first_tile + step) * Cfg::TILE_Q;
         const unsigned char *q_tile = smem.q_ring + stage * Cfg::Q_TILE_BYTES;
         const unsigned char *do_tile = smem.do_ring + stage * Cfg::Q_TILE_BYTES;
@@ -480,89 +483,106 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
         hold_registers(ds_frag);
         release(&smem.q_empty[stage]);  // this stage's Q and dO are read
     }
-    loaded += q_tiles;
-    release(smem.kv_empty);  // K and V are read (the last dQ pass was waited for)
     store_dk_dv<HEAD_DIM>(w.dk_head, w.dv_head, dk_acc, dv_acc, key0, w.seqlen, w.scale);
 }
 
-// The key tile of a block's round `round`, -1 past its last. Default: one round, the block's own
-// key tile (grid (key tiles, b*h), whatever the mask: a head's blocks side by side). Deterministic
-// (09.8's): grid (copies, b*h); block `copy` takes one of every `copies` key tiles, one after the
-// other, back and forth (copy, 2 copies - 1 - copy, ...), into a dQ copy that no other block
-// writes. A chunk of it is added to once per round, by one bulk reduction, and a round's reductions
-// are complete before the next round's begin (the writer's bulk_wait at each round's end); the
-// convert kernel sums the copies in order, so dQ comes out the same on every run.
+// The block's key tile: grid (key tiles, b*h), a head's blocks side by side. In the deterministic
+// mode under the mask, a head's highest key tile first: the order of its adds (add_rank).
 template <bool DETERMINISTIC>
-__device__ int round_key_tile(int round, int key_tiles) {
-    if constexpr (!DETERMINISTIC) return round > 0 ? -1 : (int)blockIdx.x;
-    const int copies = gridDim.x, copy = blockIdx.x;
-    const int key_tile = round * copies + (round % 2 ? copies - 1 - copy : copy);
-    return key_tile < key_tiles ? key_tile : -1;
+__device__ int block_key_tile(int key_tiles, int causal) {
+    return DETERMINISTIC && causal ? key_tiles - 1 - (int)blockIdx.x : (int)blockIdx.x;
+}
+
+// The deterministic order of the adds into query tile `query_tile`'s chunks: the key tiles that add
+// there, ascending without the mask; under it, from the diagonal's key tile down, the order in which
+// blocks that start at their diagonals reach the tile. This block's place in it.
+template <int HEAD_DIM>
+__device__ int add_rank(const Work &w, int key_tile, int query_tile) {
+    typedef BwdConfig<HEAD_DIM> Cfg;
+    return w.causal ? query_tile * Cfg::TILE_Q / Cfg::TILE_KV - key_tile : key_tile;
+}
+
+// Lane 0 of the writer warp, deterministic mode: wait until `rank` adds into a chunk are complete
+// (a counter in global memory, read with acquire), then order them before this block's own bulk add
+// (a proxy fence: the adds are the bulk-copy engine's, the counter the threads'); and, once its own
+// add is complete, the same fence and one more on the counter, with release.
+__device__ void wait_turn(int *turn, int rank) {
+    cuda::atomic_ref<int, cuda::thread_scope_device> count(*turn);
+    while (count.load(cuda::memory_order_acquire) != rank) __nanosleep(32);
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+__device__ void pass_turn(int *turn) {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    cuda::atomic_ref<int, cuda::thread_scope_device>(*turn).fetch_add(1, cuda::memory_order_release);
 }
 
 // (2c) The dQ writer, warp 1 of the producer warpgroup: for each consumer's pass, in the consumers'
 // order of tiles, it waits until the partial is in the stage, has lane 0 add it into its chunk of the
 // accumulator (one bulk reduction), and hands the stage back once the reduction has read it, except
-// after the consumer's last pass, which no consumer waits for. Each round's reductions complete
-// before the next round's are issued.
+// after the consumer's last pass, which no consumer waits for. Deterministic: lane 0 first waits for
+// its turn at the chunk, and passes the turn on once the add is complete. (Waiting for the add to be
+// complete, not only read, costs nothing more: both waits are the same DEPBAR in the SASS.)
 template <int HEAD_DIM, bool DETERMINISTIC>
-__device__ void write_dq(const Smem &smem, const Work &w, int key_tiles) {
+__device__ void write_dq(const Smem &smem, const Work &w, int key_tile) {
     typedef BwdConfig<HEAD_DIM> Cfg;
     const bool leader = threadIdx.x % 32 == 0;
-    int tiles = 0;  // the ring tiles of every round, and each consumer's passes among them
-    for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles)) >= 0; round++)
-        tiles += ceil_div(w.seqlen, Cfg::TILE_Q) - first_query_tile<HEAD_DIM>(w, key_tile);
+    const int first_tile = first_query_tile<HEAD_DIM>(w, key_tile);
+    const int q_tiles = ceil_div(w.seqlen, Cfg::TILE_Q) - first_tile;
     int passes_left[CONSUMERS];
     for (int c = 0; c < CONSUMERS; c++) {
         passes_left[c] = 0;
-        for (int ring_tile = 0; ring_tile < tiles; ring_tile++) passes_left[c] += dq_pass<HEAD_DIM>(ring_tile, c) >= 0;
+        for (int ring_tile = 0; ring_tile < q_tiles; ring_tile++)
+            passes_left[c] += dq_pass<HEAD_DIM>(ring_tile, c) >= 0;
         if (passes_left[c] > 0) bar_arrive<STAGE_PAIR_THREADS>(DQ_EMPTY_BARRIER + c);  // the stage starts free
     }
-    int ring_tile = 0;
-    for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles)) >= 0; round++) {
-        const int first_tile = first_query_tile<HEAD_DIM>(w, key_tile);
-        const int q_tiles = ceil_div(w.seqlen, Cfg::TILE_Q) - first_tile;
-        for (int step = 0; step < q_tiles; step++, ring_tile++) {
-            const int query_tile = first_tile + step;
-            for (int c = 0; c < CONSUMERS; c++) {
-                const int pass = dq_pass<HEAD_DIM>(ring_tile, c);
-                if (pass < 0) continue;
-                bar_sync<STAGE_PAIR_THREADS>(DQ_FULL_BARRIER + c);
-                if (leader) {
-                    const float *chunk = w.dq_head + ((size_t)query_tile * Cfg::DQ_PASSES + pass) * DQ_CHUNK_FLOATS;
-                    asm volatile(
-                        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(chunk),
-                        "r"(smem_address(smem.dq_stages + c * DQ_CHUNK_FLOATS)), "n"(DQ_CHUNK_BYTES)
-                        : "memory");
-                    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-                    bulk_wait_read();
+    for (int step = 0; step < q_tiles; step++) {
+        const int query_tile = first_tile + step;
+        for (int c = 0; c < CONSUMERS; c++) {
+            const int pass = dq_pass<HEAD_DIM>(step, c);
+            if (pass < 0) continue;
+            bar_sync<STAGE_PAIR_THREADS>(DQ_FULL_BARRIER + c);
+            if (leader) {
+                const size_t at = (size_t)query_tile * Cfg::DQ_PASSES + pass;  // the chunk, and its turn
+                if constexpr (DETERMINISTIC) wait_turn(w.turns_head + at, add_rank<HEAD_DIM>(w, key_tile, query_tile));
+                asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                                 w.dq_head + at * DQ_CHUNK_FLOATS),
+                             "r"(smem_address(smem.dq_stages + c * DQ_CHUNK_FLOATS)), "n"(DQ_CHUNK_BYTES)
+                             : "memory");
+                asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+                if constexpr (DETERMINISTIC) {
+                    bulk_wait();  // the add made
+                    pass_turn(w.turns_head + at);
+                } else {
+                    bulk_wait_read();  // the stage read
                 }
-                __syncwarp();
-                if (--passes_left[c] > 0) bar_arrive<STAGE_PAIR_THREADS>(DQ_EMPTY_BARRIER + c);
             }
+            __syncwarp();
+            if (--passes_left[c] > 0) bar_arrive<STAGE_PAIR_THREADS>(DQ_EMPTY_BARRIER + c);
         }
-        if (leader) bulk_wait();  // this round's adds made before the next round's (and before the block exits)
-        __syncwarp();
     }
+    if (leader) bulk_wait();  // the adds made before the block exits
+    __syncwarp();
 }
 
 template <int HEAD_DIM, bool DETERMINISTIC>
 __global__ void __launch_bounds__(BLOCK_THREADS, 1)
     backward_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
-                    const float *columns, float *dq_acc, __half *dk, __half *dv, int seqlen, float scale,
+                    const float *columns, float *dq_acc, int *turns, __half *dk, __half *dv, int seqlen, float scale,
                     float scale_log2, int causal) {
     extern __shared__ unsigned char raw_smem[];
     const Smem smem = smem_layout<HEAD_DIM>(raw_smem);
-    const int head = blockIdx.y, heads = gridDim.y;
+    const int head = blockIdx.y;
+    const int query_tiles = ceil_div(seqlen, WG_ROWS);
     const size_t head_elements = (size_t)head * seqlen * HEAD_DIM;
-    const size_t head_acc_floats = (size_t)ceil_div(seqlen, WG_ROWS) * WG_ROWS * HEAD_DIM;  // whole query tiles
+    const size_t head_acc_floats = (size_t)query_tiles * WG_ROWS * HEAD_DIM;  // whole query tiles
     Work w = {&q_map,
               &k_map,
               &v_map,
               &do_map,
-              columns + (size_t)head * ceil_div(seqlen, WG_ROWS) * COLUMN_FLOATS,
+              columns + (size_t)head * query_tiles * COLUMN_FLOATS,
               dq_acc + head * head_acc_floats,
+              turns + (size_t)head * query_tiles * BwdConfig<HEAD_DIM>::DQ_PASSES,
               dk + head_elements,
               dv + head_elements,
               head,
@@ -570,12 +590,10 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
               causal,
               scale,
               scale_log2};
-    if constexpr (DETERMINISTIC) w.dq_head += (size_t)blockIdx.x * heads * head_acc_floats;  // the block's copy
 
     constexpr int CONSUMER_THREADS = CONSUMERS * WG_THREADS;
     if (threadIdx.x == 0) {
         mbarrier_init(smem.kv_full, 1);
-        mbarrier_init(smem.kv_empty, CONSUMER_THREADS);
         for (int s = 0; s < BWD_STAGES; s++) {
             mbarrier_init(&smem.q_full[s], 1);
             mbarrier_init(&smem.q_empty[s], CONSUMER_THREADS);
@@ -583,32 +601,28 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
         fence_mbarrier_init();
     }
     __syncthreads();  // the barriers are initialised before anyone waits on them
-    const int key_tiles = ceil_div(seqlen, BwdConfig<HEAD_DIM>::TILE_KV);
+    const int key_tile = block_key_tile<DETERMINISTIC>(ceil_div(seqlen, BwdConfig<HEAD_DIM>::TILE_KV), causal);
     // Read from lane 0, the warpgroup is a value ptxas knows is the same across the warp: D = 64's branch
     // around a consumer's dQ wgmmas is then not divergent to it (from threadIdx.x directly, it serialises
     // every wgmma of the kernel, ptxas's C7520).
     const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / WG_THREADS, 0);
-    int loaded = 0;
     // Warp specialisation: warpgroup 0 copies (its thread 0) and adds dQ (its warp 1), with few
     // registers; the consumers only compute.
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGISTERS>();
-        if (threadIdx.x / 32 == 1) write_dq<HEAD_DIM, DETERMINISTIC>(smem, w, key_tiles);
+        if (threadIdx.x / 32 == 1) write_dq<HEAD_DIM, DETERMINISTIC>(smem, w, key_tile);
         if (threadIdx.x != 0) return;
-        for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles)) >= 0; round++)
-            produce_key_block<HEAD_DIM>(smem, w, key_tile, round, loaded);
+        produce_key_block<HEAD_DIM>(smem, w, key_tile);
     } else {
         setmaxnreg_inc<CONSUMER_REGISTERS>();
-        for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles)) >= 0; round++)
-            consume_key_block<HEAD_DIM>(smem, w, warpgroup - 1, key_tile, round, loaded);
+        consume_key_block<HEAD_DIM>(smem, w, warpgroup - 1, key_tile);
     }
 }
 
-// (3) dQ = scale * the fp32 accumulator (the sum of its copies, in order), as fp16: 8 dims of a row a
-// thread, read from their chunk (dq_chunk_index), two floats at a time.
+// (3) dQ = scale * the fp32 accumulator, as fp16: 8 dims of a row a thread, read from their chunk
+// (dq_chunk_index), two floats at a time.
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(THREADS)
-    convert_dq_kernel(const float *dq_acc, int copies, __half *dq, int seqlen, float scale) {
+__global__ void __launch_bounds__(THREADS) convert_dq_kernel(const float *dq_acc, __half *dq, int seqlen, float scale) {
     constexpr int CHUNKS = HEAD_DIM / CHUNK_HALVES, ROWS = THREADS / CHUNKS;
     constexpr int PASSES = HEAD_DIM / SLICE_ELEMENTS;
     const int row = blockIdx.x * ROWS + threadIdx.x / CHUNKS, dim0 = threadIdx.x % CHUNKS * CHUNK_HALVES;
@@ -616,73 +630,34 @@ __global__ void __launch_bounds__(THREADS)
     const size_t head_acc_floats = (size_t)ceil_div(seqlen, WG_ROWS) * WG_ROWS * HEAD_DIM;
     const float *chunk = dq_acc + blockIdx.y * head_acc_floats +
                          ((size_t)row / WG_ROWS * PASSES + dim0 / SLICE_ELEMENTS) * DQ_CHUNK_FLOATS;
-    const size_t copy_floats = gridDim.y * head_acc_floats;
     unsigned out[CHUNK_HALVES / 2];
 #pragma unroll
     for (int k = 0; k < CHUNK_HALVES / 2; k++) {
-        const int at = dq_chunk_index(row % WG_ROWS, dim0 % SLICE_ELEMENTS + 2 * k);
-        float2 sum = *(const float2 *)(chunk + at);
-        for (int copy = 1; copy < copies; copy++) {
-            const float2 more = *(const float2 *)(chunk + copy * copy_floats + at);
-            sum = make_float2(sum.x + more.x, sum.y + more.y);
-        }
+        const float2 sum = *(const float2 *)(chunk + dq_chunk_index(row % WG_ROWS, dim0 % SLICE_ELEMENTS + 2 * k));
         out[k] = pack_half2(sum.x * scale, sum.y * scale);
     }
     *(uint4 *)(dq + ((size_t)blockIdx.y * seqlen + row) * HEAD_DIM + dim0) = make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 // --- The backward's launcher -----------------------------------------------------------------
-// The workspace: the column blocks, LSE and D of each 64-query tile, then the fp32 dQ accumulator's
-// copies (one with atomics), each of whole query tiles, from a 256-byte boundary.
+// The workspace: the column blocks, LSE and D of each 64-query tile; then the fp32 dQ accumulator, of
+// whole query tiles; then the deterministic mode's turns, an int per (head, query tile, pass); each
+// from a 256-byte boundary. The accumulator and the turns are zeroed together before each run.
+static size_t aligned(size_t bytes) { return (bytes + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN; }
 static size_t columns_bytes(const AttnShape *s) {
-    size_t bytes = (size_t)s->batch * s->heads * ceil_div(s->seqlen, WG_ROWS) * COLUMN_BYTES;
-    return (bytes + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN;
+    return aligned((size_t)s->batch * s->heads * ceil_div(s->seqlen, WG_ROWS) * COLUMN_BYTES);
 }
-
-// Copies of the dQ accumulator in the deterministic mode (09's rule): the fewest blocks per head
-// that take the heads' key tiles in the least time, counted as (rounds of the GPU's resident
-// blocks) x (key tiles per block).
-static int dq_copies(int heads, int key_tiles, int resident) {
-    int best = 1;
-    long long best_time = -1;
-    for (int copies = 1; copies <= key_tiles; copies++) {
-        const long long blocks = (long long)heads * copies, per_block = ceil_div(key_tiles, copies);
-        const long long time = (blocks + resident - 1) / resident * per_block;
-        if (best_time < 0 || time < best_time) best = copies, best_time = time;
-    }
-    return best;
-}
-
-// The copies of dQ that a run takes (1 with atomics); the kernel's shared memory attribute set.
-template <int HEAD_DIM, bool DETERMINISTIC>
-static cudaError_t plan_backward(const AttnShape *s, int *copies) {
-    typedef BwdConfig<HEAD_DIM> Cfg;
-    RETURN_IF_ERROR(cudaFuncSetAttribute(backward_kernel<HEAD_DIM, DETERMINISTIC>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES));
-    *copies = 1;
-    if (!DETERMINISTIC) return cudaSuccess;
-    int device = 0, sms = 0, per_sm = 0;
-    RETURN_IF_ERROR(cudaGetDevice(&device));
-    RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, backward_kernel<HEAD_DIM, DETERMINISTIC>,
-                                                                  BLOCK_THREADS, Cfg::SMEM_BYTES));
-    if (per_sm < 1) return cudaErrorInvalidConfiguration;  // the kernel fits no SM
-    *copies = dq_copies(s->batch * s->heads, ceil_div(s->seqlen, Cfg::TILE_KV), per_sm * sms);
-    return cudaSuccess;
-}
-
-// One copy of the dQ accumulator: every head's query tiles, whole.
 static size_t dq_acc_bytes(const AttnShape *s) {
-    return (size_t)s->batch * s->heads * ceil_div(s->seqlen, WG_ROWS) * WG_ROWS * s->headdim * sizeof(float);
+    return aligned((size_t)s->batch * s->heads * ceil_div(s->seqlen, WG_ROWS) * WG_ROWS * s->headdim * sizeof(float));
+}
+static size_t turns_bytes(const AttnShape *s) {
+    return aligned((size_t)s->batch * s->heads * ceil_div(s->seqlen, WG_ROWS) * (s->headdim / SLICE_ELEMENTS) *
+                   sizeof(int));
 }
 
 static size_t backward_workspace_bytes(const AttnShape *s, int deterministic) {
-    int copies = 1;
-    cudaError_t err = cudaSuccess;
-    if (deterministic)
-        err = s->headdim == 64 ? plan_backward<64, true>(s, &copies) : plan_backward<128, true>(s, &copies);
-    if (err != cudaSuccess) copies = 1;  // the launch reports it
-    return columns_bytes(s) + copies * dq_acc_bytes(s);
+    (void)deterministic;  // the same in both modes
+    return columns_bytes(s) + dq_acc_bytes(s) + turns_bytes(s);
 }
 
 template <int HEAD_DIM, bool DETERMINISTIC>
@@ -691,8 +666,8 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
     const AttnShape *s = &args->shape;
     const int heads = s->batch * s->heads, key_tiles = ceil_div(s->seqlen, Cfg::TILE_KV);
     const int row_bytes = HEAD_DIM * ELEMENT_BYTES;
-    int copies = 1;
-    RETURN_IF_ERROR((plan_backward<HEAD_DIM, DETERMINISTIC>(s, &copies)));
+    RETURN_IF_ERROR(cudaFuncSetAttribute(backward_kernel<HEAD_DIM, DETERMINISTIC>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES));
     CUtensorMap q_map, k_map, v_map, do_map;
     RETURN_IF_ERROR(
         make_tensor_map(&q_map, (void *)args->q, row_bytes, s->seqlen, heads, SLICE_BYTES, WG_ROWS, chapter.name));
@@ -704,20 +679,20 @@ static cudaError_t launch_backward(const BackwardArgs *args, cudaStream_t stream
         make_tensor_map(&do_map, (void *)args->d_o, row_bytes, s->seqlen, heads, SLICE_BYTES, WG_ROWS, chapter.name));
     float *columns = (float *)args->workspace;
     float *dq_acc = (float *)((char *)args->workspace + columns_bytes(s));
+    int *turns = (int *)((char *)dq_acc + dq_acc_bytes(s));
     const int rows_per_block = THREADS / (HEAD_DIM / CHUNK_HALVES);
     const dim3 row_grid(ceil_div(s->seqlen, rows_per_block), heads);
     const dim3 padded_grid(ceil_div(ceil_div(s->seqlen, WG_ROWS) * WG_ROWS, rows_per_block), heads);
 
-    RETURN_IF_ERROR(cudaMemsetAsync(dq_acc, 0, copies * dq_acc_bytes(s), stream));
+    RETURN_IF_ERROR(cudaMemsetAsync(dq_acc, 0, dq_acc_bytes(s) + turns_bytes(s), stream));
     backward_preprocess_kernel<HEAD_DIM>
         <<<padded_grid, THREADS, 0, stream>>>(args->o, args->d_o, args->lse, columns, s->seqlen);
     RETURN_IF_ERROR(cudaGetLastError());
-    const dim3 grid = DETERMINISTIC ? dim3(copies, heads) : dim3(key_tiles, heads);
-    backward_kernel<HEAD_DIM, DETERMINISTIC>
-        <<<grid, BLOCK_THREADS, Cfg::SMEM_BYTES, stream>>>(q_map, k_map, v_map, do_map, columns, dq_acc, args->dk,
-                                                           args->dv, s->seqlen, s->scale, s->scale * LOG2E, s->causal);
+    backward_kernel<HEAD_DIM, DETERMINISTIC><<<dim3(key_tiles, heads), BLOCK_THREADS, Cfg::SMEM_BYTES, stream>>>(
+        q_map, k_map, v_map, do_map, columns, dq_acc, turns, args->dk, args->dv, s->seqlen, s->scale, s->scale * LOG2E,
+        s->causal);
     RETURN_IF_ERROR(cudaGetLastError());
-    convert_dq_kernel<HEAD_DIM><<<row_grid, THREADS, 0, stream>>>(dq_acc, copies, args->dq, s->seqlen, s->scale);
+    convert_dq_kernel<HEAD_DIM><<<row_grid, THREADS, 0, stream>>>(dq_acc, args->dq, s->seqlen, s->scale);
     return cudaGetLastError();
 }
 

@@ -49,12 +49,13 @@ def exported_names(repo):
 
 def backward_workspace(b, h, n, d, deterministic=False, build="09_backward"):
     """A backward's scratch, then the fp32 dQ accumulator; the same in the deterministic mode where no GPU
-    is visible (the copies of dQ are the GPU's to decide: one without it). 09's (and 10's first two
+    is visible (09's copies of dQ are the GPU's to decide: one without it). 09's (and 10's first two
     steps'): D, a float per query row, to 256 bytes, then the accumulator of n rows. 10's: each 64-query
-    tile's LSE and D side by side (512 bytes a tile), then the accumulator of whole 64-query tiles."""
+    tile's LSE and D side by side (512 bytes a tile), then the accumulator of whole 64-query tiles, then
+    the deterministic mode's turns, an int per 64-query tile and 64-dim pass, to 256 bytes (both modes)."""
     tiles = -(-n // 64)
     if build == "10_backward_hopper":
-        return b * h * tiles * 512 + b * h * tiles * 64 * d * 4
+        return b * h * tiles * 512 + b * h * tiles * 64 * d * 4 + -(-b * h * tiles * (d // 64) * 4 // 256) * 256
     return -(-b * h * n * 4 // 256) * 256 + b * h * n * d * 4
 
 

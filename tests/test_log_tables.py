@@ -241,6 +241,20 @@ def test_10_10s_table_is_its_log(repo):
         assert cells == want, f"D={d} {mask}: the table has {cells}, the log {want}"
 
 
+def test_10_11s_table_is_its_log(repo):
+    """10.11's table: 10.10 and 10.11 in each mode, 10.10's deterministic time over 10.11's and 10.11's
+    deterministic time over its default's, one call, as first_run_10_11_h100.log has them."""
+    text = (repo.root / "docs/results/logs/10/first_run_10_11_h100.log").read_text()
+    ms = {(int(d), mask == "--causal", mode == "--deterministic"): (float(a), float(b)) for d, mask, mode, a, b in
+          re.findall(r"^D(\d+) (none|--causal) (default|--deterministic) ([\d.]+) ([\d.]+)$", text, re.M)}
+    table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| D | mask | 10.10 | 10.11 |")
+    assert table and len(table) * 2 == len(ms), f"{len(table)} rows, {len(ms)} timings in the log"
+    for d, mask, *cells in table:
+        (a, b), (det_a, det_b) = (ms[(int(d), mask == "causal", det)] for det in (False, True))
+        want = [f"{a:.2f}", f"{b:.2f}", f"{det_a:.2f}", f"{det_b:.2f}", f"{det_a / det_b:.2f}x", f"{det_b / b:.2f}x"]
+        assert cells == want, f"D={d} {mask}: the table has {cells}, the log {want}"
+
+
 def test_10s_steps_table_is_its_log(repo):
     """10's table of every step: 09, 10.1-10.9, and SDPA's cuDNN and flash backward where the log has them, one
     call, as steps_h100.log has them."""
