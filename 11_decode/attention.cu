@@ -1,9 +1,8 @@
-// 11.6, step 6 of 11_decode: the merge over many threads. Through 11.5 the merge gave each query
-// head one block of HEAD_DIM threads, and each thread read every split's partial in turn: at b = 1
-// that is 32 blocks for the whole GPU, each walking 128 splits one load after another (36 us of a
-// 100 us step at 32k tokens on an H100). Now a block of MERGE_THREADS threads takes the splits
-// PARTS at a time: the common max by the whole block, then each part sums its splits, and the
-// parts are added in shared memory. Otherwise 11.5.
+// 11.9, step 9 of 11_decode: the next step's pages while this step's keys are on their way. Through
+// 11.8 each key's K and V load waited for its page number, a load from the block table: every step
+// two trips to memory, one after the other. Now a thread loads the page numbers of its next step's
+// keys right after issuing this step's K and V loads, so that a step waits for one trip. Otherwise
+// 11.8.
 //
 // Two kernels: (1) one block per (split of keys_per_split keys, KV head, sequence): the g x Nq query
 // rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each read the K and V
@@ -19,8 +18,8 @@
 
 // --- Configuration -------------------------------------------------------------------------
 #define DECODE_THREADS 128
-#define KEYS_PER_STEP 256  // a split is a multiple of this many keys (11.3's split)
-#define MIN_WAVES 1        // the splits leave at least this many waves of resident blocks, where they can
+#define KEYS_PER_STEP 256  // a split's fewest keys (11.3's split): the workspace holds max_length / 256 splits
+#define WAVE_FILL 0.95     // the splits' blocks fill their last wave of resident blocks at least this much
 #define QUERY_CHUNK 4      // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
 #define DIMS_PER_THREAD 8  // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
 #define KEYS_IN_FLIGHT 4   // keys a group loads before it uses the first: 4 x 32 (e4m3: 16) bytes of K and V a thread
@@ -56,12 +55,9 @@ struct CacheLoad<__nv_fp8_e4m3> {
     static __device__ float scale(const float *scales, int kv_head) { return scales[kv_head]; }
 };
 
-// The cache row of key t of sequence `seq`, KV head kv_head: its page from the block table.
-template <typename Elem>
-__device__ const Elem *cache_row(const Elem *pool, const int *table, int max_pages, int seq, int t, int kv_heads,
-                                 int kv_head, int page_size, int head_dim) {
-    const int page = table[(size_t)seq * max_pages + t / page_size];
-    return pool + (((size_t)page * kv_heads + kv_head) * page_size + t % page_size) * head_dim;
+// Where key t's row of KV head kv_head lies in a pool, its page (from the block table) known.
+__device__ size_t cache_row(int page, int t, int kv_heads, int kv_head, int page_size, int head_dim) {
+    return (((size_t)page * kv_heads + kv_head) * page_size + t % page_size) * head_dim;
 }
 
 __device__ void unpack8(const uint4 raw, float (&x)[DIMS_PER_THREAD]) {
@@ -85,7 +81,7 @@ __device__ void unpack8(const uint2 raw, float (&x)[DIMS_PER_THREAD]) {
 }
 
 template <int HEAD_DIM, typename Elem>
-__global__ void __launch_bounds__(DECODE_THREADS)
+__global__ void __launch_bounds__(DECODE_THREADS, 4)
     split_kernel(DecodeArgs args, const Elem *k_pool, const Elem *v_pool, const float *k_scale, const float *v_scale,
                  float *part_o, float *part_max, float *part_sum, int splits, int keys_per_split, float scale_log2) {
     typedef DecodeConfig<HEAD_DIM> Cfg;
@@ -123,24 +119,32 @@ __global__ void __launch_bounds__(DECODE_THREADS)
         // The group's keys: key0 + group, then every KEYS_AT_ONCE-th; every group takes the same number
         // of steps (a key past the split's end reads the split's last key again and counts for nothing),
         // so that the lanes of a warp meet at each shuffle. A step loads KEYS_IN_FLIGHT keys, with no
-        // branch between the loads, then uses them.
+        // branch between the loads, then the next step's page numbers, then uses its keys.
+        const int *seq_table = args.block_table + (size_t)seq * s.max_pages;
+        int pages[KEYS_IN_FLIGHT];  // of the step's keys
+#pragma unroll
+        for (int i = 0; i < KEYS_IN_FLIGHT; i++)
+            pages[i] = seq_table[min(key0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1) / s.page_size];
         for (int step0 = key0; step0 < key_end; step0 += KEYS_IN_FLIGHT * Cfg::KEYS_AT_ONCE) {
             Raw k_rows[KEYS_IN_FLIGHT], v_rows[KEYS_IN_FLIGHT];  // this thread's 8 elements of each key's K and V
 #pragma unroll
             for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
                 const int t = min(step0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1);
-                k_rows[i] = *(const Raw *)(cache_row(k_pool, args.block_table, s.max_pages, seq, t, s.kv_heads, kv_head,
-                                                     s.page_size, HEAD_DIM) +
-                                           dim0);
-                v_rows[i] = *(const Raw *)(cache_row(v_pool, args.block_table, s.max_pages, seq, t, s.kv_heads, kv_head,
-                                                     s.page_size, HEAD_DIM) +
-                                           dim0);
+                const size_t row = cache_row(pages[i], t, s.kv_heads, kv_head, s.page_size, HEAD_DIM);
+                k_rows[i] = *(const Raw *)(k_pool + row + dim0);
+                v_rows[i] = *(const Raw *)(v_pool + row + dim0);
             }
+            // The next step's pages, while this step's K and V are on their way.
+            const int next0 = step0 + KEYS_IN_FLIGHT * Cfg::KEYS_AT_ONCE;
+#pragma unroll
+            for (int i = 0; i < KEYS_IN_FLIGHT; i++)
+                pages[i] = seq_table[min(next0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1) / s.page_size];
+            float p[KEYS_IN_FLIGHT][QUERY_CHUNK];  // scores, then probabilities (-inf: a key the row does not see)
 #pragma unroll
             for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
                 const int t = step0 + i * Cfg::KEYS_AT_ONCE + group;
-                float k[DIMS_PER_THREAD], v[DIMS_PER_THREAD];
-                unpack8(k_rows[i], k), unpack8(v_rows[i], v);
+                float k[DIMS_PER_THREAD];
+                unpack8(k_rows[i], k);
 #pragma unroll
                 for (int j = 0; j < QUERY_CHUNK; j++) {
                     float score = 0.0f;
@@ -149,14 +153,33 @@ __global__ void __launch_bounds__(DECODE_THREADS)
 #pragma unroll
                     for (int offset = Cfg::LANES_PER_KEY / 2; offset > 0; offset /= 2)  // the key's lanes, summed
                         score += __shfl_xor_sync(0xffffffff, score, offset);
-                    if (t >= key_end || t > last_key[j]) continue;  // past the split, or after the row's query
-                    const float new_max = fmaxf(row_max[j], score);
-                    const float rescale = exp2f(row_max[j] - new_max), p = exp2f(score - new_max);
-                    row_max[j] = new_max;
-                    row_sum[j] = row_sum[j] * rescale + p;
-#pragma unroll
-                    for (int d = 0; d < DIMS_PER_THREAD; d++) o[j][d] = fmaf(o[j][d], rescale, p * v[d]);
+                    p[i][j] = (t >= key_end || t > last_key[j]) ? -INFINITY : score;
                 }
+            }
+#pragma unroll
+            for (int j = 0; j < QUERY_CHUNK; j++) {  // one max and one rescale a row for the step's keys
+                float new_max = row_max[j];
+#pragma unroll
+                for (int i = 0; i < KEYS_IN_FLIGHT; i++) new_max = fmaxf(new_max, p[i][j]);
+                const float rescale = new_max == -INFINITY ? 1.0f : exp2f(row_max[j] - new_max);
+                row_max[j] = new_max;
+                row_sum[j] *= rescale;
+#pragma unroll
+                for (int d = 0; d < DIMS_PER_THREAD; d++) o[j][d] *= rescale;
+#pragma unroll
+                for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
+                    p[i][j] = new_max == -INFINITY ? 0.0f : exp2f(p[i][j] - new_max);
+                    row_sum[j] += p[i][j];
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
+                float v[DIMS_PER_THREAD];
+                unpack8(v_rows[i], v);
+#pragma unroll
+                for (int j = 0; j < QUERY_CHUNK; j++)
+#pragma unroll
+                    for (int d = 0; d < DIMS_PER_THREAD; d++) o[j][d] = fmaf(p[i][j], v[d], o[j][d]);
             }
         }
         // The groups' states into shared memory, then the split's partial: thread d < HEAD_DIM combines dim d,
@@ -270,20 +293,27 @@ static cudaError_t resident_blocks(int *blocks) {
     return cudaSuccess;
 }
 
-// Keys per split: KEYS_PER_STEP x k, k the largest power of two for which the blocks (splits x KV
-// heads x sequences, every sequence counted as the longest) still fill MIN_WAVES waves of the blocks
-// this GPU holds at once; k = 1 where even that does not (a short cache, a small batch: 11.3's
-// split), and where a block passes over its keys more than once (g x Nq rows over QUERY_CHUNK), so
-// that the later passes find the split's keys still in L2.
+// Keys per split: the fewest splits for which the blocks (splits x KV heads x sequences, every
+// sequence counted as the longest) fill their last wave of the blocks this GPU holds at once to
+// WAVE_FILL or more (else the fullest of them all); a split a whole number of steps of its groups'
+// keys, and at least KEYS_PER_STEP keys. KEYS_PER_STEP where a block passes over its keys more than
+// once (g x Nq rows over QUERY_CHUNK), so that the later passes find the split's keys still in L2.
 template <int HEAD_DIM, typename Elem>
 static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_per_split) {
     *keys_per_split = KEYS_PER_STEP;
     if (s->q_heads / s->kv_heads * s->new_tokens > QUERY_CHUNK) return cudaSuccess;
     int resident = 0;
     RETURN_IF_ERROR((resident_blocks<HEAD_DIM, Elem>(&resident)));
-    const long long wanted = (long long)MIN_WAVES * resident, heads = (long long)s->batch * s->kv_heads;
-    while (*keys_per_split < max_length && heads * ceil_div(max_length, 2 * *keys_per_split) >= wanted)
-        *keys_per_split *= 2;
+    const long long heads = (long long)s->batch * s->kv_heads;
+    const int step_keys = KEYS_IN_FLIGHT * DecodeConfig<HEAD_DIM>::KEYS_AT_ONCE;
+    double best_fill = 0.0;
+    for (int wanted = 1; wanted <= ceil_div(max_length, KEYS_PER_STEP); wanted++) {
+        const int keys = max(KEYS_PER_STEP, ceil_div(ceil_div(max_length, wanted), step_keys) * step_keys);
+        const double waves = (double)(heads * ceil_div(max_length, keys)) / resident;
+        const double fill = waves / ceil(waves);  // of the last wave's slots
+        if (fill > best_fill) best_fill = fill, *keys_per_split = keys;
+        if (fill >= WAVE_FILL) break;
+    }
     return cudaSuccess;
 }
 
