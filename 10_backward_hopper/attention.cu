@@ -1,9 +1,9 @@
-// 10.9, step 9 of 10_backward_hopper: a head's key tiles side by side under the causal mask too.
-// Through 10.8 the causal grid was (b*h, key tiles): the blocks running at once were the same key
-// tile of every head, 64 heads' Q, dO and dQ streaming through L2 together, and the faster the
-// consumers the more of it came from memory. Now both masks use (key tiles, b*h): the blocks of a
-// head run together and share its tiles in L2 (each still starts at its diagonal, the heaviest key
-// tile of a head first). Otherwise 10.8.
+// 10.10, step 10 of 10_backward_hopper: a dQ writer warp. Through 10.9 each consumer added its own
+// dQ partial: it waited until the bulk-copy engine had read its stage's last partial, met its other
+// threads twice at a named barrier, and one of its threads issued the reduction, while its
+// warpgroup's next products waited. Now warp 1 of the producer warpgroup, idle until here, does the
+// adding (FlashAttention-3's dQ writer): a consumer waits only until its stage is free, writes its
+// partial, says so, and goes on to its next tile. Otherwise 10.9.
 //
 // Three kernels, as 09: (1) D = rowsum(dO * O), each query tile's LSE and D as one 512-byte column
 // block; (2) one block per (128-key tile, b*h): the producer brings K and V once and Q, dO and the
@@ -28,7 +28,9 @@
 #define PRODUCER_REGISTERS 24                         // setmaxnreg: the producer keeps few registers
 #define CONSUMER_REGISTERS 240                        // and the consumers take the rest
 #define DS_BARRIER 1                                  // named barrier: both consumers' dS^T stored
-#define DQ_BARRIER 2                                  // 2 + c: consumer c's dQ stage free, then written
+#define DQ_FULL_BARRIER 2                             // 2 + c: consumer c's dQ partial is in its stage
+#define DQ_EMPTY_BARRIER 4                            // 4 + c: the writer has read consumer c's stage
+#define STAGE_PAIR_THREADS (WG_THREADS + 32)          // a consumer and the writer warp, at those two
 #define BWD_STAGES 2                                  // (Q, dO) tiles in the ring
 #define ELEMENT_BYTES 2                               // fp16
 #define KSTEP_BYTES 32                                // of the reduced dimension per wgmma
@@ -274,29 +276,22 @@ __device__ int dq_chunk_index(int query, int dim) {  // query, dim within the ch
     return dim / 8 * 512 + t * 4 + query % 16 / 8 * 2 + dim % 2;
 }
 
-// Thread 0 of a consumer: the bulk reductions it issued have read their source (.read), or are
+// Lane 0 of the writer warp: the bulk reductions it issued have read their source (.read), or are
 // complete (their adds made).
 __device__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// This pass's dQ partial into the consumer's stage, then added into its chunk of the accumulator by
-// the bulk-copy engine: the stage free (the last reduction has read it), the threads' float4s
-// written, made visible to the async proxy, then one thread issues the reduction.
-__device__ void reduce_dq(float *stage, float *chunk, const float (&dq)[32], int consumer) {
-    if (wg_thread() == 0) bulk_wait_read();
-    bar_sync<WG_THREADS>(DQ_BARRIER + consumer);
+// This pass's dQ partial into the consumer's stage, for the writer warp to add: once the writer has
+// read the stage's last partial, the threads' float4s written, made visible to the async proxy, and
+// the writer told, without waiting for it.
+__device__ void hand_dq(float *stage, const float (&dq)[32], int consumer) {
+    bar_sync<STAGE_PAIR_THREADS>(DQ_EMPTY_BARRIER + consumer);
 #pragma unroll
     for (int j = 0; j < 8; j++)
         *(float4 *)(stage + 512 * j + 4 * wg_thread()) =
             make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
     fence_proxy_async();
-    bar_sync<WG_THREADS>(DQ_BARRIER + consumer);
-    if (wg_thread() == 0) {
-        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(chunk),
-                     "r"(smem_address(stage)), "n"(DQ_CHUNK_BYTES)
-                     : "memory");
-        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-    }
+    bar_arrive<STAGE_PAIR_THREADS>(DQ_FULL_BARRIER + consumer);
 }
 
 // dK = scale * dS^T Q and dV, each key row written once, as fp16.
@@ -478,9 +473,7 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
         wgmma_wait<1>();  // dQ done; dK still running
         if (has_pass) {
             hold_registers(dq);
-            reduce_dq(smem.dq_stages + consumer * DQ_CHUNK_FLOATS,
-                      w.dq_head + ((size_t)query0 / Cfg::TILE_Q * Cfg::DQ_PASSES + pass) * DQ_CHUNK_FLOATS, dq,
-                      consumer);
+            hand_dq(smem.dq_stages + consumer * DQ_CHUNK_FLOATS, dq, consumer);
         }
         wgmma_wait<0>();
         hold_registers(dk_acc);
@@ -490,9 +483,6 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
     loaded += q_tiles;
     release(smem.kv_empty);  // K and V are read (the last dQ pass was waited for)
     store_dk_dv<HEAD_DIM>(w.dk_head, w.dv_head, dk_acc, dv_acc, key0, w.seqlen, w.scale);
-    // This round's dQ adds made: the next round's come after them (the deterministic mode's order),
-    // and the stage has been read before the block exits.
-    if (wg_thread() == 0) bulk_wait();
 }
 
 // The key tile of a block's round `round`, -1 past its last. Default: one round, the block's own
@@ -500,7 +490,7 @@ __device__ void consume_key_block(const Smem &smem, const Work &w, int consumer,
 // (09.8's): grid (copies, b*h); block `copy` takes one of every `copies` key tiles, one after the
 // other, back and forth (copy, 2 copies - 1 - copy, ...), into a dQ copy that no other block
 // writes. A chunk of it is added to once per round, by one bulk reduction, and a round's reductions
-// are complete before the next round's begin (bulk_wait, then the consumers' named barrier); the
+// are complete before the next round's begin (the writer's bulk_wait at each round's end); the
 // convert kernel sums the copies in order, so dQ comes out the same on every run.
 template <bool DETERMINISTIC>
 __device__ int round_key_tile(int round, int key_tiles) {
@@ -508,6 +498,52 @@ __device__ int round_key_tile(int round, int key_tiles) {
     const int copies = gridDim.x, copy = blockIdx.x;
     const int key_tile = round * copies + (round % 2 ? copies - 1 - copy : copy);
     return key_tile < key_tiles ? key_tile : -1;
+}
+
+// (2c) The dQ writer, warp 1 of the producer warpgroup: for each consumer's pass, in the consumers'
+// order of tiles, it waits until the partial is in the stage, has lane 0 add it into its chunk of the
+// accumulator (one bulk reduction), and hands the stage back once the reduction has read it, except
+// after the consumer's last pass, which no consumer waits for. Each round's reductions complete
+// before the next round's are issued.
+template <int HEAD_DIM, bool DETERMINISTIC>
+__device__ void write_dq(const Smem &smem, const Work &w, int key_tiles) {
+    typedef BwdConfig<HEAD_DIM> Cfg;
+    const bool leader = threadIdx.x % 32 == 0;
+    int tiles = 0;  // the ring tiles of every round, and each consumer's passes among them
+    for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles)) >= 0; round++)
+        tiles += ceil_div(w.seqlen, Cfg::TILE_Q) - first_query_tile<HEAD_DIM>(w, key_tile);
+    int passes_left[CONSUMERS];
+    for (int c = 0; c < CONSUMERS; c++) {
+        passes_left[c] = 0;
+        for (int ring_tile = 0; ring_tile < tiles; ring_tile++) passes_left[c] += dq_pass<HEAD_DIM>(ring_tile, c) >= 0;
+        if (passes_left[c] > 0) bar_arrive<STAGE_PAIR_THREADS>(DQ_EMPTY_BARRIER + c);  // the stage starts free
+    }
+    int ring_tile = 0;
+    for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles)) >= 0; round++) {
+        const int first_tile = first_query_tile<HEAD_DIM>(w, key_tile);
+        const int q_tiles = ceil_div(w.seqlen, Cfg::TILE_Q) - first_tile;
+        for (int step = 0; step < q_tiles; step++, ring_tile++) {
+            const int query_tile = first_tile + step;
+            for (int c = 0; c < CONSUMERS; c++) {
+                const int pass = dq_pass<HEAD_DIM>(ring_tile, c);
+                if (pass < 0) continue;
+                bar_sync<STAGE_PAIR_THREADS>(DQ_FULL_BARRIER + c);
+                if (leader) {
+                    const float *chunk = w.dq_head + ((size_t)query_tile * Cfg::DQ_PASSES + pass) * DQ_CHUNK_FLOATS;
+                    asm volatile(
+                        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(chunk),
+                        "r"(smem_address(smem.dq_stages + c * DQ_CHUNK_FLOATS)), "n"(DQ_CHUNK_BYTES)
+                        : "memory");
+                    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+                    bulk_wait_read();
+                }
+                __syncwarp();
+                if (--passes_left[c] > 0) bar_arrive<STAGE_PAIR_THREADS>(DQ_EMPTY_BARRIER + c);
+            }
+        }
+        if (leader) bulk_wait();  // this round's adds made before the next round's (and before the block exits)
+        __syncwarp();
+    }
 }
 
 template <int HEAD_DIM, bool DETERMINISTIC>
@@ -553,9 +589,11 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
     // every wgmma of the kernel, ptxas's C7520).
     const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / WG_THREADS, 0);
     int loaded = 0;
-    // Warp specialisation: warpgroup 0 only copies, with few registers; the consumers only compute.
+    // Warp specialisation: warpgroup 0 copies (its thread 0) and adds dQ (its warp 1), with few
+    // registers; the consumers only compute.
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGISTERS>();
+        if (threadIdx.x / 32 == 1) write_dq<HEAD_DIM, DETERMINISTIC>(smem, w, key_tiles);
         if (threadIdx.x != 0) return;
         for (int round = 0, key_tile; (key_tile = round_key_tile<DETERMINISTIC>(round, key_tiles)) >= 0; round++)
             produce_key_block<HEAD_DIM>(smem, w, key_tile, round, loaded);

@@ -217,11 +217,12 @@ def before_first_wgmma(instructions):
 @pytest.mark.xdist_group("claims-10")
 def test_10_6_issues_a_tiles_first_wgmma_without_the_mask(repo):
     """10.6 (10_backward_hopper.step6) keeps the mask out of the way of a tile's first wgmma, and 10.7
-    (10_backward_hopper.step7), 10.8 (.step8) and 10.9 (10_backward_hopper) as well: at most 32 instructions between the fence and the first HGMMA in each
+    (10_backward_hopper.step7), 10.8 (.step8), 10.9 (.step9) and 10.10 (10_backward_hopper) as well: at most 32 instructions between the fence and the first HGMMA in each
     backward kernel, where 10.5's non-deterministic kernels had the mask's predicates there (over 300)."""
     for name, check in (("10_backward_hopper.step6", lambda gap, det: gap <= 32),
                         ("10_backward_hopper.step7", lambda gap, det: gap <= 32),
                         ("10_backward_hopper.step8", lambda gap, det: gap <= 32),
+                        ("10_backward_hopper.step9", lambda gap, det: gap <= 32),
                         ("10_backward_hopper", lambda gap, det: gap <= 32),
                         ("10_backward_hopper.step5", lambda gap, det: det or gap > 300)):
         for (dim, det), instructions in sorted(backward_kernels_10(repo, name).items()):
@@ -230,10 +231,16 @@ def test_10_6_issues_a_tiles_first_wgmma_without_the_mask(repo):
                                     f"between the fence and the first HGMMA"
 
 
+def opcode(instruction):
+    """An instruction's opcode, past its predicate if it has one."""
+    words = instruction.split()
+    return words[1] if words[0].startswith("@") else words[0]
+
+
 def memory_ops(instructions, generic):
     """The loads and stores among instructions, shared ones (LDS, STS) or generic ones (LD, ST), by opcode."""
     found = {}
-    for op in (i.split()[1] if i.startswith("@") else i.split()[0] for i in instructions):
+    for op in map(opcode, instructions):
         if re.fullmatch(r"(LD|ST)(\.\w+)*" if generic else r"(LDS|STS)(\.\w+)*", op):
             found[op] = found.get(op, 0) + 1
     return found
@@ -243,9 +250,10 @@ def memory_ops(instructions, generic):
 def test_10_7_reaches_shared_memory_as_shared(repo):
     """10.7 (10_backward_hopper.step7), its shared memory aligned on the pointer and not on an integer, reads
     LSE and D as LDS.64 and writes dS^T and the dQ stage as STS and STS.128, with no PTX of its own for them,
-    and so do 10.8 and 10.9: no generic load or store is left in their backward kernels, where 10.6's made generic
+    and so do 10.8-10.10: no generic load or store is left in their backward kernels, where 10.6's made generic
     ones (LD.E, ST.E)."""
-    for name in ("10_backward_hopper.step7", "10_backward_hopper.step8", "10_backward_hopper"):
+    for name in ("10_backward_hopper.step7", "10_backward_hopper.step8", "10_backward_hopper.step9",
+                 "10_backward_hopper"):
         for (dim, det), instructions in sorted(backward_kernels_10(repo, name).items()):
             shown = f"{name} D={dim} {'deterministic' if det else 'default'}"
             shared = memory_ops(instructions, generic=False)
@@ -264,15 +272,38 @@ def hgmma_gaps(instructions):
 @pytest.mark.xdist_group("claims-10")
 def test_10_8_builds_descriptors_by_addition(repo):
     """10.8 (10_backward_hopper.step8) builds each operand's wgmma descriptor once a tile and adds the
-    k-step's offset, and 10.9 (10_backward_hopper) too: the median gap between consecutive HGMMAs is at
+    k-step's offset, and 10.9 and 10.10 too: the median gap between consecutive HGMMAs is at
     most 4 instructions in every backward kernel, where 10.7's, building each descriptor afresh, is at
-    least 7; and their descriptors stay in the uniform datapath (at most 4 R2UR a kernel)."""
-    for name in ("10_backward_hopper.step8", "10_backward_hopper"):
+    least 7; and their descriptors stay in the uniform datapath (at most 4 R2UR in the consumers' code)."""
+    for name in ("10_backward_hopper.step8", "10_backward_hopper.step9", "10_backward_hopper"):
         for (dim, det), instructions in sorted(backward_kernels_10(repo, name).items()):
             gaps, shown = hgmma_gaps(instructions), f"{name} D={dim} {'deterministic' if det else 'default'}"
             assert gaps[len(gaps) // 2] <= 4, f"{shown}: median gap {gaps[len(gaps) // 2]} between HGMMAs"
-            r2ur = sum(1 for op in instructions if "R2UR" in op.split()[:2])
+            # the consumers' code, before the producer warpgroup gives its registers back (10.10's writer
+            # warp, after it, moves its reductions' addresses to uniform registers: R2UR that are no descriptor)
+            consumers = instructions[:next(k for k, op in enumerate(instructions) if "USETMAXREG.DEALLOC" in op)]
+            r2ur = sum(1 for op in consumers if "R2UR" in op.split()[:2])
             assert r2ur <= 4, f"{shown}: {r2ur} R2UR (descriptors built in vector registers?)"
     for (dim, det), instructions in sorted(backward_kernels_10(repo, "10_backward_hopper.step7").items()):
         gaps = hgmma_gaps(instructions)
         assert gaps[len(gaps) // 2] >= 7, f"10.7 D={dim}: median gap {gaps[len(gaps) // 2]}; the claim is stale"
+
+
+@pytest.mark.xdist_group("claims-10")
+def test_10_10_hands_dq_to_a_writer_warp(repo):
+    """10.10 (10_backward_hopper) adds dQ from a writer warp of the producer warpgroup: every bulk reduction
+    (UBLKRED) comes after that warpgroup gives its registers back (USETMAXREG.DEALLOC), and that code uses
+    fewer registers than the 24 it keeps; the consumers' code hands a partial over with bar.arrive (BAR.ARV),
+    which 10.9's (10_backward_hopper.step9), whose consumers issue the reductions themselves, does not have."""
+    for (dim, det), instructions in sorted(backward_kernels_10(repo, "10_backward_hopper").items()):
+        shown = f"10.10 D={dim} {'deterministic' if det else 'default'}"
+        ops = [opcode(i) for i in instructions]
+        dealloc = next(k for k, op in enumerate(ops) if op.startswith("USETMAXREG.DEALLOC"))
+        consumers, producer = ops[:dealloc], instructions[dealloc:]
+        assert not any(op.startswith("UBLKRED") for op in consumers), f"{shown}: a bulk reduction before the DEALLOC"
+        assert any(opcode(i).startswith("UBLKRED") for i in producer), f"{shown}: no bulk reduction after the DEALLOC"
+        registers = max(int(r) for i in producer for r in re.findall(r"\bR(\d+)\b", i))
+        assert registers < 24, f"{shown}: the producer warpgroup's code uses R{registers}, past the 24 it keeps"
+        assert any(op.startswith("BAR.ARV") for op in consumers), f"{shown}: no BAR.ARV in the consumers' code"
+    for (dim, det), instructions in sorted(backward_kernels_10(repo, "10_backward_hopper.step9").items()):
+        assert not any(opcode(i).startswith("BAR.ARV") for i in instructions), f"10.9 D={dim}: BAR.ARV; the claim is stale"

@@ -227,6 +227,20 @@ def test_10_9s_table_is_its_log(repo):
         assert cells == want, f"{key}: the table has {cells}, the log {want}"
 
 
+def test_10_10s_table_is_its_log(repo):
+    """10.10's table: 10.9 and 10.10 in each mode and 10.9's time over 10.10's, one call, as
+    first_run_10_10_h100.log has them ("D128 none default <10.9 ms> <10.10 ms>")."""
+    text = (repo.root / "docs/results/logs/10/first_run_10_10_h100.log").read_text()
+    ms = {(int(d), mask == "--causal", mode == "--deterministic"): (float(a), float(b)) for d, mask, mode, a, b in
+          re.findall(r"^D(\d+) (none|--causal) (default|--deterministic) ([\d.]+) ([\d.]+)$", text, re.M)}
+    table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| D | mask | 10.9 | 10.10 |")
+    assert table and len(table) * 2 == len(ms), f"{len(table)} rows, {len(ms)} timings in the log"
+    for d, mask, *cells in table:
+        (a, b), (det_a, det_b) = (ms[(int(d), mask == "causal", det)] for det in (False, True))
+        want = [f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}x", f"{det_a:.2f}", f"{det_b:.2f}"]
+        assert cells == want, f"D={d} {mask}: the table has {cells}, the log {want}"
+
+
 def test_10s_steps_table_is_its_log(repo):
     """10's table of every step: 09, 10.1-10.9, and SDPA's cuDNN and flash backward where the log has them, one
     call, as steps_h100.log has them."""
@@ -343,3 +357,41 @@ def test_decode_overhead_table_is_its_log(repo):
              "plan append+run", "write paged", "write slice"]
     table = markdown_rows((repo.root / "docs/pytorch.md").read_text(), "| SDPA flash | cuDNN | efficient |")
     assert table == [[measured[name] for name in names]], f"the table {table}, the log {measured}"
+
+
+def test_generate_rates_are_their_log(repo):
+    """docs/pytorch.md's make generate rates: each run's tokens/s as generate_rates_h100.log has it. The
+    prose names every run's rate of 11, the fastest SDPA backend's, the range of the backends, or their
+    ratio; each such number (3-digit rates, ranges, and "N.NNx the fastest") must be the log's."""
+    runs = [dict(re.findall(r"(11_decode|SDPA(?: \w+)?) (\d+) \(first pass", line))
+            for line in (repo.root / "docs/results/logs/11/generate_rates_h100.log").read_text().splitlines()
+            if line.startswith("decoding, tokens/s:")]
+    assert len(runs) >= 6 and all(len(run) == 5 for run in runs), f"the log's runs: {runs}"
+    text = " ".join((repo.root / "docs/pytorch.md").read_text().split())
+    prose = text[text.index("In a call of two runs one after the other"):text.index("## Exercises")]
+    rates = {int(r) for run in runs for r in run.values()}
+    quoted = {int(n) for n in re.findall(r"(?<![\d.])(\d{3})(?![\d.]| us| MB| tokens,| new| cached)", prose)}
+    assert quoted and quoted <= rates | {200, 225, 512}, f"rates in docs/pytorch.md not in the log: {quoted - rates}"
+    fastest = [int(run["11_decode"]) / max(int(r) for k, r in run.items() if k != "11_decode") for run in runs]
+    for ratio in re.findall(r"(\d\.\d\d)x the fastest", prose):
+        assert any(f"{f:.2f}" == ratio for f in fastest), f"{ratio}x the fastest: the log's runs give {fastest}"
+    for low, high in re.findall(r"(\d{3})-(\d{3})", prose):
+        assert any(sorted(int(r) for k, r in run.items() if k != "11_decode")[::3] == [int(low), int(high)]
+                   for run in runs), f"SDPA's {low}-{high}: no run of the log has that range"
+
+
+def test_10s_errors_table_is_its_log(repo):
+    """10's errors beside PyTorch's: each row is errors_vs_pytorch_h100.log's row of 10 (its default mode and its
+    deterministic mode, which the table says are the same), PyTorch's and their ratios."""
+    rows = {}
+    for line in (repo.root / "docs/results/logs/10/errors_vs_pytorch_h100.log").read_text().splitlines():
+        m = re.fullmatch(r"(\d+) (\d+) (\d+) (\d+) (none|causal) 10_backward_hopper (default|deterministic) "
+                         r"\| ([^|]+) \| ([^|]+) \| ([^|]+)", line)
+        if m:
+            rows[(*m.groups()[:5], m[6])] = [", ".join(cell.split()) for cell in m.groups()[6:]]
+    table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| B | H | N | D | mask | 10 (")
+    assert table and len(table) * 2 == len(rows), f"{len(table)} rows, {len(rows)} in the log"
+    for b, h, n, d, mask, *cells in table:
+        key = (b, h, n, d, "none" if mask == "non-causal" else "causal")
+        assert cells == rows[(*key, "default")] == rows[(*key, "deterministic")], f"{key}: {cells}, the log {rows}"
+        assert all(float(r) <= 2.0 for r in cells[2].split(", ")), f"{key}: a ratio over FlashAttention's 2"

@@ -2283,7 +2283,9 @@ def backward_09(ctx):
 def hopper_backward_constants():
     """10's block at D = 128 (10_backward_hopper/attention.cu): keys per consumer and per block, queries per
     tile, ring stages, the roles' registers, dQ's passes and its stage, shared memory."""
-    c = text_constants(raw_source("10_backward_hopper"))
+    text = raw_source("10_backward_hopper")
+    find(r"void write_dq\(", text, "10's dQ writer warp (write_dq), which the figure draws")
+    c = text_constants(text)
     return {"consumers": const(c, "CONSUMERS"), "wg_keys": const(c, "WG_ROWS"),
             "block_kv": const(c, "TILE_KV", HEAD_DIM=128), "block_q": const(c, "TILE_Q", HEAD_DIM=128),
             "stages": const(c, "BWD_STAGES"), "producer_regs": const(c, "PRODUCER_REGISTERS"),
@@ -2319,8 +2321,8 @@ def backward_hopper_10(ctx):
         "kvj": (5.0, 2.9, 4.3, 0.75, f"K_j, V_j  [{kv} × D]: the whole loop"),
         "ds": (5.0, 4.55, 4.3, 0.95, f"dSᵀ of tile i  [{kv} keys × {bq} queries]\nboth consumers' rows (two buffers)"),
         "stage": (5.0, 5.95, 4.3, 0.95, f"dQ stage, one per consumer\n{bq} queries × 64 dims fp32 ({b['chunk_kib']} KiB)"),
-        "prod": (10.6, 0.4, 5.0, 0.95, f"producer warpgroup ({b['producer_regs']} registers):\none thread issues every "
-                                      "copy, TMA and bulk"),
+        "prod": (10.6, 0.4, 5.0, 0.95, f"producer warpgroup ({b['producer_regs']} registers):\n"
+                                      "thread 0 copies; warp 1, the dQ writer, adds"),
         "cons": (10.6, 1.6, 5.0, 2.05, f"consumer c of {n} ({b['consumer_regs']} registers),\nkeys {wk}c to {wk}c + {wk - 1}:\n"
                                       f"Sᵀ = K Q_iᵀ, dPᵀ = V dO_iᵀ (wgmma)\nPᵀ = exp(Sᵀ·scale − LSE_i), "
                                       f"dSᵀ = Pᵀ ∘ (dPᵀ − D_i)\ndV += Pᵀ dO_i, dK += dSᵀ Q_i (wgmma)"),
@@ -2348,7 +2350,7 @@ def backward_hopper_10(ctx):
     arrow(ax, side("ds", "r", 0.85), side("dqp", "l", 0.3), text="after both\nconsumers' barrier", size=8,
           offset=(0.0, -0.3))
     arrow(ax, side("dqp", "l", 0.8), side("stage", "r", 0.8), text="stores", size=8, offset=(0.0, -0.2))
-    arrow(ax, side("stage", "l"), side("acc", "r"), color=COLORS["hi"], text="cp.reduce.async.bulk\n.add.f32,\none thread",
+    arrow(ax, side("stage", "l"), side("acc", "r"), color=COLORS["hi"], text="cp.reduce.async.bulk\n.add.f32, by the\nwriter warp",
           size=8, offset=(0.0, -0.75))
     arrow(ax, side("dkv", "l", 0.5), side("dkdv", "r", 0.5), color="#606060", text="once, after\nthe loop", size=8,
           offset=(-2.8, 0.0))
