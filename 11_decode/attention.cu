@@ -1,8 +1,12 @@
-// 11.9, step 9 of 11_decode: the next step's pages while this step's keys are on their way. Through
-// 11.8 each key's K and V load waited for its page number, a load from the block table: every step
-// two trips to memory, one after the other. Now a thread loads the page numbers of its next step's
-// keys right after issuing this step's K and V loads, so that a step waits for one trip. Otherwise
-// 11.8.
+// 11.10, step 10 of 11_decode: each lane finishes a score of its own. Through 11.9 the 16 lanes of
+// a key (8 at D = 64) each summed all of the step's 16 (key, row) dot products, four shuffles
+// each, and then all ran the same softmax update for every row: 64 shuffles a step, and the
+// exponentials, maxima and sums 16 times over. Now the lanes reduce the 16 partial products as a
+// transpose (each shuffle level sends half of what a lane holds and keeps the other half): 15
+// shuffles leave each lane the whole score of one (key, row) pair (two at D = 64). That lane masks
+// it, takes its row's step max and sum with its row's three other lanes, exponentiates once, and
+// keeps its row's max and sum; the probabilities and the rows' rescale factors go back to every
+// lane by 20 shuffles for O. Otherwise 11.9.
 //
 // Two kernels: (1) one block per (split of keys_per_split keys, KV head, sequence): the g x Nq query
 // rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each read the K and V
@@ -23,6 +27,7 @@
 #define QUERY_CHUNK 4      // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
 #define DIMS_PER_THREAD 8  // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
 #define KEYS_IN_FLIGHT 4   // keys a group loads before it uses the first: 4 x 32 (e4m3: 16) bytes of K and V a thread
+#define PAIRS (KEYS_IN_FLIGHT * QUERY_CHUNK)  // a step's (key, row) scores: pair x = key i x QUERY_CHUNK + row j
 #define MERGE_THREADS 512  // the merge's block: HEAD_DIM dims x (MERGE_THREADS / HEAD_DIM) parts of the splits
 
 template <int HEAD_DIM>
@@ -31,6 +36,8 @@ struct DecodeConfig {
     static constexpr int KEYS_AT_ONCE = DECODE_THREADS / LANES_PER_KEY;  // 8 or 16 keys a step
     static constexpr int STATE_FLOATS = QUERY_CHUNK * (HEAD_DIM + 2);    // a group's (O, max, sum) per query
     static constexpr int SMEM_BYTES = KEYS_AT_ONCE * STATE_FLOATS * (int)sizeof(float);
+    static constexpr int PER_LANE = PAIRS / LANES_PER_KEY;  // the step's scores a lane finishes: 1 or 2
+    static constexpr int ROW_LANES = QUERY_CHUNK / PER_LANE;  // lane distance between a row's pairs: 4 or 2
     static_assert(LANES_PER_KEY <= 32 && 32 % LANES_PER_KEY == 0, "a key's lanes lie in one warp");
 };
 
@@ -80,6 +87,37 @@ __device__ void unpack8(const uint2 raw, float (&x)[DIMS_PER_THREAD]) {
     }
 }
 
+// The step's PAIRS partial dot products of this lane, summed over the key's LANES lanes as a transpose:
+// at each level a lane sends half of what it holds to its partner and adds the partner's half to the
+// other, so that lane l ends with the whole sums of pairs l x PER_LANE ... in v[0 .. PER_LANE - 1].
+template <int LANES>
+__device__ void sum_as_transpose(float (&v)[PAIRS], int lane) {
+    constexpr int PER_LANE = PAIRS / LANES;
+#pragma unroll
+    for (int half = PAIRS / 2; half >= PER_LANE; half /= 2) {
+        const bool upper = lane & (half / PER_LANE);  // the partner lane: half / PER_LANE away
+#pragma unroll
+        for (int x = 0; x < half; x++) {
+            const float send = upper ? v[x] : v[x + half], keep = upper ? v[x + half] : v[x];
+            v[x] = keep + __shfl_xor_sync(0xffffffff, send, half / PER_LANE);
+        }
+    }
+}
+
+// Over the lanes holding the other keys of this lane's row (ROW_LANES apart): the max, and the sum.
+template <int LANES, int ROW_LANES>
+__device__ float row_max_of(float x) {
+#pragma unroll
+    for (int offset = ROW_LANES; offset < LANES; offset *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
+    return x;
+}
+template <int LANES, int ROW_LANES>
+__device__ float row_sum_of(float x) {
+#pragma unroll
+    for (int offset = ROW_LANES; offset < LANES; offset *= 2) x += __shfl_xor_sync(0xffffffff, x, offset);
+    return x;
+}
+
 template <int HEAD_DIM, typename Elem>
 __global__ void __launch_bounds__(DECODE_THREADS, 4)
     split_kernel(DecodeArgs args, const Elem *k_pool, const Elem *v_pool, const float *k_scale, const float *v_scale,
@@ -99,22 +137,27 @@ __global__ void __launch_bounds__(DECODE_THREADS, 4)
 
     // Row r of the KV head: query head kv_head * g + r / Nq, its new query r % Nq.
     for (int chunk0 = 0; chunk0 < rows; chunk0 += QUERY_CHUNK) {
-        // This thread's 8 dims of each row of the chunk, pre-scaled to the log2 domain and by K's scale, and
-        // the last key each row sees (its query's position: length - Nq + query).
+        // This thread's 8 dims of each row of the chunk, pre-scaled to the log2 domain and by K's scale.
         float q[QUERY_CHUNK][DIMS_PER_THREAD], o[QUERY_CHUNK][DIMS_PER_THREAD];
-        float row_max[QUERY_CHUNK], row_sum[QUERY_CHUNK];
-        int last_key[QUERY_CHUNK];
 #pragma unroll
         for (int j = 0; j < QUERY_CHUNK; j++) {
             const int row = min(chunk0 + j, rows - 1);  // a chunk's missing rows repeat the last
             const int head = kv_head * group_size + row / s.new_tokens, query = row % s.new_tokens;
-            last_key[j] = length - s.new_tokens + query;
             unpack8(
                 *(const uint4 *)(args.q + (((size_t)seq * s.q_heads + head) * s.new_tokens + query) * HEAD_DIM + dim0),
                 q[j]);
 #pragma unroll
             for (int d = 0; d < DIMS_PER_THREAD; d++) q[j][d] *= q_scale, o[j][d] = 0.0f;
-            row_max[j] = -INFINITY, row_sum[j] = 0.0f;
+        }
+        // The rows of the pairs this lane finishes (pair x: row x % QUERY_CHUNK), the same at every step: the
+        // last key each sees (its query's position: length - Nq + query), and its running max and sum.
+        float own_max[Cfg::PER_LANE], own_sum[Cfg::PER_LANE];
+        int own_last[Cfg::PER_LANE];
+#pragma unroll
+        for (int r = 0; r < Cfg::PER_LANE; r++) {
+            const int row = min(chunk0 + (lane * Cfg::PER_LANE + r) % QUERY_CHUNK, rows - 1);
+            own_last[r] = length - s.new_tokens + row % s.new_tokens;
+            own_max[r] = -INFINITY, own_sum[r] = 0.0f;
         }
         // The group's keys: key0 + group, then every KEYS_AT_ONCE-th; every group takes the same number
         // of steps (a key past the split's end reads the split's last key again and counts for nothing),
@@ -139,47 +182,50 @@ __global__ void __launch_bounds__(DECODE_THREADS, 4)
 #pragma unroll
             for (int i = 0; i < KEYS_IN_FLIGHT; i++)
                 pages[i] = seq_table[min(next0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1) / s.page_size];
-            float p[KEYS_IN_FLIGHT][QUERY_CHUNK];  // scores, then probabilities (-inf: a key the row does not see)
+            float v[PAIRS];  // the step's partial dot products, then (the first PER_LANE) this lane's scores
 #pragma unroll
             for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
-                const int t = step0 + i * Cfg::KEYS_AT_ONCE + group;
                 float k[DIMS_PER_THREAD];
                 unpack8(k_rows[i], k);
 #pragma unroll
                 for (int j = 0; j < QUERY_CHUNK; j++) {
-                    float score = 0.0f;
+                    v[i * QUERY_CHUNK + j] = 0.0f;
 #pragma unroll
-                    for (int d = 0; d < DIMS_PER_THREAD; d++) score = fmaf(q[j][d], k[d], score);
-#pragma unroll
-                    for (int offset = Cfg::LANES_PER_KEY / 2; offset > 0; offset /= 2)  // the key's lanes, summed
-                        score += __shfl_xor_sync(0xffffffff, score, offset);
-                    p[i][j] = (t >= key_end || t > last_key[j]) ? -INFINITY : score;
+                    for (int d = 0; d < DIMS_PER_THREAD; d++) v[i * QUERY_CHUNK + j] = fmaf(q[j][d], k[d], v[i * QUERY_CHUNK + j]);
                 }
             }
+            sum_as_transpose<Cfg::LANES_PER_KEY>(v, lane);
+            // This lane's pairs: masked, then one online-softmax update of their rows with the rows' other lanes.
+            float rescale[Cfg::PER_LANE], prob[Cfg::PER_LANE];
 #pragma unroll
-            for (int j = 0; j < QUERY_CHUNK; j++) {  // one max and one rescale a row for the step's keys
-                float new_max = row_max[j];
+            for (int r = 0; r < Cfg::PER_LANE; r++) {
+                const int t = step0 + (lane * Cfg::PER_LANE + r) / QUERY_CHUNK * Cfg::KEYS_AT_ONCE + group;
+                const float score = (t >= key_end || t > own_last[r]) ? -INFINITY : v[r];
+                const float new_max = fmaxf(own_max[r], row_max_of<Cfg::LANES_PER_KEY, Cfg::ROW_LANES>(score));
+                rescale[r] = new_max == -INFINITY ? 1.0f : exp2f(own_max[r] - new_max);
+                prob[r] = new_max == -INFINITY ? 0.0f : exp2f(score - new_max);
+                own_sum[r] = own_sum[r] * rescale[r] + row_sum_of<Cfg::LANES_PER_KEY, Cfg::ROW_LANES>(prob[r]);
+                own_max[r] = new_max;
+            }
+            // Every lane's O: each row rescaled once, then the step's probabilities times V, each from its lane.
 #pragma unroll
-                for (int i = 0; i < KEYS_IN_FLIGHT; i++) new_max = fmaxf(new_max, p[i][j]);
-                const float rescale = new_max == -INFINITY ? 1.0f : exp2f(row_max[j] - new_max);
-                row_max[j] = new_max;
-                row_sum[j] *= rescale;
+            for (int j = 0; j < QUERY_CHUNK; j++) {
+                const float row_rescale =
+                    __shfl_sync(0xffffffff, rescale[j % Cfg::PER_LANE], j / Cfg::PER_LANE, Cfg::LANES_PER_KEY);
 #pragma unroll
-                for (int d = 0; d < DIMS_PER_THREAD; d++) o[j][d] *= rescale;
-#pragma unroll
-                for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
-                    p[i][j] = new_max == -INFINITY ? 0.0f : exp2f(p[i][j] - new_max);
-                    row_sum[j] += p[i][j];
-                }
+                for (int d = 0; d < DIMS_PER_THREAD; d++) o[j][d] *= row_rescale;
             }
 #pragma unroll
             for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
-                float v[DIMS_PER_THREAD];
-                unpack8(v_rows[i], v);
+                float vv[DIMS_PER_THREAD];
+                unpack8(v_rows[i], vv);
 #pragma unroll
-                for (int j = 0; j < QUERY_CHUNK; j++)
+                for (int j = 0; j < QUERY_CHUNK; j++) {
+                    const int x = i * QUERY_CHUNK + j;
+                    const float p = __shfl_sync(0xffffffff, prob[x % Cfg::PER_LANE], x / Cfg::PER_LANE, Cfg::LANES_PER_KEY);
 #pragma unroll
-                    for (int d = 0; d < DIMS_PER_THREAD; d++) o[j][d] = fmaf(p[i][j], v[d], o[j][d]);
+                    for (int d = 0; d < DIMS_PER_THREAD; d++) o[j][d] = fmaf(p, vv[d], o[j][d]);
+                }
             }
         }
         // The groups' states into shared memory, then the split's partial: thread d < HEAD_DIM combines dim d,
@@ -189,8 +235,9 @@ __global__ void __launch_bounds__(DECODE_THREADS, 4)
         for (int j = 0; j < QUERY_CHUNK; j++) {
 #pragma unroll
             for (int d = 0; d < DIMS_PER_THREAD; d++) mine[j * (HEAD_DIM + 2) + dim0 + d] = o[j][d];
-            if (lane == 0)
-                mine[j * (HEAD_DIM + 2) + HEAD_DIM] = row_max[j], mine[j * (HEAD_DIM + 2) + HEAD_DIM + 1] = row_sum[j];
+            if (lane == j / Cfg::PER_LANE)  // the lane of pair j (key 0, row j) holds row j's max and sum
+                mine[j * (HEAD_DIM + 2) + HEAD_DIM] = own_max[j % Cfg::PER_LANE],
+                                          mine[j * (HEAD_DIM + 2) + HEAD_DIM + 1] = own_sum[j % Cfg::PER_LANE];
         }
         __syncthreads();
         for (int item = threadIdx.x; item < QUERY_CHUNK * HEAD_DIM; item += DECODE_THREADS) {
