@@ -36,7 +36,7 @@ struct DecodeConfig {
     static constexpr int KEYS_AT_ONCE = DECODE_THREADS / LANES_PER_KEY;  // 8 or 16 keys a step
     static constexpr int STATE_FLOATS = QUERY_CHUNK * (HEAD_DIM + 2);    // a group's (O, max, sum) per query
     static constexpr int SMEM_BYTES = KEYS_AT_ONCE * STATE_FLOATS * (int)sizeof(float);
-    static constexpr int PER_LANE = PAIRS / LANES_PER_KEY;  // the step's scores a lane finishes: 1 or 2
+    static constexpr int PER_LANE = PAIRS / LANES_PER_KEY;    // the step's scores a lane finishes: 1 or 2
     static constexpr int ROW_LANES = QUERY_CHUNK / PER_LANE;  // lane distance between a row's pairs: 4 or 2
     static_assert(LANES_PER_KEY <= 32 && 32 % LANES_PER_KEY == 0, "a key's lanes lie in one warp");
 };
@@ -191,7 +191,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, 4)
                 for (int j = 0; j < QUERY_CHUNK; j++) {
                     v[i * QUERY_CHUNK + j] = 0.0f;
 #pragma unroll
-                    for (int d = 0; d < DIMS_PER_THREAD; d++) v[i * QUERY_CHUNK + j] = fmaf(q[j][d], k[d], v[i * QUERY_CHUNK + j]);
+                    for (int d = 0; d < DIMS_PER_THREAD; d++)
+                        v[i * QUERY_CHUNK + j] = fmaf(q[j][d], k[d], v[i * QUERY_CHUNK + j]);
                 }
             }
             sum_as_transpose<Cfg::LANES_PER_KEY>(v, lane);
@@ -222,7 +223,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, 4)
 #pragma unroll
                 for (int j = 0; j < QUERY_CHUNK; j++) {
                     const int x = i * QUERY_CHUNK + j;
-                    const float p = __shfl_sync(0xffffffff, prob[x % Cfg::PER_LANE], x / Cfg::PER_LANE, Cfg::LANES_PER_KEY);
+                    const float p =
+                        __shfl_sync(0xffffffff, prob[x % Cfg::PER_LANE], x / Cfg::PER_LANE, Cfg::LANES_PER_KEY);
 #pragma unroll
                     for (int d = 0; d < DIMS_PER_THREAD; d++) o[j][d] = fmaf(p, vv[d], o[j][d]);
                 }
