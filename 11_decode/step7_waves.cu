@@ -1,10 +1,10 @@
-// 11.7, step 7 of 11_decode: the fewest splits that fill the GPU. 11.4 doubled a split's keys while
-// the grid kept a full wave of resident blocks, so on an H100 (528 at once) every shape of the table
-// ran 1,024 blocks: two waves of splits half as long as they could be, each block's fixed costs (its
-// queries loaded and scaled, its groups' states combined, its partials written) paid twice as often,
-// and twice the partials for the merge. Now a split may be any whole number of its groups' steps,
-// and the planner takes the fewest splits whose blocks fill their last wave to 95% or more: 512
-// blocks at every shape of the table. Otherwise 11.6.
+// 11.7, step 7 of 11_decode: the split count from a model of its time. 11.4 doubled a split's keys
+// while the grid kept a full wave of resident blocks, so on an H100 (528 at once) every shape of the
+// table ran 1,024 blocks: two waves of splits half as long as they could be, each block's fixed
+// costs (its queries loaded and scaled, its groups' states combined, its partials written) paid twice
+// as often, and twice the partials for the merge. Now a split may be any whole number of its groups'
+// steps, and the planner takes the count that minimises waves x (keys a split + a block's fixed cost,
+// BLOCK_COST_KEYS = 64 keys' worth): 512 or 528 blocks at every shape of the table. Otherwise 11.6.
 //
 // Two kernels: (1) one block per (split of keys_per_split keys, KV head, sequence): the g x Nq query
 // rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each read the K and V
@@ -20,12 +20,12 @@
 
 // --- Configuration -------------------------------------------------------------------------
 #define DECODE_THREADS 128
-#define KEYS_PER_STEP 256  // a split's fewest keys (11.3's split): the workspace holds max_length / 256 splits
-#define WAVE_FILL 0.95     // the splits' blocks fill their last wave of resident blocks at least this much
-#define QUERY_CHUNK 4      // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
-#define DIMS_PER_THREAD 8  // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
-#define KEYS_IN_FLIGHT 4   // keys a group loads before it uses the first: 4 x 32 (e4m3: 16) bytes of K and V a thread
-#define MERGE_THREADS 512  // the merge's block: HEAD_DIM dims x (MERGE_THREADS / HEAD_DIM) parts of the splits
+#define KEYS_PER_STEP 256   // a split's fewest keys (11.3's split): the workspace holds max_length / 256 splits
+#define BLOCK_COST_KEYS 64  // a split block's fixed cost (queries, combine, partials) counted in keys read
+#define QUERY_CHUNK 4       // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
+#define DIMS_PER_THREAD 8   // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
+#define KEYS_IN_FLIGHT 4    // keys a group loads before it uses the first: 4 x 32 (e4m3: 16) bytes of K and V a thread
+#define MERGE_THREADS 512   // the merge's block: HEAD_DIM dims x (MERGE_THREADS / HEAD_DIM) parts of the splits
 
 template <int HEAD_DIM>
 struct DecodeConfig {
@@ -271,26 +271,26 @@ static cudaError_t resident_blocks(int *blocks) {
     return cudaSuccess;
 }
 
-// Keys per split: the fewest splits for which the blocks (splits x KV heads x sequences, every
-// sequence counted as the longest) fill their last wave of the blocks this GPU holds at once to
-// WAVE_FILL or more (else the fullest of them all); a split a whole number of steps of its groups'
-// keys, and at least KEYS_PER_STEP keys. KEYS_PER_STEP where a block passes over its keys more than
-// once (g x Nq rows over QUERY_CHUNK), so that the later passes find the split's keys still in L2.
+// Keys per split: the count of splits that takes the least time by a simple model, waves x (keys a
+// split + BLOCK_COST_KEYS), the waves those of the blocks (splits x KV heads x sequences, every sequence
+// counted as the longest) over the blocks this GPU holds at once; a split a whole number of steps of
+// its groups' keys, and at least KEYS_PER_STEP keys. KEYS_PER_STEP where a block passes over its keys
+// more than once (g x Nq rows over QUERY_CHUNK), so that the later passes find the split's keys still in L2.
 template <int HEAD_DIM, typename Elem>
 static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_per_split) {
     *keys_per_split = KEYS_PER_STEP;
     if (s->q_heads / s->kv_heads * s->new_tokens > QUERY_CHUNK) return cudaSuccess;
     int resident = 0;
     RETURN_IF_ERROR((resident_blocks<HEAD_DIM, Elem>(&resident)));
+    if (resident < 1) return cudaSuccess;  // the kernel fits no SM: its launch reports it
     const long long heads = (long long)s->batch * s->kv_heads;
     const int step_keys = KEYS_IN_FLIGHT * DecodeConfig<HEAD_DIM>::KEYS_AT_ONCE;
-    double best_fill = 0.0;
+    long long best = -1;
     for (int wanted = 1; wanted <= ceil_div(max_length, KEYS_PER_STEP); wanted++) {
         const int keys = max(KEYS_PER_STEP, ceil_div(ceil_div(max_length, wanted), step_keys) * step_keys);
-        const double waves = (double)(heads * ceil_div(max_length, keys)) / resident;
-        const double fill = waves / ceil(waves);  // of the last wave's slots
-        if (fill > best_fill) best_fill = fill, *keys_per_split = keys;
-        if (fill >= WAVE_FILL) break;
+        const long long waves = (heads * ceil_div(max_length, keys) + resident - 1) / resident;
+        const long long cost = waves * (keys + BLOCK_COST_KEYS);
+        if (best < 0 || cost < best) best = cost, *keys_per_split = keys;
     }
     return cudaSuccess;
 }
