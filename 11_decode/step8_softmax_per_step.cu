@@ -309,8 +309,11 @@ static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_p
     long long best = -1;
     for (int wanted = 1; wanted <= ceil_div(max_length, KEYS_PER_STEP); wanted++) {
         const int keys = max(KEYS_PER_STEP, ceil_div(ceil_div(max_length, wanted), step_keys) * step_keys);
-        const long long waves = (heads * ceil_div(max_length, keys) + resident - 1) / resident;
-        const long long cost = waves * (keys + BLOCK_COST_KEYS);
+        const long long blocks = heads * ceil_div(max_length, keys);  // more, never fewer, as wanted grows
+        // Past here even perfectly packed waves cost more than the best: stop (3-97 steps at the
+        // README's shapes, where a step for every 256 keys would be up to 512, on every decoding call).
+        if (best >= 0 && (heads * max_length + blocks * BLOCK_COST_KEYS) / resident >= best) break;
+        const long long cost = (blocks + resident - 1) / resident * (keys + BLOCK_COST_KEYS);
         if (best < 0 || cost < best) best = cost, *keys_per_split = keys;
     }
     return cudaSuccess;
