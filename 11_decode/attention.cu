@@ -1,9 +1,12 @@
-// 11.6, step 6 of 11_decode: the merge over many threads. Through 11.5 the merge gave each query
-// head one block of HEAD_DIM threads, and each thread read every split's partial in turn: at b = 1
-// that is 32 blocks for the whole GPU, each walking 128 splits one load after another (36 us of a
-// 100 us step at 32k tokens on an H100). Now a block of MERGE_THREADS threads takes the splits
-// PARTS at a time: the common max by the whole block, then each part sums its splits, and the
-// parts are added in shared memory. Otherwise 11.5.
+// 11.10, step 10 of 11_decode: each lane finishes a score of its own. Through 11.9 the 16 lanes of
+// a key (8 at D = 64) each summed all of the step's 16 (key, row) dot products, four shuffles
+// each, and then all ran the same softmax update for every row: 64 shuffles a step, and the
+// exponentials, maxima and sums 16 times over. Now the lanes reduce the 16 partial products as a
+// transpose (each shuffle level sends half of what a lane holds and keeps the other half): 15
+// shuffles leave each lane the whole score of one (key, row) pair (two at D = 64). That lane masks
+// it, takes its row's step max and sum with its row's three other lanes, exponentiates once, and
+// keeps its row's max and sum; the probabilities and the rows' rescale factors go back to every
+// lane by 20 shuffles for O. Otherwise 11.9.
 //
 // Two kernels: (1) one block per (split of keys_per_split keys, KV head, sequence): the g x Nq query
 // rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each read the K and V
@@ -19,11 +22,12 @@
 
 // --- Configuration -------------------------------------------------------------------------
 #define DECODE_THREADS 128
-#define KEYS_PER_STEP 256  // a split is a multiple of this many keys (11.3's split)
-#define MIN_WAVES 1        // the splits leave at least this many waves of resident blocks, where they can
-#define QUERY_CHUNK 4      // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
-#define DIMS_PER_THREAD 8  // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
-#define KEYS_IN_FLIGHT 4   // keys a group loads before it uses the first: 4 x 32 (e4m3: 16) bytes of K and V a thread
+#define KEYS_PER_STEP 256   // a split's fewest keys (11.3's split): the workspace holds max_length / 256 splits
+#define BLOCK_COST_KEYS 64  // a split block's fixed cost (queries, combine, partials) counted in keys read
+#define QUERY_CHUNK 4       // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
+#define DIMS_PER_THREAD 8   // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
+#define KEYS_IN_FLIGHT 4    // keys a group loads before it uses the first: 4 x 32 (e4m3: 16) bytes of K and V a thread
+#define PAIRS (KEYS_IN_FLIGHT * QUERY_CHUNK)  // a step's (key, row) scores: pair x = key i x QUERY_CHUNK + row j
 #define MERGE_THREADS 512  // the merge's block: HEAD_DIM dims x (MERGE_THREADS / HEAD_DIM) parts of the splits
 
 template <int HEAD_DIM>
@@ -32,6 +36,8 @@ struct DecodeConfig {
     static constexpr int KEYS_AT_ONCE = DECODE_THREADS / LANES_PER_KEY;  // 8 or 16 keys a step
     static constexpr int STATE_FLOATS = QUERY_CHUNK * (HEAD_DIM + 2);    // a group's (O, max, sum) per query
     static constexpr int SMEM_BYTES = KEYS_AT_ONCE * STATE_FLOATS * (int)sizeof(float);
+    static constexpr int PER_LANE = PAIRS / LANES_PER_KEY;    // the step's scores a lane finishes: 1 or 2
+    static constexpr int ROW_LANES = QUERY_CHUNK / PER_LANE;  // lane distance between a row's pairs: 4 or 2
     static_assert(LANES_PER_KEY <= 32 && 32 % LANES_PER_KEY == 0, "a key's lanes lie in one warp");
 };
 
@@ -56,12 +62,9 @@ struct CacheLoad<__nv_fp8_e4m3> {
     static __device__ float scale(const float *scales, int kv_head) { return scales[kv_head]; }
 };
 
-// The cache row of key t of sequence `seq`, KV head kv_head: its page from the block table.
-template <typename Elem>
-__device__ const Elem *cache_row(const Elem *pool, const int *table, int max_pages, int seq, int t, int kv_heads,
-                                 int kv_head, int page_size, int head_dim) {
-    const int page = table[(size_t)seq * max_pages + t / page_size];
-    return pool + (((size_t)page * kv_heads + kv_head) * page_size + t % page_size) * head_dim;
+// Where key t's row of KV head kv_head lies in a pool, its page (from the block table) known.
+__device__ size_t cache_row(int page, int t, int kv_heads, int kv_head, int page_size, int head_dim) {
+    return (((size_t)page * kv_heads + kv_head) * page_size + t % page_size) * head_dim;
 }
 
 __device__ void unpack8(const uint4 raw, float (&x)[DIMS_PER_THREAD]) {
@@ -84,8 +87,39 @@ __device__ void unpack8(const uint2 raw, float (&x)[DIMS_PER_THREAD]) {
     }
 }
 
+// The step's PAIRS partial dot products of this lane, summed over the key's LANES lanes as a transpose:
+// at each level a lane sends half of what it holds to its partner and adds the partner's half to the
+// other, so that lane l ends with the whole sums of pairs l x PER_LANE ... in v[0 .. PER_LANE - 1].
+template <int LANES>
+__device__ void sum_as_transpose(float (&v)[PAIRS], int lane) {
+    constexpr int PER_LANE = PAIRS / LANES;
+#pragma unroll
+    for (int half = PAIRS / 2; half >= PER_LANE; half /= 2) {
+        const bool upper = lane & (half / PER_LANE);  // the partner lane: half / PER_LANE away
+#pragma unroll
+        for (int x = 0; x < half; x++) {
+            const float send = upper ? v[x] : v[x + half], keep = upper ? v[x + half] : v[x];
+            v[x] = keep + __shfl_xor_sync(0xffffffff, send, half / PER_LANE);
+        }
+    }
+}
+
+// Over the lanes holding the other keys of this lane's row (ROW_LANES apart): the max, and the sum.
+template <int LANES, int ROW_LANES>
+__device__ float row_max_of(float x) {
+#pragma unroll
+    for (int offset = ROW_LANES; offset < LANES; offset *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
+    return x;
+}
+template <int LANES, int ROW_LANES>
+__device__ float row_sum_of(float x) {
+#pragma unroll
+    for (int offset = ROW_LANES; offset < LANES; offset *= 2) x += __shfl_xor_sync(0xffffffff, x, offset);
+    return x;
+}
+
 template <int HEAD_DIM, typename Elem>
-__global__ void __launch_bounds__(DECODE_THREADS)
+__global__ void __launch_bounds__(DECODE_THREADS, 4)
     split_kernel(DecodeArgs args, const Elem *k_pool, const Elem *v_pool, const float *k_scale, const float *v_scale,
                  float *part_o, float *part_max, float *part_sum, int splits, int keys_per_split, float scale_log2) {
     typedef DecodeConfig<HEAD_DIM> Cfg;
@@ -103,59 +137,96 @@ __global__ void __launch_bounds__(DECODE_THREADS)
 
     // Row r of the KV head: query head kv_head * g + r / Nq, its new query r % Nq.
     for (int chunk0 = 0; chunk0 < rows; chunk0 += QUERY_CHUNK) {
-        // This thread's 8 dims of each row of the chunk, pre-scaled to the log2 domain and by K's scale, and
-        // the last key each row sees (its query's position: length - Nq + query).
+        // This thread's 8 dims of each row of the chunk, pre-scaled to the log2 domain and by K's scale.
         float q[QUERY_CHUNK][DIMS_PER_THREAD], o[QUERY_CHUNK][DIMS_PER_THREAD];
-        float row_max[QUERY_CHUNK], row_sum[QUERY_CHUNK];
-        int last_key[QUERY_CHUNK];
 #pragma unroll
         for (int j = 0; j < QUERY_CHUNK; j++) {
             const int row = min(chunk0 + j, rows - 1);  // a chunk's missing rows repeat the last
             const int head = kv_head * group_size + row / s.new_tokens, query = row % s.new_tokens;
-            last_key[j] = length - s.new_tokens + query;
             unpack8(
                 *(const uint4 *)(args.q + (((size_t)seq * s.q_heads + head) * s.new_tokens + query) * HEAD_DIM + dim0),
                 q[j]);
 #pragma unroll
             for (int d = 0; d < DIMS_PER_THREAD; d++) q[j][d] *= q_scale, o[j][d] = 0.0f;
-            row_max[j] = -INFINITY, row_sum[j] = 0.0f;
+        }
+        // The rows of the pairs this lane finishes (pair x: row x % QUERY_CHUNK), the same at every step: the
+        // last key each sees (its query's position: length - Nq + query), and its running max and sum.
+        float own_max[Cfg::PER_LANE], own_sum[Cfg::PER_LANE];
+        int own_last[Cfg::PER_LANE];
+#pragma unroll
+        for (int r = 0; r < Cfg::PER_LANE; r++) {
+            const int row = min(chunk0 + (lane * Cfg::PER_LANE + r) % QUERY_CHUNK, rows - 1);
+            own_last[r] = length - s.new_tokens + row % s.new_tokens;
+            own_max[r] = -INFINITY, own_sum[r] = 0.0f;
         }
         // The group's keys: key0 + group, then every KEYS_AT_ONCE-th; every group takes the same number
         // of steps (a key past the split's end reads the split's last key again and counts for nothing),
         // so that the lanes of a warp meet at each shuffle. A step loads KEYS_IN_FLIGHT keys, with no
-        // branch between the loads, then uses them.
+        // branch between the loads, then the next step's page numbers, then uses its keys.
+        const int *seq_table = args.block_table + (size_t)seq * s.max_pages;
+        int pages[KEYS_IN_FLIGHT];  // of the step's keys
+#pragma unroll
+        for (int i = 0; i < KEYS_IN_FLIGHT; i++)
+            pages[i] = seq_table[min(key0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1) / s.page_size];
         for (int step0 = key0; step0 < key_end; step0 += KEYS_IN_FLIGHT * Cfg::KEYS_AT_ONCE) {
             Raw k_rows[KEYS_IN_FLIGHT], v_rows[KEYS_IN_FLIGHT];  // this thread's 8 elements of each key's K and V
 #pragma unroll
             for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
                 const int t = min(step0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1);
-                k_rows[i] = *(const Raw *)(cache_row(k_pool, args.block_table, s.max_pages, seq, t, s.kv_heads, kv_head,
-                                                     s.page_size, HEAD_DIM) +
-                                           dim0);
-                v_rows[i] = *(const Raw *)(cache_row(v_pool, args.block_table, s.max_pages, seq, t, s.kv_heads, kv_head,
-                                                     s.page_size, HEAD_DIM) +
-                                           dim0);
+                const size_t row = cache_row(pages[i], t, s.kv_heads, kv_head, s.page_size, HEAD_DIM);
+                k_rows[i] = *(const Raw *)(k_pool + row + dim0);
+                v_rows[i] = *(const Raw *)(v_pool + row + dim0);
+            }
+            // The next step's pages, while this step's K and V are on their way.
+            const int next0 = step0 + KEYS_IN_FLIGHT * Cfg::KEYS_AT_ONCE;
+#pragma unroll
+            for (int i = 0; i < KEYS_IN_FLIGHT; i++)
+                pages[i] = seq_table[min(next0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1) / s.page_size];
+            float v[PAIRS];  // the step's partial dot products, then (the first PER_LANE) this lane's scores
+#pragma unroll
+            for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
+                float k[DIMS_PER_THREAD];
+                unpack8(k_rows[i], k);
+#pragma unroll
+                for (int j = 0; j < QUERY_CHUNK; j++) {
+                    v[i * QUERY_CHUNK + j] = 0.0f;
+#pragma unroll
+                    for (int d = 0; d < DIMS_PER_THREAD; d++)
+                        v[i * QUERY_CHUNK + j] = fmaf(q[j][d], k[d], v[i * QUERY_CHUNK + j]);
+                }
+            }
+            sum_as_transpose<Cfg::LANES_PER_KEY>(v, lane);
+            // This lane's pairs: masked, then one online-softmax update of their rows with the rows' other lanes.
+            float rescale[Cfg::PER_LANE], prob[Cfg::PER_LANE];
+#pragma unroll
+            for (int r = 0; r < Cfg::PER_LANE; r++) {
+                const int t = step0 + (lane * Cfg::PER_LANE + r) / QUERY_CHUNK * Cfg::KEYS_AT_ONCE + group;
+                const float score = (t >= key_end || t > own_last[r]) ? -INFINITY : v[r];
+                const float new_max = fmaxf(own_max[r], row_max_of<Cfg::LANES_PER_KEY, Cfg::ROW_LANES>(score));
+                rescale[r] = new_max == -INFINITY ? 1.0f : exp2f(own_max[r] - new_max);
+                prob[r] = new_max == -INFINITY ? 0.0f : exp2f(score - new_max);
+                own_sum[r] = own_sum[r] * rescale[r] + row_sum_of<Cfg::LANES_PER_KEY, Cfg::ROW_LANES>(prob[r]);
+                own_max[r] = new_max;
+            }
+            // Every lane's O: each row rescaled once, then the step's probabilities times V, each from its lane.
+#pragma unroll
+            for (int j = 0; j < QUERY_CHUNK; j++) {
+                const float row_rescale =
+                    __shfl_sync(0xffffffff, rescale[j % Cfg::PER_LANE], j / Cfg::PER_LANE, Cfg::LANES_PER_KEY);
+#pragma unroll
+                for (int d = 0; d < DIMS_PER_THREAD; d++) o[j][d] *= row_rescale;
             }
 #pragma unroll
             for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
-                const int t = step0 + i * Cfg::KEYS_AT_ONCE + group;
-                float k[DIMS_PER_THREAD], v[DIMS_PER_THREAD];
-                unpack8(k_rows[i], k), unpack8(v_rows[i], v);
+                float vv[DIMS_PER_THREAD];
+                unpack8(v_rows[i], vv);
 #pragma unroll
                 for (int j = 0; j < QUERY_CHUNK; j++) {
-                    float score = 0.0f;
+                    const int x = i * QUERY_CHUNK + j;
+                    const float p =
+                        __shfl_sync(0xffffffff, prob[x % Cfg::PER_LANE], x / Cfg::PER_LANE, Cfg::LANES_PER_KEY);
 #pragma unroll
-                    for (int d = 0; d < DIMS_PER_THREAD; d++) score = fmaf(q[j][d], k[d], score);
-#pragma unroll
-                    for (int offset = Cfg::LANES_PER_KEY / 2; offset > 0; offset /= 2)  // the key's lanes, summed
-                        score += __shfl_xor_sync(0xffffffff, score, offset);
-                    if (t >= key_end || t > last_key[j]) continue;  // past the split, or after the row's query
-                    const float new_max = fmaxf(row_max[j], score);
-                    const float rescale = exp2f(row_max[j] - new_max), p = exp2f(score - new_max);
-                    row_max[j] = new_max;
-                    row_sum[j] = row_sum[j] * rescale + p;
-#pragma unroll
-                    for (int d = 0; d < DIMS_PER_THREAD; d++) o[j][d] = fmaf(o[j][d], rescale, p * v[d]);
+                    for (int d = 0; d < DIMS_PER_THREAD; d++) o[j][d] = fmaf(p, vv[d], o[j][d]);
                 }
             }
         }
@@ -166,8 +237,9 @@ __global__ void __launch_bounds__(DECODE_THREADS)
         for (int j = 0; j < QUERY_CHUNK; j++) {
 #pragma unroll
             for (int d = 0; d < DIMS_PER_THREAD; d++) mine[j * (HEAD_DIM + 2) + dim0 + d] = o[j][d];
-            if (lane == 0)
-                mine[j * (HEAD_DIM + 2) + HEAD_DIM] = row_max[j], mine[j * (HEAD_DIM + 2) + HEAD_DIM + 1] = row_sum[j];
+            if (lane == j / Cfg::PER_LANE)  // the lane of pair j (key 0, row j) holds row j's max and sum
+                mine[j * (HEAD_DIM + 2) + HEAD_DIM] = own_max[j % Cfg::PER_LANE],
+                                          mine[j * (HEAD_DIM + 2) + HEAD_DIM + 1] = own_sum[j % Cfg::PER_LANE];
         }
         __syncthreads();
         for (int item = threadIdx.x; item < QUERY_CHUNK * HEAD_DIM; item += DECODE_THREADS) {
@@ -270,20 +342,30 @@ static cudaError_t resident_blocks(int *blocks) {
     return cudaSuccess;
 }
 
-// Keys per split: KEYS_PER_STEP x k, k the largest power of two for which the blocks (splits x KV
-// heads x sequences, every sequence counted as the longest) still fill MIN_WAVES waves of the blocks
-// this GPU holds at once; k = 1 where even that does not (a short cache, a small batch: 11.3's
-// split), and where a block passes over its keys more than once (g x Nq rows over QUERY_CHUNK), so
-// that the later passes find the split's keys still in L2.
+// Keys per split: the count of splits that takes the least time by a simple model, waves x (keys a
+// split + BLOCK_COST_KEYS), the waves those of the blocks (splits x KV heads x sequences, every sequence
+// counted as the longest) over the blocks this GPU holds at once; a split a whole number of steps of
+// its groups' keys, and at least KEYS_PER_STEP keys. KEYS_PER_STEP where a block passes over its keys
+// more than once (g x Nq rows over QUERY_CHUNK), so that the later passes find the split's keys still in L2.
 template <int HEAD_DIM, typename Elem>
 static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_per_split) {
     *keys_per_split = KEYS_PER_STEP;
     if (s->q_heads / s->kv_heads * s->new_tokens > QUERY_CHUNK) return cudaSuccess;
     int resident = 0;
     RETURN_IF_ERROR((resident_blocks<HEAD_DIM, Elem>(&resident)));
-    const long long wanted = (long long)MIN_WAVES * resident, heads = (long long)s->batch * s->kv_heads;
-    while (*keys_per_split < max_length && heads * ceil_div(max_length, 2 * *keys_per_split) >= wanted)
-        *keys_per_split *= 2;
+    if (resident < 1) return cudaSuccess;  // the kernel fits no SM: its launch reports it
+    const long long heads = (long long)s->batch * s->kv_heads;
+    const int step_keys = KEYS_IN_FLIGHT * DecodeConfig<HEAD_DIM>::KEYS_AT_ONCE;
+    long long best = -1;
+    for (int wanted = 1; wanted <= ceil_div(max_length, KEYS_PER_STEP); wanted++) {
+        const int keys = max(KEYS_PER_STEP, ceil_div(ceil_div(max_length, wanted), step_keys) * step_keys);
+        const long long blocks = heads * ceil_div(max_length, keys);  // more, never fewer, as wanted grows
+        // Past here even perfectly packed waves cost more than the best: stop (3-97 steps at the
+        // README's shapes, where a step for every 256 keys would be up to 512, on every decoding call).
+        if (best >= 0 && (heads * max_length + blocks * BLOCK_COST_KEYS) / resident >= best) break;
+        const long long cost = (blocks + resident - 1) / resident * (keys + BLOCK_COST_KEYS);
+        if (best < 0 || cost < best) best = cost, *keys_per_split = keys;
+    }
     return cudaSuccess;
 }
 

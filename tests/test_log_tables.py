@@ -363,6 +363,27 @@ def test_11_6s_table_is_its_log(repo):
         assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
 
 
+def test_11_10s_table_is_its_log(repo):
+    """The table of 11.7-11.10: 11.6 to 11.10 (ms), 11.10's GB/s, SDPA's flash and cuDNN backends at each
+    shape, and 11.10's time over cuDNN's, one call, as first_run_11_10_h100.log has them (its rows: the five
+    builds in step order, each as ms,GB/s)."""
+    text = (repo.root / "docs/results/logs/11/first_run_11_10_h100.log").read_text()
+    ours = {(int(b), int(h), int(n)): [float(x) for x in rest.replace(",", " ").split()] for b, h, n, rest in
+            re.findall(r"^b(\d+) hkv(\d+) L(\d+) ((?:[\d.]+,[\d.]+ ?){5})$", text, re.M)}
+    sdpa = {(who, int(b), int(h), int(n)): float(t) for who, b, h, n, t in
+            re.findall(r"^sdpa_(flash|cudnn) b(\d+) hkv(\d+) L(\d+) ([\d.]+),", text, re.M)}
+    table = markdown_rows((repo.root / "11_decode/README.md").read_text(),
+                          "| B | KV heads | cache | 11.6 | 11.7 | 11.8 | 11.9 | 11.10 |")
+    assert table and len(table) == len(ours) == len(sdpa) // 2, f"{len(table)} rows, {len(ours)} in the log"
+    for b, kv, cache, *cells in table:
+        key = (int(b), int(kv), int(cache))
+        ms, last_gbps = ours[key][0::2], ours[key][-1]
+        cudnn = sdpa[("cudnn", *key)]
+        want = [f"{t:.3f}" for t in ms] + [f"{last_gbps:.0f}", f"{sdpa[('flash', *key)]:.3f}", f"{cudnn:.3f}",
+                                          f"{ms[-1] / cudnn:.2f}x"]
+        assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
+
+
 def test_decode_overhead_table_is_its_log(repo):
     """docs/pytorch.md's per-call costs: each cell is the log's line, in the table's column order."""
     lines = (repo.root / "docs/results/logs/11/decode_overhead_h100.txt").read_text().splitlines()
