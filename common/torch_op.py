@@ -358,7 +358,7 @@ AUTO = "auto"
 
 # Backward chapters that "auto" passes over, with why: a chapter still being built that its own
 # measurements put behind the chapter before it. It stays callable by name.
-NOT_YET_FASTER = {}  # none today: 10.9 took 0.53-0.72x 09's time on an H100 (steps_h100.log), 10.10 less
+NOT_YET_FASTER = {}  # none today: 10.10 took 0.53-0.73x 09's time in the H100 bench (its backward CSV)
 
 
 def auto_backward(sm, build=None):
