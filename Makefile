@@ -170,10 +170,11 @@ sanitize: all $(TEST_DEPS)
 # make bench: the forward's sweep, then the backward's (the chapters that have a backward pass and
 # PyTorch's backward: docs/results/<gpu>.backward.csv). BENCH_PASS=backward: the
 # backward's alone, the forward's rows left as they are (BENCH_PASS=forward: the forward's alone);
-# QUICK=1: only N = 1k and 4k; HEADDIM=128 (or 64): only that D, a sweep split in two runs that each
-# time their anchors beside the chapters. make compare takes them too.
+# QUICK=1: only N = 1k and 4k; SEQLENS=512,2048: only those N; HEADDIM=128 (or 64): only that D. A sweep
+# split so into runs still times the anchors beside the chapters at every shape. make compare takes them too.
 BENCH_PASS ?= both
-bench_flags = --pass $(BENCH_PASS)$(if $(filter-out 0,$(QUICK)), --quick)$(if $(HEADDIM), --headdim $(HEADDIM))
+bench_flags = --pass $(BENCH_PASS)$(if $(filter-out 0,$(QUICK)), --quick)$(if $(SEQLENS), --seqlens $(SEQLENS))$(if \
+              $(HEADDIM), --headdim $(HEADDIM))
 
 bench: all
 	@$(call need_gpu,bench,$(BUILD)/$(firstword $(CHAPTERS)))
@@ -307,8 +308,8 @@ help:
 	@echo "make run        run every chapter on the default shape and print the stage table (GPU)"
 	@echo "make test       the builds, then pytest: CPU tests, and the GPU's where a GPU is usable (TEST_ARGS='-k NAME -v')"
 	@echo "make bench      the benchmark sweep -> docs/results/ (CSV, Markdown, plot) and README table, then the backward's (GPU)"
-	@echo "                BENCH_PASS=backward (or forward): that sweep alone; QUICK=1: only N = 1k and 4k; HEADDIM=64: one D"
-	@echo "make compare    PyTorch SDPA anchors on the bench shapes, forward and backward (GPU, PyTorch; BENCH_PASS, QUICK, HEADDIM too)"
+	@echo "                BENCH_PASS=backward (or forward): that sweep alone; QUICK=1: N = 1k, 4k; SEQLENS=512,2048; HEADDIM=64"
+	@echo "make compare    PyTorch SDPA anchors on the bench shapes, forward and backward (GPU, PyTorch; BENCH_PASS, QUICK, SEQLENS, HEADDIM too)"
 	@echo "make sanitize   compute-sanitizer memcheck/racecheck/synccheck/initcheck, every chapter (GPU)"
 	@echo "make diff A=04 B=05   the one idea chapter B adds over chapter A (A=08.1 B=08.2, A=09.1 B=09.2 ...: steps)"
 	@echo "make profile CH=04    Nsight Compute on one chapter (GPU);  make sass CH=04 [KERNEL=name]   its SASS (one arch)"

@@ -136,10 +136,10 @@ def bench_shape(headdim, seqlen, causal):
             "headdim": headdim, "causal": causal}
 
 
-def bench_shapes(quick=False, headdim=None):
-    """Every bench shape (of one D where headdim is given), N ascending within each (D, causal), as the
-    skip rule needs."""
-    ns = QUICK_NS if quick else BENCH_NS
+def bench_shapes(quick=False, headdim=None, seqlens=None):
+    """Every bench shape (of one D where headdim is given, of the N in seqlens where given), N ascending
+    within each (D, causal), as the skip rule needs."""
+    ns = [n for n in BENCH_NS if n in (seqlens or (QUICK_NS if quick else BENCH_NS))]
     return [bench_shape(d, n, c) for d in BENCH_DS if headdim in (None, d) for c in (0, 1) for n in ns]
 
 

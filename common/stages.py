@@ -3,7 +3,8 @@
 
   stages.py run     --build DIR CH...                       (make run)
       Each chapter on its default shape; prints the stage table. Exit 1 on FAIL or error.
-  stages.py bench   --build DIR CH... [--pass forward|backward|both] [--quick] [--out DIR] [--readme FILE]
+  stages.py bench   --build DIR CH... [--pass forward|backward|both] [--quick | --seqlens N,N...] [--headdim D]
+                    [--out DIR] [--readme FILE]
       (make bench) The benchmark sweep (docs/design.md), then the PyTorch anchors when PyTorch has a
       GPU; writes DIR/<gpu>.csv, .notes.csv, .env, .md (and .png with matplotlib), then `table`.
       Then (--pass both, the default) the backward's sweep: each chapter among CH that has a backward
@@ -13,7 +14,8 @@
       rows go to DIR/<gpu>.backward.csv (.notes.csv, .env, .md beside it), the forward's files
       untouched. --pass backward: that sweep alone; --pass forward: the forward's alone. Exit 1 if a
       chapter row FAILed.
-  stages.py compare --build DIR [--pass forward|backward|both] [--quick] [--out DIR] [--readme FILE]
+  stages.py compare --build DIR [--pass forward|backward|both] [--quick | --seqlens N,N...] [--headdim D]
+                    [--out DIR] [--readme FILE]
       (make compare) Only the PyTorch anchors, merged into DIR/<gpu>.csv (torch_* rows replaced), and
       the backward's into DIR/<gpu>.backward.csv, then `table`.
   stages.py memory  --build DIR CH... [--csv FILE] [--readme FILE]
@@ -51,7 +53,7 @@ sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import (STAGE_BEGIN, STAGE_END, fmt_ms, fmt_rel, fmt_tflops, print_backward_summary,  # noqa: E402
                     print_summary, plot_results,
                     regenerate_tables, run_stage_table, say)
-from results import (BENCH_DS, BENCH_ITERS, BENCH_WARMUP, GRAD_FIELDS, HEADLINE_D, HEADLINE_N, PASSES,  # noqa: E402
+from results import (BENCH_DS, BENCH_ITERS, BENCH_NS, BENCH_WARMUP, GRAD_FIELDS, HEADLINE_D, HEADLINE_N, PASSES,  # noqa: E402
                      QUICK_NS, backward_runs, chapter_dtypes, chapter_pass, bench_shape, bench_shapes, collect_env,
                      csv_pass, env_path, gpu_name, gpu_slug, impl_command, is_anchor, make_row, pass_csv, read_env,
                      read_results, row_key, shape_label, step_binary, steps, work, write_env, write_results)
@@ -288,7 +290,7 @@ def passes_of(args):
 
 def command_bench(args):
     """`make bench`: each pass's sweep, its anchors, its results files, and every table."""
-    shapes = bench_shapes(args.quick, args.headdim)
+    shapes = bench_shapes(args.quick, args.headdim, args.seqlens)
     chapters = [c.rstrip("/") for c in args.chapters]
     if args.pass_ == "backward" and not backward_binaries(args.build, chapters):
         print(f"stages.py bench --pass backward: none of {', '.join(chapters)} has a backward pass "
@@ -340,7 +342,8 @@ def bench_pass(args, chapters, shapes, pass_):
 
 def rows_not_measured(out_dir, rows, pass_="forward"):
     """The rows of out_dir's results CSV of the pass for this GPU that `rows` do not replace (other
-    chapters, other shapes: a bench of a few chapters, --quick or --headdim keeps the rest of the file)."""
+    chapters, other shapes: a bench of a few chapters, --quick, --headdim or --seqlens keeps the rest of the
+    file)."""
     csv_path = results_csv(out_dir, pass_)
     if not os.path.exists(csv_path):
         return []
@@ -354,8 +357,8 @@ def command_compare(args):
         return 77
     for pass_ in passes_of(args):
         if pass_ == "backward":
-            prepare_references(bench_shapes(args.quick, args.headdim))
-        rows = measure_anchors(bench_shapes(args.quick, args.headdim), pass_)
+            prepare_references(bench_shapes(args.quick, args.headdim, args.seqlens))
+        rows = measure_anchors(bench_shapes(args.quick, args.headdim, args.seqlens), pass_)
         csv_path = results_csv(args.out, pass_)
         kept = [r for r in read_results(csv_path) if not is_anchor(r["impl"])] if os.path.exists(csv_path) else []
         env = read_env(env_path(csv_path)) or dict(collect_env("(none: make compare only)"), **{"pass": pass_})
@@ -438,6 +441,18 @@ def command_table(args):
     return 0
 
 
+def seqlen_list(text):
+    """--seqlens: a comma-separated list of the bench's N."""
+    try:
+        ns = [int(n) for n in text.split(",")]
+    except ValueError:
+        ns = None
+    if not ns or any(n not in BENCH_NS for n in ns):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N from {', '.join(map(str, BENCH_NS))}, "
+                                         "comma-separated")
+    return ns
+
+
 def parse_args(argv):
     """The command line of the four subcommands."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -455,7 +470,10 @@ def parse_args(argv):
         p.add_argument("--pass", dest="pass_", choices=PASSES + ("both",), default="both",
                        help="the forward's sweep, the backward's (chapters with a backward pass, in each of "
                             "their modes, PyTorch's backward), or both (default)")
-        p.add_argument("--quick", action="store_true", help=f"only N in {QUICK_NS}")
+        only = p.add_mutually_exclusive_group()
+        only.add_argument("--quick", action="store_true", help=f"only N in {QUICK_NS}")
+        only.add_argument("--seqlens", type=seqlen_list, metavar="N,N...",
+                          help=f"only these N, of {', '.join(map(str, BENCH_NS))} (a sweep split by N)")
         p.add_argument("--headdim", type=int, choices=BENCH_DS, help="only this D (a sweep split in two runs, "
                                                                       "each with its anchors)")
         p.add_argument("--out", default=os.path.join("docs", "results"), help="results folder")

@@ -382,6 +382,14 @@ def test_bench_shapes():
     assert sorted({s["seqlen"] for s in results.bench_shapes(quick=True)}) == [1024, 4096]
     half = results.bench_shapes(headdim=64)  # a sweep split by D: each half's shapes, in the sweep's order
     assert half == [s for s in shapes if s["headdim"] == 64] and len(half) == 12
+    some = results.bench_shapes(headdim=128, seqlens=[8192, 512])  # a sweep split by N too: ascending still
+    assert [(s["seqlen"], s["causal"]) for s in some] == [(512, 0), (8192, 0), (512, 1), (8192, 1)], some
+    assert stages.parse_args(["bench", "--seqlens", "512,2048", "07"]).seqlens == [512, 2048]
+    for bad in ("1000", "512,x", ""):
+        with pytest.raises(SystemExit):  # argparse's usage error, exit 2
+            stages.parse_args(["bench", "--seqlens", bad, "07"])
+    with pytest.raises(SystemExit):
+        stages.parse_args(["bench", "--quick", "--seqlens", "512", "07"])
 
 
 def test_default_csv_is_the_one_the_readme_names(tmp_path):
