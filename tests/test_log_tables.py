@@ -206,6 +206,28 @@ def test_10s_tables_are_their_logs(repo, log, header, builds, modes):
         assert cells == want, f"D={d} {mask}: the table has {cells}, the log {want}"
 
 
+def test_09s_h100_claims_are_the_bench(repo):
+    """The top README's and 09's words on 09 against FlashAttention-2 on an H100: ranges of the H100 bench's rows
+    (N = 1k and 4k, D 64 and 128, both masks; and N = 4096 alone), each as the prose has it."""
+    rows = csv_rows(repo.root / "docs/results/NVIDIA_H100_80GB_HBM3.backward.csv")
+    ms = {(r["impl"], int(r["headdim"]), int(r["seqlen"]), r["causal"] == "1"): float(r["ms"]) for r in rows if r["ms"]}
+    shapes = [(d, n, c) for d in (128, 64) for n in (1024, 4096) for c in (False, True)]
+
+    def span(top, bottom, ns=(1024, 4096)):  # top's time over bottom's, low-high
+        values = [ms[(top, *s)] / ms[(bottom, *s)] for s in shapes if s[1] in ns]
+        return f"{min(values):.2f}-{max(values):.2f}x"
+    fa2, ours, first, det = "torch_flash", "09_backward", "09.1", "09_backward.deterministic"
+    readme = " ".join((repo.root / "README.md").read_text().split())
+    for phrase in (f"the plain first step is at {span(fa2, first)} FlashAttention-2's speed and the chapter at "
+                   f"{span(fa2, ours)}", f"{span(det, ours)} on the H100 ({span(fa2, det)} FlashAttention-2's speed"):
+        assert phrase in readme, f"README.md: expected {phrase!r} (the H100 bench)"
+    chapter = " ".join((repo.root / "09_backward/README.md").read_text().split())
+    for phrase in (f"{span(fa2, ours)} on an H100, where the plain first step runs at {span(fa2, first)}",
+                   f"the chapter is at {span(fa2, ours, (4096,))} FlashAttention-2's speed at N = 4096 on an H100 "
+                   f"(D = 64 there at H = 32) and 09.1 at {span(fa2, first, (4096,))}"):
+        assert phrase in chapter, f"09_backward/README.md: expected {phrase!r} (the H100 bench)"
+
+
 def test_10_9s_table_is_its_log(repo):
     """10.9's table: 09, 10.8 and 10.9 (the log's grid8) at each shape and mask, and 10.9's time over 09's,
     one call, as run_10_9_h100.log has them."""

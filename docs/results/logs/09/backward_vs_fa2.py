@@ -9,6 +9,9 @@ runs it with --deterministic). Prints one CSV line per shape and mask (ms; speed
 ours): the columns torch_ms, then LABEL_ms and LABEL_speedup of each build, then the status and
 gradient errors of the first. Needs PyTorch and a GPU, and `make` first (build/09_backward).
 (Until 2026-12-06 the deterministic mode was a build of its own, build/09_backward.deterministic.)
+The CSVs in this folder were timed one PyTorch call at a time, a synchronisation after each, which
+put PyTorch's dispatch of the backward (0.15-0.2 ms on an H100) into every FA2 time; since
+2026-12-06 the calls are queued back to back, as the bench (common/anchors.py) and the harness time.
 """
 import os
 import statistics
@@ -35,16 +38,15 @@ def torch_backward_ms(b, h, n, d, causal):
         x.requires_grad_()
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    times = []
-    for i in range(WARMUP + ITERS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(WARMUP):
+        torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
+    for start, end in events:  # queued: the GPU never waits for Python between two backward passes
         start.record()
         torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
         end.record()
-        torch.cuda.synchronize()
-        if i >= WARMUP:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def ours(binary, flags, b, h, n, d, causal):
