@@ -206,6 +206,22 @@ def test_10s_tables_are_their_logs(repo, log, header, builds, modes):
         assert cells == want, f"D={d} {mask}: the table has {cells}, the log {want}"
 
 
+def test_08_4s_d64_finding_is_the_h100_bench(repo):
+    """08's README on 08.4 against 08.3 at D = 64, N = 4096 (B = 4, H = 32), and on 08.5 against 08.4 at N = 1024:
+    the H100 bench's ms, as it quotes them."""
+    rows = csv_rows(repo.root / "docs/results/NVIDIA_H100_80GB_HBM3.csv")
+    ms = {(r["impl"], int(r["headdim"]), int(r["seqlen"]), r["causal"] == "1"): float(r["ms"]) for r in rows if r["ms"]}
+    text = " ".join((repo.root / "08_fp8/README.md").read_text().split())
+    phrase = (f"{ms[('08.4', 64, 4096, False)]:.3f} ms against {ms[('08.3', 64, 4096, False)]:.3f} without the mask, "
+              f"and level with it under the mask ({ms[('08.4', 64, 4096, True)]:.3f} against "
+              f"{ms[('08.3', 64, 4096, True)]:.3f})")
+    assert phrase in text, f"08_fp8/README.md: expected {phrase!r} (the H100 bench)"
+    short = (f"{ms[('08.5', 128, 1024, False)]:.3f} ms against 08.4's {ms[('08.4', 128, 1024, False)]:.3f} without the mask "
+             f"and {ms[('08.5', 128, 1024, True)]:.3f} against {ms[('08.4', 128, 1024, True)]:.3f} with it, and "
+             f"{ms[('08.5', 64, 1024, True)]:.3f} against {ms[('08.4', 64, 1024, True)]:.3f} at D = 64 with the mask")
+    assert short in text, f"08_fp8/README.md: expected {short!r} (the H100 bench)"
+
+
 def test_09s_h100_claims_are_the_bench(repo):
     """The top README's and 09's words on 09 against FlashAttention-2 on an H100: ranges of the H100 bench's rows
     (N = 1k and 4k, D 64 and 128, both masks; and N = 4096 alone), each as the prose has it."""
