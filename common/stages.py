@@ -51,12 +51,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "common"))
 from report import (STAGE_BEGIN, STAGE_END, fmt_ms, fmt_rel, fmt_tflops, print_backward_summary,  # noqa: E402
-                    print_summary, plot_results,
-                    regenerate_tables, run_stage_table, say)
-from results import (BENCH_DS, BENCH_ITERS, BENCH_NS, BENCH_WARMUP, GRAD_FIELDS, HEADLINE_D, HEADLINE_N, PASSES,  # noqa: E402
-                     QUICK_NS, backward_runs, chapter_dtypes, chapter_pass, bench_shape, bench_shapes, collect_env,
-                     csv_pass, env_path, gpu_name, gpu_slug, impl_command, is_anchor, make_row, pass_csv, read_env,
-                     read_results, row_key, shape_label, step_binary, steps, work, write_env, write_results)
+                    print_summary, plot_results, regenerate_tables, run_stage_table, say)
+from results import (BENCH_DS, BENCH_ITERS, BENCH_NS, BENCH_WARMUP, GRAD_FIELDS, HEADLINE_D,  # noqa: E402
+                     HEADLINE_N, PASSES, QUICK_NS, backward_runs, chapter_dtypes, chapter_pass, bench_shape,
+                     bench_shapes, collect_env, csv_pass, env_path, gpu_name, gpu_slug, impl_command, is_anchor,
+                     make_row, pass_csv, read_env, read_results, row_key, shape_label, step_binary, steps, work,
+                     write_env, write_results)
 from runner import chapters as chapters_of, classify, run_binary  # noqa: E402
 
 # --- Running the chapters: the sweep and its skip policy -------------------------------------
@@ -355,10 +355,11 @@ def command_compare(args):
     """`make compare`: the anchors only, merged into <gpu>.csv (and the backward's into <gpu>.backward.csv)."""
     if not torch_gpu_ready("make compare: skipped: PyTorch not found (pip install torch)"):
         return 77
+    shapes = bench_shapes(args.quick, args.headdim, args.seqlens)
     for pass_ in passes_of(args):
         if pass_ == "backward":
-            prepare_references(bench_shapes(args.quick, args.headdim, args.seqlens))
-        rows = measure_anchors(bench_shapes(args.quick, args.headdim, args.seqlens), pass_)
+            prepare_references(shapes)
+        rows = measure_anchors(shapes, pass_)
         csv_path = results_csv(args.out, pass_)
         kept = [r for r in read_results(csv_path) if not is_anchor(r["impl"])] if os.path.exists(csv_path) else []
         env = read_env(env_path(csv_path)) or dict(collect_env("(none: make compare only)"), **{"pass": pass_})
@@ -404,10 +405,9 @@ def default_csv(folder=os.path.join(ROOT, "docs", "results"), readme=os.path.joi
     CSV in folder (`table` reads the backward's beside it), or a backward CSV where no forward one is
     beside it; None if there is none."""
     found = [p for p in glob.glob(os.path.join(folder, "*.csv")) if not p.endswith(".notes.csv")]
-    named = published_csv(readme)
-    for path in found:
-        if named and os.path.basename(path) == named:
-            return path
+    named = os.path.join(folder, published_csv(readme) or "")
+    if named in found:
+        return named
     forward = [p for p in found if csv_pass(p) == "forward"]
     alone = [p for p in found if csv_pass(p) == "backward" and pass_csv(p, "forward") not in found]
     found = forward or alone

@@ -7,6 +7,8 @@ import statistics
 
 import pytest
 
+import results
+
 
 README_09 = "09_backward/README.md"
 LOGS_09 = "docs/results/logs/09"
@@ -28,6 +30,13 @@ def markdown_rows(text, header):
 def csv_rows(path, fieldnames=None, comment="#"):
     with open(path) as f:
         return list(csv.DictReader((line for line in f if not line.startswith(comment)), fieldnames=fieldnames))
+
+
+def h100_bench_ms(repo, backward=False):
+    """The H100 bench's median ms by (impl, D, N, causal), from its forward's or its backward's results CSV."""
+    name = f"docs/results/NVIDIA_H100_80GB_HBM3{'.backward' if backward else ''}.csv"
+    return {(r["impl"], r["headdim"], r["seqlen"], bool(r["causal"])): r["ms"]
+            for r in results.read_results(repo.root / name) if r["ms"] is not None}
 
 
 def test_step1_beside_fa2_is_its_log(repo):
@@ -209,8 +218,7 @@ def test_10s_tables_are_their_logs(repo, log, header, builds, modes):
 def test_08_4s_d64_finding_is_the_h100_bench(repo):
     """08's README on 08.4 against 08.3 at D = 64, N = 4096 (B = 4, H = 32), and on 08.5 against 08.4 at N = 1024:
     the H100 bench's ms, as it quotes them."""
-    rows = csv_rows(repo.root / "docs/results/NVIDIA_H100_80GB_HBM3.csv")
-    ms = {(r["impl"], int(r["headdim"]), int(r["seqlen"]), r["causal"] == "1"): float(r["ms"]) for r in rows if r["ms"]}
+    ms = h100_bench_ms(repo)
     text = " ".join((repo.root / "08_fp8/README.md").read_text().split())
     phrase = (f"{ms[('08.4', 64, 4096, False)]:.3f} ms against {ms[('08.3', 64, 4096, False)]:.3f} without the mask, "
               f"and level with it under the mask ({ms[('08.4', 64, 4096, True)]:.3f} against "
@@ -227,8 +235,7 @@ def test_08_4s_d64_finding_is_the_h100_bench(repo):
 def test_09s_h100_claims_are_the_bench(repo):
     """The top README's and 09's words on 09 against FlashAttention-2 on an H100: ranges of the H100 bench's rows
     (N = 1k and 4k, D 64 and 128, both masks; and N = 4096 alone), each as the prose has it."""
-    rows = csv_rows(repo.root / "docs/results/NVIDIA_H100_80GB_HBM3.backward.csv")
-    ms = {(r["impl"], int(r["headdim"]), int(r["seqlen"]), r["causal"] == "1"): float(r["ms"]) for r in rows if r["ms"]}
+    ms = h100_bench_ms(repo, backward=True)
     shapes = [(d, n, c) for d in (128, 64) for n in (1024, 4096) for c in (False, True)]
 
     def span(top, bottom, ns=(1024, 4096)):  # top's time over bottom's, low-high
@@ -294,8 +301,7 @@ def test_10_11s_table_is_its_log(repo):
 def test_10s_steps_table_is_the_h100_bench(repo):
     """10's table of every step, 09, and SDPA's FA2 and cuDNN backward (torch.autograd.grad) at each bench shape:
     each cell the ms of NVIDIA_H100_80GB_HBM3.backward.csv's row, every row of a D from one run."""
-    rows = csv_rows(repo.root / "docs/results/NVIDIA_H100_80GB_HBM3.backward.csv")
-    ms = {(r["impl"], int(r["headdim"]), int(r["seqlen"]), r["causal"] == "1"): float(r["ms"]) for r in rows if r["ms"]}
+    ms = h100_bench_ms(repo, backward=True)
     impls = ["torch_flash", "torch_cudnn", "09_backward"] + [f"10.{i}" for i in range(1, 10)] + ["10_backward_hopper"]
     table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| D | N | mask | FA2 | cuDNN | 09 |")
     assert len(table) == 8, f"{len(table)} rows: expected D 64 and 128, N 1024 and 4096, both masks"

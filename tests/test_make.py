@@ -75,10 +75,12 @@ def test_profile_without_gpu_or_ncu_says_so(repo, gpu_state):
 BENCH_ARGS = [((), "--pass both "), (("BENCH_PASS=backward", "QUICK=1"), "--pass backward --quick "),
               (("BENCH_PASS=forward", "QUICK=0"), "--pass forward "),
               (("BENCH_PASS=forward", "HEADDIM=64"), "--pass forward --headdim 64 "),
-              (("BENCH_PASS=backward", "SEQLENS=512,8192", "HEADDIM=128"), "--pass backward --seqlens 512,8192 --headdim 128 ")]  # make bench's variables -> stages.py's options
+              (("BENCH_PASS=backward", "SEQLENS=512,8192", "HEADDIM=128"),
+               "--pass backward --seqlens 512,8192 --headdim 128 ")]  # make bench's variables -> stages.py's options
+BENCH_IDS = ["default", "backward-quick", "forward", "one-headdim", "some-seqlens"]
 
 
-@pytest.mark.parametrize("args, want", BENCH_ARGS, ids=["default", "backward-quick", "forward", "one-headdim", "some-seqlens"])
+@pytest.mark.parametrize("args, want", BENCH_ARGS, ids=BENCH_IDS)
 def test_bench_passes_and_quick(repo, args, want):
     """make bench runs both passes; BENCH_PASS=backward the backward's alone, QUICK=1 only N = 1k and 4k,
     HEADDIM=64 only D = 64, SEQLENS=512,8192 only those N (make -n: what it would run)."""
