@@ -270,12 +270,18 @@ def test_10_9s_table_is_its_log(repo):
         assert cells == want, f"{key}: the table has {cells}, the log {want}"
 
 
+def two_builds_ms(repo, log):
+    """A first run's timing lines of two builds in 10's logs ("D128 none default <before ms> <after ms>"):
+    {(D, causal, deterministic): (before, after)}."""
+    text = (repo.root / "docs/results/logs/10" / log).read_text()
+    return {(int(d), mask == "--causal", mode == "--deterministic"): (float(a), float(b)) for d, mask, mode, a, b in
+            re.findall(r"^D(\d+) (none|--causal) (default|--deterministic) ([\d.]+) ([\d.]+)$", text, re.M)}
+
+
 def test_10_10s_table_is_its_log(repo):
     """10.10's table: 10.9 and 10.10 in each mode and 10.9's time over 10.10's, one call, as
     first_run_10_10_h100.log has them ("D128 none default <10.9 ms> <10.10 ms>")."""
-    text = (repo.root / "docs/results/logs/10/first_run_10_10_h100.log").read_text()
-    ms = {(int(d), mask == "--causal", mode == "--deterministic"): (float(a), float(b)) for d, mask, mode, a, b in
-          re.findall(r"^D(\d+) (none|--causal) (default|--deterministic) ([\d.]+) ([\d.]+)$", text, re.M)}
+    ms = two_builds_ms(repo, "first_run_10_10_h100.log")
     table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| D | mask | 10.9 | 10.10 |")
     assert table and len(table) * 2 == len(ms), f"{len(table)} rows, {len(ms)} timings in the log"
     for d, mask, *cells in table:
@@ -287,9 +293,7 @@ def test_10_10s_table_is_its_log(repo):
 def test_10_11s_table_is_its_log(repo):
     """10.11's table: 10.10 and 10.11 in each mode, 10.10's deterministic time over 10.11's and 10.11's
     deterministic time over its default's, one call, as first_run_10_11_h100.log has them."""
-    text = (repo.root / "docs/results/logs/10/first_run_10_11_h100.log").read_text()
-    ms = {(int(d), mask == "--causal", mode == "--deterministic"): (float(a), float(b)) for d, mask, mode, a, b in
-          re.findall(r"^D(\d+) (none|--causal) (default|--deterministic) ([\d.]+) ([\d.]+)$", text, re.M)}
+    ms = two_builds_ms(repo, "first_run_10_11_h100.log")
     table = markdown_rows((repo.root / "10_backward_hopper/README.md").read_text(), "| D | mask | 10.10 | 10.11 |")
     assert table and len(table) * 2 == len(ms), f"{len(table)} rows, {len(ms)} timings in the log"
     for d, mask, *cells in table:
