@@ -1,20 +1,21 @@
-// 11.10, step 10 of 11_decode: each lane finishes a score of its own. Through 11.9 the 16 lanes of
-// a key (8 at D = 64) each summed all of the step's 16 (key, row) dot products, four shuffles
-// each, and then all ran the same softmax update for every row: 64 shuffles a step, and the
-// exponentials, maxima and sums 16 times over. Now the lanes reduce the 16 partial products as a
-// transpose (each shuffle level sends half of what a lane holds and keeps the other half): 15
-// shuffles leave each lane the whole score of one (key, row) pair (two at D = 64). That lane masks
-// it, takes its row's step max and sum with its row's three other lanes, exponentiates once, and
-// keeps its row's max and sum; the probabilities and the rows' rescale factors go back to every
-// lane by 20 shuffles for O. Otherwise 11.9.
+// 11.11, step 11 of 11_decode: K and V through shared memory, two steps ahead. Through 11.10 a
+// thread loaded a step's K and V rows into registers and then used them: while it computed, it had
+// nothing on its way from memory, and at four blocks an SM (its registers allow no more) the SM's
+// bytes in flight fell to zero between the steps. Now each thread copies its 16 bytes of each key's
+// K and V with cp.async into a ring of its own in shared memory, STAGES steps deep: it starts the
+// copies of the step two ahead, then waits for this step's, so two steps' bytes are always on their
+// way while it computes. The ring is the same shared memory the groups' states use once the keys
+// are read. Otherwise 11.10.
 //
 // Two kernels: (1) one block per (split of keys_per_split keys, KV head, sequence): the g x Nq query
-// rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each read the K and V
-// rows of KEYS_IN_FLIGHT keys, 8 elements a thread a row, through the block table, then use them one
-// after another; each group keeps an online softmax per row over the keys it reads, and the block
-// combines its groups' states in shared memory into the split's partial per row; (2) per (query
-// head, sequence), the splits' partials merged into O and LSE by MERGE_THREADS threads.
+// rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each copy the K and V
+// rows of KEYS_IN_FLIGHT keys a step, 8 elements a thread a row, through the block table into their
+// ring, then use them one after another; each group keeps an online softmax per row over the keys
+// it reads, and the block combines its groups' states in shared memory into the split's partial per
+// row; (2) per (query head, sequence), the splits' partials merged into O and LSE by MERGE_THREADS
+// threads.
 #include <cuda_fp8.h>
+#include <cuda_pipeline_primitives.h>
 #include <stdio.h>
 
 #include "../common/harness.h"
@@ -28,6 +29,7 @@
 #define DIMS_PER_THREAD 8   // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
 #define KEYS_IN_FLIGHT 4    // keys a group loads before it uses the first: 4 x 32 (e4m3: 16) bytes of K and V a thread
 #define PAIRS (KEYS_IN_FLIGHT * QUERY_CHUNK)  // a step's (key, row) scores: pair x = key i x QUERY_CHUNK + row j
+#define STAGES 3                              // steps in a thread's ring: the one in use and the two on their way
 #define MERGE_THREADS 512  // the merge's block: HEAD_DIM dims x (MERGE_THREADS / HEAD_DIM) parts of the splits
 
 template <int HEAD_DIM>
@@ -35,7 +37,7 @@ struct DecodeConfig {
     static constexpr int LANES_PER_KEY = HEAD_DIM / DIMS_PER_THREAD;     // 16 (D = 128) or 8 threads a key
     static constexpr int KEYS_AT_ONCE = DECODE_THREADS / LANES_PER_KEY;  // 8 or 16 keys a step
     static constexpr int STATE_FLOATS = QUERY_CHUNK * (HEAD_DIM + 2);    // a group's (O, max, sum) per query
-    static constexpr int SMEM_BYTES = KEYS_AT_ONCE * STATE_FLOATS * (int)sizeof(float);
+    static constexpr int STATE_BYTES = KEYS_AT_ONCE * STATE_FLOATS * (int)sizeof(float);
     static constexpr int PER_LANE = PAIRS / LANES_PER_KEY;    // the step's scores a lane finishes: 1 or 2
     static constexpr int ROW_LANES = QUERY_CHUNK / PER_LANE;  // lane distance between a row's pairs: 4 or 2
     static_assert(LANES_PER_KEY <= 32 && 32 % LANES_PER_KEY == 0, "a key's lanes lie in one warp");
@@ -67,6 +69,53 @@ __device__ size_t cache_row(int page, int t, int kv_heads, int kv_head, int page
     return (((size_t)page * kv_heads + kv_head) * page_size + t % page_size) * head_dim;
 }
 
+// The split block's shared memory: a ring of K and V while its keys are read (each thread's slots for
+// STAGES steps of KEYS_IN_FLIGHT keys: 48 KiB of fp16, 24 of e4m3), then its groups' states.
+template <int HEAD_DIM, typename Elem>
+struct SplitSmem {
+    static constexpr int RING_BYTES =
+        STAGES * 2 * KEYS_IN_FLIGHT * DECODE_THREADS * (int)sizeof(typename CacheLoad<Elem>::Raw);
+    static constexpr int STATE_BYTES = DecodeConfig<HEAD_DIM>::STATE_BYTES;
+    static constexpr int BYTES = RING_BYTES > STATE_BYTES ? RING_BYTES : STATE_BYTES;
+};
+
+// This thread's slot for key i's K (kv 0) or V (kv 1) in a stage: neighbouring threads' slots adjacent,
+// so that a warp's copies and reads meet every bank once.
+__device__ int ring_slot(int stage, int kv, int i) {
+    return ((stage * 2 + kv) * KEYS_IN_FLIGHT + i) * DECODE_THREADS + threadIdx.x;
+}
+
+// The pages of this thread's keys of the step from step0 (a key past the split's end: the split's last).
+template <int HEAD_DIM>
+__device__ void pages_of(int (&pages)[KEYS_IN_FLIGHT], const int *seq_table, int step0, int key_end, int page_size) {
+    const int group = threadIdx.x / DecodeConfig<HEAD_DIM>::LANES_PER_KEY;
+#pragma unroll
+    for (int i = 0; i < KEYS_IN_FLIGHT; i++)
+        pages[i] = seq_table[min(step0 + i * DecodeConfig<HEAD_DIM>::KEYS_AT_ONCE + group, key_end - 1) / page_size];
+}
+
+// This thread's 8 elements of K and V of the step's keys copied into its slots of a stage, not waited
+// for: one group of copies, committed also where the split has no such step, so that every thread
+// counts the same groups and a wait for "all but the newest STAGES - 1" means this step.
+template <int HEAD_DIM, typename Elem>
+__device__ void copy_step(typename CacheLoad<Elem>::Raw *ring, int stage, const Elem *k_pool, const Elem *v_pool,
+                          const int (&pages)[KEYS_IN_FLIGHT], int step0, int key_end, const DecodeShape &s,
+                          int kv_head) {
+    typedef DecodeConfig<HEAD_DIM> Cfg;
+    constexpr int RAW_BYTES = sizeof(typename CacheLoad<Elem>::Raw);
+    const int group = threadIdx.x / Cfg::LANES_PER_KEY, dim0 = threadIdx.x % Cfg::LANES_PER_KEY * DIMS_PER_THREAD;
+    if (step0 < key_end) {
+#pragma unroll
+        for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
+            const int t = min(step0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1);
+            const size_t row = cache_row(pages[i], t, s.kv_heads, kv_head, s.page_size, HEAD_DIM) + dim0;
+            __pipeline_memcpy_async(&ring[ring_slot(stage, 0, i)], k_pool + row, RAW_BYTES);
+            __pipeline_memcpy_async(&ring[ring_slot(stage, 1, i)], v_pool + row, RAW_BYTES);
+        }
+    }
+    __pipeline_commit();
+}
+
 __device__ void unpack8(const uint4 raw, float (&x)[DIMS_PER_THREAD]) {
     const __half2 *h = (const __half2 *)&raw;
 #pragma unroll
@@ -90,18 +139,18 @@ __device__ void unpack8(const uint2 raw, float (&x)[DIMS_PER_THREAD]) {
 // The step's PAIRS partial dot products of this lane, summed over the key's LANES lanes as a transpose:
 // at each level a lane sends half of what it holds to its partner and adds the partner's half to the
 // other, so that lane l ends with the whole sums of pairs l x PER_LANE ... in v[0 .. PER_LANE - 1].
-template <int LANES>
+template <int LANES, int HALF = PAIRS / 2>
 __device__ void sum_as_transpose(float (&v)[PAIRS], int lane) {
-    constexpr int PER_LANE = PAIRS / LANES;
+    constexpr int PER_LANE = PAIRS / LANES, PARTNER = HALF / PER_LANE;  // the partner lane: PARTNER away
+    const bool upper = lane & PARTNER;
 #pragma unroll
-    for (int half = PAIRS / 2; half >= PER_LANE; half /= 2) {
-        const bool upper = lane & (half / PER_LANE);  // the partner lane: half / PER_LANE away
-#pragma unroll
-        for (int x = 0; x < half; x++) {
-            const float send = upper ? v[x] : v[x + half], keep = upper ? v[x + half] : v[x];
-            v[x] = keep + __shfl_xor_sync(0xffffffff, send, half / PER_LANE);
-        }
+    for (int x = 0; x < HALF; x++) {
+        const float send = upper ? v[x] : v[x + HALF], keep = upper ? v[x + HALF] : v[x];
+        v[x] = keep + __shfl_xor_sync(0xffffffff, send, PARTNER);
     }
+    // The next level as a template of its own, not a loop: every index stays a constant (in a loop the
+    // compiler put v in local memory once the ring's code was in the kernel).
+    if constexpr (HALF / 2 >= PER_LANE) sum_as_transpose<LANES, HALF / 2>(v, lane);
 }
 
 // Over the lanes holding the other keys of this lane's row (ROW_LANES apart): the max, and the sum.
@@ -124,7 +173,9 @@ __global__ void __launch_bounds__(DECODE_THREADS, 4)
                  float *part_o, float *part_max, float *part_sum, int splits, int keys_per_split, float scale_log2) {
     typedef DecodeConfig<HEAD_DIM> Cfg;
     typedef typename CacheLoad<Elem>::Raw Raw;
-    extern __shared__ float states[];  // [group][row of the chunk][HEAD_DIM O, max, sum]
+    extern __shared__ __align__(128) unsigned char smem[];  // the ring, then the states (SplitSmem)
+    Raw *ring = (Raw *)smem;                                // [stage][K, V][key of the step][thread]
+    float *states = (float *)smem;                          // [group][row of the chunk][HEAD_DIM O, max, sum]
     const DecodeShape &s = args.shape;
     const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
     const int group_size = s.q_heads / s.kv_heads, rows = group_size * s.new_tokens, length = args.lengths[seq];
@@ -161,32 +212,31 @@ __global__ void __launch_bounds__(DECODE_THREADS, 4)
         }
         // The group's keys: key0 + group, then every KEYS_AT_ONCE-th; every group takes the same number
         // of steps (a key past the split's end reads the split's last key again and counts for nothing),
-        // so that the lanes of a warp meet at each shuffle. A step loads KEYS_IN_FLIGHT keys, with no
-        // branch between the loads, then the next step's page numbers, then uses its keys.
+        // so that the lanes of a warp meet at each shuffle. The first STAGES - 1 steps' copies start now;
+        // each step then starts the copies of the step STAGES - 1 ahead, into the stage the step before
+        // read, and loads the page numbers of the one after that, before it waits for its own keys.
         const int *seq_table = args.block_table + (size_t)seq * s.max_pages;
-        int pages[KEYS_IN_FLIGHT];  // of the step's keys
+        const int step_keys = KEYS_IN_FLIGHT * Cfg::KEYS_AT_ONCE;
+        int pages[KEYS_IN_FLIGHT];  // of the next step to copy
 #pragma unroll
-        for (int i = 0; i < KEYS_IN_FLIGHT; i++)
-            pages[i] = seq_table[min(key0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1) / s.page_size];
-        for (int step0 = key0; step0 < key_end; step0 += KEYS_IN_FLIGHT * Cfg::KEYS_AT_ONCE) {
-            Raw k_rows[KEYS_IN_FLIGHT], v_rows[KEYS_IN_FLIGHT];  // this thread's 8 elements of each key's K and V
-#pragma unroll
-            for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
-                const int t = min(step0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1);
-                const size_t row = cache_row(pages[i], t, s.kv_heads, kv_head, s.page_size, HEAD_DIM);
-                k_rows[i] = *(const Raw *)(k_pool + row + dim0);
-                v_rows[i] = *(const Raw *)(v_pool + row + dim0);
-            }
-            // The next step's pages, while this step's K and V are on their way.
-            const int next0 = step0 + KEYS_IN_FLIGHT * Cfg::KEYS_AT_ONCE;
-#pragma unroll
-            for (int i = 0; i < KEYS_IN_FLIGHT; i++)
-                pages[i] = seq_table[min(next0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1) / s.page_size];
+        for (int ahead = 0; ahead < STAGES - 1; ahead++) {
+            pages_of<HEAD_DIM>(pages, seq_table, key0 + ahead * step_keys, key_end, s.page_size);
+            copy_step<HEAD_DIM>(ring, ahead, k_pool, v_pool, pages, key0 + ahead * step_keys, key_end, s, kv_head);
+        }
+        pages_of<HEAD_DIM>(pages, seq_table, key0 + (STAGES - 1) * step_keys, key_end, s.page_size);
+        int stage = 0;  // this step's
+        for (int step0 = key0; step0 < key_end; step0 += step_keys, stage = (stage + 1) % STAGES) {
+            const int ahead0 = step0 + (STAGES - 1) * step_keys;
+            copy_step<HEAD_DIM>(ring, (stage + STAGES - 1) % STAGES, k_pool, v_pool, pages, ahead0, key_end, s,
+                                kv_head);
+            pages_of<HEAD_DIM>(pages, seq_table, ahead0 + step_keys, key_end, s.page_size);
+            __pipeline_wait_prior(STAGES - 1);  // this step's copies have landed (all but the newest two groups)
+            asm volatile("" ::: "memory");      // the wait is no compiler barrier: no read of the ring moves above it
             float v[PAIRS];  // the step's partial dot products, then (the first PER_LANE) this lane's scores
 #pragma unroll
             for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
                 float k[DIMS_PER_THREAD];
-                unpack8(k_rows[i], k);
+                unpack8(ring[ring_slot(stage, 0, i)], k);
 #pragma unroll
                 for (int j = 0; j < QUERY_CHUNK; j++) {
                     v[i * QUERY_CHUNK + j] = 0.0f;
@@ -219,7 +269,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, 4)
 #pragma unroll
             for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
                 float vv[DIMS_PER_THREAD];
-                unpack8(v_rows[i], vv);
+                unpack8(ring[ring_slot(stage, 1, i)], vv);
 #pragma unroll
                 for (int j = 0; j < QUERY_CHUNK; j++) {
                     const int x = i * QUERY_CHUNK + j;
@@ -230,6 +280,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, 4)
                 }
             }
         }
+        __pipeline_wait_prior(0);
+        __syncthreads();  // every thread's last reads of the ring are done: the states take its place
         // The groups' states into shared memory, then the split's partial: thread d < HEAD_DIM combines dim d,
         // its O times V's scale.
         float *mine = states + group * Cfg::STATE_FLOATS;
@@ -325,7 +377,9 @@ static size_t decode_workspace_bytes(const DecodeShape *shape, int max_length) {
 }
 
 // The split blocks this GPU holds at once (SMs x blocks an SM), asked of the runtime once per device and
-// kept: decode runs at every layer of every generated token, and the answer does not change.
+// kept: decode runs at every layer of every generated token, and the answer does not change. First the
+// split kernel asks for the most shared memory an SM can give (four blocks of 48 KiB rings: 192 KiB),
+// so this runs before its first launch on a device.
 #define MAX_DEVICES 64
 template <int HEAD_DIM, typename Elem>
 static cudaError_t resident_blocks(int *blocks) {
@@ -334,9 +388,11 @@ static cudaError_t resident_blocks(int *blocks) {
     RETURN_IF_ERROR(cudaGetDevice(&device));
     const int slot = device < MAX_DEVICES ? device : -1;
     if (slot >= 0 && (*blocks = __atomic_load_n(&known[slot], __ATOMIC_RELAXED))) return cudaSuccess;
+    RETURN_IF_ERROR(cudaFuncSetAttribute(split_kernel<HEAD_DIM, Elem>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         cudaSharedmemCarveoutMaxShared));
     RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_kernel<HEAD_DIM, Elem>, DECODE_THREADS,
-                                                                  DecodeConfig<HEAD_DIM>::SMEM_BYTES));
+                                                                  SplitSmem<HEAD_DIM, Elem>::BYTES));
     *blocks = sms * per_sm;
     if (slot >= 0) __atomic_store_n(&known[slot], *blocks, __ATOMIC_RELAXED);
     return cudaSuccess;
@@ -347,13 +403,11 @@ static cudaError_t resident_blocks(int *blocks) {
 // counted as the longest) over the blocks this GPU holds at once; a split a whole number of steps of
 // its groups' keys, and at least KEYS_PER_STEP keys. KEYS_PER_STEP where a block passes over its keys
 // more than once (g x Nq rows over QUERY_CHUNK), so that the later passes find the split's keys still in L2.
-template <int HEAD_DIM, typename Elem>
-static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_per_split) {
-    *keys_per_split = KEYS_PER_STEP;
-    if (s->q_heads / s->kv_heads * s->new_tokens > QUERY_CHUNK) return cudaSuccess;
-    int resident = 0;
-    RETURN_IF_ERROR((resident_blocks<HEAD_DIM, Elem>(&resident)));
-    if (resident < 1) return cudaSuccess;  // the kernel fits no SM: its launch reports it
+template <int HEAD_DIM>
+static int plan_splits(const DecodeShape *s, int max_length, int resident) {
+    int keys_per_split = KEYS_PER_STEP;
+    if (s->q_heads / s->kv_heads * s->new_tokens > QUERY_CHUNK) return keys_per_split;
+    if (resident < 1) return keys_per_split;  // the kernel fits no SM: its launch reports it
     const long long heads = (long long)s->batch * s->kv_heads;
     const int step_keys = KEYS_IN_FLIGHT * DecodeConfig<HEAD_DIM>::KEYS_AT_ONCE;
     long long best = -1;
@@ -364,9 +418,9 @@ static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_p
         // README's shapes, where a step for every 256 keys would be up to 512, on every decoding call).
         if (best >= 0 && (heads * max_length + blocks * BLOCK_COST_KEYS) / resident >= best) break;
         const long long cost = (blocks + resident - 1) / resident * (keys + BLOCK_COST_KEYS);
-        if (best < 0 || cost < best) best = cost, *keys_per_split = keys;
+        if (best < 0 || cost < best) best = cost, keys_per_split = keys;
     }
-    return cudaSuccess;
+    return keys_per_split;
 }
 
 // The split kernel on the pools of this cache's element (fp16: DecodeArgs' k_pool, v_pool and no scales;
@@ -374,15 +428,17 @@ static cudaError_t plan_splits(const DecodeShape *s, int max_length, int *keys_p
 template <int HEAD_DIM, typename Elem>
 static cudaError_t launch_decode(const DecodeArgs *args, const Elem *k_pool, const Elem *v_pool, const float *k_scale,
                                  const float *v_scale, cudaStream_t stream) {
-    typedef DecodeConfig<HEAD_DIM> Cfg;
     const DecodeShape *s = &args->shape;
-    int keys_per_split = KEYS_PER_STEP;
-    RETURN_IF_ERROR((plan_splits<HEAD_DIM, Elem>(s, args->max_length, &keys_per_split)));
+    int resident = 0;
+    RETURN_IF_ERROR((resident_blocks<HEAD_DIM, Elem>(&resident)));
+    const int keys_per_split = plan_splits<HEAD_DIM>(s, args->max_length, resident);
     const int splits = ceil_div(args->max_length, keys_per_split);
     const size_t partials = (size_t)s->batch * s->q_heads * s->new_tokens * splits;
     float *part_o = (float *)args->workspace, *part_max = part_o + partials * HEAD_DIM, *part_sum = part_max + partials;
-    split_kernel<HEAD_DIM, Elem><<<dim3(splits, s->kv_heads, s->batch), DECODE_THREADS, Cfg::SMEM_BYTES, stream>>>(
-        *args, k_pool, v_pool, k_scale, v_scale, part_o, part_max, part_sum, splits, keys_per_split, s->scale * LOG2E);
+    split_kernel<HEAD_DIM, Elem>
+        <<<dim3(splits, s->kv_heads, s->batch), DECODE_THREADS, SplitSmem<HEAD_DIM, Elem>::BYTES, stream>>>(
+            *args, k_pool, v_pool, k_scale, v_scale, part_o, part_max, part_sum, splits, keys_per_split,
+            s->scale * LOG2E);
     RETURN_IF_ERROR(cudaGetLastError());
     merge_kernel<HEAD_DIM><<<dim3(s->q_heads, s->batch), MERGE_THREADS, 0, stream>>>(*args, part_o, part_max, part_sum,
                                                                                      splits, keys_per_split);

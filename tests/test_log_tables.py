@@ -405,17 +405,19 @@ def test_11_6s_table_is_its_log(repo):
         assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
 
 
-def test_11_10s_table_is_its_log(repo):
-    """The table of 11.7-11.10: 11.6 to 11.10 (ms), 11.10's GB/s, SDPA's flash and cuDNN backends at each
-    shape, and 11.10's time over cuDNN's, one call, as first_run_11_10_h100.log has them (its rows: the five
-    builds in step order, each as ms,GB/s)."""
-    text = (repo.root / "docs/results/logs/11/first_run_11_10_h100.log").read_text()
+@pytest.mark.parametrize("log, header, builds", [
+    ("first_run_11_10_h100.log", "| B | KV heads | cache | 11.6 | 11.7 | 11.8 | 11.9 | 11.10 |", 5),
+    ("first_run_11_11_h100.log", "| B | KV heads | cache | 11.10 | 11.10 without pages ahead | 11.11 |", 3)])
+def test_11s_one_call_tables_are_their_logs(repo, log, header, builds):
+    """The tables of 11.7-11.10 and of 11.11: each build's ms, the last one's GB/s, SDPA's flash and cuDNN
+    backends at each shape, and the last build's time over cuDNN's, one call, as the log has them (its
+    rows: the builds in the table's order, each as ms,GB/s)."""
+    text = (repo.root / "docs/results/logs/11" / log).read_text()
     ours = {(int(b), int(h), int(n)): [float(x) for x in rest.replace(",", " ").split()] for b, h, n, rest in
-            re.findall(r"^b(\d+) hkv(\d+) L(\d+) ((?:[\d.]+,[\d.]+ ?){5})$", text, re.M)}
+            re.findall(r"^b(\d+) hkv(\d+) L(\d+) ((?:[\d.]+,[\d.]+ ?){%d})$" % builds, text, re.M)}
     sdpa = {(who, int(b), int(h), int(n)): float(t) for who, b, h, n, t in
             re.findall(r"^sdpa_(flash|cudnn) b(\d+) hkv(\d+) L(\d+) ([\d.]+),", text, re.M)}
-    table = markdown_rows((repo.root / "11_decode/README.md").read_text(),
-                          "| B | KV heads | cache | 11.6 | 11.7 | 11.8 | 11.9 | 11.10 |")
+    table = markdown_rows((repo.root / "11_decode/README.md").read_text(), header)
     assert table and len(table) == len(ours) == len(sdpa) // 2, f"{len(table)} rows, {len(ours)} in the log"
     for b, kv, cache, *cells in table:
         key = (int(b), int(kv), int(cache))
