@@ -27,7 +27,7 @@
 #define BLOCK_COST_KEYS 64  // a split block's fixed cost (queries, combine, partials) counted in keys read
 #define QUERY_CHUNK 4       // query rows a thread keeps state for at once (g x Nq rows: passes over the keys)
 #define DIMS_PER_THREAD 8   // of a K or V row: one load, 16 bytes of fp16 or 8 of e4m3
-#define KEYS_IN_FLIGHT 4    // keys a group loads before it uses the first: 4 x 32 (e4m3: 16) bytes of K and V a thread
+#define KEYS_IN_FLIGHT 4  // keys a group takes a step: 4 x 32 (e4m3: 16) bytes of K and V a thread, a stage of its ring
 #define PAIRS (KEYS_IN_FLIGHT * QUERY_CHUNK)  // a step's (key, row) scores: pair x = key i x QUERY_CHUNK + row j
 #define STAGES 3                              // steps in a thread's ring: the one in use and the two on their way
 #define MERGE_THREADS 512  // the merge's block: HEAD_DIM dims x (MERGE_THREADS / HEAD_DIM) parts of the splits
@@ -77,6 +77,7 @@ struct SplitSmem {
         STAGES * 2 * KEYS_IN_FLIGHT * DECODE_THREADS * (int)sizeof(typename CacheLoad<Elem>::Raw);
     static constexpr int STATE_BYTES = DecodeConfig<HEAD_DIM>::STATE_BYTES;
     static constexpr int BYTES = RING_BYTES > STATE_BYTES ? RING_BYTES : STATE_BYTES;
+    static_assert(BYTES <= 48 * 1024, "more dynamic shared memory than a launch gets without opting in");
 };
 
 // This thread's slot for key i's K (kv 0) or V (kv 1) in a stage: neighbouring threads' slots adjacent,
@@ -95,8 +96,8 @@ __device__ void pages_of(int (&pages)[KEYS_IN_FLIGHT], const int *seq_table, int
 }
 
 // This thread's 8 elements of K and V of the step's keys copied into its slots of a stage, not waited
-// for: one group of copies, committed also where the split has no such step, so that every thread
-// counts the same groups and a wait for "all but the newest STAGES - 1" means this step.
+// for: one group of copies, committed also where the split has no such step, since a thread counts its
+// own groups and its wait for "all but the newest STAGES - 1" must mean this step.
 template <int HEAD_DIM, typename Elem>
 __device__ void copy_step(typename CacheLoad<Elem>::Raw *ring, int stage, const Elem *k_pool, const Elem *v_pool,
                           const int (&pages)[KEYS_IN_FLIGHT], int step0, int key_end, const DecodeShape &s,
@@ -378,8 +379,8 @@ static size_t decode_workspace_bytes(const DecodeShape *shape, int max_length) {
 
 // The split blocks this GPU holds at once (SMs x blocks an SM), asked of the runtime once per device and
 // kept: decode runs at every layer of every generated token, and the answer does not change. First the
-// split kernel asks for the most shared memory an SM can give (four blocks of 48 KiB rings: 192 KiB),
-// so this runs before its first launch on a device.
+// split kernel asks for the most shared memory an SM can give (on an H100, four blocks of 48 KiB rings:
+// 192 KiB of 228), so this runs before its first launch on a device.
 #define MAX_DEVICES 64
 template <int HEAD_DIM, typename Elem>
 static cudaError_t resident_blocks(int *blocks) {
