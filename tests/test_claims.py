@@ -314,3 +314,44 @@ def test_10_10_hands_dq_to_a_writer_warp(repo):
         assert any(op.startswith("BAR.ARV") for op in consumers), f"{shown}: no BAR.ARV in the consumers' code"
     for (dim, det), instructions in sorted(backward_kernels_10(repo, "10_backward_hopper.step9").items()):
         assert not any(opcode(i).startswith("BAR.ARV") for i in instructions), f"10.9 D={dim}: BAR.ARV; the claim is stale"
+
+
+def split_kernels_11(repo, name):
+    """{(D, cache element): its opcodes} of the split_kernels of an 11 build's sm_90 SASS, read once per worker."""
+    binary = repo.require_binary(name)
+    cuobjdump, env = sass_tools(repo)
+
+    def read():
+        dump = repo.run([cuobjdump, "--dump-sass", "-arch", "sm_90", binary], env=env, timeout=300)
+        assert dump.returncode == 0, f"cuobjdump failed on {name}:\n{dump.stderr}"
+        kernels = {}
+        for text in re.split(r"Function : ", dump.stdout)[1:]:
+            function = text.split()[0]
+            if kernel_base_name(function) == "split_kernel":
+                dim, elem = re.search(r"ILi(\d+)E(6__half|13__nv_fp8_e4m3)E", function).groups()
+                kernels[(int(dim), "e4m3" if "fp8" in elem else "fp16")] = [
+                    opcode(line.split("*/", 1)[1].split(";")[0].strip()) for line in text.splitlines()
+                    if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+        assert len(kernels) == 4, f"{name}: split_kernel for {sorted(kernels)}, expected D 64 and 128, both caches"
+        return kernels
+    return repo.once(("11 sass", name), read)
+
+
+@pytest.mark.xdist_group("claims-11")
+def test_11_11_copies_k_and_v_by_cp_async(repo):
+    """11.11 (11_decode) brings K and V into shared memory by cp.async, never through registers: each split
+    kernel has its copies (LDGSTS, 2 x KEYS_IN_FLIGHT = 8 a step, in the prologue's two steps and the loop's
+    one) and no wide global load but the QUERY_CHUNK = 4 rows of Q (LDG.E.128), and no local memory (the
+    transpose sum as a template per level, not a loop); 11.10 (11_decode.step10) loads K and V into registers
+    (LDG.E.128 or, e4m3, LDG.E.64) and copies nothing."""
+    for (dim, cache), ops in sorted(split_kernels_11(repo, "11_decode").items()):
+        shown = f"11.11 D={dim} {cache}"
+        copies = sum(op.startswith("LDGSTS") for op in ops)
+        wide = [op for op in ops if re.fullmatch(r"LDG\.E\.(64|128)(\.\w+)*", op)]
+        assert copies == 24, f"{shown}: {copies} LDGSTS, expected 3 steps x 8"
+        assert wide == ["LDG.E.128"] * 4, f"{shown}: wide global loads {wide}, expected Q's 4 rows alone"
+        assert not [op for op in ops if op.startswith(("LDL", "STL"))], f"{shown}: local memory"
+    for (dim, cache), ops in sorted(split_kernels_11(repo, "11_decode.step10").items()):
+        wide = [op for op in ops if re.fullmatch(r"LDG\.E\.(64|128)(\.\w+)*", op)]
+        assert not any(op.startswith("LDGSTS") for op in ops) and len(wide) == 12, \
+            f"11.10 D={dim} {cache}: {len(wide)} wide loads; the claim is stale"
