@@ -405,13 +405,16 @@ def test_11_6s_table_is_its_log(repo):
         assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
 
 
-@pytest.mark.parametrize("log, header, builds", [
-    ("first_run_11_10_h100.log", "| B | KV heads | cache | 11.6 | 11.7 | 11.8 | 11.9 | 11.10 |", 5),
-    ("first_run_11_11_h100.log", "| B | KV heads | cache | 11.10 | 11.10 without pages ahead | 11.11 |", 3)])
-def test_11s_one_call_tables_are_their_logs(repo, log, header, builds):
-    """The tables of 11.7-11.10 and of 11.11: each build's ms, the last one's GB/s, SDPA's flash and cuDNN
-    backends at each shape, and the last build's time over cuDNN's, one call, as the log has them (its
-    rows: the builds in the table's order, each as ms,GB/s)."""
+@pytest.mark.parametrize("log, header, builds, copy_share", [
+    ("first_run_11_10_h100.log", "| B | KV heads | cache | 11.6 | 11.7 | 11.8 | 11.9 | 11.10 |", 5, False),
+    ("first_run_11_11_h100.log", "| B | KV heads | cache | 11.10 | 11.10 without pages ahead | 11.11 |", 3, True)])
+def test_11s_one_call_tables_are_their_logs(repo, log, header, builds, copy_share):
+    """The tables of 11.7-11.10 and of 11.11: each build's ms, the last one's GB/s (11.11's: and its share of
+    the H100's copy, as its peaks log has it), SDPA's flash and cuDNN backends at each shape, and the last
+    build's time over cuDNN's, one call, as the log has them (its rows: the builds in the table's order, each
+    as ms,GB/s)."""
+    peaks = (repo.root / "docs/results/logs/common/peaks_NVIDIA_H100_80GB_HBM3.log").read_text()
+    copy_gbps = float(re.search(r"device-to-device copy \S+\s+([\d.]+) TB/s", peaks).group(1)) * 1000
     text = (repo.root / "docs/results/logs/11" / log).read_text()
     ours = {(int(b), int(h), int(n)): [float(x) for x in rest.replace(",", " ").split()] for b, h, n, rest in
             re.findall(r"^b(\d+) hkv(\d+) L(\d+) ((?:[\d.]+,[\d.]+ ?){%d})$" % builds, text, re.M)}
@@ -423,8 +426,9 @@ def test_11s_one_call_tables_are_their_logs(repo, log, header, builds):
         key = (int(b), int(kv), int(cache))
         ms, last_gbps = ours[key][0::2], ours[key][-1]
         cudnn = sdpa[("cudnn", *key)]
-        want = [f"{t:.3f}" for t in ms] + [f"{last_gbps:.0f}", f"{sdpa[('flash', *key)]:.3f}", f"{cudnn:.3f}",
-                                          f"{ms[-1] / cudnn:.2f}x"]
+        share = [f"{last_gbps / copy_gbps * 100:.0f}%"] if copy_share else []
+        want = [f"{t:.3f}" for t in ms] + [f"{last_gbps:.0f}"] + share + [f"{sdpa[('flash', *key)]:.3f}",
+                                                                        f"{cudnn:.3f}", f"{ms[-1] / cudnn:.2f}x"]
         assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
 
 
