@@ -2,6 +2,7 @@
 regenerated): each row is what its log holds, formatted as the table shows it. A table that lists
 a measurement by hand is checked here, so that prose and log cannot drift apart."""
 import csv
+import math
 import re
 import statistics
 
@@ -478,3 +479,57 @@ def test_10s_errors_table_is_its_log(repo):
         key = (b, h, n, d, "none" if mask == "non-causal" else "causal")
         assert cells == rows[(*key, "default")] == rows[(*key, "deterministic")], f"{key}: {cells}, the log {rows}"
         assert all(float(r) <= 2.0 for r in cells[2].split(", ")), f"{key}: a ratio over FlashAttention's 2"
+
+
+def ncu_metric(text, name):
+    """A metric's value in an Nsight Compute report (its last column, thousands' commas dropped)."""
+    return float(re.search(rf"^\s+{re.escape(name)}\s+\S+\s+([\d,.]+)\s*$", text, re.M).group(1).replace(",", ""))
+
+
+def test_11_11s_prose_is_its_logs(repo):
+    """The numbers of 11.11's section and of the chapter's status that its table does not hold, each computed
+    from first_run_11_11_h100.log, the two Nsight Compute reports and the H100's peaks log."""
+    logs = repo.root / "docs/results/logs"
+    text = (logs / "11/first_run_11_11_h100.log").read_text()
+    runs = {(int(b), int(h), int(n)): [float(x) for x in rest.replace(",", " ").split()] for b, h, n, rest in
+            re.findall(r"^b(\d+) hkv(\d+) L(\d+) ((?:[\d.]+,[\d.]+ ?){3})$", text, re.M)}
+    cudnn = {(int(b), int(h), int(n)): float(t) for b, h, n, t in
+             re.findall(r"^sdpa_cudnn b(\d+) hkv(\d+) L(\d+) ([\d.]+),", text, re.M)}
+    e4m3 = [float(x) for x in re.search(r"^e4m3 b64 L4096: ([\d.]+),[\d.]+ ([\d.]+),", text, re.M).groups()]
+    copy = float(re.search(r"device-to-device copy \S+\s+([\d.]+) TB/s",
+                           (logs / "common/peaks_NVIDIA_H100_80GB_HBM3.log").read_text()).group(1))
+    ncu11, ncu10 = ((logs / f"11/ncu_11_{n}_split_h100.txt").read_text() for n in (11, 10))
+    readme = (repo.root / "11_decode/README.md").read_text()
+    start = readme.index("\n## 11.11 ")
+    section = " ".join(readme[start:readme.index("\n## ", start + 1)].split())
+    status = " ".join(readme[:readme.index("\n## ")].split())
+
+    def span(values, fmt):
+        return f"{fmt.format(min(values))}-{fmt.format(max(values))}"
+    speedup = [r[0] / r[4] for r in runs.values()]
+    over_cudnn = [runs[k][4] / cudnn[k] for k in runs]
+    gbps = [r[5] for r in runs.values()]
+    b1 = runs[(1, 8, 32768)]
+    elsewhere = max(abs(r[2] / r[0] - 1) for k, r in runs.items() if k != (1, 8, 32768))
+    fp16_b64 = runs[(64, 8, 4096)]
+    wanted_section = [
+        f"{span(speedup, '{:.2f}')}x faster than 11.10", f"{span(over_cudnn, '{:.2f}')}x cuDNN's time",
+        f"{e4m3[0]:.3f} ms with it ({e4m3[0] / fp16_b64[0]:.2f}x", f"takes {e4m3[1]:.3f} ({e4m3[1] / fp16_b64[4]:.2f}x)",
+        f"({(b1[2] / b1[0] - 1) * 100:.1f}% slower at b = 1 and 32k, within {math.ceil(elsewhere * 1000) / 10:.1f}% elsewhere)",
+        f"{ncu_metric(ncu11, 'Duration'):.1f} us where 11.10's took {ncu_metric(ncu10, 'Duration'):.1f}",
+        f"DRAM at {ncu_metric(ncu11, 'DRAM Throughput'):.0f}% of its peak ({ncu_metric(ncu10, 'DRAM Throughput'):.0f}%)",
+        f"the SMs {ncu_metric(ncu11, 'Compute (SM) Throughput'):.0f}% busy",
+        f"active for {ncu_metric(ncu11, 'SM Active Cycles') / ncu_metric(ncu11, 'Elapsed Cycles') * 100:.0f}%",
+        f"of the {ncu_metric(ncu11, 'Warp Cycles Per Issued Instruction'):.2f} cycles",
+        f"reads at {gbps[0] / copy / 10:.0f}% of this H100's {copy:.2f} TB/s copy"]
+    for want in wanted_section:
+        assert want in section, f"11.11's section should say {want!r} (its logs)"
+    stalled = re.search(r"spends ([\d.]+) cycles being stalled", ncu11).group(1)
+    assert f"waits on memory for {stalled} " in section, f"the stall cycles are not the report's {stalled}"
+    wanted_status = [f"at {min(gbps) / 1000:.1f}-{max(gbps) / 1000:.1f} TB/s",
+                     f"{min(gbps) / copy / 10:.0f}-{max(gbps) / copy / 10:.0f}% of its device-to-device copy",
+                     f"takes {span(over_cudnn, '{:.2f}')}x the time of SDPA's cuDNN backend",
+                     f"take {span([(1 - 1 / x) * 100 for x in speedup], '{:.0f}')}% off ({(1 - e4m3[1] / e4m3[0]) * 100:.0f}% "
+                     "with an e4m3 cache)"]
+    for want in wanted_status:
+        assert want in status, f"11's status should say {want!r} (first_run_11_11_h100.log)"
