@@ -533,3 +533,8 @@ def test_11_11s_prose_is_its_logs(repo):
                      "with an e4m3 cache)"]
     for want in wanted_status:
         assert want in status, f"11's status should say {want!r} (first_run_11_11_h100.log)"
+    course = " ".join((repo.root / "docs/README.md").read_text().split())
+    share = f"{min(gbps) / copy / 10:.0f}-{max(gbps) / copy / 10:.0f}% of the copy's bandwidth"
+    assert f"{share} and takes {span(over_cudnn, '{:.2f}')}x cuDNN's time" in course, f"docs/README.md: {share}"
+    top = " ".join((repo.root / "README.md").read_text().split())
+    assert f"up to {max(gbps) / copy / 10:.0f}% of the H100's copy bandwidth" in top, "README.md: 11's best share"
