@@ -78,6 +78,21 @@ def test_mma_sync_e4m3_is_emulated_on_sm90(repo):
     assert unpacks, f"sm_90: expected F2FP conversions from e4m3, got {ops['sm_90']}"
 
 
+def sass_kernels(repo, code, arch, base):
+    """{mangled name: SASS text} of the kernels whose base name is `base` in `code` (an object or a binary)."""
+    cuobjdump, env = sass_tools(repo)
+    dump = repo.run([cuobjdump, "--dump-sass", "-arch", arch, code], env=env, timeout=300)
+    assert dump.returncode == 0, f"cuobjdump failed on {repo.rel(code)}:\n{dump.stderr}"
+    return {text.split()[0]: text for text in re.split(r"Function : ", dump.stdout)[1:]
+            if kernel_base_name(text.split()[0]) == base}
+
+
+def sass_instructions(text):
+    """A kernel's instructions in its SASS text, without addresses and encodings."""
+    return [line.split("*/", 1)[1].split(";")[0].strip() for line in text.splitlines()
+            if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+
+
 def build_08(repo, step=None):
     """08 as its build made it: (ptxas report lines, {head dim: SASS text of its attention_kernel}).
     A step (1-5) is the build 08_fp8.stepK, None the chapter, 08_fp8 (its last step, 08.6): the SASS
@@ -85,20 +100,13 @@ def build_08(repo, step=None):
     the harness's, left out: a third of the time), and its build log, read once per worker."""
     name = f"08_fp8.step{step}" if step else "08_fp8"
     binary = repo.require_binary(name)
-    cuobjdump, env = sass_tools(repo)
 
     def read():
         log, code = repo.build / f"{name}.log", repo.build / "obj" / f"{name}.o"
         if not log.is_file():
             pytest.skip(f"{repo.rel(log)} missing: the build did not run (make)")
-        code = code if code.is_file() else binary
-        dump = repo.run([cuobjdump, "--dump-sass", "-arch", "sm_90a", code], env=env, timeout=300)
-        assert dump.returncode == 0, f"cuobjdump failed on {repo.rel(code)}:\n{dump.stderr}"
-        kernels = {}
-        for text in re.split(r"Function : ", dump.stdout)[1:]:
-            function = text.split()[0]
-            if kernel_base_name(function) == "attention_kernel":
-                kernels[int(re.search(r"ILi(\d+)E", function).group(1))] = text
+        kernels = {int(re.search(r"ILi(\d+)E", function).group(1)): text for function, text in
+                   sass_kernels(repo, code if code.is_file() else binary, "sm_90a", "attention_kernel").items()}
         assert sorted(kernels) == [64, 128], (
             f"step {step or LAST_STEP}: attention_kernel for D = {sorted(kernels)}, expected 64 and 128")
         return log.read_text(errors="replace").splitlines(), kernels
@@ -188,21 +196,14 @@ def backward_kernels_10(repo, name):
     """{(D, deterministic): its instructions} of the backward_kernels of a 10 build (BUILD/obj/<name>.o, else
     the binary), read once per worker."""
     binary = repo.require_binary(name)
-    cuobjdump, env = sass_tools(repo)
 
     def read():
         code = repo.build / "obj" / f"{name}.o"
-        dump = repo.run([cuobjdump, "--dump-sass", "-arch", "sm_90a", code if code.is_file() else binary], env=env,
-                        timeout=300)
-        assert dump.returncode == 0, f"cuobjdump failed on {name}:\n{dump.stderr}"
         kernels = {}
-        for text in re.split(r"Function : ", dump.stdout)[1:]:
-            function = text.split()[0]
-            if kernel_base_name(function) == "backward_kernel":
-                dim, deterministic = re.search(r"ILi(\d+)ELb([01])E", function).groups()
-                kernels[(int(dim), deterministic == "1")] = [
-                    line.split("*/", 1)[1].split(";")[0].strip() for line in text.splitlines()
-                    if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+        for function, text in sass_kernels(repo, code if code.is_file() else binary, "sm_90a",
+                                           "backward_kernel").items():
+            dim, deterministic = re.search(r"ILi(\d+)ELb([01])E", function).groups()
+            kernels[(int(dim), deterministic == "1")] = sass_instructions(text)
         assert len(kernels) == 4, f"{name}: backward_kernel for {sorted(kernels)}, expected D 64 and 128 in both modes"
         return kernels
     return repo.once(("10 sass", name), read)
@@ -319,19 +320,12 @@ def test_10_10_hands_dq_to_a_writer_warp(repo):
 def split_kernels_11(repo, name):
     """{(D, cache element): its opcodes} of the split_kernels of an 11 build's sm_90 SASS, read once per worker."""
     binary = repo.require_binary(name)
-    cuobjdump, env = sass_tools(repo)
 
     def read():
-        dump = repo.run([cuobjdump, "--dump-sass", "-arch", "sm_90", binary], env=env, timeout=300)
-        assert dump.returncode == 0, f"cuobjdump failed on {name}:\n{dump.stderr}"
         kernels = {}
-        for text in re.split(r"Function : ", dump.stdout)[1:]:
-            function = text.split()[0]
-            if kernel_base_name(function) == "split_kernel":
-                dim, elem = re.search(r"ILi(\d+)E(6__half|13__nv_fp8_e4m3)E", function).groups()
-                kernels[(int(dim), "e4m3" if "fp8" in elem else "fp16")] = [
-                    opcode(line.split("*/", 1)[1].split(";")[0].strip()) for line in text.splitlines()
-                    if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+        for function, text in sass_kernels(repo, binary, "sm_90", "split_kernel").items():
+            dim, elem = re.search(r"ILi(\d+)E(6__half|13__nv_fp8_e4m3)E", function).groups()
+            kernels[(int(dim), "e4m3" if "fp8" in elem else "fp16")] = [opcode(i) for i in sass_instructions(text)]
         assert len(kernels) == 4, f"{name}: split_kernel for {sorted(kernels)}, expected D 64 and 128, both caches"
         return kernels
     return repo.once(("11 sass", name), read)
