@@ -406,6 +406,23 @@ def test_11_6s_table_is_its_log(repo):
         assert cells == want, f"B={b} Hkv={kv} L={cache}: the table has {cells}, the log {want}"
 
 
+def decode_call(repo, log, builds):
+    """A decode call's log in docs/results/logs/11: {(B, KV heads, cache): [ms, GB/s of each build]} and
+    {(backend, B, KV heads, cache): SDPA's ms}."""
+    text = (repo.root / "docs/results/logs/11" / log).read_text()
+    ours = {(int(b), int(h), int(n)): [float(x) for x in rest.replace(",", " ").split()] for b, h, n, rest in
+            re.findall(r"^b(\d+) hkv(\d+) L(\d+) ((?:[\d.]+,[\d.]+ ?){%d})$" % builds, text, re.M)}
+    sdpa = {(who, int(b), int(h), int(n)): float(t) for who, b, h, n, t in
+            re.findall(r"^sdpa_(flash|cudnn) b(\d+) hkv(\d+) L(\d+) ([\d.]+),", text, re.M)}
+    return ours, sdpa
+
+
+def h100_copy_gbps(repo):
+    """The H100's device-to-device copy in GB/s, as its `make peaks` log has it."""
+    peaks = (repo.root / "docs/results/logs/common/peaks_NVIDIA_H100_80GB_HBM3.log").read_text()
+    return float(re.search(r"device-to-device copy \S+\s+([\d.]+) TB/s", peaks).group(1)) * 1000
+
+
 @pytest.mark.parametrize("log, header, builds, copy_share", [
     ("first_run_11_10_h100.log", "| B | KV heads | cache | 11.6 | 11.7 | 11.8 | 11.9 | 11.10 |", 5, False),
     ("first_run_11_11_h100.log", "| B | KV heads | cache | 11.10 | 11.10 without pages ahead | 11.11 |", 3, True)])
@@ -414,13 +431,8 @@ def test_11s_one_call_tables_are_their_logs(repo, log, header, builds, copy_shar
     the H100's copy, as its peaks log has it), SDPA's flash and cuDNN backends at each shape, and the last
     build's time over cuDNN's, one call, as the log has them (its rows: the builds in the table's order, each
     as ms,GB/s)."""
-    peaks = (repo.root / "docs/results/logs/common/peaks_NVIDIA_H100_80GB_HBM3.log").read_text()
-    copy_gbps = float(re.search(r"device-to-device copy \S+\s+([\d.]+) TB/s", peaks).group(1)) * 1000
-    text = (repo.root / "docs/results/logs/11" / log).read_text()
-    ours = {(int(b), int(h), int(n)): [float(x) for x in rest.replace(",", " ").split()] for b, h, n, rest in
-            re.findall(r"^b(\d+) hkv(\d+) L(\d+) ((?:[\d.]+,[\d.]+ ?){%d})$" % builds, text, re.M)}
-    sdpa = {(who, int(b), int(h), int(n)): float(t) for who, b, h, n, t in
-            re.findall(r"^sdpa_(flash|cudnn) b(\d+) hkv(\d+) L(\d+) ([\d.]+),", text, re.M)}
+    copy_gbps = h100_copy_gbps(repo)
+    ours, sdpa = decode_call(repo, log, builds)
     table = markdown_rows((repo.root / "11_decode/README.md").read_text(), header)
     assert table and len(table) == len(ours) == len(sdpa) // 2, f"{len(table)} rows, {len(ours)} in the log"
     for b, kv, cache, *cells in table:
@@ -490,14 +502,11 @@ def test_11_11s_prose_is_its_logs(repo):
     """The numbers of 11.11's section and of the chapter's status that its table does not hold, each computed
     from first_run_11_11_h100.log, the two Nsight Compute reports and the H100's peaks log."""
     logs = repo.root / "docs/results/logs"
+    runs, sdpa = decode_call(repo, "first_run_11_11_h100.log", 3)
+    cudnn = {key[1:]: ms for key, ms in sdpa.items() if key[0] == "cudnn"}
     text = (logs / "11/first_run_11_11_h100.log").read_text()
-    runs = {(int(b), int(h), int(n)): [float(x) for x in rest.replace(",", " ").split()] for b, h, n, rest in
-            re.findall(r"^b(\d+) hkv(\d+) L(\d+) ((?:[\d.]+,[\d.]+ ?){3})$", text, re.M)}
-    cudnn = {(int(b), int(h), int(n)): float(t) for b, h, n, t in
-             re.findall(r"^sdpa_cudnn b(\d+) hkv(\d+) L(\d+) ([\d.]+),", text, re.M)}
     e4m3 = [float(x) for x in re.search(r"^e4m3 b64 L4096: ([\d.]+),[\d.]+ ([\d.]+),", text, re.M).groups()]
-    copy = float(re.search(r"device-to-device copy \S+\s+([\d.]+) TB/s",
-                           (logs / "common/peaks_NVIDIA_H100_80GB_HBM3.log").read_text()).group(1))
+    copy = h100_copy_gbps(repo) / 1000
     ncu11, ncu10 = ((logs / f"11/ncu_11_{n}_split_h100.txt").read_text() for n in (11, 10))
     readme = (repo.root / "11_decode/README.md").read_text()
     start = readme.index("\n## 11.11 ")
