@@ -71,7 +71,14 @@ HEADERS := common/harness.h common/npy.h common/shape.h common/gpu_files.h commo
 # The harness, compiled once per build folder (it has no kernels: it links with any chapter).
 COMMON_OBJ := $(BUILD)/common/harness.o $(BUILD)/common/npy.o
 LIB_OBJ := $(BUILD)/common/library.o
-.SECONDARY: $(COMMON_OBJ) $(LIB_OBJ) $(addprefix $(BUILD)/obj/,$(addsuffix .o,$(BUILDS)))
+# 07's forward, which every build of 09, 10 and 11 runs (09_backward/forward.h): compiled once per build
+# folder and linked into each, which compiles the header with FORWARD_ELSEWHERE (its declaration only).
+FORWARD_CHAPTERS := 09_backward 10_backward_hopper 11_decode
+FORWARD_BUILDS := $(filter $(addsuffix %,$(FORWARD_CHAPTERS)),$(BUILDS))
+FORWARD_OBJ := $(BUILD)/common/forward.o
+$(addprefix $(BUILD)/obj/,$(addsuffix .o,$(FORWARD_BUILDS))): private FORWARD_FLAG := -DFORWARD_ELSEWHERE
+$(addprefix $(BUILD)/,$(FORWARD_BUILDS)) $(addprefix $(BUILD)/lib/,$(addsuffix .so,$(FORWARD_BUILDS))): $(FORWARD_OBJ)
+.SECONDARY: $(COMMON_OBJ) $(LIB_OBJ) $(FORWARD_OBJ) $(addprefix $(BUILD)/obj/,$(addsuffix .o,$(BUILDS)))
 $(addprefix $(BUILD)/obj/,$(addsuffix .o,$(SM90A_BUILDS))) $(addprefix $(BUILD)/exercises/,$(SM90A_CHAPTERS)): \
     private GENCODE := -gencode=arch=compute_90a,code=sm_90a
 arch_of = $(if $(filter $(1),$(SM90A_BUILDS)),sm_90a,$(ARCH))
@@ -106,13 +113,18 @@ $(BUILD)/common/%.o: common/%.c $(HEADERS) $(BUILD)/.flags
 	@echo "nvcc  $< -> $@"
 	@$(call compile,$(PIC) -c -o $@ $<,$@.log)
 
+$(FORWARD_OBJ): 09_backward/forward.cu 09_backward/forward.h $(HEADERS) $(BUILD)/.flags
+	@mkdir -p $(dir $@)
+	@echo "nvcc  $< -> $@"
+	@$(call compile,$(PIC) -c -o $@ $<,$@.log)
+
 # One object per build (a chapter, a step of 08); its ptxas report in BUILD/<build>.log. Then the
 # executable (with the harness) and the library (make lib) link it.
 .SECONDEXPANSION:
 $(BUILD)/obj/%.o: $$(call source_of,$$*) $(HEADERS) $(CHAPTER_HEADERS) $(BUILD)/.flags
 	@mkdir -p $(dir $@)
 	@echo "nvcc  $< -> $(BUILD)/$* ($(call arch_of,$*))"
-	@$(call compile,$(PIC) -c -o $@ $<,$(BUILD)/$*.log)
+	@$(call compile,$(PIC) $(FORWARD_FLAG) -c -o $@ $<,$(BUILD)/$*.log)
 
 $(addprefix $(BUILD)/,$(BUILDS)): $(BUILD)/%: $(BUILD)/obj/%.o $(COMMON_OBJ)
 	@$(NVCC) $(GENCODE) -o $@ $^
@@ -126,7 +138,7 @@ $(BUILD)/lib/%.so: $(BUILD)/obj/%.o $(LIB_OBJ) common/library.map
 	@mkdir -p $(dir $@)
 	@echo "link  $(BUILD)/obj/$*.o -> $@"
 	@$(NVCC) $(GENCODE) -shared -Xlinker --version-script=$(CURDIR)/common/library.map -o $@ \
-	    $(BUILD)/obj/$*.o $(LIB_OBJ)
+	    $(BUILD)/obj/$*.o $(LIB_OBJ) $(if $(filter $*,$(FORWARD_BUILDS)),$(FORWARD_OBJ))
 
 # A student copy (make exercise) builds as the chapter does, from exercises/NN_name/attention.cu.
 $(BUILD)/exercises/%: exercises/%/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)/.flags
