@@ -1,11 +1,10 @@
-// 11.11, step 11 of 11_decode: K and V through shared memory, two steps ahead. Through 11.10 a
-// thread loaded a step's K and V rows into registers and then used them: while it computed, it had
-// nothing on its way from memory, and at four blocks an SM (its registers allow no more) the SM's
-// bytes in flight fell to zero between the steps. Now each thread copies its 16 bytes of each key's
-// K and V with cp.async into a ring of its own in shared memory, STAGES steps deep: it starts the
-// copies of the step two ahead, then waits for this step's, so two steps' bytes are always on their
-// way while it computes. The ring is the same shared memory the groups' states use once the keys
-// are read. Otherwise 11.10.
+// 11.12, step 12 of 11_decode: a key's page without a division. Through 11.11 finding a key's row
+// divided by the page size, a run-time value, twice a key: t / page_size for its entry in the block
+// table and t % page_size for its row in the page. A division by a value the compiler does not know
+// is a sequence of a dozen instructions or more, and a step did eight of them. Now the host computes,
+// once per page size, a multiplier and a shift with which t / page_size is a multiply-high, an add
+// and a shift (what compilers do for a constant divisor), and the row in the page follows from the
+// page by one multiply-add. Otherwise 11.11.
 //
 // Two kernels: (1) one block per (split of keys_per_split keys, KV head, sequence): the g x Nq query
 // rows of the KV head, QUERY_CHUNK at a time; groups of HEAD_DIM / 8 threads each copy the K and V
@@ -64,9 +63,31 @@ struct CacheLoad<__nv_fp8_e4m3> {
     static __device__ float scale(const float *scales, int kv_head) { return scales[kv_head]; }
 };
 
+// The page size with the constants that divide by it: t / size = (umulhi(t, multiplier) + t) >> shift,
+// shift = ceil(log2(size)), multiplier = floor(2^32 (2^shift - size) / size) + 1 (the round-up method of
+// Granlund and Montgomery). Exact for every t below 2^31, where the sum cannot overflow; the cache holds
+// at most 2^22 tokens a sequence.
+struct PageSize {
+    int size;
+    unsigned multiplier;
+    int shift;
+};
+static PageSize page_size_of(int size) {
+    int shift = 0;
+    while ((1 << shift) < size) shift++;
+    const PageSize page = {size, (unsigned)(((1ull << 32) * ((1ull << shift) - size)) / size + 1), shift};
+    return page;
+}
+
+// Key t's entry in its sequence's block table: t / page.size.
+__device__ int page_entry(int t, PageSize page) {
+    return (int)((__umulhi((unsigned)t, page.multiplier) + (unsigned)t) >> page.shift);
+}
+
 // Where key t's row of KV head kv_head lies in a pool, its page (from the block table) known.
-__device__ size_t cache_row(int page, int t, int kv_heads, int kv_head, int page_size, int head_dim) {
-    return (((size_t)page * kv_heads + kv_head) * page_size + t % page_size) * head_dim;
+__device__ size_t cache_row(int page, int t, int kv_heads, int kv_head, PageSize page_size, int head_dim) {
+    const int in_page = t - page_entry(t, page_size) * page_size.size;  // t % page_size.size
+    return (((size_t)page * kv_heads + kv_head) * page_size.size + in_page) * head_dim;
 }
 
 // The split block's shared memory: a ring of K and V while its keys are read (each thread's slots for
@@ -88,11 +109,13 @@ __device__ int ring_slot(int stage, int kv, int i) {
 
 // The pages of this thread's keys of the step from step0 (a key past the split's end: the split's last).
 template <int HEAD_DIM>
-__device__ void pages_of(int (&pages)[KEYS_IN_FLIGHT], const int *seq_table, int step0, int key_end, int page_size) {
+__device__ void pages_of(int (&pages)[KEYS_IN_FLIGHT], const int *seq_table, int step0, int key_end,
+                         PageSize page_size) {
     const int group = threadIdx.x / DecodeConfig<HEAD_DIM>::LANES_PER_KEY;
 #pragma unroll
     for (int i = 0; i < KEYS_IN_FLIGHT; i++)
-        pages[i] = seq_table[min(step0 + i * DecodeConfig<HEAD_DIM>::KEYS_AT_ONCE + group, key_end - 1) / page_size];
+        pages[i] = seq_table[page_entry(min(step0 + i * DecodeConfig<HEAD_DIM>::KEYS_AT_ONCE + group, key_end - 1),
+                                        page_size)];
 }
 
 // This thread's 8 elements of K and V of the step's keys copied into its slots of a stage, not waited
@@ -100,8 +123,8 @@ __device__ void pages_of(int (&pages)[KEYS_IN_FLIGHT], const int *seq_table, int
 // own groups and its wait for "all but the newest STAGES - 1" must mean this step.
 template <int HEAD_DIM, typename Elem>
 __device__ void copy_step(typename CacheLoad<Elem>::Raw *ring, int stage, const Elem *k_pool, const Elem *v_pool,
-                          const int (&pages)[KEYS_IN_FLIGHT], int step0, int key_end, const DecodeShape &s,
-                          int kv_head) {
+                          const int (&pages)[KEYS_IN_FLIGHT], int step0, int key_end, const DecodeShape &s, int kv_head,
+                          PageSize page_size) {
     typedef DecodeConfig<HEAD_DIM> Cfg;
     constexpr int RAW_BYTES = sizeof(typename CacheLoad<Elem>::Raw);
     const int group = threadIdx.x / Cfg::LANES_PER_KEY, dim0 = threadIdx.x % Cfg::LANES_PER_KEY * DIMS_PER_THREAD;
@@ -109,7 +132,7 @@ __device__ void copy_step(typename CacheLoad<Elem>::Raw *ring, int stage, const 
 #pragma unroll
         for (int i = 0; i < KEYS_IN_FLIGHT; i++) {
             const int t = min(step0 + i * Cfg::KEYS_AT_ONCE + group, key_end - 1);
-            const size_t row = cache_row(pages[i], t, s.kv_heads, kv_head, s.page_size, HEAD_DIM) + dim0;
+            const size_t row = cache_row(pages[i], t, s.kv_heads, kv_head, page_size, HEAD_DIM) + dim0;
             __pipeline_memcpy_async(&ring[ring_slot(stage, 0, i)], k_pool + row, RAW_BYTES);
             __pipeline_memcpy_async(&ring[ring_slot(stage, 1, i)], v_pool + row, RAW_BYTES);
         }
@@ -171,7 +194,8 @@ __device__ float row_sum_of(float x) {
 template <int HEAD_DIM, typename Elem>
 __global__ void __launch_bounds__(DECODE_THREADS, 4)
     split_kernel(DecodeArgs args, const Elem *k_pool, const Elem *v_pool, const float *k_scale, const float *v_scale,
-                 float *part_o, float *part_max, float *part_sum, int splits, int keys_per_split, float scale_log2) {
+                 float *part_o, float *part_max, float *part_sum, int splits, int keys_per_split, float scale_log2,
+                 PageSize page_size) {
     typedef DecodeConfig<HEAD_DIM> Cfg;
     typedef typename CacheLoad<Elem>::Raw Raw;
     extern __shared__ __align__(128) unsigned char smem[];  // the ring, then the states (SplitSmem)
@@ -221,16 +245,17 @@ __global__ void __launch_bounds__(DECODE_THREADS, 4)
         int pages[KEYS_IN_FLIGHT];  // of the next step to copy
 #pragma unroll
         for (int ahead = 0; ahead < STAGES - 1; ahead++) {
-            pages_of<HEAD_DIM>(pages, seq_table, key0 + ahead * step_keys, key_end, s.page_size);
-            copy_step<HEAD_DIM>(ring, ahead, k_pool, v_pool, pages, key0 + ahead * step_keys, key_end, s, kv_head);
+            pages_of<HEAD_DIM>(pages, seq_table, key0 + ahead * step_keys, key_end, page_size);
+            copy_step<HEAD_DIM>(ring, ahead, k_pool, v_pool, pages, key0 + ahead * step_keys, key_end, s, kv_head,
+                                page_size);
         }
-        pages_of<HEAD_DIM>(pages, seq_table, key0 + (STAGES - 1) * step_keys, key_end, s.page_size);
+        pages_of<HEAD_DIM>(pages, seq_table, key0 + (STAGES - 1) * step_keys, key_end, page_size);
         int stage = 0;  // this step's
         for (int step0 = key0; step0 < key_end; step0 += step_keys, stage = (stage + 1) % STAGES) {
             const int ahead0 = step0 + (STAGES - 1) * step_keys;
-            copy_step<HEAD_DIM>(ring, (stage + STAGES - 1) % STAGES, k_pool, v_pool, pages, ahead0, key_end, s,
-                                kv_head);
-            pages_of<HEAD_DIM>(pages, seq_table, ahead0 + step_keys, key_end, s.page_size);
+            copy_step<HEAD_DIM>(ring, (stage + STAGES - 1) % STAGES, k_pool, v_pool, pages, ahead0, key_end, s, kv_head,
+                                page_size);
+            pages_of<HEAD_DIM>(pages, seq_table, ahead0 + step_keys, key_end, page_size);
             __pipeline_wait_prior(STAGES - 1);  // this step's copies have landed (all but the newest two groups)
             asm volatile("" ::: "memory");      // the wait is no compiler barrier: no read of the ring moves above it
             float v[PAIRS];  // the step's partial dot products, then (the first PER_LANE) this lane's scores
@@ -439,7 +464,7 @@ static cudaError_t launch_decode(const DecodeArgs *args, const Elem *k_pool, con
     split_kernel<HEAD_DIM, Elem>
         <<<dim3(splits, s->kv_heads, s->batch), DECODE_THREADS, SplitSmem<HEAD_DIM, Elem>::BYTES, stream>>>(
             *args, k_pool, v_pool, k_scale, v_scale, part_o, part_max, part_sum, splits, keys_per_split,
-            s->scale * LOG2E);
+            s->scale * LOG2E, page_size_of(s->page_size));
     RETURN_IF_ERROR(cudaGetLastError());
     merge_kernel<HEAD_DIM><<<dim3(s->q_heads, s->batch), MERGE_THREADS, 0, stream>>>(*args, part_o, part_max, part_sum,
                                                                                      splits, keys_per_split);

@@ -333,13 +333,15 @@ def split_kernels_11(repo, name):
 
 @pytest.mark.xdist_group("claims-11")
 def test_11_11_copies_k_and_v_by_cp_async(repo):
-    """11.11 (11_decode) brings K and V into shared memory by cp.async, never through registers: each split
+    """11.11 (11_decode.step11) and 11.12 (11_decode) bring K and V into shared memory by cp.async, never
+    through registers: each split
     kernel has its copies (LDGSTS, 2 x KEYS_IN_FLIGHT = 8 a step, in the prologue's two steps and the loop's
     one) and no wide global load but the QUERY_CHUNK = 4 rows of Q (LDG.E.128), and no local memory (the
     transpose sum as a template per level, not a loop); 11.10 (11_decode.step10) loads K and V into registers
     (LDG.E.128 or, e4m3, LDG.E.64) and copies nothing."""
-    for (dim, cache), ops in sorted(split_kernels_11(repo, "11_decode").items()):
-        shown = f"11.11 D={dim} {cache}"
+    for (name, dim, cache), ops in sorted(((name, *key), found) for name in ("11_decode.step11", "11_decode")
+                                          for key, found in split_kernels_11(repo, name).items()):
+        shown = f"{name} D={dim} {cache}"
         copies = sum(op.startswith("LDGSTS") for op in ops)
         wide = [op for op in ops if re.fullmatch(r"LDG\.E\.(64|128)(\.\w+)*", op)]
         assert copies == 24, f"{shown}: {copies} LDGSTS, expected 3 steps x 8"
