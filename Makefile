@@ -138,7 +138,7 @@ $(BUILD)/lib/%.so: $(BUILD)/obj/%.o $(LIB_OBJ) common/library.map
 	@mkdir -p $(dir $@)
 	@echo "link  $(BUILD)/obj/$*.o -> $@"
 	@$(NVCC) $(GENCODE) -shared -Xlinker --version-script=$(CURDIR)/common/library.map -o $@ \
-	    $(BUILD)/obj/$*.o $(LIB_OBJ) $(if $(filter $*,$(FORWARD_BUILDS)),$(FORWARD_OBJ))
+	    $(filter %.o,$^)
 
 # A student copy (make exercise) builds as the chapter does, from exercises/NN_name/attention.cu.
 $(BUILD)/exercises/%: exercises/%/attention.cu $(COMMON_OBJ) $(HEADERS) $(BUILD)/.flags

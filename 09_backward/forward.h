@@ -190,9 +190,9 @@ static __device__ float quad_sum(float x) {
 
 // --- The forward kernel: 07's ------------------------------------------------------------------
 // The Makefile compiles it once per build folder (forward.cu: BUILD/common/forward.o) and links it into
-// every build of 09, 10 and 11, which it compiles with FORWARD_ELSEWHERE: a copy in each of their
-// thirty-odd builds was about 4 s of the 12-14 s one takes to compile for three architectures. Anything
-// else that includes this header (a student's copy, a variant) gets the kernel here.
+// every build of 09, 10 and 11, which it compiles with FORWARD_ELSEWHERE, so that their thirty-odd builds
+// do not each compile it again (09's README). Anything else that includes this header (a student's copy,
+// a variant) gets the kernel here.
 #ifdef FORWARD_ELSEWHERE
 cudaError_t forward(const AttnArgs *args, cudaStream_t stream);
 #else
